@@ -1,0 +1,50 @@
+"""Timed events per device: what the engine records and what the simulators emit.
+
+One format for real and simulated runs, so the bench plots (token progress, device timeline) draw both alike.
+Times are seconds since the start of the request.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, asdict
+
+
+@dataclass
+class TraceEvent:
+    device: str          # who did the work, e.g. "target:cpu:1", "draft:cpu:0", "target#2"
+    kind: str            # "prefill" | "draft" | "verify" | "rollback" | "idle" | "wait"
+    start_s: float
+    end_s: float
+    tokens: int = 0      # tokens processed by this event (forward width, or tokens rolled back)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class Trace:
+    events: list[TraceEvent] = field(default_factory=list)
+    # (seconds since start, tokens committed so far): the AMUSD Fig. 4 token-progress curve
+    progress: list[tuple[float, int]] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def add(self, device: str, kind: str, start_s: float, end_s: float, tokens: int = 0) -> None:
+        self.events.append(TraceEvent(device, kind, start_s, end_s, tokens))
+
+    def commit(self, total_tokens: int, at_s: float | None = None) -> None:
+        self.progress.append((self.now() if at_s is None else at_s, total_tokens))
+
+    def busy_s(self, kind: str) -> float:
+        return sum(e.duration_s for e in self.events if e.kind == kind)
+
+    def to_dict(self) -> dict:
+        return {"events": [asdict(e) for e in self.events], "progress": [list(p) for p in self.progress]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trace":
+        return cls(events=[TraceEvent(**e) for e in d.get("events", [])],
+                   progress=[tuple(p) for p in d.get("progress", [])])
