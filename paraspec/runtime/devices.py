@@ -1,0 +1,106 @@
+"""Device strings: `cpu` (all cores), `cpu:N`, `cpu:A-B`, `cpu:A,B` (a pinned core set), `cuda:N`.
+
+On a CPU-only machine each core set is one "device"; on a GPU node each GPU is. Parsing happens at the
+boundary (Engine arguments, CLI flags), before any process starts, so a typo never costs a model load.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+class DeviceError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str                       # "cpu" or "cuda"
+    cores: tuple[int, ...] = ()     # cpu: the pinned core set (empty = all cores, unpinned)
+    index: int = 0                  # cuda: the GPU index
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    @property
+    def num_threads(self) -> int:
+        return len(self.cores) if self.cores else len(available_cores())
+
+    def __str__(self) -> str:
+        if self.kind == "cuda":
+            return f"cuda:{self.index}"
+        return "cpu" if not self.cores else "cpu:" + ",".join(map(str, self.cores))
+
+
+def available_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _parse_core_list(spec: str, text: str) -> tuple[int, ...]:
+    cores: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                cores.extend(range(lo, hi + 1))
+            else:
+                cores.append(int(part))
+        except ValueError:
+            raise DeviceError(f"bad device {text!r}: expected cpu, cpu:N, cpu:A-B, cpu:A,B or cuda:N") from None
+    return tuple(dict.fromkeys(cores))
+
+
+def parse_device(text: str) -> Device:
+    """Parse and check a device string against this machine; raise DeviceError naming the fix."""
+    if isinstance(text, Device):
+        return text
+    s = str(text).strip().lower()
+    if s == "cpu":
+        return Device("cpu")
+    if s.startswith("cpu:"):
+        cores = _parse_core_list(s[4:], text)
+        have = available_cores()
+        missing = [c for c in cores if c not in have]
+        if missing:
+            raise DeviceError(f"device {text!r} names core(s) {missing} but this machine has cores "
+                              f"{have[0]}-{have[-1]}; use e.g. cpu:{have[0]} or cpu")
+        return Device("cpu", cores=cores)
+    if s == "cuda" or s.startswith("cuda:"):
+        try:
+            index = int(s[5:]) if ":" in s else 0
+        except ValueError:
+            raise DeviceError(f"bad device {text!r}: expected cuda:N") from None
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= n:
+            raise DeviceError(f"device {text!r} is not available: this machine has {n} CUDA device(s); "
+                              f"use cpu or cpu:N")
+        return Device("cuda", index=index)
+    raise DeviceError(f"unknown device {text!r}: expected cpu, cpu:N, cpu:A-B, cpu:A,B or cuda:N")
+
+
+def parse_devices(texts) -> list[Device]:
+    if isinstance(texts, (str, Device)):
+        texts = [texts]
+    devices = [parse_device(t) for t in texts]
+    if not devices:
+        raise DeviceError("no devices given; pass at least one, e.g. cpu or cpu:0")
+    return devices
+
+
+def apply_device(device: Device) -> None:
+    """Pin this process to the device: core affinity and thread count for CPU, the current GPU for CUDA."""
+    import torch
+    if device.kind == "cpu":
+        if device.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, device.cores)
+        torch.set_num_threads(device.num_threads)
+    else:
+        torch.cuda.set_device(device.index)
