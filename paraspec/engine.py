@@ -1,0 +1,207 @@
+"""Engine: owns the models for one (target, draft, strategy) setup and serves generate() / stream().
+
+Everything a user can get wrong is checked here, before the first forward: strategy and options, devices,
+checkpoints, tokenizer compatibility, sampling values, prompt length.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from paraspec.models.loader import load_model, load_tokenizer, parse_dtype, resolve_checkpoint
+from paraspec.runtime.devices import apply_device, parse_devices, Device
+from paraspec.sampling import SamplingParams, make_generator
+from paraspec.stats import GenerationStats, compute_stats
+from paraspec.strategies import get_strategy
+from paraspec.strategies.base import Run
+from paraspec.trace import Trace
+
+
+class IncompatibleModelsError(ValueError):
+    pass
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    trace: Trace = field(repr=False)
+    finish_reason: str = "length"     # "stop" | "length" | "context"
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+
+
+class Engine:
+    def __init__(self, target, draft=None, strategy: str = "ar", lookahead: int = 5, dtype="bfloat16",
+                 target_devices=("cpu",), draft_devices=("cpu",), backend: str = "native",
+                 max_context: int = 4096, allow_vocab_mismatch: bool = False):
+        self.spec = get_strategy(strategy)
+        if self.spec.needs_draft and draft is None:
+            raise ValueError(f"strategy {strategy!r} needs a draft model; pass draft=... (--draft)")
+        if not isinstance(lookahead, int) or lookahead < 1:
+            raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
+        if not isinstance(max_context, int) or max_context < 2:
+            raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
+        parse_dtype(dtype)
+        self.target_devices = parse_devices(target_devices)
+        self.draft_devices = parse_devices(draft_devices) if self.spec.needs_draft else []
+        self.options = {"lookahead": lookahead}
+        self.strategy = strategy
+        self.last_result: GenerationResult | None = None
+        self._pin_in_process(self.target_devices + self.draft_devices)
+
+        self.target = load_model(target, dtype, backend=backend, max_context=max_context,
+                                 device=self.target_devices[0].torch_device)
+        self.tokenizer = self._maybe_tokenizer(target, dtype)
+        self.draft = None
+        if self.spec.needs_draft:
+            self.draft = load_model(draft, dtype, backend=backend, max_context=max_context,
+                                    device=self.draft_devices[0].torch_device)
+            if not allow_vocab_mismatch:
+                check_compatible(self.target, self.draft, self.tokenizer, self._maybe_tokenizer(draft, dtype))
+
+    @staticmethod
+    def _maybe_tokenizer(spec, dtype):
+        """The checkpoint's tokenizer, or None for a weights-only checkpoint (token-id prompts still work)."""
+        folder = resolve_checkpoint(spec, parse_dtype(dtype))
+        if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                     "tokenizer.model", "vocab.json")):
+            return None
+        return load_tokenizer(folder, dtype)
+
+    @staticmethod
+    def _pin_in_process(devices: list[Device]) -> None:
+        """ar and sd run in the caller's process: pin it to the union of the requested cores."""
+        cores = sorted({c for d in devices if d.kind == "cpu" for c in d.cores})
+        if cores and all(d.kind == "cpu" and d.cores for d in devices):
+            apply_device(Device("cpu", cores=tuple(cores)))
+
+    # -- prompts -------------------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """A str (raw text, no template), a list of token ids, or chat messages (chat template applied)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            ids = self._tokenizer_for("a text prompt").encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            tok = self._tokenizer_for("chat messages")
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("this tokenizer has no chat template; pass a plain string prompt (no --chat)")
+            for m in prompt:
+                if "role" not in m or "content" not in m:
+                    raise ValueError(f"chat message {m!r} needs 'role' and 'content'")
+            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            ids = list(ids)
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+        else:
+            raise ValueError("prompt must be a non-empty str, list of token ids, or list of chat messages "
+                             "({'role': ..., 'content': ...})")
+        if not ids:
+            raise ValueError("the prompt encodes to zero tokens")
+        limit = self.max_context
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {limit}; shorten the "
+                             f"prompt or create the engine with a larger max_context")
+        return ids
+
+    def _tokenizer_for(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"the target checkpoint has no tokenizer, so {what} cannot be encoded; "
+                             f"pass a list of token ids")
+        return self.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return min(m.max_context for m in (self.target, self.draft) if m is not None)
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- generation ----------------------------------------------------------------------------------------
+    def _new_run(self, prompt, params: SamplingParams | None) -> Run:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a paraspec.SamplingParams")
+        stop = set(self.target.eos_token_ids) | set(params.stop_token_ids or ())
+        return Run(prompt_ids=self.encode(prompt), params=params, stop_ids=frozenset(stop),
+                   generator=make_generator(params.seed), max_context=self.max_context)
+
+    def _decode_loop(self, run: Run):
+        decode = self.spec.decode
+        accepted = inspect.signature(decode).parameters
+        options = {k: v for k, v in self.options.items() if k in accepted}
+        return decode(run, self.target, self.draft, **options)
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`."""
+        run = self._new_run(prompt, params)
+        start = time.perf_counter()
+        run.trace.t0 = start
+        text = ""
+        for _ in self._decode_loop(run):
+            now_text = self.decode_text(self._text_tokens(run))
+            if now_text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for the next token
+                continue
+            if len(now_text) > len(text) and now_text.startswith(text):
+                yield now_text[len(text):]
+            text = now_text
+        result = self._finish(run, start)
+        if result.text != text and result.text.startswith(text):
+            yield result.text[len(text):]
+
+    @staticmethod
+    def _text_tokens(run: Run) -> list[int]:
+        return run.tokens[:-1] if run.finish_reason == "stop" else run.tokens
+
+    def generate(self, prompt, params: SamplingParams | None = None) -> GenerationResult:
+        run = self._new_run(prompt, params)
+        start = time.perf_counter()
+        run.trace.t0 = start
+        for _ in self._decode_loop(run):
+            pass
+        return self._finish(run, start)
+
+    def _finish(self, run: Run, start: float) -> GenerationResult:
+        total = time.perf_counter() - start
+        self.last_result = GenerationResult(
+            self.decode_text(self._text_tokens(run)), list(run.tokens), compute_stats(run, self.strategy, total),
+            run.trace, run.finish_reason or "length", run.prompt_ids)
+        return self.last_result
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.target = self.draft = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_compatible(target, draft, target_tok, draft_tok) -> None:
+    """Draft and target must share one token space; only the padding rows of the output layers may differ."""
+    if target_tok is not None and draft_tok is not None:
+        tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+        if tv != dv:
+            raise IncompatibleModelsError(
+                f"draft and target tokenizers differ (vocab {len(dv)} vs {len(tv)}); pass a draft from the "
+                f"same family or allow_vocab_mismatch=True (--allow-vocab-mismatch)")
+        if min(target.vocab_size, draft.vocab_size) < len(tv):
+            raise IncompatibleModelsError(
+                f"a model's output layer ({min(target.vocab_size, draft.vocab_size)} rows) is smaller than its "
+                f"tokenizer ({len(tv)} tokens); the checkpoint and tokenizer do not belong together")
+    elif target.vocab_size != draft.vocab_size:
+        raise IncompatibleModelsError(
+            f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size}) and there is no "
+            f"tokenizer to show they agree; pass a draft from the same family or allow_vocab_mismatch=True")

@@ -1,0 +1,64 @@
+"""Hugging Face fallback: any AutoModelForCausalLM behind the Model protocol, with a DynamicCache.
+
+Slower than the native decoder and without tree attention, but it runs architectures we do not implement,
+so `ar` and `sd` work for every causal LM transformers can load.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class HFModel:
+    def __init__(self, model, max_context: int, eos_token_ids: tuple[int, ...]):
+        from transformers import DynamicCache
+        self.model = model
+        self.max_context = max_context
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = eos_token_ids
+        self.device = next(model.parameters()).device
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        self.cache = self._new_cache()
+
+    @classmethod
+    def load(cls, folder: Path, dtype: torch.dtype, max_context: int | None = None, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+        from paraspec.models.loader import generation_eos_ids
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        cfg = model.config
+        eos = cfg.eos_token_id
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        limit = getattr(cfg, "max_position_embeddings", None) or 4096
+        return cls(model, min(max_context or 4096, limit), generation_eos_ids(folder, eos))
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self.length} tokens")
+        self.cache.crop(length)
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        self.cache = self._new_cache()
+        return self.forward(token_ids)[-1]
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], positions: list[int] | None = None,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if tree_mask is not None:
+            raise ValueError("tree attention needs the native backend; use backend='native' (--backend native)")
+        start, n = self.length, len(token_ids)
+        if start + n > self.max_context:
+            raise ValueError(f"context full: {start} cached + {n} new tokens exceed max_context "
+                             f"{self.max_context}; create the engine with a larger max_context")
+        default = list(range(start, start + n))
+        if positions is not None and list(positions) != default:
+            raise ValueError("the hf backend only supports consecutive positions; use backend='native'")
+        ids = torch.tensor([token_ids], device=self.device)
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                         cache_position=torch.arange(start, start + n, device=self.device))
+        self.cache = out.past_key_values
+        return out.logits[0].float()

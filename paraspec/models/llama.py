@@ -1,0 +1,301 @@
+"""Native decoder for the Llama family (Llama 2/3.x, Qwen2, Mistral) with a static KV cache.
+
+In the spirit of gpt-fast: a plain nn.Module that takes explicit positions; the KV cache is a preallocated buffer
+indexed by slot, so rolling back is moving a length pointer. Each layer's attention block and MLP block can be
+called on their own (EasySpec runs several attention blocks from one input; hidden-state studies read them).
+
+Module names match Hugging Face checkpoints, so a safetensors state dict loads without renaming.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                           "MistralForCausalLM": "mistral"}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class DecoderConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DecoderConfig":
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None and cfg.get("model_type") in ("llama", "qwen2", "mistral"):
+            family = cfg["model_type"]
+        if family is None:
+            raise UnsupportedModelError(
+                f"architecture {archs or cfg.get('model_type')!r} is not implemented by the native backend "
+                f"(it supports {', '.join(SUPPORTED_ARCHITECTURES)}); pass --backend hf (backend='hf') "
+                f"to run it through transformers")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported natively; "
+                                        f"pass --backend hf")
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "linear", "default"):
+                raise UnsupportedModelError(f"rope scaling {kind!r} is not supported natively; pass --backend hf")
+            if kind == "default":
+                scaling = None
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = cfg.get("sliding_window") if (family == "mistral" or cfg.get("use_sliding_window")) else None
+        return cls(
+            family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=window, eos_token_ids=eos_ids)
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return (inv_freq / s["factor"]).float()
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class KVCache:
+    """Preallocated keys and values, one [kv_heads, max_context, head_dim] pair per layer, filled by slot.
+
+    `length` is the number of valid slots; everything at or after it is garbage that the next write replaces,
+    which is why rollback is O(1).
+    """
+
+    def __init__(self, cfg: DecoderConfig, max_context: int, dtype: torch.dtype, device: torch.device):
+        shape = (cfg.num_layers, cfg.num_kv_heads, max_context, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.max_context = max_context
+
+    def keep(self, slots: list[int]) -> None:
+        """Keep only the given slots (ascending), moved to the front: compacts an accepted tree path."""
+        idx = torch.tensor(slots, device=self.k.device)
+        n = len(slots)
+        self.k[:, :, :n] = self.k[:, :, idx]
+        self.v[:, :, :n] = self.v[:, :, idx]
+        self.length = n
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: [n, hidden] (already normed). Writes k, v into cache slots start..start+n-1 of `layer`."""
+        cfg, n = self.cfg, x.shape[0]
+        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        end = start + n
+        cache.k[layer, :, start:end] = k
+        cache.v[layer, :, start:end] = v
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), cache.k[layer, :, :end].unsqueeze(0), cache.v[layer, :, :end].unsqueeze(0),
+            attn_mask=mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def attention_block(self, h, cos, sin, cache, layer, start, mask) -> torch.Tensor:
+        """The residual update of the attention sub-block: attn(norm(h))."""
+        return self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, mask)
+
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual update of the MLP sub-block: mlp(norm(h))."""
+        return self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, h, cos, sin, cache, layer, start, mask) -> torch.Tensor:
+        h = h + self.attention_block(h, cos, sin, cache, layer, start, mask)
+        return h + self.mlp_block(h)
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """The network: embeddings, layers, final norm, LM head (weights only; no state besides parameters)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class NativeModel:
+    """Implements the Model protocol (`models/base.py`) over a Decoder and its static KV cache."""
+
+    def __init__(self, decoder: Decoder, max_context: int, eos_token_ids: tuple[int, ...] = ()):
+        cfg = decoder.cfg
+        self.decoder, self.cfg = decoder, cfg
+        param = decoder.lm_head.weight
+        self.dtype, self.device = param.dtype, param.device
+        self.max_context = max_context
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = tuple(eos_token_ids or cfg.eos_token_ids)
+        self.cache = KVCache(cfg, max_context, self.dtype, self.device)
+        inv_freq = rope_inv_freq(cfg).to(self.device)
+        angles = torch.outer(torch.arange(max_context, dtype=torch.float32, device=self.device), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.cache.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self.cache.length} tokens")
+        self.cache.length = length
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        self.cache.length = 0
+        return self.forward(token_ids, last_only=True)[-1]
+
+    def attention_mask(self, positions: torch.Tensor, start: int, tree_mask: torch.Tensor | None):
+        """Bool [n, start + n]: every new token sees the cached prefix; among themselves, causal or `tree_mask`.
+
+        Returns None when plain SDPA without a mask is exact (one new token, no sliding window).
+        """
+        n = positions.shape[0]
+        window = self.cfg.sliding_window
+        if n == 1 and tree_mask is None and (window is None or start < window):
+            return None
+        new = torch.ones(n, n, dtype=torch.bool, device=self.device).tril() if tree_mask is None \
+            else tree_mask.to(device=self.device, dtype=torch.bool)
+        mask = torch.cat((torch.ones(n, start, dtype=torch.bool, device=self.device), new), dim=1)
+        if window is not None:
+            key_pos = torch.cat((torch.arange(start, device=self.device), positions))
+            mask &= (positions[:, None] - key_pos[None, :]) < window
+        return mask
+
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        return self.decoder.model.embed_tokens(torch.tensor(token_ids, device=self.device))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cos[positions].unsqueeze(0), self._sin[positions].unsqueeze(0)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder.lm_head(self.decoder.model.norm(h)).float()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], positions: list[int] | None = None,
+                tree_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        n, start = len(token_ids), self.cache.length
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if start + n > self.max_context:
+            raise ValueError(f"context full: {start} cached + {n} new tokens exceed max_context "
+                             f"{self.max_context}; create the engine with a larger max_context")
+        pos = torch.arange(start, start + n, device=self.device) if positions is None \
+            else torch.tensor(positions, device=self.device)
+        cos, sin = self.rope(pos)
+        mask = self.attention_mask(pos, start, tree_mask)
+        h = self.embed(token_ids)
+        for i, layer in enumerate(self.decoder.model.layers):
+            h = layer(h, cos, sin, self.cache, i, start, mask)
+        self.cache.length = start + n
+        return self.logits(h[-1:] if last_only else h)

