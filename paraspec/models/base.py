@@ -25,8 +25,9 @@ class Model(Protocol):
         """Reset the cache, run the prompt, return logits [vocab] for its last position."""
 
     def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Append tokens to the cache and return logits [len(token_ids), vocab] for each of them.
+                tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
+        """Append tokens to the cache and return logits [len(token_ids), vocab] for each of them
+        (only for the last `last_n` when given: a long prompt's LM head is the costliest part of a prefill).
 
         positions default to length, length+1, ...; tree_mask [n, n] (bool, True = may attend) restricts
         attention among the new tokens (they always see the whole cache before them).

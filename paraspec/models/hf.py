@@ -39,15 +39,18 @@ class HFModel:
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length}: the cache holds {self.length} tokens")
-        self.cache.crop(length)
+        if length == 0:
+            self.cache = self._new_cache()
+        elif length < self.length:
+            self.cache.crop(length - self.length)   # a negative count removes that many (transformers 4 and 5)
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         self.cache = self._new_cache()
-        return self.forward(token_ids)[-1]
+        return self.forward(token_ids, last_n=1)[-1]
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
         if tree_mask is not None:
             raise ValueError("tree attention needs the native backend; use backend='native' (--backend native)")
         start, n = self.length, len(token_ids)
@@ -59,6 +62,7 @@ class HFModel:
             raise ValueError("the hf backend only supports consecutive positions; use backend='native'")
         ids = torch.tensor([token_ids], device=self.device)
         out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                         cache_position=torch.arange(start, start + n, device=self.device))
+                         cache_position=torch.arange(start, start + n, device=self.device),
+                         logits_to_keep=last_n or 0)
         self.cache = out.past_key_values
         return out.logits[0].float()

@@ -253,7 +253,7 @@ class NativeModel:
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         self.cache.length = 0
-        return self.forward(token_ids, last_only=True)[-1]
+        return self.forward(token_ids, last_n=1)[-1]
 
     def attention_mask(self, positions: torch.Tensor, start: int, tree_mask: torch.Tensor | None):
         """Bool [n, start + n]: every new token sees the cached prefix; among themselves, causal or `tree_mask`.
@@ -283,7 +283,7 @@ class NativeModel:
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
         n, start = len(token_ids), self.cache.length
         if n == 0:
             raise ValueError("forward needs at least one token")
@@ -298,4 +298,4 @@ class NativeModel:
         for i, layer in enumerate(self.decoder.model.layers):
             h = layer(h, cos, sin, self.cache, i, start, mask)
         self.cache.length = start + n
-        return self.logits(h[-1:] if last_only else h)
+        return self.logits(h if last_n is None else h[-last_n:])

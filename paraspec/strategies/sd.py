@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from paraspec.sampling import logits_to_probs, sample
-from paraspec.strategies.ar import next_token
 from paraspec.strategies.base import Run
 from paraspec.verify import verify_chain
 
@@ -23,7 +22,7 @@ def draft_chain(draft, sequence: list[int], k: int, run: Run) -> tuple[list[int]
     tokens, probs = [], []
     if k <= 0:
         return tokens, None
-    logits = draft.forward(sequence[draft.length:])[-1]
+    logits = draft.forward(sequence[draft.length:], last_n=1)[-1]
     for i in range(k):
         if run.params.greedy:
             token = int(logits.argmax())
@@ -38,20 +37,18 @@ def draft_chain(draft, sequence: list[int], k: int, run: Run) -> tuple[list[int]
 
 
 def decode(run: Run, target, draft, lookahead: int = 5):
-    with run.timed("target", "prefill", len(run.prompt_ids)):
-        logits = target.prefill(run.prompt_ids)
-    with run.timed("draft", "prefill", len(run.prompt_ids)):
-        draft.prefill(run.prompt_ids)
-    yield run.commit([next_token(logits, run)])
-
+    # Both caches start empty: the first round drafts from the prompt and the target's prefill verifies the
+    # first drafts in the same forward (as HF assisted generation does), so every round looks alike.
+    target.rollback(0)
+    draft.rollback(0)
     while not run.done:
         sequence = run.sequence
         k = min(lookahead, run.remaining - 1)       # the round adds one target token after the drafts
         with run.timed("draft", "draft", k):
             drafts, q = draft_chain(draft, sequence, k, run)
-        pending = sequence[target.length:]          # last round's correction/bonus token
+        pending = sequence[target.length:]          # the prompt, then each round's correction/bonus token
         with run.timed("target", "verify", len(pending) + k):
-            target_logits = target.forward(pending + drafts)[-(k + 1):]
+            target_logits = target.forward(pending + drafts, last_n=k + 1)
         accepted, next_tok = verify_chain(drafts, q, target_logits, run.params, run.generator)
 
         # keep only the accepted prefix in both caches; next_tok is fed at the start of the next round

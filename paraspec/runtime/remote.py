@@ -1,0 +1,45 @@
+"""RemoteModel: the Model protocol over a worker, so synchronous strategies (sd, tree) can run the target on
+another device unchanged. Every method is one round trip; `submit_*` returns a Handle instead, to overlap a
+remote forward with local work (e.g. drafting the next tokens while the target verifies)."""
+from __future__ import annotations
+
+import torch
+
+from paraspec.runtime.workers import Handle, Worker
+
+
+class RemoteModel:
+    def __init__(self, worker: Worker, timeout: float | None = None):
+        info = worker.wait_ready(timeout)
+        missing = [k for k in ("vocab_size", "eos_token_ids", "max_context") if getattr(info, k) is None]
+        if missing:
+            raise TypeError(f"worker {worker.name!r} serves a {info.model_type}, which lacks {missing}: "
+                            f"not a paraspec Model")
+        self.worker = worker
+        self.vocab_size: int = info.vocab_size
+        self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
+        self.max_context: int = info.max_context
+
+    @property
+    def length(self) -> int:
+        return self.worker.call("length")
+
+    def prefill(self, token_ids) -> torch.Tensor:
+        return self.worker.call("prefill", token_ids)
+
+    def forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
+        return self.submit_forward(token_ids, positions, tree_mask, last_n).result()
+
+    def rollback(self, length: int) -> None:
+        self.worker.call("rollback", length)
+
+    def submit_prefill(self, token_ids) -> Handle:
+        return self.worker.submit("prefill", token_ids)
+
+    def submit_forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> Handle:
+        # last_n only when given, so models that predate it keep working
+        extra = {} if last_n is None else {"last_n": last_n}
+        return self.worker.submit("forward", token_ids, positions, tree_mask, **extra)
+
+    def __repr__(self) -> str:
+        return f"<RemoteModel on {self.worker!r}>"

@@ -1,0 +1,41 @@
+import glob
+import os
+
+import pytest
+
+from paraspec.runtime import Runtime
+from tests.runtime.toy_model import make_toy
+
+
+def segments_of(pid: int) -> list[str]:
+    """Shared-memory segments owned by process `pid` (paraspec names them paraspec_<pid>_...)."""
+    return sorted(glob.glob(f"/dev/shm/paraspec_{pid}_*"))
+
+
+def process_running(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie (a reaped or exited process counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.fixture(scope="session")
+def pair():
+    """One process runtime for the session: worker w0 on core 0, w1 on core 1 (spawning costs ~2 s)."""
+    rt = Runtime("process")
+    rt.add_worker("w0", "cpu:0", make_toy, {"vocab_size": 64})
+    rt.add_worker("w1", "cpu:1", make_toy, {"vocab_size": 64})
+    rt.wait_ready(timeout=60)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture
+def rt(pair):
+    """The session runtime, with its stop signal cleared before and after each test."""
+    pair.clear_stop()
+    yield pair
+    pair.clear_stop()

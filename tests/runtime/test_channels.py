@@ -1,0 +1,229 @@
+"""TokenChannel and StopSignal semantics, in one process (threads stand in for the other side)."""
+import pickle
+import resource
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from paraspec.runtime.channels import (ChannelFull, ChannelStopped, StaleVersion, StopSignal, TokenChannel)
+from tests.runtime.conftest import segments_of
+import os
+
+
+@pytest.fixture
+def channel():
+    ch = TokenChannel(32, vocab_size=8, q_window=4, tag="test")
+    yield ch
+    ch.close()
+
+
+def test_segment_name_and_unlink():
+    ch = TokenChannel(8, tag="named")
+    assert ch.name.startswith(f"paraspec_{os.getpid()}_") and ch.name.endswith("_named")
+    assert f"/dev/shm/{ch.name}" in segments_of(os.getpid())
+    ch.close()
+    assert f"/dev/shm/{ch.name}" not in segments_of(os.getpid())
+
+
+def test_reset_publish_commit_accept_all(channel):
+    v = channel.reset([5, 6, 7])
+    assert channel.state() == (v, 3, 3, False)
+    assert channel.publish_draft(3, [10, 11], version=v)
+    snap = channel.snapshot()
+    assert (snap.version, snap.committed, snap.length, snap.start) == (v, 3, 5, 3)
+    assert snap.tokens.tolist() == [10, 11] and snap.stamps.tolist() == [v, v]
+    # both drafts right, plus a bonus token beyond them: no rollback, version unchanged
+    result = channel.commit([10, 11, 12])
+    assert result == (v, 6, 6, None)
+    assert channel.tokens().tolist() == [5, 6, 7, 10, 11, 12]
+
+
+def test_mismatch_bumps_version_and_drops_later_drafts(channel):
+    v = channel.reset([1])
+    assert channel.publish_draft(1, [2, 3, 4], version=v)
+    result = channel.commit([2, 9])          # first draft accepted, second replaced by a correction
+    assert result.rollback_at == 2 and result.version == v + 1
+    assert channel.state() == (v + 1, 3, 3, False)
+    assert channel.tokens().tolist() == [1, 2, 9]
+    # the drafter, still at version v, can no longer publish anywhere
+    assert not channel.publish_draft(3, [4], version=v)
+    assert channel.length == 3
+
+
+def test_stale_version_never_passes_as_current(channel):
+    v = channel.reset([1, 2, 3])
+    assert channel.publish_draft(3, [10, 11], version=v)
+    got = {}
+
+    def reader():   # waits for a 6th token at version v; a rollback happens instead
+        got["snap"] = channel.wait_for_draft(6, version=v, timeout=5)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    time.sleep(0.05)
+    channel.commit([99])                     # reject the drafts: version v+1, length 4
+    t.join()
+    snap = got["snap"]
+    assert snap.version == v + 1
+    assert snap.tokens.tolist() == [] and 10 not in snap.tokens and 11 not in snap.tokens
+    # a stale drafter cannot refill the range; the next reader at v+1 sees only v+1 drafts
+    assert not channel.publish_draft(4, [12], version=v)
+    assert channel.wait_for_draft(5, version=v + 1, timeout=0.05) is None
+    assert channel.publish_draft(4, [20], version=v + 1)
+    snap = channel.wait_for_draft(5, version=v + 1, timeout=1)
+    assert snap.tokens.tolist() == [20] and snap.stamps.tolist() == [v + 1]
+
+
+def test_publish_over_committed_tokens_compares(channel):
+    v = channel.reset([1])
+    channel.commit([2, 3])                    # the verifier ran ahead of the drafter (no drafts there)
+    assert channel.version == v
+    assert channel.publish_draft(1, [2, 3, 4], version=v)       # agrees with what is there: appends 4
+    assert channel.tokens().tolist() == [1, 2, 3, 4]
+    assert not channel.publish_draft(2, [7, 8], version=v)      # contradicts a committed token
+    assert channel.tokens().tolist() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="gap"):
+        channel.publish_draft(6, [1], version=v)
+
+
+def test_commit_order_and_expected_version(channel):
+    v = channel.reset([1, 2])
+    with pytest.raises(ValueError, match="in order"):
+        channel.commit([3], start=5)
+    assert channel.commit([3], version=v + 7) is None            # stale expectation: nothing happens
+    assert channel.committed == 2
+    assert channel.commit([3], start=2, version=v).committed == 3
+
+
+def test_discard_drafts(channel):
+    v = channel.reset([1])
+    channel.publish_draft(1, [2, 3], version=v)
+    assert channel.discard_drafts() == v + 1
+    assert channel.state() == (v + 1, 1, 1, False)
+
+
+def test_q_ring(channel):
+    v = channel.reset([0])
+    q = np.arange(3 * 8, dtype=np.float32).reshape(3, 8)
+    assert channel.publish_draft(1, [4, 5, 6], q, version=v)
+    assert np.array_equal(channel.read_q(1, 4, version=v), q)
+    assert np.array_equal(channel.read_q(2, 3), q[1:2])
+    with pytest.raises(StaleVersion):
+        channel.read_q(1, 4, version=v - 1)
+    # window 4: committed 1, so positions up to 4 fit and position 5 does not
+    assert channel.wait_for_room(5, version=v, timeout=0) is not None
+    with pytest.raises(ChannelFull, match="q_window"):
+        channel.publish_draft(4, [7, 8], np.zeros((2, 8)), version=v)
+    assert channel.wait_for_room(6, version=v, timeout=0.01) is None
+    channel.commit([4, 5])                     # committed 3: positions up to 7 fit; ring slots get reused
+    assert channel.publish_draft(4, [7, 8], np.ones((2, 8)), version=v)
+    assert np.array_equal(channel.read_q(3, 6), np.concatenate([q[2:], np.ones((2, 8))]))
+    with pytest.raises(KeyError):              # position 5 took position 1's slot
+        channel.read_q(1, 2)
+
+
+def test_q_errors(channel):
+    v = channel.reset([0])
+    channel.publish_draft(1, [3], version=v)                    # drafted without q
+    with pytest.raises(KeyError):
+        channel.read_q(1, 2)
+    with pytest.raises(ValueError, match="columns"):
+        channel.publish_draft(2, [3], np.zeros((1, 5)), version=v)
+    plain = TokenChannel(4)
+    try:
+        with pytest.raises(ValueError, match="no q"):
+            plain.publish_draft(0, [1], np.zeros((1, 4)), version=0)
+    finally:
+        plain.close()
+
+
+def test_capacity(channel):
+    with pytest.raises(ChannelFull):
+        channel.reset(list(range(33)))
+    v = channel.reset(list(range(30)))
+    with pytest.raises(ChannelFull, match="capacity"):
+        channel.commit([1, 2, 3])
+
+
+def test_stop_wakes_waiters_and_refuses_writes(channel):
+    v = channel.reset([1])
+    errors = []
+
+    def waiter():
+        try:
+            channel.wait_for_draft(10)
+        except ChannelStopped as e:
+            errors.append((e.reason, time.perf_counter()))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.1)
+    stopped_at = time.perf_counter()
+    channel.stop("request finished")
+    t.join(2)
+    assert not t.is_alive()
+    assert errors and errors[0][0] == "request finished" and errors[0][1] - stopped_at < 0.1
+    with pytest.raises(ChannelStopped):
+        channel.publish_draft(1, [2], version=v)
+    with pytest.raises(ChannelStopped):
+        channel.commit([2])
+    channel.reset([1])                                           # reset clears the stop
+    assert not channel.stopped and channel.publish_draft(1, [2], version=v + 1)
+
+
+def test_satisfied_wait_wins_over_stop(channel):
+    channel.reset([1])
+    channel.commit([2, 3])
+    channel.stop("done")
+    assert channel.wait_for_commit(3, timeout=0).committed == 3  # the last tokens are not lost
+    with pytest.raises(ChannelStopped):
+        channel.wait_for_commit(4, timeout=0)
+
+
+def test_wait_blocks_without_polling_and_wakes_promptly(channel):
+    """The waiter sleeps in the kernel: a couple of context switches in 0.5 s, not hundreds."""
+    v = channel.reset([1])
+    seen = {}
+
+    def waiter():
+        before = resource.getrusage(resource.RUSAGE_THREAD)
+        snap = channel.wait_for_draft(2, version=v, timeout=10)
+        seen["woke"] = time.perf_counter()
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        seen["switches"] = after.ru_nvcsw - before.ru_nvcsw
+        seen["tokens"] = snap.tokens.tolist()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.5)
+    published = time.perf_counter()
+    channel.publish_draft(1, [42], version=v)
+    t.join(5)
+    assert seen["tokens"] == [42]
+    assert seen["woke"] - published < 0.05
+    assert seen["switches"] < 20, seen
+
+
+def test_timeout_returns_none_on_time(channel):
+    channel.reset([1])
+    start = time.perf_counter()
+    assert channel.wait_for_version_change(channel.version, timeout=0.2) is None
+    assert 0.19 <= time.perf_counter() - start < 0.5
+
+
+def test_pickle_in_same_process_is_the_same_object(channel):
+    assert pickle.loads(pickle.dumps(channel)) is channel
+
+
+def test_stop_signal():
+    stop = StopSignal("t")
+    try:
+        assert not stop.is_set() and stop.wait(0.01) is False
+        threading.Timer(0.05, stop.set, args=("bye",)).start()
+        assert stop.wait(5) is True and stop.reason == "bye"
+        stop.clear()
+        assert not stop.is_set()
+    finally:
+        stop.close()

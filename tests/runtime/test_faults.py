@@ -1,0 +1,151 @@
+"""Faults: killed workers, close(), garbage collection, Ctrl-C. Nothing may be left behind."""
+import gc
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from paraspec.runtime import ChannelStopped, RemoteError, Runtime, WorkerClosed, WorkerDied
+from tests.runtime import loops
+from tests.runtime.conftest import process_running, segments_of
+from tests.runtime.toy_model import broken_factory, make_toy
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def assert_nothing_left(pids, segments=()):
+    children = {p.pid for p in multiprocessing.active_children()}
+    for pid in pids:
+        assert pid not in children, f"worker {pid} is still a live child"
+        assert not process_running(pid), f"worker {pid} still runs"
+    for name in segments:
+        assert not os.path.exists(name), f"segment {name} was not unlinked"
+
+
+def test_sigkill_is_detected_within_2s_and_wakes_everyone():
+    rt = Runtime("process")
+    victim = rt.add_worker("victim", "cpu:0", make_toy)
+    watcher = rt.add_worker("watcher", "cpu:1", make_toy)
+    rt.wait_ready(timeout=60)
+    channel = rt.channel("tokens", capacity=16)
+    channel.reset([1])
+    segments = segments_of(os.getpid())
+    assert any(s.endswith("_tokens") for s in segments) and any(s.endswith("_stop") for s in segments)
+    watching = watcher.start_loop(loops.wait_until_stopped, channel=channel)
+    sleeping = victim.submit("sleep", 60)
+    time.sleep(0.3)
+    killed = {}
+
+    def kill():
+        killed["at"] = time.perf_counter()
+        os.kill(victim.pid, signal.SIGKILL)
+
+    threading.Timer(0.2, kill).start()
+    # the caller blocked on a channel wakes (the runtime's monitor stops every channel) ...
+    with pytest.raises(ChannelStopped, match="victim"):
+        channel.wait_for_commit(10**6, timeout=10)
+    assert time.perf_counter() - killed["at"] < 2.0
+    # ... the caller blocked on the killed worker's request gets WorkerDied ...
+    with pytest.raises(WorkerDied) as info:
+        sleeping.result(timeout=10)
+    assert time.perf_counter() - killed["at"] < 2.0
+    assert info.value.exitcode == -signal.SIGKILL and "SIGKILL" in str(info.value)
+    # ... and so does a loop in the other worker that was blocked on the channel
+    assert watching.result(timeout=5).startswith("stopped: worker 'victim'")
+    with pytest.raises(WorkerDied):
+        victim.call("length")
+    assert watcher.call("length") == 0            # the survivor still serves
+    pids = [victim.pid, watcher.pid]
+    rt.close()
+    assert_nothing_left(pids, segments)
+    assert segments_of(os.getpid()) == [] or all(s not in segments for s in segments_of(os.getpid()))
+    with pytest.raises(WorkerClosed):
+        watcher.call("length")
+
+
+def test_blocked_caller_measures_kill_detection():
+    """A caller blocked in result() on a worker that is SIGKILLed mid-call hears of it in well under 2 s."""
+    with Runtime("process") as rt:
+        worker = rt.add_worker("victim", "cpu:1", make_toy)
+        worker.wait_ready(timeout=60)
+        handle = worker.submit("sleep", 60)
+        time.sleep(0.2)
+        threading.Timer(0.1, os.kill, args=(worker.pid, signal.SIGKILL)).start()
+        start = time.perf_counter()
+        with pytest.raises(WorkerDied):
+            handle.result()
+        elapsed = time.perf_counter() - start
+        assert 0.05 < elapsed < 0.1 + 2.0, elapsed
+        pid = worker.pid
+    assert_nothing_left([pid])
+
+
+def test_close_stops_busy_workers_and_unlinks():
+    rt = Runtime("process")
+    worker = rt.add_worker("busy", "cpu:0", make_toy)
+    channel = rt.channel("tokens", capacity=8, vocab_size=16, q_window=2)
+    channel.reset([1])
+    looping = worker.start_loop(loops.wait_until_stopped, channel=channel)
+    worker.submit("sleep", 60)                    # queued behind the loop: dropped at shutdown
+    worker.wait_ready(timeout=60)
+    segments = segments_of(os.getpid())
+    pid = worker.pid
+    start = time.perf_counter()
+    rt.close()
+    assert time.perf_counter() - start < 2.5      # the loop woke up at once; nobody had to be killed
+    assert_nothing_left([pid], segments)
+    assert rt.closed
+    rt.close()                                    # idempotent
+    with pytest.raises(WorkerClosed):
+        looping.worker.call("length")
+
+
+def test_process_factory_failure_and_exit():
+    with Runtime("process") as rt:
+        worker = rt.add_worker("broken", "cpu:0", broken_factory)
+        with pytest.raises(RemoteError, match="factory exploded") as info:
+            worker.wait_ready(timeout=60)
+        assert "broken_factory" in info.value.remote_traceback
+        pid = worker.pid
+    assert_nothing_left([pid])
+
+
+def test_garbage_collected_runtime_cleans_up():
+    rt = Runtime("process")
+    rt.add_worker("orphan", "cpu:1", make_toy).wait_ready(timeout=60)
+    rt.channel("tokens", capacity=8).reset([1])
+    pid, segments = rt["orphan"].pid, segments_of(os.getpid())
+    assert process_running(pid) and len(segments) == 2
+    del rt                                         # never closed
+    gc.collect()
+    assert_nothing_left([pid], segments)
+
+
+@pytest.mark.parametrize("mode", ["with", "atexit"])
+def test_ctrl_c_in_the_parent_leaves_nothing(mode):
+    child = subprocess.Popen([sys.executable, "-m", "tests.runtime.sigint_child", mode], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line, child.stderr.read()
+        up = json.loads(line)
+        assert len(up["segments"]) == 2 and all(process_running(p) for p in up["workers"])
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=20)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert "KeyboardInterrupt" in stderr
+    assert "leaked" not in stderr, stderr      # the resource tracker had nothing to clean up for us
+    deadline = time.monotonic() + 3            # the workers are the child's children: give them a moment
+    while any(process_running(p) for p in up["workers"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert_nothing_left(up["workers"], up["segments"])
+    assert segments_of(up["pid"]) == []

@@ -1,0 +1,165 @@
+"""The worker protocol: commands, async submits, loops, pinning, remote exceptions, traces, RemoteModel."""
+import os
+import time
+
+import pytest
+import torch
+
+from paraspec.models.base import Model
+from paraspec.runtime import RemoteError, Runtime, WorkerError
+from paraspec.runtime.remote import RemoteModel
+from paraspec.trace import Trace
+from tests.runtime import loops
+from tests.runtime.toy_model import ToyModel, broken_factory, make_toy
+
+
+@pytest.fixture(scope="module")
+def inproc():
+    rt = Runtime("inprocess")
+    rt.add_worker("t0", "cpu", make_toy, {"vocab_size": 64})
+    rt.wait_ready(timeout=30)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(params=["process", "inprocess"])
+def worker(request, rt, inproc):
+    return rt["w0"] if request.param == "process" else inproc["t0"]
+
+
+def test_command_round_trips(worker):
+    local = ToyModel(vocab_size=64)
+    logits = worker.call("prefill", [3, 4, 5])
+    assert torch.equal(logits, local.prefill([3, 4, 5]))
+    assert worker.call("length") == 3
+    out = worker.call("forward", [6, 7], [3, 4], None)
+    assert out.shape == (2, 64) and torch.equal(out, local.forward([6, 7], [3, 4]))
+    mask = torch.tensor([[True, False], [True, True]])
+    out = worker.call("forward", [8, 9], tree_mask=mask)
+    assert torch.equal(out, local.forward([8, 9], tree_mask=mask))
+    worker.call("rollback", 4)
+    assert worker.call("length") == 4
+    assert worker.call("echo", 1, "a", key=[1, 2]) == ((1, "a"), {"key": [1, 2]})
+    assert worker.call("vocab_size") == 64
+
+
+def test_many_requests_in_order(worker):
+    worker.call("prefill", [0])
+    handles = [worker.submit("forward", [i % 60]) for i in range(300)]
+    assert [h.result(timeout=30).shape[0] for h in handles] == [1] * 300
+    assert worker.call("length") == 301
+
+
+def test_exception_carries_remote_traceback_and_worker_survives(worker):
+    with pytest.raises(RemoteError) as info:
+        worker.call("fail", "bad tokens 1234")
+    err = info.value
+    assert isinstance(err, WorkerError) and err.exc_type == "ValueError"
+    assert isinstance(err.original, ValueError) and str(err.original) == "bad tokens 1234"
+    assert "toy_model.py" in err.remote_traceback and "in fail" in err.remote_traceback
+    assert "bad tokens 1234" in str(err) and worker.name in str(err)
+    with pytest.raises(RemoteError, match="AttributeError"):
+        worker.call("no_such_method")
+    assert worker.call("echo", 5) == ((5,), {})
+
+
+def test_exception_in_loop(worker):
+    with pytest.raises(RemoteError, match="KeyError") as info:
+        worker.start_loop(loops.raise_in_loop, message="loop broke").result(timeout=10)
+    assert "raise_in_loop" in info.value.remote_traceback
+
+
+def test_workers_are_pinned(rt):
+    for name, core in (("w0", 0), ("w1", 1)):
+        cores, threads, pid, device, ctx_name = rt[name].start_loop(loops.report_pinning).result(timeout=10)
+        assert cores == [core] and threads == 1
+        assert pid == rt[name].pid != os.getpid()
+        assert device == f"cpu:{core}" and ctx_name == name
+        assert rt[name].info.cores == (core,) and rt[name].info.num_threads == 1
+
+
+def test_submit_overlaps_two_workers(rt):
+    # each sleeps 0.4 s in its own process: together they take ~0.4 s, not 0.8 s
+    start = time.perf_counter()
+    a, b = rt["w0"].submit("sleep", 0.4), rt["w1"].submit("sleep", 0.4)
+    assert not a.done()
+    assert rt.gather(a, b, timeout=10) == [0.4, 0.4]
+    assert time.perf_counter() - start < 0.75
+
+
+def test_wait_first_completed(rt):
+    slow, fast = rt["w0"].submit("sleep", 0.5), rt["w1"].submit("sleep", 0.05)
+    done, pending = rt.wait([slow, fast], timeout=10)
+    assert done == [fast] and pending == [slow]
+    assert slow.result(timeout=10) == 0.5
+
+
+def test_result_timeout(rt):
+    handle = rt["w1"].submit("sleep", 0.3)
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0.05)
+    assert handle.result(timeout=10) == 0.3
+
+
+def test_loop_trace_uses_the_callers_clock(rt):
+    trace = Trace()
+    before = trace.now()
+    handle = rt["w1"].start_loop(loops.traced_work, trace=trace, steps=3, seconds=0.05)
+    assert handle.result(timeout=10) == 3
+    after = trace.now()
+    assert [(e.device, e.kind, e.tokens) for e in trace.events] == [("w1:cpu:1", "draft", i) for i in (1, 2, 3)]
+    for e in trace.events:
+        assert before <= e.start_s < e.end_s <= after and e.duration_s >= 0.045
+    assert [tokens for _, tokens in trace.progress] == [1, 2, 3]
+    assert handle.events == trace.events
+
+
+def test_channel_passed_to_loop_and_by_name(rt):
+    channel = rt.channel("shared", capacity=16)
+    channel.reset([7, 8, 9])
+    try:
+        tokens, version = rt["w0"].start_loop(loops.read_channel, name="shared").result(timeout=10)
+        assert tokens == [7, 8, 9] and version == channel.version
+    finally:
+        rt.close_channel("shared")
+
+
+def test_large_logits_come_back_intact(rt):
+    out = rt["w0"].call("big_logits", 8, 151_936)
+    assert out.shape == (8, 151_936) and out.dtype == torch.float32
+    assert bool((out == 0.5).all())
+    out.add_(1)                                  # writable, owned by the caller
+
+
+def test_remote_model_follows_the_model_protocol(rt):
+    remote, local = RemoteModel(rt["w1"]), ToyModel(vocab_size=64)
+    assert isinstance(remote, Model)
+    assert (remote.vocab_size, remote.eos_token_ids, remote.max_context) == (64, (1,), 512)
+    assert torch.equal(remote.prefill([1, 2]), local.prefill([1, 2]))
+    assert torch.equal(remote.forward([3, 4, 5], last_n=1), local.forward([3, 4, 5], last_n=1))
+    assert remote.length == 5
+    remote.rollback(2)
+    assert remote.length == 2
+    handle = remote.submit_forward([6])
+    assert torch.equal(handle.result(timeout=10), local.logits_for([6], [2]))
+
+
+def test_factory_failure_is_reported():
+    with Runtime("inprocess") as rt:
+        worker = rt.add_worker("broken", "cpu", broken_factory)
+        with pytest.raises(RemoteError, match="factory exploded on purpose") as info:
+            worker.wait_ready(timeout=30)
+        assert "broken_factory" in info.value.remote_traceback
+
+
+def test_unpicklable_factory_is_refused_early():
+    with Runtime("inprocess") as rt:
+        with pytest.raises(TypeError, match="picklable"):
+            rt.add_worker("lambda", "cpu", lambda: ToyModel())
+
+
+def test_bad_backend_and_duplicate_names(rt):
+    with pytest.raises(ValueError, match="backend"):
+        Runtime("ray-someday")
+    with pytest.raises(ValueError, match="already exists"):
+        rt.add_worker("w0", "cpu:0", make_toy)

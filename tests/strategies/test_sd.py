@@ -1,0 +1,151 @@
+"""sd returns exactly the ar tokens under greedy decoding and the ar distribution under sampling."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from paraspec import Engine, SamplingParams
+from tests.tiny import make_checkpoint
+
+PROMPT = "def fib(n):\n    return"
+
+
+@pytest.fixture(scope="module")
+def ar_engine(qwen2_target):
+    with Engine(qwen2_target, strategy="ar", dtype="float32") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def drafts(qwen2_target, qwen2_unrelated, qwen2_partial):
+    return {"same": qwen2_target, "unrelated": qwen2_unrelated, "partial": qwen2_partial}
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "unrelated", "partial"])
+@pytest.mark.parametrize("lookahead", [1, 3, 8])
+def test_sd_greedy_equals_ar(ar_engine, qwen2_target, drafts, draft_kind, lookahead):
+    params = SamplingParams(max_new_tokens=40)
+    expected = ar_engine.generate(PROMPT, params).token_ids
+    with Engine(qwen2_target, drafts[draft_kind], strategy="sd", lookahead=lookahead, dtype="float32") as sd:
+        result = sd.generate(PROMPT, params)
+    assert result.token_ids == expected
+    stats = result.stats
+    assert stats.new_tokens == 40 and stats.drafted > 0
+    if draft_kind == "same":
+        assert stats.acceptance_rate == 1.0
+        assert stats.mean_accepted_length == pytest.approx(40 / stats.rounds)
+    elif draft_kind == "unrelated":
+        assert stats.acceptance_rate < 0.3
+    else:
+        assert 0.1 < stats.acceptance_rate < 1.0
+
+
+def test_sd_stops_on_stop_token_inside_a_chunk(ar_engine, qwen2_target):
+    """A stop id that first appears mid-chunk ends generation exactly there, stop token included."""
+    reference = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40)).token_ids
+    position = next(i for i in range(5, 40) if reference[i] not in reference[:i])
+    stop = reference[position]
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=[stop])
+    expected = ar_engine.generate(PROMPT, params)
+    assert expected.token_ids == reference[:position + 1] and expected.finish_reason == "stop"
+    with Engine(qwen2_target, qwen2_target, strategy="sd", lookahead=8, dtype="float32") as sd:
+        result = sd.generate(PROMPT, params)
+    assert result.token_ids == expected.token_ids
+    assert result.finish_reason == "stop"
+    assert result.stats.drafted > position      # the stop token really was inside a drafted chunk
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 4, 7, 13])
+def test_sd_never_overshoots_max_new_tokens(ar_engine, qwen2_target, qwen2_partial, max_new_tokens):
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    expected = ar_engine.generate(PROMPT, params).token_ids
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=5, dtype="float32") as sd:
+        result = sd.generate(PROMPT, params)
+    assert result.token_ids == expected and len(expected) == max_new_tokens
+    assert result.finish_reason == "length"
+
+
+def test_sd_model_eos_ends_generation(tmp_path):
+    """A model whose greedy continuation hits its own EOS id stops there, in ar and sd alike."""
+    target = make_checkpoint(tmp_path / "t", "qwen2", seed=11, scale=20, tokenizer=False, vocab_size=40)
+    with Engine(target, strategy="ar", dtype="float32") as ar:
+        free = ar.generate([3, 4, 5], SamplingParams(max_new_tokens=30)).token_ids
+        eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+        ar.target.eos_token_ids = (eos,)
+        expected = ar.generate([3, 4, 5], SamplingParams(max_new_tokens=30))
+    with Engine(target, target, strategy="sd", lookahead=6, dtype="float32") as sd:
+        sd.target.eos_token_ids = (eos,)
+        result = sd.generate([3, 4, 5], SamplingParams(max_new_tokens=30))
+    assert expected.finish_reason == result.finish_reason == "stop"
+    assert result.token_ids == expected.token_ids and result.token_ids[-1] == eos
+
+
+# -- sampling: the joint distribution of the first two tokens equals the target's ---------------------------
+
+VOCAB = 6
+N_SAMPLES = 5_000
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small-vocab")
+    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=5, tokenizer=False, vocab_size=VOCAB,
+                             eos_token_id=None)
+    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
+                            eos_token_id=None)
+    return target, draft
+
+
+def exact_joint(engine, prompt, params):
+    """P(x1, x2) of plain sampling from the target, computed from its logits."""
+    from paraspec.sampling import logits_to_probs
+    model = engine.target
+    p1 = logits_to_probs(model.prefill(prompt), params)
+    joint = np.zeros((VOCAB, VOCAB))
+    for x1 in range(VOCAB):
+        p2 = logits_to_probs(model.prefill(prompt + [x1]), params)
+        joint[x1] = p1[x1].item() * p2.double().numpy()
+    return joint / joint.sum()
+
+
+def sampled_joint(engine, prompt, params_for_seed):
+    counts, accepted = np.zeros((VOCAB, VOCAB)), 0
+    for seed in range(N_SAMPLES):
+        result = engine.generate(prompt, params_for_seed(seed))
+        x1, x2 = result.token_ids
+        counts[x1, x2] += 1
+        accepted += result.stats.accepted
+    engine.accepted_in_samples = accepted
+    return counts
+
+
+def assert_matches(counts, joint):
+    expected = joint.ravel() * counts.sum()
+    observed = counts.ravel()
+    assert observed[expected == 0].sum() == 0
+    keep = expected > 0
+    assert chisquare(observed[keep], expected[keep] / expected[keep].sum() * observed.sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
+                                      dict(temperature=1.3, top_p=0.8)])
+def test_sd_sampling_matches_target_distribution(small_vocab_pair, sampling):
+    target, draft = small_vocab_pair
+    prompt = [1, 2, 3]
+    with Engine(target, draft, strategy="sd", lookahead=3, dtype="float32") as sd:
+        joint = exact_joint(sd, prompt, SamplingParams(**sampling))
+        counts = sampled_joint(sd, prompt, lambda s: SamplingParams(max_new_tokens=2, seed=s, **sampling))
+    # both branches of the acceptance rule ran many times: kept drafts and resampled rejections
+    assert 0.1 * N_SAMPLES < sd.accepted_in_samples < 0.9 * N_SAMPLES
+    assert_matches(counts, joint)
+
+
+def test_sampling_check_has_power(small_vocab_pair):
+    """Sampling the draft alone (a lossy 'speculative' decoder) is rejected by the same check."""
+    target, draft = small_vocab_pair
+    prompt = [1, 2, 3]
+    with Engine(target, strategy="ar", dtype="float32") as tgt, Engine(draft, strategy="ar", dtype="float32") as d:
+        joint = exact_joint(tgt, prompt, SamplingParams(temperature=1.0))
+        counts = sampled_joint(d, prompt, lambda s: SamplingParams(max_new_tokens=2, seed=s, temperature=1.0))
+    with pytest.raises(AssertionError):
+        assert_matches(counts, joint)
