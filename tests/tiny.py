@@ -8,20 +8,24 @@ from pathlib import Path
 import torch
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 EOS_ID = 2   # <|im_end|>
 
 
 def write_tokenizer(folder: Path) -> int:
-    """A character-level tokenizer (specials + printable ASCII); returns its vocabulary size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level BPE tokenizer with no merges (specials + one token per byte), like Qwen2's minus the merges.
+
+    Byte-level, so that AutoTokenizer's family-specific classes (e.g. Qwen2Tokenizer, which rebuilds the
+    pre-tokenizer) read it the same way. Returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    byte_chars.sort(key=lambda c: (c not in string.printable, c))
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + byte_chars)}
+    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>",
                                    pad_token="<|endoftext|>", additional_special_tokens=SPECIALS[:2])
     fast.chat_template = CHAT_TEMPLATE

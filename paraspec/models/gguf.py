@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -403,7 +404,6 @@ def gguf_to_hf_config(gf: GGUFFile, *, tensors: dict | None = None, dtype: str =
         else:
             cls, arch_name = LlamaConfig, "LlamaForCausalLM"
             extra["pretraining_tp"] = 1
-    import inspect
     if "rope_parameters" in inspect.signature(cls.__init__).parameters:
         config = cls(architectures=[arch_name], rope_parameters=rope, **common, **extra)
     else:  # transformers 4.x: rope_theta / rope_scaling instead of rope_parameters, torch_dtype for dtype
@@ -652,6 +652,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _config_rope_scaling(config) -> dict | None:
+    """The non-default rope scaling of `config` as a legacy `rope_scaling` dict (None for plain rope)."""
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict):
+        if rope.get("rope_type", "default") == "default":
+            return None
+        return {k: v for k, v in rope.items() if k != "rope_theta"}
+    return getattr(config, "rope_scaling", None)
+
+
 def _write_config(config, out: Path, scaling: dict | None) -> None:
     config.save_pretrained(str(out))
     path = out / "config.json"
@@ -724,9 +734,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     if "tokenizer.ggml.token_type" in gf.reader.fields:
         token_types = _field_value(gf.reader.fields["tokenizer.ggml.token_type"])
     eos_ids = _eos_ids(gf, tokens, token_types)
-    scaling = _rope_scaling(gf, _f32(gf.arch("rope.freq_base", 10000.0)),
-                            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                            tensors)
+    scaling = _config_rope_scaling(config)
 
     tmp = make_partial_dir(out_dir)
     try:

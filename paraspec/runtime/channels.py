@@ -317,6 +317,7 @@ class TokenChannel(_SharedBlock):
             return self._snapshot(start, end)
 
     def tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Copy of the tokens at positions [start, end); end defaults to length, drafts included."""
         with self._lock:
             end = int(self._header[_LENGTH]) if end is None else end
             return self._tokens[start:end].copy()

@@ -315,7 +315,7 @@ class _Concurrent:
                 self._start_chunk(max(idle, key=lambda i: self.servers[i].cache), *chunk)
             idle = [i for i, server in enumerate(self.servers) if server.task is None]
             if idle:
-                self._start_solo(max(idle, key=lambda i: self.servers[i].cache))
+                self._start_solo(max(idle, key=lambda i: self.servers[i].cache), len(idle))
         self._start_draft()
 
     def _next_chunk(self) -> tuple[int, int] | None:
@@ -337,16 +337,18 @@ class _Concurrent:
         dt = self.setup.comm_s + self.setup.target(width) + self.setup.comm_s
         self._run(i, _Task("chunk", i, first, last, self.epoch), width, dt)
 
-    def _start_solo(self, i: int) -> None:
-        """The target alone generates the next position from the committed text (DSI only)."""
+    def _start_solo(self, i: int, idle: int) -> None:
+        """The target alone generates the next position from the committed text (DSI's non-SI thread)."""
         s = self.setup
         if self.known >= self.end:
             return
-        # Also when nothing is left to draft (a rejection just before the end): the target finishes alone.
+        # It only uses a server while another stays free for the next chunk, so it never delays verification;
+        # and it always runs when nothing is left to draft (a rejection just before the end).
         nothing_to_draft = max(self.chain_end, self.known) >= self.end - 1 and self.known not in self.drafts
-        if not (s.strategy == "dsi" and s.target_only_thread) and not nothing_to_draft:
+        if not (s.strategy == "dsi" and s.target_only_thread and idle >= 2) and not nothing_to_draft:
             return
-        if any(t.kind == "solo" for t in self.tasks.values()):
+        # One at a time, and only where no verification in flight will deliver this position sooner.
+        if any(t.kind == "solo" or t.first <= self.known <= t.last for t in self.tasks.values()):
             return
         server = self.servers[i]
         width = self.known - server.cache

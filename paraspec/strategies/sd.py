@@ -13,16 +13,18 @@ from paraspec.strategies.base import Run
 from paraspec.verify import verify_chain
 
 
-def draft_chain(draft, sequence: list[int], k: int, run: Run) -> tuple[list[int], torch.Tensor | None]:
+def draft_chain(draft, sequence: list[int], k: int, run: Run,
+                vocab_size: int) -> tuple[list[int], torch.Tensor | None]:
     """Sample k tokens from the draft continuing `sequence`; return them and the q each was drawn from.
 
     The draft first catches up on the tokens of `sequence` it has not cached (e.g. the last round's bonus token).
-    The returned q rows are the processed distributions actually sampled from (None under greedy).
+    Only the first `vocab_size` ids (those the target can score) are proposed: a padding row of a wider draft
+    head could otherwise win. The returned q rows are the distributions actually sampled from (None if greedy).
     """
     tokens, probs = [], []
     if k <= 0:
         return tokens, None
-    logits = draft.forward(sequence[draft.length:], last_n=1)[-1]
+    logits = draft.forward(sequence[draft.length:], last_n=1)[-1, :vocab_size]
     for i in range(k):
         if run.params.greedy:
             token = int(logits.argmax())
@@ -32,7 +34,7 @@ def draft_chain(draft, sequence: list[int], k: int, run: Run) -> tuple[list[int]
             probs.append(q)
         tokens.append(token)
         if i < k - 1:
-            logits = draft.forward([token])[-1]
+            logits = draft.forward([token])[-1, :vocab_size]
     return tokens, (torch.stack(probs) if probs else None)
 
 
@@ -45,7 +47,7 @@ def decode(run: Run, target, draft, lookahead: int = 5):
         sequence = run.sequence
         k = min(lookahead, run.remaining - 1)       # the round adds one target token after the drafts
         with run.timed("draft", "draft", k):
-            drafts, q = draft_chain(draft, sequence, k, run)
+            drafts, q = draft_chain(draft, sequence, k, run, target.vocab_size)
         pending = sequence[target.length:]          # the prompt, then each round's correction/bonus token
         with run.timed("target", "verify", len(pending) + k):
             target_logits = target.forward(pending + drafts, last_n=k + 1)

@@ -281,6 +281,24 @@ def test_llama_roundtrip_undoes_qk_permutation_and_quantization(tmp_path, vocab_
         torch.testing.assert_close(model(ids).logits, src(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_mistral_named_llama_file_becomes_mistral(tmp_path, vocab_size):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_hf_model("llama", vocab_size, tied=False, seed=4)
+    path = tmp_path / "tiny-mistral.gguf"
+    expected = write_gguf(path, src, name="Mistral 7B Instruct v0.3", pre="llama-bpe")
+    out = convert_gguf(path, tmp_path / "hf", dtype="float32", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "mistral" and cfg["architectures"] == ["MistralForCausalLM"]
+    assert cfg["sliding_window"] is None
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "MistralForCausalLM"
+    ids = torch.tensor([[3, 4, 5, 100, 250, 17, 17]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, src(ids).logits, rtol=1e-5, atol=1e-5)
+    assert set(load_safetensors(out)) == set(expected)
+
+
 def test_llama3_rope_freqs_become_rope_parameters(tmp_path, vocab_size):
     from transformers import AutoModelForCausalLM
 
@@ -305,8 +323,10 @@ def test_llama3_rope_freqs_become_rope_parameters(tmp_path, vocab_size):
     path = tmp_path / "tiny-llama3.gguf"
     write_gguf(path, src, pre="llama-bpe", extra_tensors={"rope_freqs.weight": factors})
     out = convert_gguf(path, tmp_path / "hf", dtype="float32", progress=False)
-    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    cfg = json.loads((out / "config.json").read_text())
+    rope = cfg["rope_parameters"]
     assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0 and rope["rope_theta"] == 500000.0
+    assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_theta"] == 500000.0  # 4.x spelling too
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.arange(0, 120).remainder(vocab_size).unsqueeze(0)
     with torch.no_grad():

@@ -30,14 +30,15 @@ def assert_nothing_left(pids, segments=()):
 
 
 def test_sigkill_is_detected_within_2s_and_wakes_everyone():
+    baseline = set(segments_of(os.getpid()))     # other runtimes of this test session
     rt = Runtime("process")
     victim = rt.add_worker("victim", "cpu:0", make_toy)
     watcher = rt.add_worker("watcher", "cpu:1", make_toy)
     rt.wait_ready(timeout=60)
     channel = rt.channel("tokens", capacity=16)
     channel.reset([1])
-    segments = segments_of(os.getpid())
-    assert any(s.endswith("_tokens") for s in segments) and any(s.endswith("_stop") for s in segments)
+    segments = sorted(set(segments_of(os.getpid())) - baseline)
+    assert len(segments) == 2 and segments[0].endswith("_stop") and segments[1].endswith("_tokens")
     watching = watcher.start_loop(loops.wait_until_stopped, channel=channel)
     sleeping = victim.submit("sleep", 60)
     time.sleep(0.3)
@@ -65,7 +66,7 @@ def test_sigkill_is_detected_within_2s_and_wakes_everyone():
     pids = [victim.pid, watcher.pid]
     rt.close()
     assert_nothing_left(pids, segments)
-    assert segments_of(os.getpid()) == [] or all(s not in segments for s in segments_of(os.getpid()))
+    assert set(segments_of(os.getpid())) == baseline
     with pytest.raises(WorkerClosed):
         watcher.call("length")
 
@@ -88,6 +89,7 @@ def test_blocked_caller_measures_kill_detection():
 
 
 def test_close_stops_busy_workers_and_unlinks():
+    baseline = set(segments_of(os.getpid()))
     rt = Runtime("process")
     worker = rt.add_worker("busy", "cpu:0", make_toy)
     channel = rt.channel("tokens", capacity=8, vocab_size=16, q_window=2)
@@ -95,7 +97,8 @@ def test_close_stops_busy_workers_and_unlinks():
     looping = worker.start_loop(loops.wait_until_stopped, channel=channel)
     worker.submit("sleep", 60)                    # queued behind the loop: dropped at shutdown
     worker.wait_ready(timeout=60)
-    segments = segments_of(os.getpid())
+    segments = sorted(set(segments_of(os.getpid())) - baseline)
+    assert len(segments) == 2
     pid = worker.pid
     start = time.perf_counter()
     rt.close()
@@ -118,10 +121,11 @@ def test_process_factory_failure_and_exit():
 
 
 def test_garbage_collected_runtime_cleans_up():
+    baseline = set(segments_of(os.getpid()))
     rt = Runtime("process")
     rt.add_worker("orphan", "cpu:1", make_toy).wait_ready(timeout=60)
     rt.channel("tokens", capacity=8).reset([1])
-    pid, segments = rt["orphan"].pid, segments_of(os.getpid())
+    pid, segments = rt["orphan"].pid, sorted(set(segments_of(os.getpid())) - baseline)
     assert process_running(pid) and len(segments) == 2
     del rt                                         # never closed
     gc.collect()

@@ -36,8 +36,8 @@ def test_sd_greedy_equals_ar(ar_engine, qwen2_target, drafts, draft_kind, lookah
         assert stats.mean_accepted_length == pytest.approx(40 / stats.rounds)
     elif draft_kind == "unrelated":
         assert stats.acceptance_rate < 0.3
-    else:
-        assert 0.1 < stats.acceptance_rate < 1.0
+    else:                                   # some drafts kept, some rejected
+        assert 0 < stats.accepted < stats.drafted and stats.rollbacks > 0
 
 
 def test_sd_stops_on_stop_token_inside_a_chunk(ar_engine, qwen2_target):

@@ -1,0 +1,120 @@
+"""The `paraspec` command line: generate (and the subcommands other modules register)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from paraspec.strategies import STRATEGIES
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an Engine (named like the Engine keyword arguments)."""
+    p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
+    p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
+    p.add_argument("--lookahead", type=int, default=5, help="drafted tokens per verification (sd)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
+                   help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N")
+    p.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="devices of the draft")
+    p.add_argument("--backend", default="native", choices=["native", "hf"],
+                   help="native decoder (Llama/Qwen2/Mistral) or any transformers causal LM")
+    p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens")
+    p.add_argument("--allow-vocab-mismatch", action="store_true",
+                   help="skip the check that draft and target share a tokenizer")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+
+
+def engine_kwargs(args) -> dict:
+    return dict(target=args.target, draft=args.draft, strategy=args.strategy, lookahead=args.lookahead,
+                dtype=args.dtype, target_devices=args.target_devices, draft_devices=args.draft_devices,
+                backend=args.backend, max_context=args.max_context,
+                allow_vocab_mismatch=args.allow_vocab_mismatch)
+
+
+def sampling_params(args):
+    from paraspec.sampling import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+def read_prompt(args):
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
+    else:
+        text = args.prompt
+    return [{"role": "user", "content": text}] if args.chat else text
+
+
+def cmd_generate(args) -> int:
+    from paraspec.engine import Engine
+    params = sampling_params(args)
+    prompt = read_prompt(args)
+    with Engine(**engine_kwargs(args)) as engine:
+        if args.json:
+            result = engine.generate(prompt, params)
+            print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+        else:
+            for delta in engine.stream(prompt, params):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            result = engine.last_result
+            print(result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paraspec", description="Lossless speculative decoding on several "
+                                     "devices at once (AMUSD, DSI, EasySpec) and its baselines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with one strategy, streaming it to stdout")
+    add_model_args(gen)
+    gen.add_argument("--strategy", default="ar", choices=list(STRATEGIES))
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", help="read the prompt from a file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    add_sampling_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    gen.set_defaults(func=cmd_generate)
+
+    for module in ("paraspec.bench.cli", "paraspec.sim.cli"):
+        try:
+            mod = __import__(module, fromlist=["add_commands"])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        mod.add_commands(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"paraspec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The event-driven simulator: agreement with the paper's model where that model is exact, Proposition 1, the
+AMUSD limit, and the costs the paper leaves out (width, catch-up, messages, prefill, queueing)."""
+import math
+
+import numpy as np
+import pytest
+
+from paraspec.sim import dsi_paper as paper
+from paraspec.sim.events import Setup, simulate
+from paraspec.sim.profile import ForwardCost
+from paraspec.trace import Trace
+
+
+def unit_setup(strategy, c, a, **kw):
+    """The paper's idealisations: target forward = 1, drafter = c, any width, no messages, no prefill."""
+    return Setup(strategy, ForwardCost.constant(1.0), ForwardCost.constant(c), a, **kw)
+
+
+def totals(setup, tokens, runs, seed=0):
+    return np.array([simulate(setup, tokens, seed + r).total_s for r in range(runs)])
+
+
+def close_within_sampling_error(x: np.ndarray, y: np.ndarray, sigmas=4.0) -> bool:
+    se = math.sqrt(x.var(ddof=1) / len(x) + y.var(ddof=1) / len(y))
+    return abs(x.mean() - y.mean()) <= sigmas * se + 1e-9
+
+
+def test_ar_is_one_forward_per_token():
+    r = simulate(Setup("ar", ForwardCost.constant(0.25)), 40)
+    assert r.total_s == pytest.approx(10.0)
+    assert r.verifications == 40
+    with_prefill = simulate(Setup("ar", ForwardCost.constant(0.25), target_prefill_s=2.0), 40)
+    assert with_prefill.ttft_s == pytest.approx(2.0)
+    assert with_prefill.total_s == pytest.approx(2.0 + 39 * 0.25)
+    assert with_prefill.tpot_ms == pytest.approx(250.0)
+
+
+@pytest.mark.parametrize("c,a,k", [(0.05, 0.5, 5), (0.3, 0.8, 3), (0.9, 0.3, 1), (0.2, 0.95, 10)])
+def test_sd_agrees_with_the_papers_si(c, a, k):
+    tokens = 500
+    events = totals(unit_setup("sd", c, a, lookahead=k), tokens, runs=12)
+    draws = paper.paper_draws(a, k, tokens, repeats=12)
+    model = np.array([paper.si_rounds(d, k, tokens).cost(c) for d in draws])
+    assert close_within_sampling_error(events, model)
+
+
+@pytest.mark.parametrize("c,k", [(0.05, 5), (0.3, 2), (0.9, 1)])
+def test_dsi_agrees_with_the_paper_at_the_edges(c, k):
+    """a = 0: every draft is wrong and DSI runs at the target's pace; a = 1: the drafter's pace plus one verification."""
+    servers = paper.servers_required(c, k) + 1
+    for a in (0.0, 1.0):
+        model = paper.simulate(c, a, k, tokens=300, repeats=1).dsi
+        assert simulate(unit_setup("dsi", c, a, lookahead=k, servers=servers), 300).total_s == pytest.approx(model)
+
+
+@pytest.mark.parametrize("c,a,k", [(0.05, 0.5, 5), (0.2, 0.8, 1), (0.5, 0.5, 1), (0.5, 0.95, 5), (0.9, 0.2, 5)])
+def test_dsi_is_never_slower_than_the_papers_model(c, a, k):
+    """With a server for its non-SI thread besides the ceil(1/(k c)) the paper counts, the event model's DSI is at
+    most the paper's: the paper overcharges first-draft rejections and races speculation against non-SI per window,
+    where the simulated non-SI thread's tokens also verify drafts."""
+    servers = paper.servers_required(c, k) + 1
+    events = totals(unit_setup("dsi", c, a, lookahead=k, servers=servers), 1000, runs=5)
+    draws = paper.paper_draws(a, k, 1000, repeats=5)
+    model = np.array([paper.dsi_windows(d, k, 1000).cost(c) for d in draws])
+    se = math.sqrt(events.var(ddof=1) / 5 + model.var(ddof=1) / 5)
+    assert events.mean() <= model.mean() + 3 * se + 1e-9
+    assert events.mean() <= 1000 + 1e-9 and events.mean() <= paper.simulate(c, a, k).si
+
+
+@pytest.mark.parametrize("c,a", [(0.1, 0.5), (0.3, 0.3), (0.6, 0.8), (0.05, 0.9)])
+def test_dsi_meets_proposition1(c, a):
+    """Two models, lookahead 1, enough servers: every token after the first costs the drafter's forward when its
+    draft was accepted and the target's otherwise, so the mean time is Proposition 1's bound."""
+    tokens, servers = 400, paper.servers_required(c, 1) + 1
+    events = totals(unit_setup("dsi", c, a, lookahead=1, servers=servers), tokens, runs=24)
+    bound = paper.proposition1_bound(c, 1.0, a, tokens)
+    se = events.std(ddof=1) / math.sqrt(len(events))
+    assert abs(events.mean() - bound) <= 4 * se
+
+
+@pytest.mark.parametrize("a,m", [(0.5, 4), (0.8, 6), (0.95, 8)])
+def test_amusd_with_an_instant_drafter_gains_the_mean_accepted_length_per_verification(a, m):
+    """c -> 0: the verifier always has `max_ahead` drafts and is never idle, so time per token tends to
+    verify latency / E[accepted + 1], with E[accepted + 1] = (1 - a^(m+1)) / (1 - a)."""
+    setup = Setup("amusd", ForwardCost.constant(0.2), ForwardCost.constant(1e-6), a, max_ahead=m, verify_min=m)
+    runs = [simulate(setup, 2000, seed) for seed in range(3)]
+    per_token = np.mean([r.total_s / r.tokens for r in runs])
+    assert per_token == pytest.approx(0.2 / paper.si_expected_tokens_per_round(a, m), rel=0.03)
+
+
+def test_amusd_verifier_is_busy_when_the_drafter_is_fast():
+    setup = Setup("amusd", ForwardCost.constant(1.0), ForwardCost.constant(0.01), 0.7, max_ahead=8)
+    r = simulate(setup, 500)
+    busy = r.trace.busy_s("verify")
+    assert busy == pytest.approx(r.verifications * 1.0)
+    assert busy / r.total_s > 0.95
+    assert r.tokens / r.verifications > 1.5                   # and each verification gains several tokens
+
+
+def test_amusd_overlaps_drafting_with_verification():
+    """The point of AMUSD: with a drafter at half the target's cost, the asynchronous pair beats synchronous SD."""
+    sd = totals(unit_setup("sd", 0.5, 0.8, lookahead=3), 400, runs=3).mean()
+    amusd = totals(unit_setup("amusd", 0.5, 0.8, max_ahead=6), 400, runs=3).mean()
+    assert amusd < 0.9 * sd
+
+
+def test_forward_width_and_catch_up_cost_time():
+    """A DSI server that last verified an older chunk re-reads every token since: forwards get wider with more
+    servers, and with a per-token cost that makes the run slower than under the paper's constant cost."""
+    base = dict(acceptance_rate=0.8, lookahead=2, servers=4)
+    flat = simulate(Setup("dsi", ForwardCost.constant(1.0), ForwardCost.constant(0.2), **base), 300)
+    widths = [e.tokens for e in flat.trace.events if e.kind == "verify"]
+    assert max(widths) > 3                                     # catch-up beyond the chunk's k + 1 tokens
+    wide = simulate(Setup("dsi", ForwardCost.linear(1.0, 0.1), ForwardCost.linear(0.2, 0.1), **base), 300)
+    assert wide.total_s > flat.total_s * 1.02
+
+
+@pytest.mark.parametrize("strategy,kw", [("sd", {"lookahead": 4}), ("amusd", {"max_ahead": 6}),
+                                         ("dsi", {"lookahead": 2, "servers": 4})])
+def test_messages_and_prefill_cost_time(strategy, kw):
+    plain = totals(unit_setup(strategy, 0.2, 0.7, **kw), 200, runs=3).mean()
+    slow = totals(unit_setup(strategy, 0.2, 0.7, comm_s=0.05, **kw), 200, runs=3).mean()
+    assert slow > plain * 1.01
+    r = simulate(unit_setup(strategy, 0.2, 0.7, target_prefill_s=5.0, draft_prefill_s=1.0, **kw), 200)
+    assert r.ttft_s == pytest.approx(5.0)
+    assert r.trace.progress[0] == (5.0, 1)
+    assert sum(e.kind == "prefill" for e in r.trace.events) == (kw.get("servers", 1) + 1)
+
+
+def test_too_few_servers_queue():
+    """c = 0.05, k = 2 needs 10 servers; with 1 the chunks queue and DSI is much slower."""
+    enough = totals(unit_setup("dsi", 0.05, 0.9, lookahead=2, servers=11), 500, runs=2).mean()
+    one = totals(unit_setup("dsi", 0.05, 0.9, lookahead=2, servers=1), 500, runs=2).mean()
+    assert one > 1.5 * enough
+
+
+@pytest.mark.parametrize("strategy,kw", [("ar", {}), ("sd", {"lookahead": 3}), ("amusd", {"max_ahead": 4}),
+                                         ("dsi", {"lookahead": 3, "servers": 3})])
+def test_trace_is_the_engines_format(strategy, kw):
+    r = simulate(unit_setup(strategy, 0.3, 0.6, **kw), 120, seed=3)
+    assert isinstance(r.trace, Trace)
+    assert {e.kind for e in r.trace.events} <= {"prefill", "draft", "verify", "rollback", "idle", "wait"}
+    assert all(e.end_s >= e.start_s for e in r.trace.events)
+    times = [t for t, _ in r.trace.progress]
+    counts = [n for _, n in r.trace.progress]
+    assert times == sorted(times) and counts == sorted(counts)
+    assert r.trace.progress[-1] == (pytest.approx(r.total_s), 120)
+    assert Trace.from_dict(r.trace.to_dict()).events == r.trace.events
+    assert r.accepted <= r.drafts
+    # a device never runs two forwards at once
+    for device in {e.device for e in r.trace.events}:
+        spans = sorted((e.start_s, e.end_s) for e in r.trace.events
+                       if e.device == device and e.kind in ("draft", "verify"))
+        assert all(s2 >= e1 - 1e-12 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+
+
+def test_deterministic_for_a_seed():
+    setup = unit_setup("dsi", 0.2, 0.7, lookahead=3, servers=3)
+    assert simulate(setup, 200, seed=5).total_s == simulate(setup, 200, seed=5).total_s
+    assert simulate(setup, 200, seed=5).total_s != simulate(setup, 200, seed=6).total_s
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(strategy="beam", target=ForwardCost.constant(1.0)), "unknown strategy 'beam'"),
+    (dict(strategy="sd", target=ForwardCost.constant(1.0)), "needs a draft forward cost"),
+    (dict(strategy="dsi", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), servers=0),
+     "servers 0 must be >= 1"),
+    (dict(strategy="sd", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), acceptance_rate=1.5),
+     r"must be in \[0, 1\]"),
+])
+def test_bad_setup(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Setup(**kw)

@@ -1,0 +1,175 @@
+"""Engine API: prompts of every kind, streaming, and a clear error for every bad input at the boundary."""
+import json
+
+import pytest
+
+from paraspec import Engine, SamplingParams
+from paraspec.engine import IncompatibleModelsError
+from paraspec.models.loader import CheckpointError
+from paraspec.runtime.devices import DeviceError
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(qwen2_target, qwen2_partial):
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32") as e:
+        yield e
+
+
+def test_prompt_kinds(engine):
+    params = SamplingParams(max_new_tokens=8)
+    text = engine.generate("abc", params)
+    ids = engine.generate(engine.tokenizer.encode("abc"), params)
+    assert text.token_ids == ids.token_ids
+    assert text.prompt_ids == engine.tokenizer.encode("abc")            # raw text: no template
+    chat = engine.generate([{"role": "user", "content": "abc"}], params)
+    assert chat.prompt_ids[:2] == engine.tokenizer.convert_tokens_to_ids(["<|im_start|>", "u"])
+    assert chat.prompt_ids[-len("assistant\n"):] == engine.tokenizer.encode("assistant\n")
+    assert isinstance(text.text, str) and text.stats.new_tokens == 8
+
+
+def test_stream_deltas_add_up_to_the_text(engine):
+    params = SamplingParams(max_new_tokens=24)
+    deltas = list(engine.stream("def f(x):", params))
+    assert len(deltas) > 1
+    assert "".join(deltas) == engine.last_result.text == engine.generate("def f(x):", params).text
+
+
+def test_stats_and_trace(engine):
+    result = engine.generate("hello", SamplingParams(max_new_tokens=20))
+    s = result.stats
+    assert s.new_tokens == 20 and s.rounds > 0
+    assert s.ms_per_token == pytest.approx(s.total_s * 1000 / 20)
+    assert s.tpot_ms == pytest.approx((s.total_s - s.ttft_s) * 1000 / 19)
+    assert s.acceptance_rate == pytest.approx(s.accepted / s.drafted)
+    kinds = {e.kind for e in result.trace.events}
+    assert {"draft", "verify"} <= kinds
+    assert result.trace.progress[-1][1] == 20
+    assert s.draft_s == pytest.approx(result.trace.busy_s("draft"))
+
+
+def test_sd_without_draft(qwen2_target):
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(qwen2_target, strategy="sd")
+
+
+def test_unknown_strategy(qwen2_target):
+    with pytest.raises(ValueError, match="unknown strategy 'nope'; choose one of ar, sd"):
+        Engine(qwen2_target, strategy="nope")
+
+
+@pytest.mark.parametrize("device,match", [("gpu:0", "unknown device"), ("cpu:99", "names core"),
+                                          ("cuda:0", "not available"), ("cpu:x", "bad device")])
+def test_bad_devices(qwen2_target, device, match):
+    with pytest.raises(DeviceError, match=match):
+        Engine(qwen2_target, strategy="ar", target_devices=[device])
+
+
+def test_different_tokenizers(tmp_path, qwen2_target):
+    other = make_checkpoint(tmp_path / "other", "qwen2", seed=9)
+    vocab = json.loads((other / "tokenizer.json").read_text())
+    vocab["model"]["vocab"] = {("Z" + k if k == "a" else k): v for k, v in vocab["model"]["vocab"].items()}
+    (other / "tokenizer.json").write_text(json.dumps(vocab))
+    with pytest.raises(IncompatibleModelsError, match="tokenizers differ.*--allow-vocab-mismatch"):
+        Engine(qwen2_target, other, strategy="sd")
+    Engine(qwen2_target, other, strategy="sd", allow_vocab_mismatch=True).close()
+
+
+def test_padded_embedding_with_same_tokenizer_is_allowed(tmp_path, qwen2_target, engine):
+    """Only the padding rows of the output layer differ: allowed, and still exactly ar."""
+    padded = make_checkpoint(tmp_path / "padded", "qwen2", seed=1, scale=20, vocab_size=300)
+    assert Engine(qwen2_target, strategy="ar").target.vocab_size != 300
+    params = SamplingParams(max_new_tokens=16)
+    with Engine(qwen2_target, padded, strategy="sd", dtype="float32") as sd:
+        assert sd.generate("xyz", params).token_ids == \
+            Engine(qwen2_target, dtype="float32").generate("xyz", params).token_ids
+
+
+def test_vocab_size_mismatch_without_tokenizers(tmp_path):
+    a = make_checkpoint(tmp_path / "a", "qwen2", seed=1, tokenizer=False, vocab_size=32)
+    b = make_checkpoint(tmp_path / "b", "qwen2", seed=2, tokenizer=False, vocab_size=48)
+    with pytest.raises(IncompatibleModelsError, match="vocabularies differ \\(48 vs 32\\)"):
+        Engine(a, b, strategy="sd")
+
+
+def test_prompt_longer_than_context(qwen2_target):
+    with Engine(qwen2_target, max_context=32) as e:
+        with pytest.raises(ValueError, match="prompt has 40 tokens but the context holds 32"):
+            e.generate("x" * 40)
+
+
+def test_generation_stops_at_the_context_limit(qwen2_target, qwen2_partial):
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", max_context=24, dtype="float32") as e:
+        result = e.generate("x" * 10, SamplingParams(max_new_tokens=100))
+    assert result.finish_reason == "context" and len(result.token_ids) == 14
+
+
+@pytest.mark.parametrize("prompt,match", [("", "empty"), ([], "non-empty"), ([10**6], "outside the vocabulary"),
+                                          ([{"content": "x"}], "'role'"), (3.5, "must be a non-empty")])
+def test_bad_prompts(engine, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompt)
+
+
+def test_text_prompt_without_tokenizer(tmp_path):
+    bare = make_checkpoint(tmp_path / "bare", "qwen2", seed=1, tokenizer=False, vocab_size=32)
+    with Engine(bare) as e:
+        assert len(e.generate([1, 2, 3], SamplingParams(max_new_tokens=4)).token_ids) == 4
+        with pytest.raises(ValueError, match="no tokenizer.*token ids"):
+            e.generate("hello")
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, qwen2_target):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        Engine(str(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        Engine(empty)
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((qwen2_target / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        Engine(no_weights)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((qwen2_target / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes((qwen2_target / "model.safetensors").read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        Engine(corrupt)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((qwen2_target / "config.json").read_text())
+    (sharded / "model-00001-of-00002.safetensors").write_bytes((qwen2_target / "model.safetensors").read_bytes())
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="missing shard"):
+        Engine(sharded)
+    text_file = tmp_path / "weights.bin"
+    text_file.write_text("x")
+    with pytest.raises(CheckpointError, match="not a .gguf"):
+        Engine(text_file)
+
+
+def test_unreachable_hub_names_the_offline_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CheckpointError, match="make models"):
+        Engine("nobody/no-such-model")
+
+
+def test_bad_engine_values(qwen2_target, qwen2_partial):
+    with pytest.raises(ValueError, match="lookahead"):
+        Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=0)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        Engine(qwen2_target, dtype="int3")
+    with pytest.raises(ValueError, match="unknown backend"):
+        Engine(qwen2_target, backend="tpu")
+
+
+def test_hf_backend_sd_equals_ar(qwen2_target, qwen2_partial):
+    params = SamplingParams(max_new_tokens=20)
+    with Engine(qwen2_target, dtype="float32") as ar, \
+            Engine(qwen2_target, qwen2_partial, strategy="sd", backend="hf", dtype="float32") as sd:
+        assert sd.generate("abc", params).token_ids == ar.generate("abc", params).token_ids
