@@ -517,6 +517,9 @@ class Worker:
                 how += f" with signal {-code}"
         elif code is not None:
             how += f" with exit code {code}"
+        if self._info is None and self._ready_error is None:
+            how += (" before its model was ready; its stderr says why (a script that starts workers needs "
+                    "`if __name__ == '__main__':`, and the model factory must be importable by module name)")
         self._death = WorkerDied(f"worker {self.name!r} ({self.device}, pid {self.pid}) {how}", self.name, code)
 
 

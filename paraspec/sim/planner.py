@@ -69,13 +69,13 @@ class Plan:
                  f"(c = {p.draft.tpot_ms / p.target.tpot_ms:.3f}); acceptance rate {p.acceptance_rate:.2f}; "
                  f"devices {' '.join(p.devices)}",
                  "",
-                 f"{'strategy':<9} {'settings':<34} {'placement':<34} {'TPOT ms':>9} {'vs ar':>7}"]
+                 f"{'strategy':<9} {'settings':<34} {'TPOT ms':>9} {'vs ar':>7}  placement"]
         for name, choice in self.choices.items():
             if choice is None:
                 lines.append(f"{name:<9} {'(needs two devices)':<34}")
                 continue
-            lines.append(f"{name:<9} {choice.settings():<34} {choice.placement():<34} "
-                         f"{choice.tpot_ms:>9.1f} {ar / choice.tpot_ms:>6.2f}x")
+            lines.append(f"{name:<9} {choice.settings():<34} {choice.tpot_ms:>9.1f} {ar / choice.tpot_ms:>6.2f}x  "
+                         f"{choice.placement()}")
         r = self.recommended
         lines += ["", f"recommended: {r.strategy} ({r.settings()}; {r.placement()}): "
                       f"{r.tpot_ms:.1f} ms/token, {ar / r.tpot_ms:.2f}x ar"]

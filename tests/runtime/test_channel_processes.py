@@ -56,7 +56,7 @@ def test_cross_process_wait_wakes_promptly_without_polling(rt):
         channel.commit([5])
         woke, switches, cpu_s, committed = handle.result(timeout=10)
         assert committed == 2
-        assert woke - committed_at < 0.05, woke - committed_at
+        assert woke - committed_at < 0.25, woke - committed_at   # typically ~0.1 ms
         assert switches < 20 and cpu_s < 0.05, (switches, cpu_s)   # a sleep-poll loop would show hundreds
     finally:
         rt.close_channel("wake")

@@ -202,7 +202,7 @@ def test_wait_blocks_without_polling_and_wakes_promptly(channel):
     channel.publish_draft(1, [42], version=v)
     t.join(5)
     assert seen["tokens"] == [42]
-    assert seen["woke"] - published < 0.05
+    assert seen["woke"] - published < 0.25        # typically ~0.1 ms; generous for a loaded machine
     assert seen["switches"] < 20, seen
 
 

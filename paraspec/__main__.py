@@ -1,0 +1,5 @@
+import sys
+
+from paraspec.cli import main
+
+sys.exit(main())
