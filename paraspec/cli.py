@@ -13,7 +13,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
     p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
     p.add_argument("--lookahead", type=int, default=5, help="drafted tokens per verification (sd)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, float32 elsewhere (faster there)")
     p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
                    help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N")
     p.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="devices of the draft")

@@ -31,10 +31,11 @@ class GenerationResult:
     trace: Trace = field(repr=False)
     finish_reason: str = "length"     # "stop" | "length" | "context"
     prompt_ids: list[int] = field(default_factory=list, repr=False)
+    margins: dict[int, float] | None = field(default=None, repr=False)   # see generate(record_margins=...)
 
 
 class Engine:
-    def __init__(self, target, draft=None, strategy: str = "ar", lookahead: int = 5, dtype="bfloat16",
+    def __init__(self, target, draft=None, strategy: str = "ar", lookahead: int = 5, dtype="auto",
                  target_devices=("cpu",), draft_devices=("cpu",), backend: str = "native",
                  max_context: int = 4096, allow_vocab_mismatch: bool = False):
         self.spec = get_strategy(strategy)
@@ -128,13 +129,14 @@ class Engine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- generation ----------------------------------------------------------------------------------------
-    def _new_run(self, prompt, params: SamplingParams | None) -> Run:
+    def _new_run(self, prompt, params: SamplingParams | None, record_margins: bool = False) -> Run:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
         stop = set(self.target.eos_token_ids) | set(params.stop_token_ids or ())
         return Run(prompt_ids=self.encode(prompt), params=params, stop_ids=frozenset(stop),
-                   generator=make_generator(params.seed), max_context=self.max_context)
+                   generator=make_generator(params.seed), max_context=self.max_context,
+                   margins={} if record_margins else None)
 
     def _decode_loop(self, run: Run):
         decode = self.spec.decode
@@ -163,8 +165,11 @@ class Engine:
     def _text_tokens(run: Run) -> list[int]:
         return run.tokens[:-1] if run.finish_reason == "stop" else run.tokens
 
-    def generate(self, prompt, params: SamplingParams | None = None) -> GenerationResult:
-        run = self._new_run(prompt, params)
+    def generate(self, prompt, params: SamplingParams | None = None,
+                 record_margins: bool = False) -> GenerationResult:
+        """Generate a completion. record_margins keeps, for each output index, the target's top-1 minus top-2
+        logit as this strategy computed it: where two strategies differ in bf16, it shows a near-tie."""
+        run = self._new_run(prompt, params, record_margins)
         start = time.perf_counter()
         run.trace.t0 = start
         for _ in self._decode_loop(run):
@@ -175,7 +180,7 @@ class Engine:
         total = time.perf_counter() - start
         self.last_result = GenerationResult(
             self.decode_text(self._text_tokens(run)), list(run.tokens), compute_stats(run, self.strategy, total),
-            run.trace, run.finish_reason or "length", run.prompt_ids)
+            run.trace, run.finish_reason or "length", run.prompt_ids, run.margins)
         return self.last_result
 
     # -- lifetime ------------------------------------------------------------------------------------------

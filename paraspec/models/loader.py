@@ -27,13 +27,31 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PARASPEC_CACHE", Path.home() / ".cache" / "paraspec"))
 
 
-def parse_dtype(dtype) -> torch.dtype:
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: the CPUs where a bf16 matmul of several rows costs about what one row costs.
+
+    Elsewhere (e.g. AVX2-only CPUs) PyTorch's bf16 matmul is several times slower than fp32 for more than one
+    row, which makes verification expensive; `dtype="auto"` picks float32 there.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def parse_dtype(dtype, device: str = "cpu") -> torch.dtype:
+    """A torch dtype from a name; "auto" is bfloat16 on GPUs and bf16-capable CPUs, float32 otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    name = str(dtype).lower()
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") or cpu_has_fast_bf16() else torch.float32
     try:
-        return DTYPES[str(dtype).lower()]
+        return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of bfloat16, float32, float16") from None
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, bfloat16, float32, float16") from None
 
 
 def _is_hub_id(spec: str) -> bool:
@@ -176,7 +194,7 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
     """Load `spec` as a Model (protocol in models/base.py) with the given backend."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype, device)
     folder = resolve_checkpoint(spec, torch_dtype)
     if backend == "hf":
         from paraspec.models.hf import HFModel

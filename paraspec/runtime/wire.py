@@ -15,10 +15,11 @@ import socket
 import struct
 import sys
 import threading
+from typing import Callable
 
 import numpy as np
 
-_HEADER = struct.Struct("<QI")   # payload bytes, number of out-of-band buffers
+_HEADER = struct.Struct("<QQI")   # envelope bytes, body bytes, number of out-of-band buffers
 
 
 def _tensor_from_numpy(array: np.ndarray, dtype: str):
@@ -48,7 +49,12 @@ def dumps(obj) -> tuple[bytes, list[memoryview]]:
 
 
 class Wire:
-    """One end of a socket pair carrying whole messages; send() is thread-safe, recv() is for one reader."""
+    """One end of a socket pair carrying whole messages; send() is thread-safe, recv() is for one reader.
+
+    A message is an envelope (a small tuple: what it is, which request) and a body (arguments, a result).
+    The receiver gets the envelope at once and the body as a loader, so a body that cannot be unpickled
+    (a module missing on this side, a channel already unlinked) fails only the request it belongs to.
+    """
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -57,22 +63,24 @@ class Wire:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, obj) -> None:
-        payload, buffers = dumps(obj)
-        header = _HEADER.pack(len(payload), len(buffers)) + struct.pack(f"<{len(buffers)}Q",
-                                                                         *(b.nbytes for b in buffers))
+    def send(self, envelope: tuple, body=None) -> None:
+        head = pickle.dumps(envelope, protocol=5)
+        payload, buffers = dumps(body)
+        header = _HEADER.pack(len(head), len(payload), len(buffers)) + \
+            struct.pack(f"<{len(buffers)}Q", *(b.nbytes for b in buffers))
         with self._send_lock:
-            self.sock.sendall(header + payload)
+            self.sock.sendall(header + head + payload)
             for buffer in buffers:
                 self.sock.sendall(buffer)
 
-    def recv(self):
-        """Block for the next message; EOFError when the other end is gone."""
-        n_payload, n_buffers = _HEADER.unpack(self._recv_exact(_HEADER.size))
+    def recv(self) -> tuple[tuple, Callable[[], object]]:
+        """Block for the next message; return (envelope, load_body). EOFError when the other end is gone."""
+        n_head, n_payload, n_buffers = _HEADER.unpack(self._recv_exact(_HEADER.size))
         sizes = struct.unpack(f"<{n_buffers}Q", self._recv_exact(8 * n_buffers)) if n_buffers else ()
+        envelope = pickle.loads(self._recv_exact(n_head))
         payload = self._recv_exact(n_payload)
         buffers = [self._recv_exact(size) for size in sizes]
-        return pickle.loads(payload, buffers=buffers)
+        return envelope, lambda: pickle.loads(payload, buffers=buffers)
 
     def _recv_exact(self, n: int) -> bytearray:
         out = bytearray(n)

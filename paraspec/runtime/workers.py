@@ -172,19 +172,19 @@ def _serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proce
         # that sends while the worker sends never deadlocks on two full socket buffers.
         while True:
             try:
-                message = wire.recv()
+                envelope, load_body = wire.recv()
             except (EOFError, OSError):
-                requests.put(("eof",))
+                requests.put((("eof",), None))
                 return
-            if message[0] == "shutdown":
+            if envelope[0] == "shutdown":
                 shutting_down.set()   # requests still queued are dropped: nobody will read their replies
-                requests.put(message)
+                requests.put((envelope, None))
                 try:
                     wire.send(("closing",))   # tells the caller it may now stop our loop without a race
                 except OSError:
                     pass
                 return
-            requests.put(message)
+            requests.put((envelope, load_body))
 
     threading.Thread(target=read_requests, name=f"paraspec-{name}-reader", daemon=True).start()
     label = f"{name}:{device}"
@@ -203,20 +203,21 @@ def _serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proce
             eos_token_ids=tuple(getattr(model, "eos_token_ids", ()) or ()) or None,
             max_context=getattr(model, "max_context", None), build_s=time.perf_counter() - t_build)
     except BaseException as exc:
-        wire.send(("ready_error", _error_payload(exc)))
+        wire.send(("ready_error",), _error_payload(exc))
         wire.close()
         return
-    wire.send(("ready", info))
+    wire.send(("ready",), info)
 
     try:
         while True:
-            message = requests.get()
-            kind = message[0]
+            envelope, load_body = requests.get()
+            kind = envelope[0]
             if kind in ("shutdown", "eof") or shutting_down.is_set():
                 break
-            _, request_id, t0, *body = message
+            _, request_id, t0 = envelope
             recorder = TraceRecorder(label, t0)
             try:
+                body = load_body()
                 if kind == "call":
                     method, args, kwargs = body
                     attribute = getattr(model, method)
@@ -234,13 +235,13 @@ def _serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proce
                     result = None
                 else:
                     raise ValueError(f"unknown request {kind!r}")
-                reply = ("ok", request_id, result, recorder.events, recorder.progress)
+                status = "ok"
             except BaseException as exc:
-                reply = ("error", request_id, _error_payload(exc), recorder.events, recorder.progress)
+                status, result = "error", _error_payload(exc)
             try:
-                wire.send(reply)
+                wire.send((status, request_id, recorder.events, recorder.progress), result)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:   # an unpicklable result
-                wire.send(("error", request_id, _error_payload(exc), recorder.events, recorder.progress))
+                wire.send(("error", request_id, recorder.events, recorder.progress), _error_payload(exc))
     except (BrokenPipeError, ConnectionResetError):
         pass   # the caller is gone
     finally:
@@ -304,20 +305,26 @@ class Handle:
             return exc
         return None
 
-    def _settle(self, reply: tuple) -> None:
+    def _settle(self, reply: tuple | WorkerDied) -> None:
         self._settled = True
-        if reply[0] == "died":
-            self._error = reply[1]
+        if isinstance(reply, WorkerDied):
+            self._error = reply
             return
-        status, _, payload, events, progress = reply
+        (status, _, events, progress), load_body = reply
         self.events = [TraceEvent(*e) for e in events]
         if self.trace is not None:
             self.trace.events.extend(self.events)
             self.trace.progress.extend(progress)
+        try:
+            body = load_body()
+        except Exception as exc:
+            self._error = WorkerError(f"the reply of worker {self.worker.name!r} cannot be unpickled here: "
+                                      f"{type(exc).__name__}: {exc}", self.worker.name)
+            return
         if status == "ok":
-            self._value = payload
+            self._value = body
         else:
-            self._error = _remote_error(self.worker.name, payload)
+            self._error = _remote_error(self.worker.name, body)
 
     def __repr__(self) -> str:
         return f"<Handle {self.worker.name}#{self.request_id} {'settled' if self._settled else 'pending'}>"
@@ -403,6 +410,7 @@ class Worker:
             return handle.result(timeout)
         except TimeoutError:
             self._abandoned.add(handle.request_id)
+            self._replies.pop(handle.request_id, None)   # in case it arrived in between
             raise
 
     def start_loop(self, loop_fn: Callable[..., Any], *, trace: Trace | None = None, **kwargs) -> Handle:
@@ -410,9 +418,10 @@ class Worker:
         loop_fn must be picklable (module level); kwargs may hold TokenChannels and arrays."""
         return self._request("loop", trace, loop_fn, kwargs, dict(self._channels), self._stop_signal)
 
-    def release_channels(self, names: Iterable[str]) -> Handle:
-        """Have the worker unmap channels it attached (queued behind earlier requests)."""
-        return self._request("release", None, list(names))
+    def release_channels(self, names: Iterable[str]) -> None:
+        """Have the worker unmap channels it attached, once it gets to it (queued behind earlier requests;
+        nobody waits for the reply)."""
+        self._request("release", None, list(names), abandon=True)
 
     def close(self, timeout: float = 3.0) -> None:
         """Ask the worker to exit; terminate (then kill) it if it has not after `timeout` seconds."""
@@ -440,25 +449,27 @@ class Worker:
         while not self._closing_acked and self._death is None and not _expired(ack_deadline):
             self._pump(_remaining(ack_deadline))
 
-    def _request(self, kind: str, trace: Trace | None, *body) -> Handle:
+    def _request(self, kind: str, trace: Trace | None, *body, abandon: bool = False) -> Handle:
         if self._closed:
             raise WorkerClosed(f"worker {self.name!r} is closed", self.name)
         if self._death is not None:
             raise self._death
         request_id = next(self._ids)
+        if abandon:
+            self._abandoned.add(request_id)
         t0 = trace.t0 if trace is not None else time.perf_counter()
         try:
-            self._wire.send((kind, request_id, t0, *body))
+            self._wire.send((kind, request_id, t0), body)
         except (BrokenPipeError, ConnectionResetError):
             self._pump(1.0)
             raise self._death or WorkerDied(f"worker {self.name!r} is gone", self.name, self._exitcode())
         return Handle(self, request_id, trace)
 
-    def _reply_for(self, request_id: int, timeout: float | None) -> tuple:
+    def _reply_for(self, request_id: int, timeout: float | None) -> tuple | WorkerDied:
         deadline = None if timeout is None else time.monotonic() + timeout
         while request_id not in self._replies:
             if self._death is not None:
-                return ("died", self._death)
+                return self._death
             if not self._pump(_remaining(deadline)) and _expired(deadline):
                 raise TimeoutError(f"worker {self.name!r}: no reply to request {request_id} after {timeout} s")
         return self._replies.pop(request_id)
@@ -477,14 +488,14 @@ class Worker:
                 return False
             if self._wire.sock in ready:
                 try:
-                    self._dispatch(self._wire.recv())
+                    self._dispatch(*self._wire.recv())
                     return True
                 except (EOFError, OSError):
                     pass
             # The process exited (or closed its socket): keep what it sent before it went, then report it.
             while multiprocessing.connection.wait([self._wire.sock], 0):
                 try:
-                    self._dispatch(self._wire.recv())
+                    self._dispatch(*self._wire.recv())
                 except (EOFError, OSError):
                     break
             self._note_death()
@@ -492,18 +503,18 @@ class Worker:
         finally:
             self._recv_lock.release()
 
-    def _dispatch(self, reply: tuple) -> None:
-        kind = reply[0]
+    def _dispatch(self, envelope: tuple, load_body: Callable[[], Any]) -> None:
+        kind = envelope[0]
         if kind == "ready":
-            self._info = dataclasses.replace(reply[1], startup_s=time.perf_counter() - self._t_start)
+            self._info = dataclasses.replace(load_body(), startup_s=time.perf_counter() - self._t_start)
         elif kind == "ready_error":
-            self._ready_error = _remote_error(self.name, reply[1])
+            self._ready_error = _remote_error(self.name, load_body())
         elif kind == "closing":
             self._closing_acked = True
-        elif reply[1] in self._abandoned:
-            self._abandoned.discard(reply[1])
+        elif envelope[1] in self._abandoned:
+            self._abandoned.discard(envelope[1])
         else:
-            self._replies[reply[1]] = reply
+            self._replies[envelope[1]] = (envelope, load_body)
 
     def _note_death(self) -> None:
         if self._death is not None:
@@ -732,10 +743,10 @@ class Runtime:
 
     def close_channel(self, name: str) -> None:
         channel = self._state.channels.pop(name)
+        channel.close()   # stops it first, so loops still using it wake up with ChannelStopped
         for worker in self._state.workers.values():
             if worker.alive:
-                worker.release_channels([channel.name]).result()
-        channel.close()
+                worker.release_channels([channel.name])
 
     @property
     def stop_signal(self) -> StopSignal:

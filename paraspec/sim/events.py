@@ -67,6 +67,9 @@ class Setup:
             raise ValueError(f"verify_min {self.verify_min} must be >= 1")
         if self.max_ahead is not None and self.max_ahead < 1:
             raise ValueError(f"max_ahead {self.max_ahead} must be >= 1")
+        if self.strategy == "dsi" and self.max_ahead is not None and self.max_ahead < self.lookahead:
+            raise ValueError(f"max_ahead {self.max_ahead} < lookahead {self.lookahead}: a DSI chunk would never "
+                             f"fill; allow at least one chunk ahead")
         if min(self.comm_s, self.target_prefill_s, self.draft_prefill_s) < 0:
             raise ValueError("latencies must be >= 0")
 
@@ -213,7 +216,6 @@ class _Task:
     server: int
     first: int                          # chunk: first drafted position; solo: the position it generates
     last: int                           # chunk: one past the last drafted position; solo: == first
-    epoch: int
 
 
 @dataclass
@@ -232,7 +234,6 @@ class _Concurrent:
         self.ttft = ready_target if self.known == 2 else None
         self.end = self.tokens + 1
         self.t = 0.0
-        self.epoch = 0                          # bumped by every rollback: results of older tasks are stale
         self.truth: set[int] = set()            # positions >= known whose target token is known
         self.drafts: dict[int, bool] = {}       # position -> the draft there is the target's token
         self.servers = [_Server(n, cache=self.known - 1) for n in names]
@@ -245,7 +246,7 @@ class _Concurrent:
         self.draft_gen = 0                      # the drafter's forward in flight is stale when this moved on
         self.draft_busy = False
         self.draft_free_at = ready_draft
-        self.draft_event: tuple[float, float, int] | None = None   # (start, end, width) of the forward in flight
+        self.draft_event: tuple[float, float, int] | None = None   # (start, end, width) of a forward in flight
         self.heap: list = []
         self.ids = itertools.count()
         self.result = Result(self.tokens, 0.0, 0.0, self.trace)
@@ -288,6 +289,7 @@ class _Concurrent:
             return                                            # preempted by a rollback
         start, end, width = self.draft_event
         self.trace.add("draft", "draft", start, end, width)
+        self.draft_event = None
         self.draft_busy = False
         self.draft_cache = pos
         self.chain_end = pos + 1
@@ -335,7 +337,7 @@ class _Concurrent:
     def _start_chunk(self, i: int, first: int, last: int) -> None:
         width = last - self.servers[i].cache               # catch-up tokens + the token before the chunk + drafts
         dt = self.setup.comm_s + self.setup.target(width) + self.setup.comm_s
-        self._run(i, _Task("chunk", i, first, last, self.epoch), width, dt)
+        self._run(i, _Task("chunk", i, first, last), width, dt)
 
     def _start_solo(self, i: int, idle: int) -> None:
         """The target alone generates the next position from the committed text (DSI's non-SI thread)."""
@@ -352,7 +354,7 @@ class _Concurrent:
             return
         server = self.servers[i]
         width = self.known - server.cache
-        self._run(i, _Task("solo", i, self.known, self.known, self.epoch), width, s.target(width) + s.comm_s)
+        self._run(i, _Task("solo", i, self.known, self.known), width, s.target(width) + s.comm_s)
 
     def _run(self, i: int, task: _Task, width: int, dt: float) -> None:
         tid = next(self.ids)
@@ -388,7 +390,7 @@ class _Concurrent:
         self._commit()
         self._schedule()
 
-    # -- committing and rolling back
+    # -- committing and rolling back (a rollback cancels every task: results built on a wrong draft never land)
     def _commit(self) -> None:
         start = self.known
         while self.known in self.truth and self.known < self.end:
@@ -416,7 +418,6 @@ class _Concurrent:
     def _rollback(self, pos: int) -> None:
         """A wrong draft at `pos`: drop every speculation built on it (DSI preempts those threads)."""
         self.result.rollbacks += 1
-        self.epoch += 1
         dropped = [p for p in self.drafts if p > pos]
         for p in dropped:
             del self.drafts[p]
@@ -429,9 +430,10 @@ class _Concurrent:
             server.cache = min(server.cache, pos)             # `pos` held the wrong draft
         # the drafter hears of it one message later; a forward it has in flight is wasted
         self.draft_gen += 1
-        if self.draft_busy:
+        if self.draft_event is not None:
             start, end, width = self.draft_event
             self.trace.add("draft", "draft", start, min(end, self.t + self.setup.comm_s), width)
+            self.draft_event = None
         self.draft_busy = True
         self.draft_free_at = self.t + self.setup.comm_s
         self._at(self.draft_free_at, self._drafter_wake, self.draft_gen)

@@ -34,8 +34,7 @@ def save_heatmap(speedup: np.ndarray, c: np.ndarray, a: np.ndarray, path: str | 
         bounds.append(bounds[-1] + step)
     bands = len(bounds) - 2
     colors = [PINK] + list(matplotlib.colormaps["viridis"](np.linspace(0, 1, max(bands, 1))))
-    cmap = ListedColormap(colors[:len(bounds) - 1])
-    cmap.set_over(colors[-1])
+    cmap = ListedColormap(colors[:len(bounds) - 1]).with_extremes(over=colors[-1])
     norm = BoundaryNorm(bounds, cmap.N)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.8))

@@ -36,6 +36,9 @@ class Run:
     rollbacks: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # optional: the target's top-1 minus top-2 logit for each output index it scored (to tell near-ties
+    # from real divergences when comparing strategies in bf16)
+    margins: dict[int, float] | None = None
 
     @property
     def done(self) -> bool:
@@ -49,6 +52,14 @@ class Run:
     def remaining(self) -> int:
         """Tokens still allowed: by max_new_tokens and by the room left in the KV caches."""
         return min(self.params.max_new_tokens - len(self.tokens), self.max_context - len(self.sequence))
+
+    def observe_target(self, first_index: int, logits) -> None:
+        """Record the target's top-2 margins for output indices first_index, first_index + 1, ..."""
+        if self.margins is None:
+            return
+        top2 = logits.topk(2, dim=-1).values
+        for i, gap in enumerate((top2[..., 0] - top2[..., 1]).reshape(-1).tolist()):
+            self.margins.setdefault(first_index + i, gap)
 
     def commit(self, new_tokens: list[int]) -> list[int]:
         """Append verified tokens, cut at the first stop token or the token budget; return what was kept."""

@@ -51,6 +51,7 @@ def decode(run: Run, target, draft, lookahead: int = 5):
         pending = sequence[target.length:]          # the prompt, then each round's correction/bonus token
         with run.timed("target", "verify", len(pending) + k):
             target_logits = target.forward(pending + drafts, last_n=k + 1)
+        run.observe_target(len(run.tokens), target_logits)
         accepted, next_tok = verify_chain(drafts, q, target_logits, run.params, run.generator)
 
         # keep only the accepted prefix in both caches; next_tok is fed at the start of the next round

@@ -102,3 +102,12 @@ def test_rollback_beyond_length_is_an_error(qwen2_target):
     model.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="cannot roll back"):
         model.rollback(4)
+
+
+@pytest.mark.parametrize("fast_bf16,expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_follows_the_cpu(monkeypatch, qwen2_target, fast_bf16, expected):
+    from paraspec.models import loader
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: fast_bf16)
+    assert loader.parse_dtype("auto") == expected
+    assert loader.parse_dtype("auto", "cuda:0") == torch.bfloat16
+    assert load_model(qwen2_target, "auto").dtype == expected

@@ -1,4 +1,6 @@
+import gc
 import glob
+import multiprocessing
 import os
 
 import pytest
@@ -20,6 +22,15 @@ def process_running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_at_the_end():
+    """After every runtime test (and the shared runtime) is done: no worker process, no segment of ours."""
+    yield
+    gc.collect()
+    assert segments_of(os.getpid()) == []
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("paraspec-")] == []
 
 
 @pytest.fixture(scope="session")

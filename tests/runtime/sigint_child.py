@@ -1,6 +1,6 @@
-"""Run by test_faults: a process that owns a runtime with a worker blocked in a loop, until SIGINT.
+"""Run by test_faults: a process that owns a runtime with a worker blocked in a loop, until a signal.
 
-    python -m tests.runtime.sigint_child with|atexit
+    python -m tests.runtime.sigint_child with|atexit|sigkill     (sigkill: the test kills it; no cleanup runs)
 prints one JSON line {"pid", "workers", "segments"} once everything is up, then blocks.
 """
 import glob

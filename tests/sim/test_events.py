@@ -154,6 +154,25 @@ def test_trace_is_the_engines_format(strategy, kw):
         assert all(s2 >= e1 - 1e-12 for (_, e1), (s2, _) in zip(spans, spans[1:]))
 
 
+def test_random_setups_always_finish_and_never_double_book_a_device():
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        strategy = str(rng.choice(["ar", "sd", "amusd", "dsi"]))
+        k = int(rng.integers(1, 6))
+        setup = Setup(strategy, ForwardCost.linear(1.0, float(rng.choice([0, 0.05]))),
+                      ForwardCost.linear(float(rng.uniform(0.01, 1.0)), 0.02), float(rng.choice([0, 1, rng.random()])),
+                      lookahead=k, servers=int(rng.integers(1, 5)), max_ahead=int(rng.integers(k, 10)),
+                      verify_min=int(rng.integers(1, 4)), comm_s=float(rng.choice([0, 0.05])),
+                      target_prefill_s=float(rng.choice([0, 2.0])), target_only_thread=bool(rng.random() < 0.7))
+        tokens = int(rng.integers(1, 60))
+        r = simulate(setup, tokens, seed=i)
+        assert r.trace.progress[-1][1] == tokens
+        for device in {e.device for e in r.trace.events}:
+            spans = sorted((e.start_s, e.end_s) for e in r.trace.events
+                           if e.device == device and e.kind in ("draft", "verify"))
+            assert all(s2 >= e1 - 1e-9 for (_, e1), (s2, _) in zip(spans, spans[1:])), (setup, device)
+
+
 def test_deterministic_for_a_seed():
     setup = unit_setup("dsi", 0.2, 0.7, lookahead=3, servers=3)
     assert simulate(setup, 200, seed=5).total_s == simulate(setup, 200, seed=5).total_s
@@ -167,6 +186,8 @@ def test_deterministic_for_a_seed():
      "servers 0 must be >= 1"),
     (dict(strategy="sd", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), acceptance_rate=1.5),
      r"must be in \[0, 1\]"),
+    (dict(strategy="dsi", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), lookahead=4,
+          max_ahead=3), "would never fill"),
 ])
 def test_bad_setup(kw, match):
     with pytest.raises(ValueError, match=match):
