@@ -5,7 +5,6 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TARGET := Qwen/Qwen2.5-Coder-1.5B-Instruct
 DRAFT := Qwen/Qwen2.5-Coder-0.5B-Instruct
-MODELS_STAMP := $(HOME)/.cache/paraspec/models/.fetched-stamp
 
 .PHONY: setup models test test-fast demo clean
 

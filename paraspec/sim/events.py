@@ -12,8 +12,19 @@ each with a KV cache, so the simulator can charge:
 Strategies (the engine's names): `ar` (target alone), `sd` (draft k, verify, repeat), `amusd` (McDanel 2024: one
 verifier works continuously on whatever has been drafted while the drafter keeps drafting up to `max_ahead`
 tokens ahead; a rejection rolls the drafter back), `dsi` (Timor et al. 2024: chunks of k drafts go to N target
-servers in parallel; a rejection preempts everything after it; idle servers run the target alone from the
-committed text, the paper's "non-SI thread", so DSI does not fall behind `ar`).
+servers in parallel; a rejection preempts everything after it; a spare server runs the target alone from the
+committed text, the paper's "non-SI thread", so DSI does not fall behind `ar` when it has a server to spare).
+
+With the paper's idealisations (constant costs, no messages, no prefill) `ar` and `sd` agree with the paper's
+model, and `dsi` agrees at a = 0 and a = 1 and meets Proposition 1 exactly for lookahead 1. Elsewhere it differs,
+for reasons worth knowing (benchmarks/sim_event_vs_paper.py measures them):
+- the paper's count of servers, ceil(1 / (k c)), leaves none for the non-SI thread its cost assumes; with exactly
+  that many, DSI here can be as slow as SI (c = 0.5, a = 0.3, k = 5: 2.5x the paper's time); with one more it is
+  never slower than the paper's model;
+- and then up to ~14% faster: the paper charges the drafting of a chunk whose first draft is rejected right after
+  an accepted chunk, although the previous verification already revealed it (c a (1 - a) per token at k = 1,
+  exactly its gap to Proposition 1), and it races speculation against non-SI per window (min of the two), where
+  here the non-SI thread's tokens also verify drafts.
 
 Acceptance: each draft is independently the target's token with probability a (drawn when it is drafted),
 which gives the paper's geometric number of accepted drafts per verification.
@@ -50,7 +61,7 @@ class Setup:
     comm_s: float = 0.0                 # one message between devices
     target_prefill_s: float = 0.0       # 0: the prompt is already in every cache
     draft_prefill_s: float = 0.0
-    target_only_thread: bool = True     # dsi: idle servers run the target alone from the committed text
+    target_only_thread: bool = True     # dsi: a spare server runs the target alone from the committed text
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -86,7 +97,7 @@ class Result:
     total_s: float
     ttft_s: float                       # time of the first generated token
     trace: Trace
-    drafts: int = 0                     # draft forwards whose output was used (late or stale ones excluded)
+    drafts: int = 0                     # drafts of positions not yet committed (a rollback may discard some)
     accepted: int = 0                   # drafts committed
     rollbacks: int = 0
     verifications: int = 0              # target forwards that verified drafts (or generated, for ar)

@@ -63,6 +63,16 @@ def test_exception_carries_remote_traceback_and_worker_survives(worker):
     assert worker.call("echo", 5) == ((5,), {})
 
 
+def test_bad_request_or_reply_fails_only_that_request(worker, rt):
+    gone = rt.channel("gone", capacity=4)
+    rt.close_channel("gone")                     # unlinked: the worker cannot attach it any more
+    with pytest.raises(RemoteError, match="FileNotFoundError"):
+        worker.call("echo", gone)
+    with pytest.raises(RemoteError, match="pickle"):
+        worker.call("unpicklable")
+    assert worker.call("echo", 6) == ((6,), {})
+
+
 def test_exception_in_loop(worker):
     with pytest.raises(RemoteError, match="KeyError") as info:
         worker.start_loop(loops.raise_in_loop, message="loop broke").result(timeout=10)

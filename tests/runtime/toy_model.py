@@ -61,6 +61,9 @@ class ToyModel:
     def pid(self) -> int:
         return os.getpid()
 
+    def unpicklable(self):
+        return lambda: None
+
 
 def make_toy(**kwargs) -> ToyModel:
     return ToyModel(**kwargs)
