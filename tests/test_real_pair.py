@@ -2,8 +2,11 @@
 
 In bf16 a chunked forward and a one-token forward round differently, so two exact algorithms can part at a
 near-tie. Where sd and ar differ, the first divergence must be one: the target's top-2 logit gap there below
-0.05 in both computations. Any other divergence fails. Needs `make models`.
+0.05 in both computations -- or, where the logits are too large for bf16 to express 0.05 (above 8 its step is
+0.0625, above 16 it is 0.125), at most one bf16 step. Any other divergence fails. Needs `make models`.
 """
+import math
+
 import pytest
 
 from paraspec import Engine, SamplingParams
@@ -45,6 +48,10 @@ def test_sd_equals_ar_on_the_reference_pair(engines, prompt):
         return
     first = next(i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b)
     gaps = expected.margins[first], result.margins[first]
+    top = ar.target.prefill(expected.prompt_ids + expected.token_ids[:first]).max().item()
+    bf16_step = 2.0 ** (math.floor(math.log2(abs(top))) - 7)
     print(f"first divergence at output token {first}: ar {expected.token_ids[first]} vs sd "
-          f"{result.token_ids[first]}, top-2 gaps {gaps[0]:.4f} (ar) / {gaps[1]:.4f} (sd)")
-    assert max(gaps) < NEAR_TIE, f"divergence at token {first} is not a near-tie (gaps {gaps})"
+          f"{result.token_ids[first]}, top-2 gaps {gaps[0]:.4f} (ar) / {gaps[1]:.4f} (sd), top logit "
+          f"{top:.2f} (bf16 step {bf16_step})")
+    assert max(gaps) < NEAR_TIE or max(gaps) <= bf16_step, \
+        f"divergence at token {first} is not a near-tie (gaps {gaps}, bf16 step {bf16_step})"
