@@ -13,6 +13,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
     p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
     p.add_argument("--lookahead", type=int, default=5, help="drafted tokens per verification (sd)")
+    p.add_argument("--max-ahead", type=int, default=16,
+                   help="amusd: how far the draft may run past the verified prefix")
+    p.add_argument("--verify-chunk", type=int, default=8, help="amusd: most drafts verified in one forward")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, float32 elsewhere (faster there)")
     p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
@@ -36,7 +39,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     return dict(target=args.target, draft=args.draft, strategy=args.strategy, lookahead=args.lookahead,
                 dtype=args.dtype, target_devices=args.target_devices, draft_devices=args.draft_devices,
-                backend=args.backend, max_context=args.max_context,
+                backend=args.backend, max_context=args.max_context, max_ahead=args.max_ahead,
+                verify_chunk=args.verify_chunk,
                 allow_vocab_mismatch=args.allow_vocab_mismatch)
 
 

@@ -5,7 +5,6 @@ checkpoints, tokenizer compatibility, sampling values, prompt length.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -37,7 +36,8 @@ class GenerationResult:
 class Engine:
     def __init__(self, target, draft=None, strategy: str = "ar", lookahead: int = 5, dtype="auto",
                  target_devices=("cpu",), draft_devices=("cpu",), backend: str = "native",
-                 max_context: int = 4096, allow_vocab_mismatch: bool = False):
+                 max_context: int = 4096, allow_vocab_mismatch: bool = False, max_ahead: int = 16,
+                 verify_chunk: int = 8):
         self.spec = get_strategy(strategy)
         if self.spec.needs_draft and draft is None:
             raise ValueError(f"strategy {strategy!r} needs a draft model; pass draft=... (--draft)")
@@ -45,32 +45,63 @@ class Engine:
             raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
         if not isinstance(max_context, int) or max_context < 2:
             raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
+        for name, value in (("max_ahead", max_ahead), ("verify_chunk", verify_chunk)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         parse_dtype(dtype)
         self.target_devices = parse_devices(target_devices)
         self.draft_devices = parse_devices(draft_devices) if self.spec.needs_draft else []
-        self.options = {"lookahead": lookahead}
+        self.options = {"lookahead": lookahead, "max_ahead": max_ahead, "verify_chunk": verify_chunk}
         self.strategy = strategy
         self.last_result: GenerationResult | None = None
-        self._pin_in_process(self.target_devices + self.draft_devices)
+        self.runtime = self.channel = None
+        self.target = self.draft = None
 
-        self.target = load_model(target, dtype, backend=backend, max_context=max_context,
-                                 device=self.target_devices[0].torch_device)
-        self.tokenizer = self._maybe_tokenizer(target, dtype)
-        self.draft = None
-        if self.spec.needs_draft:
-            self.draft = load_model(draft, dtype, backend=backend, max_context=max_context,
-                                    device=self.draft_devices[0].torch_device)
-            if not allow_vocab_mismatch:
-                check_compatible(self.target, self.draft, self.tokenizer, self._maybe_tokenizer(draft, dtype))
+        # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
+        dtype_of = lambda devices: parse_dtype(dtype, devices[0].torch_device)
+        target_dir = resolve_checkpoint(target, dtype_of(self.target_devices))
+        draft_dir = resolve_checkpoint(draft, dtype_of(self.draft_devices)) if self.spec.needs_draft else None
+        self.tokenizer = self._maybe_tokenizer(target_dir)
+        load = dict(dtype=dtype, backend=backend, max_context=max_context)
+        if self.spec.workers:
+            self._start_workers(target_dir, draft_dir, load)
+        else:
+            self._pin_in_process(self.target_devices + self.draft_devices)
+            self.target = load_model(target_dir, device=self.target_devices[0].torch_device, **load)
+            if draft_dir is not None:
+                self.draft = load_model(draft_dir, device=self.draft_devices[0].torch_device, **load)
+        if self.draft is not None and not allow_vocab_mismatch:
+            check_compatible(self.target, self.draft, self.tokenizer, self._maybe_tokenizer(draft_dir))
+
+    def _start_workers(self, target_dir, draft_dir, load: dict) -> None:
+        """One worker process per model, pinned to its device group, plus the channel they share."""
+        from paraspec.runtime import RemoteError, Runtime
+        from paraspec.runtime.remote import RemoteModel
+        self.runtime = Runtime(backend="process")
+        try:
+            for role, folder, devices in (("target", target_dir, self.target_devices),
+                                          ("draft", draft_dir, self.draft_devices)):
+                self.runtime.add_worker(role, devices[0], load_model,
+                                        dict(spec=str(folder), device=devices[0].torch_device, **load))
+            try:
+                self.runtime.wait_ready()
+            except RemoteError as e:      # a bad checkpoint found while loading: raise its own clear error
+                raise (e.original if isinstance(e.original, ValueError) else e) from None
+            self.target = RemoteModel(self.runtime["target"])
+            self.draft = RemoteModel(self.runtime["draft"])
+            self.channel = self.runtime.channel("tokens", capacity=self.max_context,
+                                                vocab_size=self.target.vocab_size, q_window=64)
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
-    def _maybe_tokenizer(spec, dtype):
+    def _maybe_tokenizer(folder):
         """The checkpoint's tokenizer, or None for a weights-only checkpoint (token-id prompts still work)."""
-        folder = resolve_checkpoint(spec, parse_dtype(dtype))
         if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                                      "tokenizer.model", "vocab.json")):
             return None
-        return load_tokenizer(folder, dtype)
+        return load_tokenizer(folder)
 
     @staticmethod
     def _pin_in_process(devices: list[Device]) -> None:
@@ -139,10 +170,10 @@ class Engine:
                    margins={} if record_margins else None)
 
     def _decode_loop(self, run: Run):
-        decode = self.spec.decode
-        accepted = inspect.signature(decode).parameters
-        options = {k: v for k, v in self.options.items() if k in accepted}
-        return decode(run, self.target, self.draft, **options)
+        options = {k: v for k, v in self.options.items() if k in self.spec.options}
+        if self.spec.workers:
+            return self.spec.decode(run, self.runtime, self.channel, **options)
+        return self.spec.decode(run, self.target, self.draft, **options)
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`."""
@@ -185,6 +216,9 @@ class Engine:
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop every worker and unlink every shared-memory segment (idempotent)."""
+        if self.runtime is not None:
+            self.runtime.close()
         self.target = self.draft = None
 
     def __enter__(self) -> "Engine":

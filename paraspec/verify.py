@@ -82,3 +82,18 @@ def verify_chain(draft_tokens: list[int], draft_probs: torch.Tensor | None, targ
         return 0, sample(p[0], generator)
     q, p = _same_vocab(draft_probs, p)
     return speculative_accept(draft_tokens, q, p, generator)
+
+
+def verify_token(token: int, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, params,
+                 generator: torch.Generator) -> int | None:
+    """Judge one drafted token against a target distribution computed earlier (one row of logits).
+
+    Returns None when the token stands, else the target's replacement (greedy: its argmax; sampling: a draw
+    from the residual). Used where a full acceptance left the next position's target distribution in hand.
+    """
+    if params.greedy:
+        best = int(target_logits.argmax())
+        return None if best == token else best
+    from paraspec.sampling import logits_to_probs
+    q, p = _same_vocab(draft_probs, logits_to_probs(target_logits, params))
+    return accept_one(token, p, q, generator)

@@ -8,6 +8,7 @@ near-tie. Where sd and ar differ, the first divergence must be one: the target's
 import math
 
 import pytest
+import torch
 
 from paraspec import Engine, SamplingParams
 from paraspec.models.loader import cache_dir
@@ -29,10 +30,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engines():
-    with Engine(TARGET, strategy="ar", dtype="bfloat16") as ar, \
-            Engine(TARGET, DRAFT, strategy="sd", lookahead=5, dtype="bfloat16") as sd:
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def engines(request):
+    with Engine(TARGET, strategy="ar", dtype=request.param) as ar, \
+            Engine(TARGET, DRAFT, strategy="sd", lookahead=5, dtype=request.param) as sd:
         yield ar, sd
 
 
@@ -49,7 +50,7 @@ def test_sd_equals_ar_on_the_reference_pair(engines, prompt):
     first = next(i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b)
     gaps = expected.margins[first], result.margins[first]
     top = ar.target.prefill(expected.prompt_ids + expected.token_ids[:first]).max().item()
-    bf16_step = 2.0 ** (math.floor(math.log2(abs(top))) - 7)
+    bf16_step = 2.0 ** (math.floor(math.log2(abs(top))) - 7) if ar.target.dtype == torch.bfloat16 else 0.0
     print(f"first divergence at output token {first}: ar {expected.token_ids[first]} vs sd "
           f"{result.token_ids[first]}, top-2 gaps {gaps[0]:.4f} (ar) / {gaps[1]:.4f} (sd), top logit "
           f"{top:.2f} (bf16 step {bf16_step})")

@@ -9,8 +9,10 @@
     └── TokenChannel(s)     shared-memory token exchange between loops (channels.py)
 
 Two backends with one interface: "process" (default; spawn, one process per device group) and "inprocess"
-(a thread of the caller's process, no pinning: for tests and single-device runs). A Ray backend would
-subclass Worker the same way: start(), a readable endpoint, and a liveness check.
+(a thread of the caller's process, no pinning: for tests and single-device runs). Both run the same request
+loop (_serve) behind the same Worker interface. A Ray backend would subclass Worker too: _start() launches an
+actor running that loop, and the single-host pieces (socket pair, process sentinel, /dev/shm channels) get
+Ray equivalents (actor calls, actor liveness, Ray's object store).
 
 Requests to one worker run one at a time, in submission order (a call submitted while a loop runs waits for
 the loop). Control messages and results travel over a socket pair (wire.py); logits come back as arrays
@@ -245,7 +247,6 @@ def _serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proce
     except (BrokenPipeError, ConnectionResetError):
         pass   # the caller is gone
     finally:
-        release_attached()
         wire.close()
 
 
@@ -297,13 +298,10 @@ class Handle:
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            self.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as exc:   # noqa: BLE001 - handing it back is the point
-            return exc
-        return None
+        """The error result() would raise (None on success); TimeoutError still propagates."""
+        if not self._settled:
+            self._settle(self.worker._reply_for(self.request_id, timeout))
+        return self._error
 
     def _settle(self, reply: tuple | WorkerDied) -> None:
         self._settled = True

@@ -39,6 +39,7 @@ class Run:
     # optional: the target's top-1 minus top-2 logit for each output index it scored (to tell near-ties
     # from real divergences when comparing strategies in bf16)
     margins: dict[int, float] | None = None
+    worker_reports: dict = field(default_factory=dict)   # raw reports of worker loops (amusd, dsi)
 
     @property
     def done(self) -> bool:

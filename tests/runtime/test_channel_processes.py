@@ -1,5 +1,4 @@
 """Channels between processes: a randomized drafter/verifier stress test and cross-process wake-ups."""
-import threading
 import time
 
 import numpy as np

@@ -1,4 +1,5 @@
 """TokenChannel and StopSignal semantics, in one process (threads stand in for the other side)."""
+import os
 import pickle
 import resource
 import threading
@@ -7,9 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from paraspec.runtime.channels import (ChannelFull, ChannelStopped, StaleVersion, StopSignal, TokenChannel)
+from paraspec.runtime.channels import ChannelFull, ChannelStopped, StaleVersion, StopSignal, TokenChannel
 from tests.runtime.conftest import segments_of
-import os
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_q_errors(channel):
 def test_capacity(channel):
     with pytest.raises(ChannelFull):
         channel.reset(list(range(33)))
-    v = channel.reset(list(range(30)))
+    channel.reset(list(range(30)))
     with pytest.raises(ChannelFull, match="capacity"):
         channel.commit([1, 2, 3])
 

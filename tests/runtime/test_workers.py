@@ -50,6 +50,15 @@ def test_many_requests_in_order(worker):
     assert worker.call("length") == 301
 
 
+def test_pipelined_large_requests_and_replies_do_not_deadlock(worker):
+    """20 x 2 MB arguments sent before any 2 MB reply is read: the worker keeps reading while it writes."""
+    payload = torch.ones(512, 1024)
+    handles = [worker.submit("echo", payload * i) for i in range(20)]
+    for i, handle in enumerate(handles):
+        (echoed,), _ = handle.result(timeout=30)
+        assert torch.equal(echoed, payload * i)
+
+
 def test_exception_carries_remote_traceback_and_worker_survives(worker):
     with pytest.raises(RemoteError) as info:
         worker.call("fail", "bad tokens 1234")

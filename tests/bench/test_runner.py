@@ -1,0 +1,86 @@
+"""The runner's variants, its interleaved schedule, and what it hands every contender."""
+import pytest
+
+from paraspec.bench.datasets import BenchPrompt, encode_prompt, load_prompts
+from paraspec.bench.metrics import Variant
+from paraspec.bench.runner import BenchConfig, Contender, _run, interleave, parse_variants
+from paraspec.engine import GenerationResult
+from paraspec.sampling import SamplingParams
+from paraspec.stats import GenerationStats
+from paraspec.strategies import STRATEGIES
+from paraspec.trace import Trace
+
+
+def test_parse_variants():
+    names = [v.name for v in parse_variants("ar,sd,hf-assisted", [1, 2])]
+    assert names == ["ar@1t", "ar@2t", "sd@1t", "sd@2t", "hf-assisted@1t", "hf-assisted@2t"]
+    assert [v.name for v in parse_variants("ar, sd@2t", [1])] == ["ar@1t", "sd@2t"]
+    assert [v.name for v in parse_variants("ar,hf-ar")] == ["ar", "hf-ar"]
+    assert [v.strategy for v in parse_variants("all,hf-assisted")] == list(STRATEGIES) + ["hf-assisted"]
+    assert [v.name for v in parse_variants("ar,ar@1t", [1])] == ["ar@1t"]          # no duplicates
+
+
+@pytest.mark.parametrize("spec,threads,message", [
+    ("ar,nope", None, "unknown strategy 'nope' in --strategies; choose from ar, sd"),
+    ("sd@xt", None, "bad thread count in 'sd@xt'; write it like sd@2t"),
+    ("sd@0t", None, "it must be >= 1"),
+    (" , ", None, "--strategies is empty"),
+    ("ar", [0], "--threads takes positive integers"),
+])
+def test_parse_variants_errors(spec, threads, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variants(spec, threads)
+
+
+def test_interleave_runs_every_variant_on_a_prompt_before_the_next():
+    variants = [Variant("ar"), Variant("sd"), Variant("hf-ar")]
+    order = interleave(4, variants)
+    assert len(order) == 12
+    for i in range(4):
+        block = order[3 * i: 3 * i + 3]
+        assert {p for p, _ in block} == {i}
+        assert {v for _, v in block} == set(variants)
+        assert block[0][1] == variants[i % 3]             # who goes first rotates with the prompt
+
+
+def fake_contender(variant, calls, tokenizer, answer="ANSWER"):
+    """A contender that logs (variant, prompt ids) and 'generates' the given text."""
+    def generate(prompt_ids, params, record_margins=False):
+        calls.append((variant.name, list(prompt_ids)))
+        tokens = tokenizer.encode(answer if variant.strategy == "ar" else "other", add_special_tokens=False)
+        n = len(tokens)
+        stats = GenerationStats("x", len(prompt_ids), n, 1.0, 0.1, 900 / (n - 1), 1000 / n, n, None, None,
+                                0.0, 0.0, 0, 0, 0, 0)
+        trace = Trace()
+        trace.commit(n, 1.0)
+        return GenerationResult("", tokens, stats, trace, "length", list(prompt_ids), {})
+    return Contender(variant, generate, "cpu", None, 1)
+
+
+def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer):
+    prompts = load_prompts("mt-bench", 2, turns=2)
+    variants = [Variant("sd"), Variant("ar"), Variant("hf-ar")]
+    calls = []
+    contenders = [fake_contender(v, calls, bench_tokenizer) for v in variants]
+    config = BenchConfig("t", "d", variants, SamplingParams(max_new_tokens=8), progress=False)
+    result = _run(config, prompts, bench_tokenizer, True, contenders, "mt-bench", 4096)
+
+    expected_ids = [encode_prompt(bench_tokenizer, prompts[0].as_input(True)),
+                    encode_prompt(bench_tokenizer, prompts[1].as_input(True, {prompts[0].id: "ANSWER"}))]
+    assert [name for name, _ in calls] == [v.name for _, v in interleave(4, variants)]
+    for k, (name, ids) in enumerate(calls[:6]):              # every variant got the very same prompt ids
+        assert ids == expected_ids[k // 3]
+    assert "ANSWER<|im_end|>" in bench_tokenizer.decode(expected_ids[1])       # ar's answer, not sd's "other"
+    assert [r.prompt_id for r in result.records][:3] == ["mt-bench/81/turn1"] * 3
+    assert result.prompt_ids[:2] == expected_ids
+    assert len(result.records) == 12 and result.contenders["ar"]["threads"] == 1
+
+
+def test_run_refuses_prompts_that_leave_no_room(bench_tokenizer):
+    prompts = [BenchPrompt("long", ({"role": "user", "content": "x" * 100},), text="x" * 100)]
+    calls = []
+    config = BenchConfig("t", None, [Variant("ar")], SamplingParams(max_new_tokens=50), progress=False)
+    with pytest.raises(ValueError, match="needs a context of 150, but the models hold 120"):
+        _run(config, prompts, bench_tokenizer, False, [fake_contender(Variant("ar"), calls, bench_tokenizer)],
+             "x", 120)
+    assert calls == []
