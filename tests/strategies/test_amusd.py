@@ -1,0 +1,183 @@
+"""AMUSD: concurrent draft and verify workers return exactly ar's tokens (greedy) and ar's distribution
+(sampling); the draft's cache never holds a token twice; faults surface fast; nothing is left behind."""
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paraspec import Engine, SamplingParams
+from paraspec.runtime import WorkerError
+from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.tiny import make_checkpoint
+
+DEVICES = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"])
+
+
+def shm_segments():
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("paraspec_")}
+
+
+@pytest.fixture(scope="module")
+def ar_engine(qwen2_target):
+    with Engine(qwen2_target, strategy="ar", dtype="float32") as engine:
+        yield engine
+
+
+CONFIGS = {  # draft, max_ahead, verify_chunk
+    "partial-16-8": ("qwen2_partial", 16, 8),
+    "same-4-2": ("qwen2_target", 4, 2),
+    "unrelated-3-8": ("qwen2_unrelated", 3, 8),
+    "partial-1-1": ("qwen2_partial", 1, 1),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def amusd(request, qwen2_target):
+    draft_fixture, max_ahead, verify_chunk = CONFIGS[request.param]
+    draft = request.getfixturevalue(draft_fixture)
+    with Engine(qwen2_target, draft, strategy="amusd", dtype="float32", max_ahead=max_ahead,
+                verify_chunk=verify_chunk, **DEVICES) as engine:
+        engine.config_name = request.param
+        yield engine
+
+
+def check_draft_cache(result):
+    draft = result_reports(result)["draft"]
+    assert draft["cache_length"] == draft["cached"]                 # the cache holds what was processed
+    assert draft["fed"] == draft["cached"] + draft["discarded"]      # no token fed twice without a rollback
+
+
+def result_reports(result):
+    return result.worker_reports
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])
+def test_amusd_greedy_equals_ar(ar_engine, amusd, max_new_tokens):
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    expected = ar_engine.generate(PROMPT, params).token_ids
+    result = amusd.generate(PROMPT, params)
+    assert result.token_ids == expected
+    assert result.finish_reason == "length"
+    check_draft_cache(result)
+    if max_new_tokens == 40:
+        s = result.stats
+        assert s.rounds > 0 and s.drafted > 0
+        if amusd.config_name.startswith("same"):
+            assert s.acceptance_rate == 1.0
+
+
+def test_amusd_stop_token_mid_chunk(ar_engine, amusd):
+    reference = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40)).token_ids
+    position = next(i for i in range(5, 40) if reference[i] not in reference[:i])
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=[reference[position]])
+    result = amusd.generate(PROMPT, params)
+    assert result.token_ids == reference[:position + 1] and result.finish_reason == "stop"
+
+
+def test_amusd_streams_and_serves_many_requests(ar_engine, amusd):
+    for prompt in ["a", "def g(y):", "xyz" * 5]:
+        params = SamplingParams(max_new_tokens=20)
+        text = "".join(amusd.stream(prompt, params))
+        assert amusd.last_result.token_ids == ar_engine.generate(prompt, params).token_ids
+        assert text == amusd.last_result.text
+
+
+def test_amusd_uses_both_paths_and_overlaps(ar_engine, qwen2_target):
+    """With draft == target every draft is accepted; the verifier settles tokens from distributions it
+    already had (judged at once, or its own bonus) -- neither is dropped, as the output equality shows."""
+    params = SamplingParams(max_new_tokens=60)
+    with Engine(qwen2_target, qwen2_target, strategy="amusd", dtype="float32", **DEVICES) as e:
+        result = e.generate(PROMPT, params)
+    assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
+    target = result.worker_reports["target"]
+    assert target["judged_at_once"] + target["bonus"] > 0
+    devices = {ev.device for ev in result.trace.events}
+    assert devices == {"target:cpu:1", "draft:cpu:0"}
+    # the draft drafted while the target verified: some draft event overlaps some verify event
+    drafts = [e for e in result.trace.events if e.kind == "draft"]
+    verifies = [e for e in result.trace.events if e.kind == "verify"]
+    assert any(d.start_s < v.end_s and v.start_s < d.end_s for d in drafts for v in verifies)
+
+
+N_SAMPLES = 3_000
+
+
+@pytest.fixture(scope="module")
+def slow_target_pair(tmp_path_factory):
+    """A target several times slower than its draft, so the draft is usually ahead and most tokens go
+    through speculative acceptance rather than the verifier's own sampling."""
+    d = tmp_path_factory.mktemp("slow-target")
+    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=3, tokenizer=False, vocab_size=VOCAB,
+                             eos_token_id=None, num_hidden_layers=6, hidden_size=128, intermediate_size=512)
+    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
+                            eos_token_id=None, num_hidden_layers=1)
+    return target, draft
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)])
+def test_amusd_sampling_matches_target_distribution(slow_target_pair, sampling):
+    target, draft = slow_target_pair
+    prompt = [1, 2, 3]
+    with Engine(target, draft, strategy="amusd", dtype="float32", max_ahead=4, verify_chunk=2,
+                **DEVICES) as engine, Engine(target, strategy="ar", dtype="float32") as ar:
+        joint = exact_joint(ar, prompt, SamplingParams(**sampling))
+        counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
+        for seed in range(N_SAMPLES):
+            result = engine.generate(prompt, SamplingParams(max_new_tokens=2, seed=seed, **sampling))
+            x1, x2 = result.token_ids
+            counts[x1, x2] += 1
+            drafted += result.stats.drafted
+            accepted += result.stats.accepted
+    assert drafted > N_SAMPLES and 0.1 * drafted < accepted < 0.9 * drafted   # drafts were really judged
+    assert_matches(counts, joint)
+
+
+# -- faults and cleanup ---------------------------------------------------------------------------------------
+
+def test_killed_draft_worker_is_reported_within_seconds(qwen2_target, qwen2_partial):
+    before = shm_segments()
+    engine = Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **DEVICES)
+    pids = [w.pid for w in engine.runtime.workers.values()]
+    stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=4000))
+    next(stream)
+    os.kill(engine.runtime["draft"].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="draft"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 2.0
+    engine.close()
+    time.sleep(0.2)
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    assert shm_segments() <= before
+
+
+def test_close_leaves_nothing_behind(qwen2_target, qwen2_partial):
+    before = shm_segments()
+    engine = Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **DEVICES)
+    assert len(shm_segments() - before) > 0
+    pids = [w.pid for w in engine.runtime.workers.values()]
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=5))
+    engine.close()
+    engine.close()                                   # idempotent
+    time.sleep(0.2)
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+    assert shm_segments() <= before
+
+
+def test_abandoned_stream_cancels_cleanly(ar_engine, qwen2_target, qwen2_partial):
+    with Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **DEVICES) as engine:
+        stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
+        next(stream)
+        stream.close()                                # the consumer walks away mid-request
+        params = SamplingParams(max_new_tokens=12)    # the engine still serves the next request exactly
+        assert engine.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
+
+
+def test_bad_checkpoint_fails_before_workers_start(tmp_path, qwen2_target):
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        Engine(qwen2_target, str(tmp_path / "missing"), strategy="amusd", **DEVICES)
