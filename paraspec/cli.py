@@ -5,17 +5,19 @@ import argparse
 import json
 import sys
 
-from paraspec.strategies import STRATEGIES
+from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an Engine (named like the Engine keyword arguments)."""
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
     p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
-    p.add_argument("--lookahead", type=int, default=5, help="drafted tokens per verification (sd)")
-    p.add_argument("--max-ahead", type=int, default=16,
-                   help="amusd: how far the draft may run past the verified prefix")
-    p.add_argument("--verify-chunk", type=int, default=8, help="amusd: most drafts verified in one forward")
+    for option in OPTIONS.values():   # every strategy's options, from the registry
+        flag = "--" + option.name.replace("_", "-")
+        if option.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=option.default, help=option.help)
+        else:
+            p.add_argument(flag, type=option.type, default=option.default, help=option.help)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, float32 elsewhere (faster there)")
     p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
@@ -37,11 +39,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(target=args.target, draft=args.draft, strategy=args.strategy, lookahead=args.lookahead,
-                dtype=args.dtype, target_devices=args.target_devices, draft_devices=args.draft_devices,
-                backend=args.backend, max_context=args.max_context, max_ahead=args.max_ahead,
-                verify_chunk=args.verify_chunk,
-                allow_vocab_mismatch=args.allow_vocab_mismatch)
+    return dict(target=args.target, draft=args.draft, strategy=args.strategy, dtype=args.dtype,
+                target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
+                max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
+                **{name: getattr(args, name) for name in get_strategy(args.strategy).options})
 
 
 def sampling_params(args):

@@ -13,7 +13,7 @@ from paraspec.models.loader import load_model, load_tokenizer, parse_dtype, reso
 from paraspec.runtime.devices import apply_device, parse_devices, Device
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
-from paraspec.strategies import get_strategy
+from paraspec.strategies import OPTIONS, get_strategy
 from paraspec.strategies.base import Run
 from paraspec.trace import Trace
 
@@ -35,24 +35,24 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, target, draft=None, strategy: str = "ar", lookahead: int = 5, dtype="auto",
-                 target_devices=("cpu",), draft_devices=("cpu",), backend: str = "native",
-                 max_context: int = 4096, allow_vocab_mismatch: bool = False, max_ahead: int = 16,
-                 verify_chunk: int = 8):
+    def __init__(self, target, draft=None, strategy: str = "ar", dtype="auto", target_devices=("cpu",),
+                 draft_devices=("cpu",), backend: str = "native", max_context: int = 4096,
+                 allow_vocab_mismatch: bool = False, **options):
+        """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
+        flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`."""
         self.spec = get_strategy(strategy)
         if self.spec.needs_draft and draft is None:
             raise ValueError(f"strategy {strategy!r} needs a draft model; pass draft=... (--draft)")
-        if not isinstance(lookahead, int) or lookahead < 1:
-            raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
         if not isinstance(max_context, int) or max_context < 2:
             raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
-        for name, value in (("max_ahead", max_ahead), ("verify_chunk", verify_chunk)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown Engine option(s) {unknown}; strategy options are {sorted(OPTIONS)}")
+        self.options = {name: OPTIONS[name].check(options.get(name, OPTIONS[name].default))
+                        for name in self.spec.options}
         parse_dtype(dtype)
         self.target_devices = parse_devices(target_devices)
         self.draft_devices = parse_devices(draft_devices) if self.spec.needs_draft else []
-        self.options = {"lookahead": lookahead, "max_ahead": max_ahead, "verify_chunk": verify_chunk}
         self.strategy = strategy
         self.last_result: GenerationResult | None = None
         self.runtime = self.channel = None
@@ -171,10 +171,9 @@ class Engine:
                    margins={} if record_margins else None)
 
     def _decode_loop(self, run: Run):
-        options = {k: v for k, v in self.options.items() if k in self.spec.options}
         if self.spec.workers:
-            return self.spec.decode(run, self.runtime, self.channel, **options)
-        return self.spec.decode(run, self.target, self.draft, **options)
+            return self.spec.decode(run, self.runtime, self.channel, **self.options)
+        return self.spec.decode(run, self.target, self.draft, **self.options)
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`."""

@@ -160,7 +160,7 @@ def test_unreachable_hub_names_the_offline_fix(monkeypatch, tmp_path):
 
 
 def test_bad_engine_values(qwen2_target, qwen2_partial):
-    with pytest.raises(ValueError, match="lookahead"):
+    with pytest.raises(ValueError, match="lookahead must be >= 1"):
         Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=0)
     with pytest.raises(ValueError, match="unknown dtype"):
         Engine(qwen2_target, dtype="int3")
@@ -173,3 +173,10 @@ def test_hf_backend_sd_equals_ar(qwen2_target, qwen2_partial):
     with Engine(qwen2_target, dtype="float32") as ar, \
             Engine(qwen2_target, qwen2_partial, strategy="sd", backend="hf", dtype="float32") as sd:
         assert sd.generate("abc", params).token_ids == ar.generate("abc", params).token_ids
+
+
+def test_unknown_and_bad_strategy_options(qwen2_target, qwen2_partial):
+    with pytest.raises(TypeError, match="unknown Engine option.*'lookahed'"):
+        Engine(qwen2_target, qwen2_partial, strategy="sd", lookahed=3)
+    with pytest.raises(ValueError, match="lookahead must be an integer"):
+        Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=2.5)

@@ -1,14 +1,15 @@
-"""The reference pair (Qwen2.5-Coder 1.5B target, 0.5B draft) in bf16: sd returns ar's tokens.
+"""The reference pair (Qwen2.5-Coder 1.5B target, 0.5B draft): every strategy returns ar's tokens.
 
 In bf16 a chunked forward and a one-token forward round differently, so two exact algorithms can part at a
-near-tie. Where sd and ar differ, the first divergence must be one: the target's top-2 logit gap there below
-0.05 in both computations -- or, where the logits are too large for bf16 to express 0.05 (above 8 its step is
-0.0625, above 16 it is 0.125), at most one bf16 step. Any other divergence fails. Needs `make models`.
+near-tie. Where a strategy and ar differ, the first divergence must be one: the target's top-2 logit gap there
+below 0.05 in both computations -- or, where the logits are too large for bf16 to express 0.05 (above 8 its
+step is 0.0625, above 16 it is 0.125), at most one bf16 step. Any other divergence fails. In fp32 the same
+rule applies with the 0.05 bound alone. Needs `make models`. One engine is alive at a time (fp32 engines of
+the pair take ~10 GB).
 """
 import math
 
 import pytest
-import torch
 
 from paraspec import Engine, SamplingParams
 from paraspec.models.loader import cache_dir
@@ -22,6 +23,11 @@ PROMPTS = [
     "threshold.\"\"\"\n",
     "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
 ]
+PARAMS = SamplingParams(max_new_tokens=64)
+STRATEGIES = {
+    "sd": dict(strategy="sd", lookahead=5),
+    "amusd": dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
+}
 
 pytestmark = [
     pytest.mark.real_pair,
@@ -31,28 +37,36 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
-def engines(request):
-    with Engine(TARGET, strategy="ar", dtype=request.param) as ar, \
-            Engine(TARGET, DRAFT, strategy="sd", lookahead=5, dtype=request.param) as sd:
-        yield ar, sd
+def reference(request):
+    """ar's outputs (with the target's top-2 margins) for each prompt, in one dtype."""
+    with Engine(TARGET, strategy="ar", dtype=request.param) as ar:
+        return request.param, [ar.generate(p, PARAMS, record_margins=True) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_sd_equals_ar_on_the_reference_pair(engines, prompt):
-    ar, sd = engines
-    params = SamplingParams(max_new_tokens=64)
-    expected = ar.generate(prompt, params, record_margins=True)
-    result = sd.generate(prompt, params, record_margins=True)
-    assert len(expected.token_ids) == 64 or expected.finish_reason == "stop"
-    assert result.stats.accepted > 0
+def first_divergence_is_a_near_tie(engine, dtype, expected, result) -> str | None:
+    """None if the outputs are equal; a description if they part at a near-tie; AssertionError otherwise."""
     if result.token_ids == expected.token_ids:
-        return
-    first = next(i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b)
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b),
+                 min(len(expected.token_ids), len(result.token_ids)))
     gaps = expected.margins[first], result.margins[first]
-    top = ar.target.prefill(expected.prompt_ids + expected.token_ids[:first]).max().item()
-    bf16_step = 2.0 ** (math.floor(math.log2(abs(top))) - 7) if ar.target.dtype == torch.bfloat16 else 0.0
-    print(f"first divergence at output token {first}: ar {expected.token_ids[first]} vs sd "
-          f"{result.token_ids[first]}, top-2 gaps {gaps[0]:.4f} (ar) / {gaps[1]:.4f} (sd), top logit "
-          f"{top:.2f} (bf16 step {bf16_step})")
-    assert max(gaps) < NEAR_TIE or max(gaps) <= bf16_step, \
-        f"divergence at token {first} is not a near-tie (gaps {gaps}, bf16 step {bf16_step})"
+    top = engine.target.prefill(expected.prompt_ids + expected.token_ids[:first]).max().item()
+    step = 2.0 ** (math.floor(math.log2(abs(top))) - 7) if dtype == "bfloat16" else 0.0
+    note = (f"first divergence at output token {first}: ar {expected.token_ids[first]} vs "
+            f"{result.stats.strategy} {result.token_ids[first]}, top-2 gaps {gaps[0]:.4f} (ar) / "
+            f"{gaps[1]:.4f} ({result.stats.strategy}), top logit {top:.2f}")
+    assert max(gaps) < NEAR_TIE or max(gaps) <= step, f"not a near-tie: {note}"
+    return note
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_equals_ar_on_the_reference_pair(reference, name):
+    dtype, expected = reference
+    with Engine(TARGET, DRAFT, dtype=dtype, **STRATEGIES[name]) as engine:
+        for prompt, ar_result in zip(PROMPTS, expected):
+            result = engine.generate(prompt, PARAMS, record_margins=True)
+            assert len(ar_result.token_ids) == 64 or ar_result.finish_reason == "stop"
+            assert result.stats.accepted > 0
+            note = first_divergence_is_a_near_tie(engine, dtype, ar_result, result)
+            if note:
+                print(f"[{name} {dtype}] {note}")

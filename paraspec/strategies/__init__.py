@@ -5,9 +5,37 @@ A strategy that is not implemented is absent here, and therefore absent from the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from paraspec.strategies import amusd, ar, sd
+
+
+@dataclass(frozen=True)
+class Option:
+    """A strategy option: an Engine keyword argument and a CLI flag (`lp_size` <-> `--lp-size`)."""
+    name: str
+    type: type
+    default: Any
+    help: str
+    minimum: int | None = 1           # ints and floats: the smallest valid value
+
+    def check(self, value):
+        if self.type is int and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{self.name} must be an integer, got {value!r}")
+        if self.type is float and not isinstance(value, (int, float)):
+            raise ValueError(f"{self.name} must be a number, got {value!r}")
+        if self.type is bool and not isinstance(value, bool):
+            raise ValueError(f"{self.name} must be True or False, got {value!r}")
+        if self.minimum is not None and self.type in (int, float) and value < self.minimum:
+            raise ValueError(f"{self.name} must be >= {self.minimum}, got {value!r}")
+        return value
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("lookahead", int, 5, "sd: drafted tokens per verification"),
+    Option("max_ahead", int, 16, "amusd: how far the draft may run past the verified prefix"),
+    Option("verify_chunk", int, 8, "amusd: most drafts verified in one forward"),
+)}
 
 
 @dataclass(frozen=True)
@@ -15,7 +43,7 @@ class StrategySpec:
     name: str
     decode: Callable
     needs_draft: bool
-    options: tuple[str, ...] = ()     # Engine keyword arguments passed to decode (named like the CLI flags)
+    options: tuple[str, ...] = ()     # names in OPTIONS passed to decode as keyword arguments
     summary: str = ""
     workers: bool = False             # runs its models in worker processes: decode(run, runtime, channel, ...)
 
