@@ -80,15 +80,18 @@ class Engine:
         from paraspec.runtime.remote import RemoteModel
         self.runtime = Runtime(backend="process")
         try:
-            for role, folder, devices in (("target", target_dir, self.target_devices),
-                                          ("draft", draft_dir, self.draft_devices)):
-                self.runtime.add_worker(role, devices[0], load_model,
-                                        dict(spec=str(folder), device=devices[0].torch_device, **load))
+            # dsi: one target server per target device (group), target0..N-1; others: one "target"
+            targets = ([(f"target{i}", d) for i, d in enumerate(self.target_devices)] if self.spec.target_servers
+                       else [("target", self.target_devices[0])])
+            for role, folder, device in [(name, target_dir, d) for name, d in targets] + \
+                    [("draft", draft_dir, self.draft_devices[0])]:
+                self.runtime.add_worker(role, device, load_model,
+                                        dict(spec=str(folder), device=device.torch_device, **load))
             try:
                 self.runtime.wait_ready()
             except RemoteError as e:      # a bad checkpoint found while loading: raise its own clear error
                 raise (e.original if isinstance(e.original, ValueError) else e) from None
-            self.target = RemoteModel(self.runtime["target"])
+            self.target = RemoteModel(self.runtime[targets[0][0]])
             self.draft = RemoteModel(self.runtime["draft"])
             self.channel = self.runtime.channel("tokens", capacity=self.max_context,
                                                 vocab_size=self.target.vocab_size, q_window=64)

@@ -97,3 +97,65 @@ def verify_token(token: int, draft_probs: torch.Tensor | None, target_logits: to
     from paraspec.sampling import logits_to_probs
     q, p = _same_vocab(draft_probs, logits_to_probs(target_logits, params))
     return accept_one(token, p, q, generator)
+
+
+# -- token trees (SpecInfer, Miao et al. 2024) ------------------------------------------------------------------
+
+def multi_step_accept(candidates: list[int], p: torch.Tensor, q: torch.Tensor,
+                      generator: torch.Generator) -> tuple[int | None, int]:
+    """SpecInfer's multi-step speculative sampling over siblings drawn i.i.d. (with replacement) from q.
+
+    Child i is kept with probability min(1, p_i(x_i) / q(x_i)), where p_1 = p and, after each rejection,
+    p_{i+1} = norm(max(0, p_i - q)). Every step divides by the same q, because every sibling was drawn from that
+    same q independently of the others; only the target side becomes the residual. When all are rejected the
+    token is drawn from the last residual. Returns (index of the kept child or None, the token).
+
+    Why it is exact: by induction from the last step, if steps i+1.. output p_{i+1}, step i outputs
+    min(q, p_i)(x) + (sum_y max(0, p_i - q)(y)) * p_{i+1}(x) = min(q, p_i)(x) + max(0, p_i - q)(x) = p_i(x).
+    """
+    for i, token in enumerate(candidates):
+        p_x, q_x = float(p[token]), float(q[token])
+        if q_x <= 0:
+            raise ValueError(f"draft token {token} has q = 0: it was not sampled from this q")
+        if p_x >= q_x or torch.rand((), generator=generator).item() * q_x < p_x:
+            return i, token
+        p = residual(p, q)
+    return None, sample(p, generator)
+
+
+def verify_tree(tokens: list[int], parents: list[int], draft_probs: dict[int, torch.Tensor] | None,
+                target_logits: torch.Tensor, params, generator: torch.Generator) -> tuple[list[int], int]:
+    """Accept a path of a token tree against the target's logits for the root and every node.
+
+    tokens[i], parents[i]: node i's token and its parent's index (-1: a child of the root); parents come before
+    children. target_logits: [len(tokens) + 1, vocab], row 0 at the root, row i + 1 at node i.
+    draft_probs[v]: the q the children of v (v = -1: the root) were drawn from (sampling only).
+    Greedy: follow the child equal to the target's argmax while there is one. Sampling: multi-step
+    speculative sampling over each node's children. Returns (accepted node indices root-down, next token):
+    the next token is the target's correction, or its bonus token after a leaf.
+    """
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path: list[int] = []
+    node = -1
+    if params.greedy:
+        best = target_logits.argmax(-1).tolist()
+        while True:
+            match = next((c for c in children.get(node, ()) if tokens[c] == best[node + 1]), None)
+            if match is None:
+                return path, best[node + 1]
+            path.append(match)
+            node = match
+    from paraspec.sampling import logits_to_probs
+    while True:
+        p = logits_to_probs(target_logits[node + 1], params)
+        kids = children.get(node)
+        if not kids:
+            return path, sample(p, generator)
+        q, p = _same_vocab(draft_probs[node], p)
+        kept, token = multi_step_accept([tokens[c] for c in kids], p, q, generator)
+        if kept is None:
+            return path, token
+        node = kids[kept]
+        path.append(node)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from paraspec.strategies import amusd, ar, sd
+from paraspec.strategies import amusd, ar, dsi, sd, tree
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,13 @@ class Option:
 
 
 OPTIONS: dict[str, Option] = {o.name: o for o in (
-    Option("lookahead", int, 5, "sd: drafted tokens per verification"),
-    Option("max_ahead", int, 16, "amusd: how far the draft may run past the verified prefix"),
+    Option("lookahead", int, 5, "sd: drafted tokens per verification; dsi: drafted tokens per chunk"),
+    Option("max_ahead", int, 16, "amusd, dsi: how far the draft may run past the verified prefix "
+                                  "(dsi: servers x lookahead keeps every server busy)"),
     Option("verify_chunk", int, 8, "amusd: most drafts verified in one forward"),
+    Option("tree_width", int, 4, "tree, easyspec: most nodes per tree level (1 = a chain)"),
+    Option("tree_depth", int, 5, "tree, easyspec: levels of the draft tree (tokens one round can accept)"),
+    Option("tree_budget", int, 64, "tree, easyspec: most tree nodes verified in one target forward"),
 )}
 
 
@@ -46,6 +50,7 @@ class StrategySpec:
     options: tuple[str, ...] = ()     # names in OPTIONS passed to decode as keyword arguments
     summary: str = ""
     workers: bool = False             # runs its models in worker processes: decode(run, runtime, channel, ...)
+    target_servers: bool = False      # workers only: one target worker per target device, target0..N-1
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -54,6 +59,11 @@ STRATEGIES: dict[str, StrategySpec] = {
                        summary="synchronous speculative decoding (draft k, verify in one forward)"),
     "amusd": StrategySpec("amusd", amusd.decode, needs_draft=True, options=("max_ahead", "verify_chunk"),
                           summary="draft and verify at the same time on separate devices (AMUSD)", workers=True),
+    "dsi": StrategySpec("dsi", dsi.decode, needs_draft=True, options=("lookahead", "max_ahead"),
+                        summary="one drafter, N target servers verifying chunks in parallel (DSI)", workers=True,
+                        target_servers=True),
+    "tree": StrategySpec("tree", tree.decode, needs_draft=True, options=("tree_width", "tree_depth", "tree_budget"),
+                         summary="token-tree speculative decoding, one tree-masked target forward (SpecInfer)"),
 }
 
 
