@@ -149,3 +149,15 @@ def test_sampling_check_has_power(small_vocab_pair):
         counts = sampled_joint(d, prompt, lambda s: SamplingParams(max_new_tokens=2, seed=s, temperature=1.0))
     with pytest.raises(AssertionError):
         assert_matches(counts, joint)
+
+
+@pytest.mark.parametrize("confidence", [0.3, 0.9])
+def test_sd_confidence_stop_equals_ar(ar_engine, qwen2_target, qwen2_partial, confidence):
+    """Stopping a round's drafting where the draft is unsure (HF's assisted-generation rule) stays exact,
+    and really shortens rounds."""
+    params = SamplingParams(max_new_tokens=40)
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=12, draft_confidence=confidence,
+                dtype="float32") as sd:
+        result = sd.generate(PROMPT, params)
+    assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
+    assert result.stats.drafted < 12 * result.stats.rounds
