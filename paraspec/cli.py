@@ -26,6 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="native", choices=["native", "hf"],
                    help="native decoder (Llama/Qwen2/Mistral) or any transformers causal LM")
     p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens")
+    p.add_argument("--runtime", default="process", choices=["process", "inprocess", "ray"],
+                   help="where worker strategies (amusd, dsi, easyspec) run their models: one process per "
+                        "device group, threads (tests), or Ray actors (pip install 'paraspec[ray]')")
     p.add_argument("--allow-vocab-mismatch", action="store_true",
                    help="skip the check that draft and target share a tokenizer")
 
@@ -42,6 +45,7 @@ def engine_kwargs(args) -> dict:
     return dict(target=args.target, draft=args.draft, strategy=args.strategy, dtype=args.dtype,
                 target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
                 max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
+                runtime=args.runtime,
                 **{name: getattr(args, name) for name in get_strategy(args.strategy).options})
 
 
@@ -98,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
 
-    for module in ("paraspec.bench.cli", "paraspec.sim.cli"):
+    for module in ("paraspec.bench.cli", "paraspec.sim.cli", "paraspec.study.cli"):
         try:
             mod = __import__(module, fromlist=["add_commands"])
         except ModuleNotFoundError as e:

@@ -37,9 +37,10 @@ class GenerationResult:
 class Engine:
     def __init__(self, target, draft=None, strategy: str = "ar", dtype="auto", target_devices=("cpu",),
                  draft_devices=("cpu",), backend: str = "native", max_context: int = 4096,
-                 allow_vocab_mismatch: bool = False, **options):
+                 allow_vocab_mismatch: bool = False, runtime: str = "process", **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
-        flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`."""
+        flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
+        workers of amusd/dsi: "process" (one process per device group), "inprocess" (threads, for tests)."""
         self.spec = get_strategy(strategy)
         if self.spec.needs_draft and draft is None:
             raise ValueError(f"strategy {strategy!r} needs a draft model; pass draft=... (--draft)")
@@ -60,33 +61,35 @@ class Engine:
 
         # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
         dtype_of = lambda devices: parse_dtype(dtype, devices[0].torch_device)
-        target_dir = resolve_checkpoint(target, dtype_of(self.target_devices))
-        draft_dir = resolve_checkpoint(draft, dtype_of(self.draft_devices)) if self.spec.needs_draft else None
+        target_dir = _resolve(target, dtype_of(self.target_devices))
+        draft_dir = _resolve(draft, dtype_of(self.draft_devices)) if self.spec.needs_draft else None
+        self._draft_dir = draft_dir
         self.tokenizer = self._maybe_tokenizer(target_dir)
         load = dict(dtype=dtype, backend=backend, max_context=max_context)
         if self.spec.workers:
-            self._start_workers(target_dir, draft_dir, load)
+            self._start_workers(target_dir, draft_dir, load, runtime)
         else:
             self._pin_in_process(self.target_devices + self.draft_devices)
-            self.target = load_model(target_dir, device=self.target_devices[0].torch_device, **load)
+            self.target = _loader(target_dir)(target_dir, device=self.target_devices[0].torch_device, **load)
             if draft_dir is not None:
-                self.draft = load_model(draft_dir, device=self.draft_devices[0].torch_device, **load)
+                self.draft = _loader(draft_dir)(draft_dir, device=self.draft_devices[0].torch_device, **load)
         if self.draft is not None and not allow_vocab_mismatch:
             check_compatible(self.target, self.draft, self.tokenizer, self._maybe_tokenizer(draft_dir))
 
-    def _start_workers(self, target_dir, draft_dir, load: dict) -> None:
+    def _start_workers(self, target_dir, draft_dir, load: dict, backend: str = "process") -> None:
         """One worker process per model, pinned to its device group, plus the channel they share."""
         from paraspec.runtime import RemoteError, Runtime
         from paraspec.runtime.remote import RemoteModel
-        self.runtime = Runtime(backend="process")
+        self.runtime = Runtime(backend=backend)
         try:
             # dsi: one target server per target device (group), target0..N-1; others: one "target"
             targets = ([(f"target{i}", d) for i, d in enumerate(self.target_devices)] if self.spec.target_servers
                        else [("target", self.target_devices[0])])
             for role, folder, device in [(name, target_dir, d) for name, d in targets] + \
                     [("draft", draft_dir, self.draft_devices[0])]:
-                self.runtime.add_worker(role, device, load_model,
-                                        dict(spec=str(folder), device=device.torch_device, **load))
+                spec = folder if _simulated(folder) else str(folder)
+                self.runtime.add_worker(role, device, _loader(folder),
+                                        dict(spec=spec, device=device.torch_device, **load))
             try:
                 self.runtime.wait_ready()
             except RemoteError as e:      # a bad checkpoint found while loading: raise its own clear error
@@ -102,8 +105,8 @@ class Engine:
     @staticmethod
     def _maybe_tokenizer(folder):
         """The checkpoint's tokenizer, or None for a weights-only checkpoint (token-id prompts still work)."""
-        if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                     "tokenizer.model", "vocab.json")):
+        if _simulated(folder) or not any((folder / f).exists() for f in (
+                "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
             return None
         return load_tokenizer(folder)
 
@@ -176,7 +179,11 @@ class Engine:
     def _decode_loop(self, run: Run):
         if self.spec.workers:
             return self.spec.decode(run, self.runtime, self.channel, **self.options)
-        return self.spec.decode(run, self.target, self.draft, **self.options)
+        placement = {}
+        if self.spec.spreads_draft and len(self.draft_devices) > 1:
+            placement = dict(draft_devices=[str(d) for d in self.draft_devices],
+                             draft_checkpoint=str(self._draft_dir))
+        return self.spec.decode(run, self.target, self.draft, **self.options, **placement)
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`."""
@@ -222,6 +229,9 @@ class Engine:
         """Stop every worker and unlink every shared-memory segment (idempotent)."""
         if self.runtime is not None:
             self.runtime.close()
+        drafter = getattr(self.draft, "_easyspec_drafter", None)   # easyspec's draft replicas on other devices
+        if drafter is not None:
+            drafter.close()
         self.target = self.draft = None
 
     def __enter__(self) -> "Engine":
@@ -229,6 +239,24 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _simulated(spec) -> bool:
+    from paraspec.models.simulated import SimulatedSpec
+    return isinstance(spec, SimulatedSpec)
+
+
+def _resolve(spec, dtype):
+    """A checkpoint folder (resolved and converted here), or a simulated model's spec as it is."""
+    return spec if _simulated(spec) else resolve_checkpoint(spec, dtype)
+
+
+def _loader(spec):
+    """load_model for checkpoints; simulated models (models/simulated.py) build from their spec."""
+    if _simulated(spec):
+        from paraspec.models.simulated import load_simulated
+        return load_simulated
+    return load_model
 
 
 def check_compatible(target, draft, target_tok, draft_tok) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from paraspec.bench.datasets import DATASETS
 from paraspec.bench.hf_baselines import HF_STRATEGIES
-from paraspec.strategies import STRATEGIES
+from paraspec.strategies import OPTIONS, STRATEGIES
 
 
 def add_commands(subparsers) -> None:
@@ -23,8 +23,10 @@ def add_commands(subparsers) -> None:
                        help=f"comma-separated: {', '.join(list(STRATEGIES) + list(HF_STRATEGIES))}, or all "
                             f"(every paraspec strategy); NAME@Nt fixes a thread count")
     bench.add_argument("--threads", type=_int_list, metavar="N[,N]",
-                       help="run each strategy at each of these torch thread counts, e.g. 1,2 (variants ar@1t, "
-                            "ar@2t, ...); default: the thread count the engine's devices give")
+                       help="run each in-process strategy at each of these torch thread counts, on every core "
+                            "this process may use, e.g. 1,2 (variants ar@1t, ar@2t, ...); default: the cores and "
+                            "threads the engine's devices give. Strategies in worker processes (amusd, dsi) run "
+                            "once, on their devices")
     bench.add_argument("--dataset", nargs="+", default=["humaneval"], metavar="NAME",
                        help=f"{', '.join(DATASETS)}, or FILE.jsonl (a 'prompt' or 'messages' field per line); "
                             f"several give one table each")
@@ -33,9 +35,6 @@ def add_commands(subparsers) -> None:
                        help="MT-Bench: 2 also runs the second turn, with ar's first answer in the history")
     bench.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                        help="apply the chat template (default: when the target's tokenizer has one)")
-    bench.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                       help="a strategy option (Engine keyword, e.g. lp_size=2), passed to the strategies "
-                            "that take it; repeatable")
     bench.add_argument("--warmup-tokens", type=int, default=8, help="tokens of each variant's warm-up run")
     bench.add_argument("--hf-assistant-tokens", type=int,
                        help="hf-assisted: drafted tokens per round (default: transformers' own, 20, cut short "
@@ -83,21 +82,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def parse_options(items: list[str]) -> dict:
-    """KEY=VALUE flags -> Engine keyword arguments; values are JSON when they parse (2, 0.5, true), else text."""
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"--option {item!r}: write it as KEY=VALUE, e.g. lp_size=2")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
 def cmd_bench(args) -> int:
     from paraspec.bench.datasets import load_prompts
     from paraspec.bench.report import write_report
@@ -112,9 +96,10 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
     config = BenchConfig(
         target=args.target, draft=args.draft, variants=variants, params=sampling_params(args),
-        lookahead=args.lookahead, dtype=args.dtype, target_devices=tuple(args.target_devices),
+        dtype=args.dtype, target_devices=tuple(args.target_devices),
         draft_devices=tuple(args.draft_devices), backend=args.backend, max_context=args.max_context,
-        allow_vocab_mismatch=args.allow_vocab_mismatch, options=parse_options(args.option), chat=args.chat,
+        allow_vocab_mismatch=args.allow_vocab_mismatch, chat=args.chat,
+        options={name: getattr(args, name) for name in OPTIONS},       # each engine takes its own
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
         hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress)
     prompt_sets = {name: load_prompts(name, args.num_prompts, args.turns if name == "mt-bench" else 1)

@@ -83,9 +83,12 @@ def check_tokens(reference: Record, record: Record) -> Divergence | None:
     return Divergence(record.prompt_id, index, ref_token, token, ref_margin, margin)
 
 
-def reference_variant(variant: Variant, variants: list[Variant], strategy: str) -> Variant | None:
-    """The `strategy` variant to compare `variant` with: the one at the same thread count, else the first."""
-    same = [v for v in variants if v.strategy == strategy and v.threads == variant.threads]
+def reference_variant(variant: Variant, variants: list[Variant], strategy: str,
+                      cores: dict[Variant, int] | None = None) -> Variant | None:
+    """The `strategy` variant to compare `variant` with: the one on the same hardware budget (`cores`, by
+    default the thread count), else the first."""
+    budget = (lambda v: cores.get(v, v.threads)) if cores else (lambda v: v.threads)
+    same = [v for v in variants if v.strategy == strategy and budget(v) == budget(variant)]
     any_ = [v for v in variants if v.strategy == strategy]
     return (same or any_ or [None])[0]
 
@@ -124,13 +127,18 @@ def busy_fraction(trace: Trace, total_s: float) -> dict[str, float]:
     return {d: (s / total_s if total_s > 0 else 0.0) for d, s in sorted(busy.items())}
 
 
-def summarize(records: list[Record], variants: list[Variant], greedy: bool) -> list[dict]:
-    """One row per variant: the figures of the markdown table (see module docstring for conventions)."""
+def summarize(records: list[Record], variants: list[Variant], greedy: bool,
+              cores: dict[Variant, int] | None = None) -> list[dict]:
+    """One row per variant: the figures of the markdown table (see module docstring for conventions).
+    `cores` is each variant's hardware budget (threads, or the cores of a worker strategy's devices); a
+    speedup compares variants of equal budget."""
     by_variant = {v: sorted((r for r in records if r.variant == v), key=lambda r: r.prompt_index)
                   for v in variants}
-    first_ar = reference_variant(Variant("ar", None), variants, "ar")
-    min_threads = min((v.threads for v in variants if v.threads is not None), default=None)
-    one_thread_ar = next((v for v in variants if v.strategy == "ar" and v.threads == min_threads), None)
+    budget = (lambda v: cores.get(v, v.threads)) if cores else (lambda v: v.threads)
+    first_ar = next((v for v in variants if v.strategy == "ar"), None)
+    ar_budgets = [budget(v) for v in variants if v.strategy == "ar" and budget(v) is not None]
+    smallest_ar = next((v for v in variants if v.strategy == "ar" and budget(v) == min(ar_budgets)), None) \
+        if ar_budgets else None
     rows = []
     for v in variants:
         runs = by_variant[v]
@@ -138,8 +146,8 @@ def summarize(records: list[Record], variants: list[Variant], greedy: bool) -> l
             continue
         stats = [r.stats for r in runs]
         acceptance, accepted_length = pooled_acceptance(stats)
-        ar = reference_variant(v, variants, "ar")
-        hf_assisted = reference_variant(v, variants, "hf-assisted")
+        ar = reference_variant(v, variants, "ar", cores)
+        hf_assisted = reference_variant(v, variants, "hf-assisted", cores)
         row = {
             "variant": v.name, "strategy": v.strategy, "threads": v.threads, "prompts": len(runs),
             "new_tokens": sum(s.new_tokens for s in stats),
@@ -147,6 +155,8 @@ def summarize(records: list[Record], variants: list[Variant], greedy: bool) -> l
             "tokens_per_s": statistics.median(s.tokens_per_s for s in stats),
             "speedup_vs_ar": paired_speedup(by_variant[ar], runs) if ar else None,
             "speedup_vs_hf_assisted": paired_speedup(by_variant[hf_assisted], runs) if hf_assisted else None,
+            "speedup_references": {"ar": ar.name if ar else None,
+                                   "hf-assisted": hf_assisted.name if hf_assisted else None},
             "ttft_ms": statistics.median(s.ttft_s * 1000 for s in stats),
             "tpot_ms": statistics.median(s.tpot_ms for s in stats),
             "acceptance_rate": acceptance, "mean_accepted_length": accepted_length,
@@ -155,8 +165,9 @@ def summarize(records: list[Record], variants: list[Variant], greedy: bool) -> l
                                                       [s.new_tokens for s in stats]),
             "busy_fraction": _median_busy(runs),
         }
-        if one_thread_ar is not None and len({x.threads for x in variants}) > 1:
-            row[f"speedup_vs_{one_thread_ar.name}"] = paired_speedup(by_variant[one_thread_ar], runs)
+        if smallest_ar is not None and smallest_ar.threads is not None and len({budget(x) for x in variants}) > 1:
+            # the one-device comparison next to the same-budget one (BENCHMARKS.md: both matter)
+            row[f"speedup_vs_{smallest_ar.name}"] = paired_speedup(by_variant[smallest_ar], runs)
         # identical-to-ar: ar variants are checked against the first ar (do thread counts change tokens?)
         reference = first_ar if v.strategy == "ar" else ar
         row["reference"] = reference.name if reference else None

@@ -40,7 +40,7 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
              f"dtype {cfg.dtype} ({dtype_text})",
              "",
              f"target `{cfg.target}`" + (f", draft `{cfg.draft}`" if cfg.draft else "")
-             + f", chat template {'on' if result.chat else 'off'}, lookahead {cfg.lookahead}",
+             + f", chat template {'on' if result.chat else 'off'}" + _options_text(result),
              "",
              "| " + " | ".join(header) + " |",
              "|" + "|".join("---" for _ in header) + "|"]
@@ -48,8 +48,7 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
         info = result.contenders[row["variant"]]
         cells = [row["variant"], info["devices"], str(info["threads"]),
                  _num(row["ms_per_token"], ".1f"), _num(row["tokens_per_s"], ".2f"),
-                 _num(row["speedup_vs_ar"], ".2f") + ("×" if row["speedup_vs_ar"] is not None else ""),
-                 _num(row["speedup_vs_hf_assisted"], ".2f") + ("×" if row["speedup_vs_hf_assisted"] else "")]
+                 _speedup(result, row, "ar"), _speedup(result, row, "hf-assisted")]
         cells += [_num(row.get(k), ".2f") + ("×" if row.get(k) is not None else "") for k in extra]
         cells += [_num(row["ttft_ms"], ".0f"), _num(row["tpot_ms"], ".1f"),
                   NONE if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}",
@@ -59,8 +58,9 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
                   _identical(row)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Times are medians over prompts; speedups are medians of per-prompt ratios against the variant "
-              "at the same thread count; acceptance and mean accepted length are pooled over prompts. "
-              "`= ar`: prompts whose tokens equal `ar`'s (ar variants: equal to the first ar variant)."]
+              "on the same number of cores (threads; a worker strategy: the cores of its devices); acceptance "
+              "and mean accepted length are pooled over prompts. `= ar`: prompts whose tokens equal those of "
+              "that ar (ar variants: equal to the first ar variant)."]
     divergences = [(row["variant"], row["reference"], d) for row in rows for d in row["divergences"]]
     if divergences:
         lines += ["", "First divergences (top-1 minus top-2 target logit there; a small gap is a near-tie):"]
@@ -69,6 +69,27 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
                          f"{_tok(d['reference_token'])} vs {_tok(d['token'])}, gap {_num(d['reference_margin'], '.4f')}"
                          f" ({reference}) / {_num(d['margin'], '.4f')} ({variant})")
     return "\n".join(lines) + "\n"
+
+
+def _speedup(result: BenchResult, row: dict, baseline: str) -> str:
+    """`1.23×`; the reference is named when its hardware budget differs from this variant's (no variant of
+    the baseline ran on the same number of cores)."""
+    value = row["speedup_vs_" + baseline.replace("-", "_")]
+    if value is None:
+        return NONE
+    reference = row["speedup_references"][baseline]
+    cores = {name: info["cores"] for name, info in result.contenders.items()}
+    return f"{value:.2f}×" + (f" (vs {reference})" if cores[reference] != cores[row["variant"]] else "")
+
+
+def _options_text(result: BenchResult) -> str:
+    """`; sd: lookahead=5; amusd: max_ahead=16, verify_chunk=8` (the options each strategy ran with)."""
+    parts = {}
+    for info in result.contenders.values():
+        options = {k: v for k, v in info["settings"].items() if k in result.config.options}
+        if options:
+            parts[info["strategy"]] = ", ".join(f"{k}={v}" for k, v in options.items())
+    return "".join(f"; {name}: {text}" for name, text in parts.items())
 
 
 def _tok(token) -> str:
@@ -85,7 +106,8 @@ def write_report(results: dict[str, BenchResult], out_dir: str | Path, plot_prom
     out.mkdir(parents=True, exist_ok=True)
     markdown, payload = [], {"meta": _meta(next(iter(results.values()))), "datasets": {}}
     for name, result in results.items():
-        rows = summarize(result.records, result.config.variants, result.config.params.greedy)
+        cores = {v: result.contenders[v.name]["cores"] for v in result.config.variants}
+        rows = summarize(result.records, result.config.variants, result.config.params.greedy, cores)
         markdown.append(markdown_table(result, rows))
         index = min(plot_prompt, len(result.prompts) - 1)
         shown = [r for r in result.records if r.prompt_index == index]
@@ -109,8 +131,8 @@ def _meta(result: BenchResult) -> dict:
     import torch
     import transformers
     cfg = result.config
-    return {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "lookahead": cfg.lookahead,
-            "options": cfg.options, "target_devices": list(map(str, cfg.target_devices)),
+    return {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "options": cfg.options,
+            "target_devices": list(map(str, cfg.target_devices)),
             "draft_devices": list(map(str, cfg.draft_devices)), "backend": cfg.backend,
             "max_context": cfg.max_context, "sampling": dict(cfg.params.__dict__),
             "variants": [v.name for v in cfg.variants], "torch": torch.__version__,

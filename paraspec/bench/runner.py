@@ -3,6 +3,9 @@
 Each engine (and each transformers baseline) is built once. Then prompt 1 runs on every variant, then prompt 2,
 ..., so machine drift hits all variants alike; the variant that goes first rotates with the prompt, so none is
 always the one that runs right after a thread-count switch. Every variant gets the same prompt token ids.
+
+In-process engines and the transformers baselines share one copy of each model (`shared_model_loads`);
+strategies that run in worker processes load their own copies there.
 """
 from __future__ import annotations
 
@@ -21,9 +24,16 @@ from paraspec.sampling import SamplingParams
 from paraspec.strategies import STRATEGIES
 
 
+def runs_in_workers(strategy: str) -> bool:
+    """Strategies whose models run in worker processes pinned to their devices: this process's thread count
+    does not apply to them."""
+    return strategy in STRATEGIES and getattr(STRATEGIES[strategy], "workers", False)
+
+
 def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]:
     """`ar,sd@2t,hf-assisted` -> variants. A name without `@Nt` runs at every --threads count (or, without
-    --threads, at the engine's own thread count). `all` is every registered paraspec strategy."""
+    --threads, at the engine's own thread count); strategies that run in worker processes run once, on their
+    devices. `all` is every registered paraspec strategy."""
     names = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -39,6 +49,9 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
         strategy, _, suffix = name.partition("@")
         if strategy not in known:
             raise ValueError(f"unknown strategy {strategy!r} in --strategies; choose from {', '.join(known)}, all")
+        if suffix and runs_in_workers(strategy):
+            raise ValueError(f"{strategy} runs in worker processes on --target-devices/--draft-devices; it takes "
+                             f"no @Nt thread count (give it devices instead)")
         if suffix:
             try:
                 counts = [int(suffix.removesuffix("t"))]
@@ -47,7 +60,7 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
             if counts[0] < 1:
                 raise ValueError(f"bad thread count in {name!r}: it must be >= 1")
         else:
-            counts = threads or [None]
+            counts = [None] if runs_in_workers(strategy) else threads or [None]
         for n in counts:
             if Variant(strategy, n) not in variants:
                 variants.append(Variant(strategy, n))
@@ -66,14 +79,13 @@ class BenchConfig:
     draft: str | None
     variants: list[Variant]
     params: SamplingParams
-    lookahead: int = 5
     dtype: str = "auto"
     target_devices: tuple = ("cpu",)
     draft_devices: tuple = ("cpu",)
     backend: str = "native"
     max_context: int = 4096
     allow_vocab_mismatch: bool = False
-    options: dict = field(default_factory=dict)           # strategy options (Engine keyword arguments)
+    options: dict = field(default_factory=dict)           # strategy options (OPTIONS names -> values)
     chat: bool | None = None                              # None: on when the tokenizer has a chat template
     warmup_tokens: int = 8
     hf_assistant_tokens: int | None = None
@@ -82,16 +94,29 @@ class BenchConfig:
 
 
 class Contender:
-    """One variant's generator with the process state (core affinity, torch threads) it must run under."""
+    """One variant's generator with the process state (core affinity, torch threads) it must run under.
+
+    `cores` is its hardware budget: the threads it computes with in this process, or for a strategy in worker
+    processes the threads of all its devices together; speedups compare variants of equal budget.
+    """
 
     def __init__(self, variant: Variant, generate, devices: str, affinity, default_threads: int,
-                 settings: dict | None = None):
+                 settings: dict | None = None, worker_cores: int | None = None):
         self.variant, self._generate, self.devices = variant, generate, devices
         self.affinity, self.default_threads, self.settings = affinity, default_threads, settings or {}
+        self.worker_cores = worker_cores
 
     @property
     def threads(self) -> int:
         return self.variant.threads or self.default_threads
+
+    @property
+    def cores(self) -> int:
+        return self.worker_cores or self.threads
+
+    @property
+    def threads_label(self) -> str:
+        return f"{self.worker_cores} (workers)" if self.worker_cores else str(self.threads)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, record_margins: bool):
         if self.affinity is not None and hasattr(os, "sched_setaffinity"):
@@ -144,62 +169,96 @@ def _affinity():
 def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     """Engines and baselines for every variant, each built once; returns them, the engines to close, and the
     smallest context (prompt + new tokens) any of them holds."""
-    from paraspec.engine import Engine
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
     needs_draft = [v.name for v in config.variants
                    if v.strategy == "hf-assisted" or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
     if needs_draft and config.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
-    unused = [k for k in config.options
-              if not any(k in STRATEGIES[v.strategy].options for v in config.variants if v.strategy in STRATEGIES)]
-    if unused:
-        raise ValueError(f"option(s) {', '.join(unused)} are used by none of the strategies benchmarked")
     start_affinity, start_threads = _affinity(), torch.get_num_threads()
-    engines, by_strategy, contenders, limits = [], {}, [], [config.max_context]
-    with shared_model_loads() as load:
-        for v in config.variants:
-            if v.strategy in STRATEGIES and v.strategy not in by_strategy:
-                spec = STRATEGIES[v.strategy]
-                options = {k: val for k, val in config.options.items() if k in spec.options}
-                engine = Engine(config.target, config.draft, strategy=v.strategy, lookahead=config.lookahead,
-                                dtype=config.dtype, target_devices=config.target_devices,
-                                draft_devices=config.draft_devices, backend=config.backend,
-                                max_context=config.max_context, allow_vocab_mismatch=config.allow_vocab_mismatch,
-                                **options)
-                engines.append(engine)
-                limits.append(engine.max_context)
-                devices = f"target {' '.join(map(str, engine.target_devices))}"
-                if engine.draft_devices:
-                    devices += f", draft {' '.join(map(str, engine.draft_devices))}"
-                settings = {"lookahead": config.lookahead, **options} if spec.needs_draft else dict(options)
-                settings["dtype"] = _dtype_name(engine.target) or str(
-                    parse_dtype(config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
-                by_strategy[v.strategy] = (engine.generate, devices, _affinity(), torch.get_num_threads(), settings)
-        hf_wanted = [v for v in config.variants if v.strategy in HF_STRATEGIES]
-        if hf_wanted:
-            torch_dtype = parse_dtype(config.dtype, config.target_devices[0])
-            device = _torch_device(config.target_devices[0])
-            target_model = load(config.target, config.dtype, backend=config.backend,
-                                max_context=config.max_context, device=device)
-            limits.append(target_model.max_context)
-            target = hf_causal_lm(target_model, resolve_checkpoint(config.target, torch_dtype))
-            draft = None
-            if any(v.strategy == "hf-assisted" for v in hf_wanted):
-                draft_device = _torch_device(config.draft_devices[0])
-                draft_model = load(config.draft, config.dtype, backend=config.backend,
-                                   max_context=config.max_context, device=draft_device)
-                limits.append(draft_model.max_context)
-                draft = hf_causal_lm(draft_model, resolve_checkpoint(config.draft, torch_dtype))
-            for name in dict.fromkeys(v.strategy for v in hf_wanted):
-                baseline = HFBaseline(name, target, draft, max_context=min(limits),
-                                      num_assistant_tokens=config.hf_assistant_tokens,
-                                      confidence_threshold=config.hf_confidence_threshold)
-                devices = f"{device} (in-process, transformers)"
-                by_strategy[name] = (baseline.generate, devices, start_affinity, start_threads, baseline.settings())
+    engines, built, limits = [], {}, [config.max_context]
+    strategies = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in STRATEGIES))
+    try:
+        # worker strategies load their models in their own processes: build them outside the shared loads
+        for name in [s for s in strategies if runs_in_workers(s)]:
+            built[name] = _engine_contender(config, name, engines, limits)
+            _restore(start_affinity, start_threads)
+        with shared_model_loads() as load:
+            for name in [s for s in strategies if not runs_in_workers(s)]:
+                built[name] = _engine_contender(config, name, engines, limits)
+                # an in-process engine pins this process to its cores; undo it, or the next engine could not
+                # even name the other cores (device parsing checks them against the current affinity)
+                _restore(start_affinity, start_threads)
+            hf_wanted = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in HF_STRATEGIES))
+            if hf_wanted:
+                torch_dtype = parse_dtype(config.dtype, _torch_device(config.target_devices[0]))
+                device = _torch_device(config.target_devices[0])
+                target_model = load(config.target, config.dtype, backend=config.backend,
+                                    max_context=config.max_context, device=device)
+                limits.append(target_model.max_context)
+                target = hf_causal_lm(target_model, resolve_checkpoint(config.target, torch_dtype))
+                draft = None
+                if "hf-assisted" in hf_wanted:
+                    draft_model = load(config.draft, config.dtype, backend=config.backend,
+                                       max_context=config.max_context,
+                                       device=_torch_device(config.draft_devices[0]))
+                    limits.append(draft_model.max_context)
+                    draft = hf_causal_lm(draft_model, resolve_checkpoint(config.draft, torch_dtype))
+                for name in hf_wanted:
+                    baseline = HFBaseline(name, target, draft, max_context=min(limits),
+                                          num_assistant_tokens=config.hf_assistant_tokens,
+                                          confidence_threshold=config.hf_confidence_threshold)
+                    built[name] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
+                                       affinity=start_affinity, default_threads=start_threads,
+                                       settings=baseline.settings())
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    contenders = []
     for v in config.variants:
-        generate, devices, affinity, threads, settings = by_strategy[v.strategy]
-        contenders.append(Contender(v, generate, devices, affinity, threads, settings))
+        kwargs = dict(built[v.strategy])
+        if v.threads is not None:
+            # an explicit thread count runs on every core this process may use, not the engine's pinned set
+            kwargs["affinity"] = start_affinity
+        contenders.append(Contender(v, **kwargs))
     return contenders, engines, min(limits)
+
+
+def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits: list) -> dict:
+    from paraspec.engine import Engine
+    from paraspec.models.loader import parse_dtype
+    spec = STRATEGIES[strategy]
+    options = {k: v for k, v in config.options.items() if k in spec.options}
+    engine = Engine(config.target, config.draft, strategy=strategy, dtype=config.dtype,
+                    target_devices=config.target_devices, draft_devices=config.draft_devices,
+                    backend=config.backend, max_context=config.max_context,
+                    allow_vocab_mismatch=config.allow_vocab_mismatch, **options)
+    engines.append(engine)
+    limits.append(engine.max_context)
+    devices = f"target {' '.join(map(str, engine.target_devices))}"
+    if engine.draft_devices:
+        devices += f", draft {' '.join(map(str, engine.draft_devices))}"
+    settings = dict(options)
+    settings["dtype"] = _dtype_name(engine.target) or str(
+        parse_dtype(config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
+    return dict(generate=engine.generate, devices=devices, affinity=_affinity(),
+                default_threads=torch.get_num_threads(), settings=settings,
+                worker_cores=_cores(engine.target_devices + engine.draft_devices)
+                if runs_in_workers(strategy) else None)
+
+
+def _restore(affinity, threads: int) -> None:
+    if affinity is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
+
+
+def _cores(devices) -> int:
+    """Cores (CPU) or GPUs that a set of devices spans together."""
+    from paraspec.runtime.devices import available_cores
+    cpu = {c for d in devices if d.kind == "cpu" for c in (d.cores or available_cores())}
+    gpus = {d.index for d in devices if d.kind != "cpu"}
+    return len(cpu) + len(gpus)
 
 
 def _dtype_name(model) -> str | None:
@@ -227,6 +286,7 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
         for p in prompts:
             if p.answer_of is None or not chat:
                 p.as_input(chat)
+    start = _affinity(), torch.get_num_threads()
     contenders, engines, context = build_contenders(config)
     try:
         first = next(iter(prompt_sets.values()))[0]
@@ -241,6 +301,7 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
     finally:
         for engine in engines:
             engine.close()
+        _restore(*start)
 
 
 def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: int) -> BenchResult:
@@ -284,8 +345,9 @@ def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: in
     finally:
         if bar is not None:
             bar.close()
-    info = {c.variant.name: {"strategy": c.variant.strategy, "devices": c.devices, "threads": c.threads,
-                             "dtype": c.settings.get("dtype", "?"), "settings": c.settings} for c in contenders}
+    info = {c.variant.name: {"strategy": c.variant.strategy, "devices": c.devices, "threads": c.threads_label,
+                             "cores": c.cores, "dtype": c.settings.get("dtype", "?"), "settings": c.settings}
+            for c in contenders}
     return BenchResult(dataset, config, prompts, prompt_ids, chat, records, info)
 
 

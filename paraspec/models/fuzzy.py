@@ -81,20 +81,23 @@ def _prepare(model, token_ids, positions, mask):
 
 @torch.inference_mode()
 def exact_forward(model, token_ids: list[int], positions=None, mask: torch.Tensor | None = None,
-                  last_n: int | None = None) -> torch.Tensor:
-    """The ordinary layer-by-layer forward; `mask` (bool [n, start + n]) replaces the causal mask."""
+                  last_n: int | None = None, head: bool = True) -> torch.Tensor | None:
+    """The ordinary layer-by-layer forward; `mask` (bool [n, start + n]) replaces the causal mask.
+    head=False skips the LM head (a replica that only needs its KV cache filled) and returns None."""
     n, start, cos, sin, mask = _prepare(model, token_ids, positions, mask)
     h = model.embed(token_ids)
     for i, layer in enumerate(model.decoder.model.layers):
         h = layer(h, cos, sin, model.cache, i, start, mask)
     model.cache.length = start + n
+    if not head:
+        return None
     return model.logits(h if last_n is None else h[-last_n:])
 
 
 @torch.inference_mode()
 def fuzzy_forward(model, token_ids: list[int], groups: list[list[int]], positions=None,
                   mask: torch.Tensor | None = None, last_n: int | None = None, exchange: Exchange | None = None,
-                  record: dict | None = None) -> torch.Tensor:
+                  record: dict | None = None, head: bool = True) -> torch.Tensor | None:
     """Layer-parallel ("fuzzy") forward. Writes the KV of every layer this rank computes; with an exchange,
     layers computed by other ranks get no KV here (they are recomputed exactly by calibration anyway).
 
@@ -123,6 +126,8 @@ def fuzzy_forward(model, token_ids: list[int], groups: list[list[int]], position
             if record is not None:
                 record[i]["h_out"] = h.clone()
     model.cache.length = start + n
+    if not head:
+        return None
     return model.logits(h if last_n is None else h[-last_n:])
 
 

@@ -47,7 +47,7 @@ from paraspec.runtime.devices import Device, apply_device, parse_device
 from paraspec.runtime.wire import Wire, wire_pair
 from paraspec.trace import Trace, TraceEvent
 
-BACKENDS = ("process", "inprocess")
+BACKENDS = ("process", "inprocess", "ray")   # ray: paraspec/runtime/ray_backend.py (optional extra)
 
 
 # --- errors ------------------------------------------------------------------------------------------------
@@ -607,6 +607,13 @@ class ThreadWorker(Worker):
 _WORKER_CLASSES = {"process": ProcessWorker, "inprocess": ThreadWorker}
 
 
+def _worker_class(backend: str) -> type[Worker]:
+    if backend == "ray":                    # imported on demand: Ray is an optional extra
+        from paraspec.runtime.ray_backend import RayWorker
+        return RayWorker
+    return _WORKER_CLASSES[backend]
+
+
 # --- the owner ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -714,7 +721,7 @@ class Runtime:
         state = self._state
         if name in state.workers:
             raise ValueError(f"a worker named {name!r} already exists in this runtime")
-        worker = _WORKER_CLASSES[self.backend](name, device, factory, factory_args, state.stop, state.channels)
+        worker = _worker_class(self.backend)(name, device, factory, factory_args, state.stop, state.channels)
         with state.lock:
             state.workers[name] = worker
         state.poke_monitor()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from paraspec.strategies import amusd, ar, dsi, sd, tree
+from paraspec.strategies import amusd, ar, dsi, easyspec, sd, tree
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,16 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("max_ahead", int, 16, "amusd, dsi: how far the draft may run past the verified prefix "
                                   "(dsi: servers x lookahead keeps every server busy)"),
     Option("verify_chunk", int, 8, "amusd: most drafts verified in one forward"),
+    Option("draft_confidence", float, 0.0, "sd: stop a round's drafting early once the draft's probability "
+           "of its token falls below this (0 = always draft --lookahead tokens; HF assisted uses 0.4)",
+           minimum=0),
     Option("tree_width", int, 4, "tree, easyspec: most nodes per tree level (1 = a chain)"),
     Option("tree_depth", int, 5, "tree, easyspec: levels of the draft tree (tokens one round can accept)"),
     Option("tree_budget", int, 64, "tree, easyspec: most tree nodes verified in one target forward"),
+    Option("lp_size", int, 2, "easyspec: layers per parallel group (first and last layer alone; 1 = exact)"),
+    Option("layer_groups", str, "", "easyspec: explicit layer groups such as '0,1-3,4-7,...,23' "
+                                    "(overrides --lp-size)", minimum=None),
+    Option("calibration", bool, True, "easyspec: recompute the draft's KV exactly after each verification"),
 )}
 
 
@@ -50,12 +57,13 @@ class StrategySpec:
     options: tuple[str, ...] = ()     # names in OPTIONS passed to decode as keyword arguments
     summary: str = ""
     workers: bool = False             # runs its models in worker processes: decode(run, runtime, channel, ...)
+    spreads_draft: bool = False       # in-process, but spreads the draft over draft_devices (easyspec)
     target_servers: bool = False      # workers only: one target worker per target device, target0..N-1
 
 
 STRATEGIES: dict[str, StrategySpec] = {
     "ar": StrategySpec("ar", ar.decode, needs_draft=False, summary="autoregressive decoding of the target"),
-    "sd": StrategySpec("sd", sd.decode, needs_draft=True, options=("lookahead",),
+    "sd": StrategySpec("sd", sd.decode, needs_draft=True, options=("lookahead", "draft_confidence"),
                        summary="synchronous speculative decoding (draft k, verify in one forward)"),
     "amusd": StrategySpec("amusd", amusd.decode, needs_draft=True, options=("max_ahead", "verify_chunk"),
                           summary="draft and verify at the same time on separate devices (AMUSD)", workers=True),
@@ -64,6 +72,11 @@ STRATEGIES: dict[str, StrategySpec] = {
                         target_servers=True),
     "tree": StrategySpec("tree", tree.decode, needs_draft=True, options=("tree_width", "tree_depth", "tree_budget"),
                          summary="token-tree speculative decoding, one tree-masked target forward (SpecInfer)"),
+    "easyspec": StrategySpec("easyspec", easyspec.decode, needs_draft=True,
+                             options=("tree_width", "tree_depth", "tree_budget", "lp_size", "layer_groups",
+                                      "calibration"),
+                             summary="layer-parallel fuzzy drafting with bonus calibration (EasySpec)",
+                             spreads_draft=True),
 }
 
 

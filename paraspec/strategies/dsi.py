@@ -85,6 +85,7 @@ class _Chunk:
     q: torch.Tensor | None         # [len(tokens), vocab] when sampling
     server: int
     handle: object
+    prefill: bool = False          # the prompt's forward: it yields the first token, it verifies nothing
 
 
 @dataclass
@@ -151,7 +152,7 @@ class _MainThread:
         """Every server prefills the prompt at once; server 0's result yields the first token."""
         prompt = np.array(self.run.prompt_ids, np.int64)
         start = len(prompt)
-        self.chunks.append(_Chunk(start, [], None, 0, self.send(0, start, start, prompt)))
+        self.chunks.append(_Chunk(start, [], None, 0, self.send(0, start, start, prompt), prefill=True))
         for i in range(1, len(self.servers)):
             self.send(i, start, start, prompt)
         threading.Thread(target=_watch_channel, args=(self.channel, self.events), daemon=True,
@@ -241,10 +242,11 @@ class _MainThread:
             while accepted < len(drafts) and drafts[accepted] == target[accepted]:
                 accepted += 1
             correction = target[accepted]
-        run.rounds += 1
+        if not chunk.prefill:
+            run.rounds += 1
+            run.verified_tokens += accepted + 1
         run.drafted += len(drafts)
         run.accepted += accepted
-        run.verified_tokens += accepted + 1
         if accepted == len(drafts):
             # Alg. 1: the forward also computed p for the position after the chunk; keep it for the next step
             self.next_row = _Row(reply["argmax"][skip + accepted],

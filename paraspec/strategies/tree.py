@@ -109,7 +109,11 @@ class DraftTreeCache:
     def accept(self, path: list[int]) -> None:
         """Keep the prefix and the cached part of the accepted path (always a leading part of it)."""
         cached = [self.slots[node] for node in path if node in self.slots]
-        keep_path(self.model, self.prefix_len, cached)
+        keep = getattr(self.model, "keep_path", None)     # a multi-device drafter compacts every replica
+        if keep is not None:
+            keep(self.prefix_len, cached)
+        else:
+            keep_path(self.model, self.prefix_len, cached)
 
 
 def draft_tree(root_logits: torch.Tensor, expand: Callable, run: Run, vocab_size: int, width: int, depth: int,

@@ -4,8 +4,10 @@ import json
 import pytest
 
 from paraspec.cli import build_parser, main
+from paraspec.runtime.devices import available_cores
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ONE_CORE = f"cpu:{available_cores()[0]}"      # one thread per model: no oversubscription on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def test_bench_prints_and_writes_the_table(bench_out, capsys):
     for name in ("sd@1t", "hf-ar@1t", "hf-assisted@1t"):
         assert rows[name][-1].strip(" |") == "2/2", name          # greedy: every strategy returns ar's tokens
     assert rows["sd@1t"][1] == "target cpu, draft cpu" and rows["sd@1t"][2] == "1"
+    assert "; sd: lookahead=3" in table
     assert rows["hf-assisted@1t"][1].startswith("cpu (in-process, transformers)")
 
 
@@ -64,9 +67,8 @@ def test_bench_writes_both_plots(bench_out):
 def test_bench_flag_errors(capsys, bench_target, tmp_path):
     code = main(["bench", "--target", str(bench_target), "--strategies", "ar,sd", "--out", str(tmp_path)])
     assert code == 2 and "sd need a draft model; pass --draft" in capsys.readouterr().err
-    code = main(["bench", "--target", str(bench_target), "--strategies", "ar", "--option", "lp_size=2",
-                 "--out", str(tmp_path)])
-    assert code == 2 and "lp_size are used by none of the strategies" in capsys.readouterr().err
+    code = main(["bench", "--target", str(bench_target), "--strategies", "ar,nope", "--out", str(tmp_path)])
+    assert code == 2 and "unknown strategy 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--target", "t", "--threads", "0", "--out", "x"])
 
@@ -75,7 +77,24 @@ def test_profile_cli_writes_the_json(tmp_path, bench_target, bench_draft):
     path = tmp_path / "profile.json"
     code = main(["profile", "--target", str(bench_target), "--draft", str(bench_draft), "--dtype", "float32",
                  "--num-prompts", "1", "--tokens", "4", "--match-tokens", "8", "--widths", "1,4",
+                 "--target-devices", ONE_CORE, "--draft-devices", ONE_CORE,
                  "--out", str(path)])
     profile = json.loads(path.read_text())
     assert code == 0 and set(profile["target"]["forward_ms"]) == {"1", "4"}
     assert profile["target"]["model"] == str(bench_target) and profile["draft"]["model"] == str(bench_draft)
+    assert profile["target"]["device"] == ONE_CORE and profile["devices"] == [ONE_CORE]
+
+
+def test_bench_runs_every_registered_strategy(tmp_path, bench_target, bench_draft):
+    """`all` picks up whatever the registry holds (worker strategies included), with no change here."""
+    from paraspec.strategies import STRATEGIES
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(bench_target), "--draft", str(bench_draft), "--dtype", "float32",
+                 "--strategies", "all", "--dataset", str(prompts), "--num-prompts", "1", "--max-new-tokens", "8",
+                 "--target-devices", ONE_CORE, "--draft-devices", ONE_CORE,
+                 "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "results.json").read_text())["datasets"][str(prompts)]["summary"]
+    assert [row["strategy"] for row in summary] == list(STRATEGIES)
+    assert all(row["identical"] == 1 for row in summary if row["strategy"] != "ar")

@@ -26,7 +26,8 @@ def test_weights_are_shared_not_copied(setup):
     assert set(hf) == set(native)
     for name, p in hf.items():
         assert p.data_ptr() == native[name].data_ptr(), name
-    assert hf_assisted.draft.model.embed_tokens.weight.data_ptr() == sd.draft.decoder.model.embed_tokens.weight.data_ptr()
+    draft_embed = sd.draft.decoder.model.embed_tokens.weight
+    assert hf_assisted.draft.model.embed_tokens.weight.data_ptr() == draft_embed.data_ptr()
     assert hf_ar.dtype == torch.float32 and hf_ar.settings()["dtype"] == "float32"
     assert hf_assisted.settings()["num_assistant_tokens"] == 20          # transformers' default, recorded
 

@@ -124,3 +124,15 @@ def test_busy_fraction_and_idle_gaps():
     assert idle_gaps(draft_work, 4.0) == [(1.0, 3.0), (3.5, 4.0)]
     target_work = [e for e in trace.events if e.device == "target"]
     assert idle_gaps(target_work, 3.0) == [(0.0, 1.0)]
+
+
+def test_a_worker_strategy_compares_with_ar_on_the_same_number_of_cores():
+    ar1, ar2, amusd = Variant("ar", 1), Variant("ar", 2), Variant("amusd")
+    variants = [ar1, ar2, amusd]
+    cores = {ar1: 1, ar2: 2, amusd: 2}                      # amusd: draft on cpu:0, target on cpu:1
+    records = [record(ar1, 0, [1, 2], stats(10, 3.0)), record(ar2, 0, [1, 2], stats(10, 2.0)),
+               record(amusd, 0, [1, 2], stats(10, 1.0))]
+    row = {r["variant"]: r for r in summarize(records, variants, greedy=True, cores=cores)}["amusd"]
+    assert row["reference"] == "ar@2t" and row["identical"] == 1
+    assert row["speedup_vs_ar"] == pytest.approx(2.0) and row["speedup_vs_ar@1t"] == pytest.approx(3.0)
+    assert reference_variant(amusd, variants, "ar") == ar1           # without budgets: the first ar

@@ -4,7 +4,7 @@ import pytest
 from paraspec import Engine
 from paraspec.bench.profile import (acceptance_from_windows, draft_hits, greedy_tokens, match_windows,
                                     profile_pair, time_forwards)
-from paraspec.runtime.devices import Device
+from paraspec.runtime.devices import Device, available_cores
 from paraspec.sim.profile import Profile
 
 
@@ -17,6 +17,9 @@ def test_match_windows_and_acceptance():
     assert acceptance_from_windows(0, 4) == (0.0, 0.0)
     rate, mean = acceptance_from_windows(10, 0)            # never missed: one window of 10, rate stays < 1
     assert mean == 10 and rate == pytest.approx(10 / 11)
+
+
+ONE_CORE = Device("cpu", cores=(available_cores()[0],))
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +49,16 @@ def test_time_forwards_leaves_the_cache_as_it_found_it(engine):
 
 def test_profile_schema_is_what_the_planner_reads(engine, bench_target, bench_draft):
     prompts = [engine.encode(p) for p in ("def add(a, b):", "Once upon a time")]
-    profile = profile_pair(engine.target, engine.draft, Device("cpu"), Device("cpu"), prompts, "T", "D",
+    profile = profile_pair(engine.target, engine.draft, ONE_CORE, ONE_CORE, prompts, "T", "D",
                            tokens=5, match_tokens=16, widths=(1, 2, 8))
     assert set(profile) == {"target", "draft", "acceptance_rate", "mean_match_length", "devices"}
     for role, name in (("target", "T"), ("draft", "D")):
         entry = profile[role]
         assert set(entry) == {"model", "device", "ttft_ms", "tpot_ms", "forward_ms"}
-        assert entry["model"] == name and entry["device"] == "cpu"
+        assert entry["model"] == name and entry["device"] == str(ONE_CORE)
         assert set(entry["forward_ms"]) == {"1", "2", "8"}
         assert entry["ttft_ms"] > 0 and entry["tpot_ms"] > 0
-    assert 0 < profile["acceptance_rate"] < 1 and profile["devices"] == ["cpu"]
+    assert 0 < profile["acceptance_rate"] < 1 and profile["devices"] == [str(ONE_CORE)]
     assert profile["acceptance_rate"] == pytest.approx(1 - 1 / (1 + profile["mean_match_length"]))
     planner = Profile.from_dict(profile)
     assert planner.target.tpot_ms == profile["target"]["tpot_ms"]
@@ -63,11 +66,11 @@ def test_profile_schema_is_what_the_planner_reads(engine, bench_target, bench_dr
 
 def test_a_draft_equal_to_the_target_always_matches(engine):
     prompts = [engine.encode("Once upon a time")]
-    profile = profile_pair(engine.target, engine.target, Device("cpu"), Device("cpu"), prompts, "T", "T",
+    profile = profile_pair(engine.target, engine.target, ONE_CORE, ONE_CORE, prompts, "T", "T",
                            tokens=3, match_tokens=10, widths=(1,))
     assert profile["mean_match_length"] == 10 and profile["acceptance_rate"] == pytest.approx(10 / 11)
 
 
 def test_profile_rejects_bad_counts(engine):
     with pytest.raises(ValueError, match="--tokens must be >= 2"):
-        profile_pair(engine.target, engine.draft, Device("cpu"), Device("cpu"), [[1, 2]], "T", "D", tokens=1)
+        profile_pair(engine.target, engine.draft, ONE_CORE, ONE_CORE, [[1, 2]], "T", "D", tokens=1)

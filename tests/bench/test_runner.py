@@ -20,6 +20,16 @@ def test_parse_variants():
     assert [v.name for v in parse_variants("ar,ar@1t", [1])] == ["ar@1t"]          # no duplicates
 
 
+def test_worker_strategies_run_once_on_their_devices(monkeypatch):
+    import dataclasses
+    from paraspec.bench import runner
+    monkeypatch.setitem(runner.STRATEGIES, "pipelined",
+                        dataclasses.replace(STRATEGIES["sd"], name="pipelined", workers=True))
+    assert [v.name for v in parse_variants("ar,pipelined", [1, 2])] == ["ar@1t", "ar@2t", "pipelined"]
+    with pytest.raises(ValueError, match="pipelined runs in worker processes .* no @Nt thread count"):
+        parse_variants("pipelined@2t")
+
+
 @pytest.mark.parametrize("spec,threads,message", [
     ("ar,nope", None, "unknown strategy 'nope' in --strategies; choose from ar, sd"),
     ("sd@xt", None, "bad thread count in 'sd@xt'; write it like sd@2t"),
@@ -77,7 +87,7 @@ def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer)
     assert "ANSWER<|im_end|>" in bench_tokenizer.decode(expected_ids[1])       # ar's answer, not sd's "other"
     assert [r.prompt_id for r in result.records][:3] == ["q1/turn1"] * 3
     assert result.prompt_ids[:2] == expected_ids
-    assert len(result.records) == 9 and result.contenders["ar"]["threads"] == 1
+    assert len(result.records) == 9 and result.contenders["ar"]["threads"] == "1"
 
 
 def test_run_refuses_prompts_that_leave_no_room(bench_tokenizer):

@@ -204,8 +204,8 @@ def test_multi_step_accept_outputs_p():
     assert chisquare(wrong[:4], p[:4].numpy() * wrong.sum()).pvalue < 1e-6
 
 
-N_SAMPLES = 3_000
-SAMPLING = dict(temperature=1.0)
+N_SAMPLES = 2_000
+SAMPLING = dict(temperature=0.9, top_k=5)   # top-k: q has zeros, as real samplers make
 
 
 def tree_joint_counts(engine, prompt, sampling):
@@ -218,16 +218,15 @@ def tree_joint_counts(engine, prompt, sampling):
     return counts, accepted
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)])
-def test_tree_sampling_matches_target_distribution(small_vocab_pair, sampling):  # noqa: F811
+def test_tree_sampling_matches_target_distribution(small_vocab_pair):  # noqa: F811
     """Depth 2, width 3 (siblings often repeat a token in a 6-token vocabulary): the first two tokens follow
     the target's exact joint distribution."""
     target, draft = small_vocab_pair
     prompt = [1, 2, 3]
     with Engine(target, draft, strategy="tree", dtype="float32", tree_width=3, tree_depth=2,
                 tree_budget=12) as engine:
-        joint = exact_joint(engine, prompt, SamplingParams(**sampling))
-        counts, accepted = tree_joint_counts(engine, prompt, sampling)
+        joint = exact_joint(engine, prompt, SamplingParams(**SAMPLING))
+        counts, accepted = tree_joint_counts(engine, prompt, SAMPLING)
     assert 0.2 * N_SAMPLES < accepted < 1.8 * N_SAMPLES      # drafts were really accepted and rejected
     assert_matches(counts, joint)
 

@@ -1,0 +1,109 @@
+"""Simulated models: the Model protocol with a configured latency and a known answer, for scale tests and for
+measuring what the runtime itself costs.
+
+    truth       a fixed sequence: the target's greedy token for absolute position i is truth[i], whatever the
+                context (drawn once from `seed`, never an EOS id unless `eos_every` asks for one)
+    target      predicts truth[i] for every position i
+    draft       predicts truth[i] with probability `acceptance_rate`, independently per position (drawn once from
+                `draft_seed`), else a different token -- the event simulator's acceptance model (sim/events.py)
+    latency     every forward sleeps cost(n) seconds for n new tokens (a `sim.profile.ForwardCost`; None: no
+                sleep, which isolates the orchestration overhead)
+
+The logits are a peak of height `peak` on the predicted token, so greedy decoding and acceptance behave as in the
+simulator; with sampling the acceptance rate is not `acceptance_rate`. The KV "cache" is just a length.
+
+Simulated models run through the real Engine, runtime, workers and channels (pass a `SimulatedSpec` where a
+checkpoint goes: `Engine(SimulatedSpec(...), SimulatedSpec(role="draft", ...), strategy="dsi", ...)`), so dsi,
+amusd and sd can be exercised with 8+ servers on 2 cores. They supplement real-model tests; they never replace them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paraspec.sim.profile import ForwardCost
+
+
+@dataclass(frozen=True)
+class SimulatedSpec:
+    """What a simulated model is; picklable, so a worker builds the model from it (see `load_simulated`)."""
+    role: str = "target"                       # "target" (predicts the truth) or "draft"
+    acceptance_rate: float = 1.0               # draft: P(its token is the truth's), per position
+    cost: ForwardCost | None = None            # seconds per forward of n new tokens; None: no sleep
+    vocab_size: int = 64
+    seed: int = 0                              # the truth sequence (share it between draft and target)
+    draft_seed: int = 1                        # where the draft agrees with the truth
+    max_context: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    peak: float = 20.0
+
+    def __post_init__(self):
+        if self.role not in ("target", "draft"):
+            raise ValueError(f"simulated role {self.role!r} must be 'target' or 'draft'")
+        if not 0 <= self.acceptance_rate <= 1:
+            raise ValueError(f"acceptance_rate {self.acceptance_rate} must be in [0, 1]")
+        if self.vocab_size < 2 + len(self.eos_token_ids):
+            raise ValueError(f"vocab_size {self.vocab_size} is too small for a wrong draft token besides the EOS ids")
+
+
+class SimulatedModel:
+    def __init__(self, spec: SimulatedSpec, max_context: int | None = None):
+        self.spec = spec
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = tuple(spec.eos_token_ids)
+        self.max_context = min(spec.max_context, max_context or spec.max_context)
+        rng = np.random.default_rng(spec.seed)
+        allowed = np.array([t for t in range(spec.vocab_size) if t not in self.eos_token_ids])
+        truth = allowed[rng.integers(len(allowed), size=self.max_context + 1)]
+        if spec.role == "draft":
+            draft_rng = np.random.default_rng([spec.seed, spec.draft_seed])
+            agree = draft_rng.random(self.max_context + 1) < spec.acceptance_rate
+            shift = 1 + draft_rng.integers(len(allowed) - 1, size=self.max_context + 1)
+            index = np.searchsorted(allowed, truth)
+            wrong = allowed[(index + shift) % len(allowed)]    # always a different non-EOS token
+            truth = np.where(agree, truth, wrong)
+        self.predicted = truth                                # predicted[i]: the token this model says at i
+        self._length = 0
+        self.forwards = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self._length} tokens")
+        self._length = length
+
+    def prefill(self, token_ids) -> torch.Tensor:
+        self._length = 0
+        return self.forward(token_ids, last_n=1)[-1]
+
+    def forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
+        n = len(token_ids)
+        if n < 1:
+            raise ValueError("a forward needs at least one token")
+        if tree_mask is not None:
+            raise ValueError("simulated models do not support tree masks")
+        if self._length + n > self.max_context:
+            raise ValueError(f"the cache holds {self.max_context} tokens; {self._length} + {n} do not fit")
+        if self.spec.cost is not None:
+            time.sleep(self.spec.cost(n))
+        rows = n if last_n is None else min(last_n, n)
+        # the row of the input token at position p predicts position p + 1
+        end = self._length + n
+        predicted = self.predicted[end - rows + 1:end + 1]
+        logits = torch.zeros(rows, self.vocab_size)
+        logits[torch.arange(rows), torch.from_numpy(predicted)] = self.spec.peak
+        self._length = end
+        self.forwards += 1
+        return logits
+
+
+def load_simulated(spec: SimulatedSpec, dtype=None, backend: str = "native", max_context: int | None = None,
+                   device: str = "cpu") -> SimulatedModel:
+    """load_model's signature, so the Engine and the runtime build a simulated model like a real one."""
+    return SimulatedModel(spec, max_context)

@@ -1,0 +1,326 @@
+"""EasySpec (Wu et al. 2025): layer-parallel ("fuzzy") drafting across devices, then bonus calibration.
+
+Each round (Fig. 2 of the paper; drafting and verification alternate):
+    1. bonus calibration: the draft drops every KV entry written since the last exact position and runs the
+       tokens accepted last round plus the bonus token through its layers in the normal order, in one forward:
+       this refills exact KV values and gives the draft distribution at the root;
+    2. the draft grows a chain (tree_width 1) or a token tree (strategies/tree.py) with fuzzy forwards: the
+       layers of a group read one input hidden state, their attentions run in parallel -- one per device
+       (`draft_devices`), all-gathered -- and their MLPs run in order, replicated on every device;
+    3. the target verifies the whole tree in one forward, and the path is accepted exactly as in `tree`.
+
+Lossless like every strategy: the fuzzy q is the distribution the drafts were sampled from and the one the
+acceptance divides by; only acceptance, not correctness, depends on how close fuzzy is to exact.
+With calibration off (the ablation), the accepted tokens keep their fuzzy KV entries and the bonus token
+goes through a fuzzy forward as well.
+
+Devices: rank 0 runs in the caller's process with the Engine's draft (and the target, which verifies
+with every core of the caller while the draft ranks wait); each further draft device gets a worker process
+holding a replica of the draft. Ranks exchange attention outputs through a shared-memory all-gather
+(ShmExchange: one segment, a sequence word per rank, futex waits), which beat gloo here
+(benchmarks/easyspec_exchange.py).
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from paraspec.models.fuzzy import exact_forward, fuzzy_forward, lp_groups, parse_layer_groups
+from paraspec.strategies.base import Run
+from paraspec.strategies.tree import (DraftTreeCache, TokenTree, check_native, count_round, draft_tree,
+                                      keep_path, tree_shape, verify_round)
+
+
+def decode(run: Run, target, draft, tree_width: int = 4, tree_depth: int = 5, tree_budget: int = 64,
+           lp_size: int = 2, layer_groups: str = "", calibration: bool = True, draft_devices=None,
+           draft_checkpoint=None):
+    """draft_devices (more than one) and draft_checkpoint (the draft's folder, for the replicas) spread the
+    attention layers of each group over devices; without them every group runs in this process."""
+    check_native(target, draft)
+    n_layers = draft.cfg.num_layers
+    groups = parse_layer_groups(layer_groups, n_layers) if layer_groups else lp_groups(lp_size, n_layers)
+    drafter = Drafter(draft, groups)
+    if draft_devices is not None and len(draft_devices) > 1:
+        drafter = DeviceGroupDrafter.for_model(draft, groups, draft_devices, draft_checkpoint)
+    target.rollback(0)
+    drafter.rollback(0)
+    vocab = target.vocab_size
+    while not run.done:
+        sequence = run.sequence
+        depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
+        tree = TokenTree()
+        with run.timed("draft", "draft", depth), drafter.drafting():
+            if depth > 0:
+                pending = sequence[drafter.length:]
+                # calibration (or, off, the first prompt): exact, layer by layer
+                exact = calibration or drafter.length == 0
+                root_logits = drafter.forward(pending, exact=exact, head=True)[-1]
+                cache = DraftTreeCache(drafter, lambda t, p, m: drafter.forward(t, p, m), len(sequence))
+                tree = draft_tree(root_logits, cache, run, vocab, tree_width, depth, budget)
+        path, next_token = verify_round(run, target, sequence, tree)
+        if depth > 0:
+            if calibration:
+                drafter.rollback(len(sequence))      # everything past the exact prefix was fuzzy: drop it
+            else:
+                cache.accept(path)
+        count_round(run, tree, path)
+        yield run.commit([tree.tokens[node] for node in path] + [next_token])
+
+
+class Drafter:
+    """The draft on one device: exact and fuzzy forwards over its own cache."""
+
+    def __init__(self, model, groups: list[list[int]]):
+        self.model, self.groups = model, groups
+
+    @property
+    def length(self) -> int:
+        return self.model.length
+
+    @property
+    def cache(self):
+        return self.model.cache
+
+    def forward(self, token_ids, positions=None, mask=None, exact: bool = False, head: bool = True):
+        if exact:
+            return exact_forward(self.model, token_ids, positions, mask)
+        return fuzzy_forward(self.model, token_ids, self.groups, positions, mask, head=head)
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        keep_path(self.model, prefix_len, slots)
+
+    def drafting(self):
+        from contextlib import nullcontext
+        return nullcontext()
+
+
+# -- several devices ------------------------------------------------------------------------------------------
+
+class ShmExchange:
+    """All-gather among `world` processes through one shared-memory segment.
+
+    Layout: per rank a 64-byte header (its uint32 step word) and two payload buffers, used by step parity. A
+    rank waits for every other rank to publish step s before it can publish s + 1, so a buffer is never
+    overwritten while someone may still read it (a rank is at most one step ahead). Waiting sleeps on the step word (futex), checking
+    `alive()` every half second so a dead peer raises instead of hanging.
+    """
+
+    HEADER = 64
+
+    def __init__(self, segment, rank: int, world: int, max_bytes: int, alive=None):
+        self.segment, self.rank, self.world, self.max_bytes = segment, rank, world, max_bytes
+        self.alive = alive or (lambda: True)
+        self.stride = self.HEADER + 2 * max_bytes
+        self.steps = [np.ndarray((1,), np.uint32, buffer=segment.buf, offset=r * self.stride) for r in range(world)]
+        self.addresses = [s.__array_interface__["data"][0] for s in self.steps]
+        self.step = int(self.steps[rank][0])
+
+    @classmethod
+    def create(cls, world: int, max_bytes: int) -> "ShmExchange":
+        from paraspec.runtime.shm import Segment
+        segment = Segment.create("easyspec", world * (cls.HEADER + 2 * max_bytes))
+        np.ndarray((segment.size,), np.uint8, buffer=segment.buf)[:] = 0
+        return cls(segment, 0, world, max_bytes)
+
+    @classmethod
+    def attach(cls, name: str, rank: int, world: int, max_bytes: int, alive=None) -> "ShmExchange":
+        from paraspec.runtime.shm import Segment
+        return cls(Segment.attach(name), rank, world, max_bytes, alive)
+
+    def _payload(self, rank: int, step: int, nbytes: int) -> np.ndarray:
+        offset = rank * self.stride + self.HEADER + (step % 2) * self.max_bytes
+        return np.ndarray((nbytes,), np.uint8, buffer=self.segment.buf, offset=offset)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        from paraspec.runtime.shm import futex_wait, futex_wake_all
+        data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+        if data.nbytes > self.max_bytes:
+            raise ValueError(f"all_gather of {data.nbytes} bytes exceeds the exchange's {self.max_bytes}")
+        step = self.step + 1
+        self._payload(self.rank, step, data.nbytes)[:] = data
+        self.steps[self.rank][0] = step & 0xFFFFFFFF
+        futex_wake_all(self.addresses[self.rank])
+        out = []
+        for r in range(self.world):
+            if r == self.rank:
+                out.append(tensor)
+                continue
+            last_check = time.monotonic()
+            # rank r is at step - 1 (not published yet) or at step (or already at step + 1, its next
+            # all-gather: it read ours, and writes step + 1 into the other parity buffer)
+            while (seen := int(self.steps[r][0])) == (step - 1) & 0xFFFFFFFF:
+                futex_wait(self.addresses[r], seen, 0.5)
+                if time.monotonic() - last_check > 0.5:
+                    last_check = time.monotonic()
+                    if not self.alive():
+                        raise RuntimeError(f"easyspec: draft rank {r} stopped during an all-gather")
+            raw = torch.from_numpy(self._payload(r, step, data.nbytes).copy())
+            out.append(raw.view(tensor.dtype).reshape(tensor.shape))
+        self.step = step
+        return out
+
+    def close(self) -> None:
+        self.steps = self.addresses = None
+        self.segment.close()
+
+
+class DraftRank:
+    """What a draft worker process holds: a replica of the draft and its end of the exchange."""
+
+    def __init__(self, spec: str, dtype: str, max_context: int, groups: list[list[int]], segment: str,
+                 rank: int, world: int, max_bytes: int):
+        from paraspec.models.loader import load_model
+        self.model = load_model(spec, dtype=dtype, max_context=max_context)
+        parent = os.getppid()
+        self.exchange = ShmExchange.attach(segment, rank, world, max_bytes, alive=lambda: os.getppid() == parent)
+        self.groups = groups
+        self.vocab_size, self.eos_token_ids, self.max_context = (self.model.vocab_size, self.model.eos_token_ids,
+                                                                 self.model.max_context)
+
+    def forward(self, token_ids, positions=None, mask=None, exact: bool = False) -> None:
+        mask = None if mask is None else torch.as_tensor(mask)     # arrays travel as numpy
+        if exact:
+            exact_forward(self.model, token_ids, positions, mask, head=False)
+        else:
+            fuzzy_forward(self.model, token_ids, self.groups, positions, mask, exchange=self.exchange, head=False)
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        keep_path(self.model, prefix_len, slots)
+
+    def cache_state(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` KV entries (tests compare replicas)."""
+        return self.model.cache.k[:, :, :length].clone(), self.model.cache.v[:, :, :length].clone()
+
+
+class DeviceGroupDrafter(Drafter):
+    """Rank 0 in this process, ranks 1.. in worker processes; every cache operation runs on every rank.
+
+    Each rank computes the attention of its share of each group's layers (group[rank::world]); the calibration
+    forward runs whole on every rank (it is sequential, and every rank needs every layer's exact KV).
+    While drafting, this process uses one thread on the first draft device; verification gets its usual
+    threads and cores back.
+    """
+
+    def __init__(self, model, groups, devices, checkpoint):
+        from paraspec.runtime import Runtime
+        from paraspec.runtime.devices import parse_devices
+        super().__init__(model, groups)
+        self.devices = parse_devices(devices)
+        if checkpoint is None:
+            raise ValueError("easyspec across several draft devices needs the draft's checkpoint "
+                             "(draft_checkpoint=...) to load a replica on each device")
+        world = len(self.devices)
+        per_rank = max(len(g[r::world]) for g in groups for r in range(world))
+        self.max_bytes = per_rank * model.max_context * model.cfg.hidden_size * model.dtype.itemsize
+        # a tree level or a calibration is much shorter than the context; cap the segment at 64 MiB
+        self.max_bytes = min(self.max_bytes, 64 << 20)
+        self.exchange = ShmExchange.create(world, self.max_bytes)
+        self.runtime = Runtime(backend="process")
+        dtype = str(model.dtype).removeprefix("torch.")
+        try:
+            for rank, device in enumerate(self.devices[1:], start=1):
+                self.runtime.add_worker(f"draft{rank}", device, DraftRank, dict(
+                    spec=str(checkpoint), dtype=dtype, max_context=model.max_context, groups=groups,
+                    segment=self.exchange.segment.name, rank=rank, world=world, max_bytes=self.max_bytes))
+            self.runtime.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.workers = [self.runtime[f"draft{r}"] for r in range(1, world)]
+        self._finalizer = weakref.finalize(self, _close_group, self.runtime, self.exchange)
+        workers = self.workers            # closures below must not hold `self` (the finalizer holds them)
+        self.exchange.alive = lambda: all(w.alive for w in workers)
+        self.key = (tuple(map(tuple, groups)), tuple(str(d) for d in self.devices), str(checkpoint))
+
+    @classmethod
+    def for_model(cls, model, groups, devices, checkpoint) -> "DeviceGroupDrafter":
+        """One group of draft workers per draft model and layout, started on first use, closed with the model."""
+        drafter = getattr(model, "_easyspec_drafter", None)
+        from paraspec.runtime.devices import parse_devices
+        key = (tuple(map(tuple, groups)), tuple(str(d) for d in parse_devices(devices)), str(checkpoint))
+        if drafter is None or drafter.key != key:
+            if drafter is not None:
+                drafter.close()
+            drafter = cls(model, groups, devices, checkpoint)
+            model._easyspec_drafter = drafter
+        return drafter
+
+    def _everywhere(self, method: str, *args, **kwargs):
+        handles = [w.submit(method, *args, **kwargs) for w in self.workers]
+        try:
+            return getattr(super(), method)(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.result()
+
+    def forward(self, token_ids, positions=None, mask=None, exact: bool = False, head: bool = True):
+        handles = [w.submit("forward", token_ids, positions, mask, exact) for w in self.workers]
+        # a rank that failed before its all-gather would leave this one waiting: the exchange's liveness
+        # check also looks at whether some rank already answered
+        workers = self.workers
+        self.exchange.alive = lambda: all(w.alive for w in workers) and not any(h.done() for h in handles)
+        try:
+            if exact:
+                out = exact_forward(self.model, token_ids, positions, mask)
+            else:
+                out = fuzzy_forward(self.model, token_ids, self.groups, positions, mask, exchange=self.exchange,
+                                    head=head)
+        except RuntimeError:
+            for handle in handles:      # raise the rank's own error (RemoteError / WorkerDied) if it has one
+                if handle.done():
+                    handle.result()
+            raise
+        for handle in handles:
+            handle.result()
+        return out
+
+    def rollback(self, length: int) -> None:
+        self._everywhere("rollback", length)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        self._everywhere("keep_path", prefix_len, slots)
+
+    def drafting(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def one_core():
+            threads = torch.get_num_threads()
+            cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+            first = self.devices[0]
+            try:
+                if first.kind == "cpu":
+                    torch.set_num_threads(first.num_threads)
+                    if first.cores and cores is not None:
+                        os.sched_setaffinity(0, first.cores)
+                yield
+            finally:
+                torch.set_num_threads(threads)
+                if cores is not None:
+                    os.sched_setaffinity(0, cores)
+        return one_core()
+
+    def close(self) -> None:
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            _close_group(getattr(self, "runtime", None), getattr(self, "exchange", None))
+
+
+def _close_group(runtime, exchange) -> None:
+    """Stop the draft workers, then unlink the exchange (also when the draft model is garbage-collected)."""
+    if runtime is not None:
+        runtime.close()
+    if exchange is not None and exchange.segment.fd >= 0:
+        exchange.close()

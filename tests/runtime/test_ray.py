@@ -1,0 +1,87 @@
+"""The Ray backend: the same workers as Ray actors on a local ray.init(num_cpus=2); the token protocol and the
+results are unchanged (dsi with simulated and with tiny real models), a killed actor is reported, close()
+leaves no actor process and no shared-memory segment behind."""
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray backend is optional (pip install 'paraspec[ray]'); CI installs "
+                                        "only .[test,bench]")
+
+from paraspec import Engine, SamplingParams  # noqa: E402
+from paraspec.models.simulated import SimulatedModel, SimulatedSpec  # noqa: E402
+from paraspec.runtime import WorkerError  # noqa: E402
+from paraspec.sim.profile import ForwardCost  # noqa: E402
+from tests.strategies.test_sd import PROMPT  # noqa: E402
+
+
+
+def own_segments():
+    """Shared-memory segments this test process created (other test runs on the machine create their own)."""
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{os.getpid()}_")}
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_backend_needs_a_running_ray(monkeypatch):
+    from paraspec.runtime import Runtime
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with Runtime(backend="ray") as rt, pytest.raises(WorkerError, match=r"ray\.init"):
+        rt.add_worker("w", "cpu", dict, {})
+
+
+def test_dsi_with_simulated_models_and_a_killed_actor():
+    before = own_segments()
+    target = SimulatedSpec(seed=7, cost=ForwardCost.constant(0.002))
+    draft = SimulatedSpec(role="draft", seed=7, acceptance_rate=0.6)
+    engine = Engine(target, draft, strategy="dsi", runtime="ray", target_devices=["cpu", "cpu"], lookahead=2,
+                    max_ahead=6)
+    try:
+        workers = engine.runtime.workers
+        assert {w.backend for w in workers.values()} == {"ray"} and len({w.pid for w in workers.values()}) == 3
+        assert os.getpid() not in {w.pid for w in workers.values()}
+        result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=80))
+        assert result.token_ids == SimulatedModel(target).predicted[3:83].tolist()
+        assert result.worker_reports["dsi"]["preempted"] > 0
+        # a long request (simulated models have no tokenizer, so it runs in a thread rather than as a stream)
+        outcome = {}
+
+        def long_request():
+            try:
+                engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3000))
+            except BaseException as exc:
+                outcome["error"], outcome["at"] = exc, time.monotonic()
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(0.5)
+        killed = time.monotonic()
+        os.kill(workers["target0"].pid, signal.SIGKILL)
+        thread.join(10)
+        assert isinstance(outcome.get("error"), WorkerError) and "target0" in str(outcome["error"])
+        assert outcome["at"] - killed < 3.0
+    finally:
+        pids = [w.pid for w in engine.runtime.workers.values()]
+        engine.close()
+    time.sleep(0.5)
+    assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+               for pid in pids)
+    assert own_segments() <= before
+
+
+def test_dsi_with_tiny_real_models_equals_ar(qwen2_target, qwen2_partial):
+    params = SamplingParams(max_new_tokens=24)
+    with Engine(qwen2_target, strategy="ar", dtype="float32") as ar:
+        expected = ar.generate(PROMPT, params).token_ids
+    with Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="ray",
+                target_devices=["cpu:1"], draft_devices=["cpu:0"], lookahead=3, max_ahead=6) as engine:
+        assert engine.runtime["target0"].info.cores == (1,)       # the actor is pinned to its device
+        assert engine.generate(PROMPT, params).token_ids == expected

@@ -1,0 +1,189 @@
+"""DSI: one drafter and N target servers return exactly ar's tokens (greedy) and ar's distribution (sampling);
+tokens of preempted chunks never leak; a dying server is reported; nothing is left behind.
+
+Most engines here use the in-process runtime (workers are threads): the protocol, channel and orchestration are
+the same as with processes, and starting N + 1 processes per configuration on a loaded 2-core machine would
+cost minutes. The fault and cleanup tests use real processes."""
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paraspec import Engine, SamplingParams
+from paraspec.models.simulated import SimulatedModel, SimulatedSpec
+from paraspec.runtime import WorkerError
+from tests.strategies.test_amusd import slow_target_pair  # noqa: F401 (a fixture)
+from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+
+
+
+def own_segments():
+    """Shared-memory segments this test process created (other test runs on the machine create their own)."""
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{os.getpid()}_")}
+
+@pytest.fixture(scope="module")
+def ar_engine(qwen2_target):
+    with Engine(qwen2_target, strategy="ar", dtype="float32") as engine:
+        yield engine
+
+
+CONFIGS = {  # draft, servers, lookahead, max_ahead
+    "partial-1-3": ("qwen2_partial", 1, 3, 6),
+    "partial-2-2": ("qwen2_partial", 2, 2, 6),
+    "same-3-4": ("qwen2_target", 3, 4, 16),
+    "unrelated-3-1": ("qwen2_unrelated", 3, 1, 4),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def dsi(request, qwen2_target):
+    draft_fixture, servers, lookahead, max_ahead = CONFIGS[request.param]
+    draft = request.getfixturevalue(draft_fixture)
+    with Engine(qwen2_target, draft, strategy="dsi", dtype="float32", lookahead=lookahead, max_ahead=max_ahead,
+                target_devices=["cpu"] * servers, runtime="inprocess") as engine:
+        engine.config_name = request.param
+        yield engine
+
+
+def check_draft_cache(result):
+    draft = result.worker_reports["draft"]
+    assert draft["cache_length"] == draft["cached"]
+    assert draft["fed"] == draft["cached"] + draft["discarded"]
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])
+def test_dsi_greedy_equals_ar(ar_engine, dsi, max_new_tokens):
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    expected = ar_engine.generate(PROMPT, params).token_ids
+    result = dsi.generate(PROMPT, params)
+    assert result.token_ids == expected
+    assert result.finish_reason == "length"
+    check_draft_cache(result)
+    if max_new_tokens == 40:
+        s = result.stats
+        assert s.rounds > 0 and s.drafted > 0
+        report = result.worker_reports["dsi"]
+        assert report["servers"] == len(dsi.target_devices) and report["chunks"] > 0
+        if dsi.config_name.startswith("same"):
+            assert s.acceptance_rate == 1.0 and report["preempted"] == 0
+        if dsi.config_name.startswith("unrelated"):
+            assert s.rollbacks > 0
+
+
+def test_dsi_stop_token_mid_chunk(ar_engine, dsi):
+    reference = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40)).token_ids
+    position = next(i for i in range(5, 40) if reference[i] not in reference[:i])
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=[reference[position]])
+    result = dsi.generate(PROMPT, params)
+    assert result.token_ids == reference[:position + 1] and result.finish_reason == "stop"
+
+
+def test_dsi_streams_and_serves_many_requests(ar_engine, dsi):
+    for prompt in ["a", "xyz" * 5]:
+        params = SamplingParams(max_new_tokens=20)
+        text = "".join(dsi.stream(prompt, params))
+        assert dsi.last_result.token_ids == ar_engine.generate(prompt, params).token_ids
+        assert text == dsi.last_result.text
+
+
+def test_dsi_servers_work_in_parallel(qwen2_target):
+    """With draft == target nothing is rejected, so several chunks are in flight at once on different servers."""
+    with Engine(qwen2_target, qwen2_target, strategy="dsi", dtype="float32", lookahead=2, max_ahead=8,
+                target_devices=["cpu"] * 3, runtime="inprocess") as engine:
+        result = engine.generate(PROMPT, SamplingParams(max_new_tokens=60))
+    verifies = [e for e in result.trace.events if e.kind == "verify"]
+    assert len({e.device for e in verifies}) == 3
+    assert any(a.device != b.device and a.start_s < b.end_s and b.start_s < a.end_s
+               for a in verifies for b in verifies)
+    assert result.worker_reports["dsi"]["judged_at_once"] + result.worker_reports["dsi"]["bonus"] > 0
+
+
+# -- preemption: rejections at arbitrary chunks never leak tokens ------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_preempted_chunks_never_leak(seed):
+    """Simulated draft wrong at random positions (the draft seed picks them), 8 servers, random chunk sizes and
+    acceptance: the output must be the target's truth exactly, so no token of a preempted chunk got through."""
+    rng = np.random.default_rng(seed)
+    a, lookahead, servers = float(rng.uniform(0.2, 0.95)), int(rng.integers(1, 5)), int(rng.integers(2, 9))
+    target = SimulatedSpec(seed=seed)
+    draft = SimulatedSpec(role="draft", seed=seed, draft_seed=100 + seed, acceptance_rate=a)
+    truth = SimulatedModel(target).predicted
+    with Engine(target, draft, strategy="dsi", lookahead=lookahead, max_ahead=lookahead * (servers + 1),
+                target_devices=["cpu"] * servers, runtime="inprocess") as engine:
+        for max_new in (int(rng.integers(1, 30)), 150):
+            result = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=max_new))
+            assert result.token_ids == truth[3:3 + max_new].tolist()
+    report = result.worker_reports["dsi"]
+    assert result.stats.rollbacks > 0 and report["preempted"] > 0     # rejections really preempted chunks
+
+
+# -- sampling -----------------------------------------------------------------------------------------------------
+
+N_SAMPLES = 1_200
+
+
+def test_dsi_sampling_matches_target_distribution(slow_target_pair):  # noqa: F811
+    target, draft = slow_target_pair
+    sampling = dict(temperature=0.8, top_k=4)
+    prompt = [1, 2, 3]
+    with Engine(target, draft, strategy="dsi", dtype="float32", lookahead=1, max_ahead=3,
+                target_devices=["cpu", "cpu"], runtime="inprocess") as engine, \
+            Engine(target, strategy="ar", dtype="float32") as ar:
+        joint = exact_joint(ar, prompt, SamplingParams(**sampling))
+        counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
+        for seed in range(N_SAMPLES):
+            result = engine.generate(prompt, SamplingParams(max_new_tokens=2, seed=seed, **sampling))
+            x1, x2 = result.token_ids
+            counts[x1, x2] += 1
+            drafted += result.stats.drafted
+            accepted += result.stats.accepted
+    assert drafted > N_SAMPLES / 2 and 0.1 * drafted < accepted < 0.9 * drafted   # drafts were really judged
+    assert_matches(counts, joint)
+
+
+# -- faults and cleanup (real processes) --------------------------------------------------------------------------
+
+def test_server_dying_while_others_hold_chunks(ar_engine, qwen2_target, qwen2_partial):
+    before = own_segments()
+    engine = Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", lookahead=2, max_ahead=8,
+                    target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"])
+    assert len(own_segments() - before) > 0
+    pids = [w.pid for w in engine.runtime.workers.values()]
+    assert len(set(pids)) == 3
+    params = SamplingParams(max_new_tokens=12)       # the process engine serves exactly, before the fault
+    assert engine.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
+    stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=4000))
+    next(stream)
+    os.kill(engine.runtime["target1"].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="target1"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 2.0
+    engine.close()
+    engine.close()                                   # idempotent
+    time.sleep(0.2)
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    assert own_segments() <= before
+
+
+def test_abandoned_stream_cancels_cleanly(ar_engine, qwen2_target, qwen2_partial):
+    with Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", target_devices=["cpu"] * 2,
+                runtime="inprocess") as engine:
+        stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
+        next(stream)
+        stream.close()
+        params = SamplingParams(max_new_tokens=12)
+        assert engine.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
+
+
+def test_bad_options_fail_early(qwen2_target, qwen2_partial):
+    with Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", lookahead=6, max_ahead=4,
+                runtime="inprocess") as engine:
+        with pytest.raises(ValueError, match="max_ahead"):
+            engine.generate(PROMPT, SamplingParams(max_new_tokens=4))

@@ -1,0 +1,51 @@
+"""EasySpec studies on a tiny model: the similarity table is 1 where fuzzy == exact and below 1 elsewhere; the
+ablation produces one row per configuration and two PNG plots; the CLI wires both."""
+import json
+
+import pytest
+import torch
+
+from paraspec import Engine, SamplingParams
+from paraspec.cli import main
+from paraspec.models.loader import load_native
+from paraspec.study.easyspec import ablation, plot_ablation, similarity, similarity_table
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def deep_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("study")
+    target = make_checkpoint(d / "t", "qwen2", seed=1, scale=20, num_hidden_layers=6)
+    draft = make_checkpoint(d / "d", "qwen2", seed=3, base=target, noise=0.05)
+    return target, draft
+
+
+def test_similarity_is_one_for_exact_and_lower_for_fuzzy(deep_pair):
+    draft = load_native(deep_pair[1], torch.float32)
+    rows = similarity(draft, [list(range(10, 30)), list(range(40, 52))], lp_sizes=(1, 2, 4), tokens_per_prompt=5)
+    by_lp = {r["lp_size"]: r for r in rows}
+    for quantity in ("hidden", "attn", "q", "k", "v"):
+        assert by_lp[1][quantity] == pytest.approx(1.0, abs=1e-5)
+        assert by_lp[4][quantity] < by_lp[2][quantity] < 1.0 - 1e-4
+    assert "| 2 |" in similarity_table(rows)
+
+
+def test_ablation_rows_and_plots(deep_pair, tmp_path):
+    factory = lambda: Engine(*deep_pair, strategy="easyspec", dtype="float32")
+    rows = ablation(factory, ["def f(x):"], SamplingParams(max_new_tokens=8), widths=(1, 3), lp_sizes=(1, 2),
+                    calibrations=(True, False), tree_depth=3)
+    assert len(rows) == 8 and {r["tree_width"] for r in rows} == {1, 3}
+    assert all(0 <= r["acceptance_rate"] <= 1 and r["ms_per_token"] > 0 for r in rows)
+    paths = plot_ablation(rows, tmp_path)
+    assert [p.name for p in paths] == ["easyspec_ablation_acceptance_rate.png", "easyspec_ablation_ms_per_token.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_study_cli_similarity(deep_pair, tmp_path, monkeypatch, capsys):
+    from paraspec.study import cli as study_cli
+    monkeypatch.setattr(study_cli, "_prompts", lambda args, tok: [[{"role": "user", "content": "def f(x): return"}]])
+    assert main(["study", "easyspec", "--draft", str(deep_pair[1]), "--lp-sizes", "2", "3",
+                 "--tokens-per-prompt", "4", "--dtype", "float32", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "similarity.json").read_text())
+    assert [r["lp_size"] for r in rows] == [2, 3]
+    assert "| LP size |" in capsys.readouterr().out
