@@ -5,9 +5,12 @@ checkpoints, tokenizer compatibility, sampling values, prompt length.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
+
+import torch
 
 from paraspec.models.loader import load_model, load_tokenizer, parse_dtype, resolve_checkpoint
 from paraspec.runtime.devices import apply_device, parse_devices, Device
@@ -57,6 +60,7 @@ class Engine:
         self.strategy = strategy
         self.last_result: GenerationResult | None = None
         self.runtime = self.channel = None
+        self._unpin = None
         self.target = self.draft = None
 
         # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
@@ -110,11 +114,12 @@ class Engine:
             return None
         return load_tokenizer(folder)
 
-    @staticmethod
-    def _pin_in_process(devices: list[Device]) -> None:
-        """ar and sd run in the caller's process: pin it to the union of the requested cores."""
+    def _pin_in_process(self, devices: list[Device]) -> None:
+        """ar, sd and tree run in the caller's process: pin it to the union of the requested cores, until
+        close() puts the previous affinity and thread count back."""
         cores = sorted({c for d in devices if d.kind == "cpu" for c in d.cores})
-        if cores and all(d.kind == "cpu" and d.cores for d in devices):
+        if cores and all(d.kind == "cpu" and d.cores for d in devices) and hasattr(os, "sched_getaffinity"):
+            self._unpin = (os.sched_getaffinity(0), torch.get_num_threads())
             apply_device(Device("cpu", cores=tuple(cores)))
 
     # -- prompts -------------------------------------------------------------------------------------------
@@ -232,6 +237,11 @@ class Engine:
         drafter = getattr(self.draft, "_easyspec_drafter", None)   # easyspec's draft replicas on other devices
         if drafter is not None:
             drafter.close()
+        if self._unpin:
+            affinity, threads = self._unpin
+            os.sched_setaffinity(0, affinity)
+            torch.set_num_threads(threads)
+            self._unpin = None
         self.target = self.draft = None
 
     def __enter__(self) -> "Engine":

@@ -180,3 +180,13 @@ def test_unknown_and_bad_strategy_options(qwen2_target, qwen2_partial):
         Engine(qwen2_target, qwen2_partial, strategy="sd", lookahed=3)
     with pytest.raises(ValueError, match="lookahead must be an integer"):
         Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=2.5)
+
+
+def test_in_process_pinning_is_undone_by_close(qwen2_target):
+    import os
+    before = os.sched_getaffinity(0)
+    with Engine(qwen2_target, target_devices=["cpu:0"]) as e:
+        assert os.sched_getaffinity(0) == {0}
+        e.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+    assert os.sched_getaffinity(0) == before
+    Engine(qwen2_target, target_devices=["cpu:1"]).close()   # cpu:1 still counts as available

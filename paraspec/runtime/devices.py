@@ -33,11 +33,20 @@ class Device:
         return "cpu" if not self.cores else "cpu:" + ",".join(map(str, self.cores))
 
 
-def available_cores() -> list[int]:
+def _affinity() -> set[int]:
     try:
-        return sorted(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
+        return set(range(os.cpu_count() or 1))
+
+
+# The cores this process could use when paraspec was imported: pinning the process later (an in-process
+# engine on cpu:0) must not make cpu:1 look absent to the next engine.
+_CORES_AT_IMPORT = _affinity()
+
+
+def available_cores() -> list[int]:
+    return sorted(_CORES_AT_IMPORT | _affinity())
 
 
 def _parse_core_list(spec: str, text: str) -> tuple[int, ...]:
