@@ -37,7 +37,7 @@ test-fast: setup
 demo: setup models
 	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
 		--strategies ar,sd,amusd,tree,easyspec,hf-ar,hf-assisted --threads 1,2 \
-		--target-devices cpu:1 --draft-devices cpu:0 --lookahead 16 --draft-confidence 0.4 \
+		--target-devices cpu:1 --draft-devices cpu:0 --lookahead 20 --draft-confidence 0.4 \
 		--dataset humaneval --num-prompts 5 --max-new-tokens 128 --out out/demo
 
 clean:
