@@ -45,13 +45,9 @@ def amusd(request, qwen2_target):
 
 
 def check_draft_cache(result):
-    draft = result_reports(result)["draft"]
+    draft = result.worker_reports["draft"]
     assert draft["cache_length"] == draft["cached"]                 # the cache holds what was processed
     assert draft["fed"] == draft["cached"] + draft["discarded"]      # no token fed twice without a rollback
-
-
-def result_reports(result):
-    return result.worker_reports
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])

@@ -15,7 +15,7 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
 from paraspec.runtime import WorkerError
-from tests.strategies.test_amusd import slow_target_pair  # noqa: F401 (a fixture)
+from tests.strategies.test_amusd import check_draft_cache, slow_target_pair  # noqa: F401 (a fixture)
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 
 
@@ -46,12 +46,6 @@ def dsi(request, qwen2_target):
                 target_devices=["cpu"] * servers, runtime="inprocess") as engine:
         engine.config_name = request.param
         yield engine
-
-
-def check_draft_cache(result):
-    draft = result.worker_reports["draft"]
-    assert draft["cache_length"] == draft["cached"]
-    assert draft["fed"] == draft["cached"] + draft["discarded"]
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])
