@@ -43,7 +43,8 @@ class Engine:
                  allow_vocab_mismatch: bool = False, runtime: str = "process", **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
-        workers of amusd/dsi: "process" (one process per device group), "inprocess" (threads, for tests)."""
+        workers of amusd/dsi: "process" (one process per device group), "inprocess" (threads, for tests),
+        "ray" (Ray actors)."""
         self.spec = get_strategy(strategy)
         if self.spec.needs_draft and draft is None:
             raise ValueError(f"strategy {strategy!r} needs a draft model; pass draft=... (--draft)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -85,13 +86,15 @@ class Run:
 
     @contextmanager
     def timed(self, device: str, kind: str, tokens: int = 0):
-        """Record a trace event around a block and add its duration to draft_s / verify_s."""
+        """Record a trace event around a block and add its duration to draft_s / verify_s. The block may set
+        `event.tokens` when it learns the count only at its end."""
+        event = SimpleNamespace(tokens=tokens)
         start = self.trace.now()
         try:
-            yield
+            yield event
         finally:
             end = self.trace.now()
-            self.trace.add(device, kind, start, end, tokens)
+            self.trace.add(device, kind, start, end, event.tokens)
             if kind == "draft":
                 self.draft_s += end - start
             elif kind == "verify":

@@ -51,9 +51,9 @@ def decode(run: Run, target, draft, lookahead: int = 5, draft_confidence: float 
     while not run.done:
         sequence = run.sequence
         k = min(lookahead, run.remaining - 1)       # the round adds one target token after the drafts
-        with run.timed("draft", "draft", k):
+        with run.timed("draft", "draft") as event:
             drafts, q = draft_chain(draft, sequence, k, run, target.vocab_size, draft_confidence)
-        k = len(drafts)
+            k = event.tokens = len(drafts)         # fewer than asked when the confidence stop ended the round
         pending = sequence[target.length:]          # the prompt, then each round's correction/bonus token
         with run.timed("target", "verify", len(pending) + k):
             target_logits = target.forward(pending + drafts, last_n=k + 1)

@@ -161,3 +161,11 @@ def test_sd_confidence_stop_equals_ar(ar_engine, qwen2_target, qwen2_partial, co
         result = sd.generate(PROMPT, params)
     assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
     assert result.stats.drafted < 12 * result.stats.rounds
+
+
+def test_sd_trace_counts_the_tokens_really_drafted(qwen2_target, qwen2_partial):
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=12, draft_confidence=0.9,
+                dtype="float32") as sd:
+        result = sd.generate(PROMPT, SamplingParams(max_new_tokens=30))
+    drafted = sum(e.tokens for e in result.trace.events if e.kind == "draft")
+    assert drafted == result.stats.drafted < 12 * result.stats.rounds
