@@ -61,7 +61,7 @@ class Run:
             return
         top2 = logits.topk(2, dim=-1).values
         for i, gap in enumerate((top2[..., 0] - top2[..., 1]).reshape(-1).tolist()):
-            self.margins.setdefault(first_index + i, gap)
+            self.margins[first_index + i] = gap   # the last observation is the one on the committed prefix
 
     def commit(self, new_tokens: list[int]) -> list[int]:
         """Append verified tokens, cut at the first stop token or the token budget; return what was kept."""
