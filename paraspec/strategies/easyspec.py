@@ -31,8 +31,7 @@ import torch
 
 from paraspec.models.fuzzy import exact_forward, fuzzy_forward, lp_groups, parse_layer_groups
 from paraspec.strategies.base import Run
-from paraspec.strategies.tree import (DraftTreeCache, TokenTree, check_native, count_round, draft_tree,
-                                      keep_path, tree_shape, verify_round)
+from paraspec.strategies.tree import ExactDrafter, check_native, keep_path, tree_rounds
 
 
 def decode(run: Run, target, draft, tree_width: int = 4, tree_depth: int = 5, tree_budget: int = 64,
@@ -43,62 +42,41 @@ def decode(run: Run, target, draft, tree_width: int = 4, tree_depth: int = 5, tr
     check_native(target, draft)
     n_layers = draft.cfg.num_layers
     groups = parse_layer_groups(layer_groups, n_layers) if layer_groups else lp_groups(lp_size, n_layers)
-    drafter = Drafter(draft, groups)
     if draft_devices is not None and len(draft_devices) > 1:
         drafter = DeviceGroupDrafter.for_model(draft, groups, draft_devices, draft_checkpoint)
-    target.rollback(0)
-    drafter.rollback(0)
-    vocab = target.vocab_size
-    while not run.done:
-        sequence = run.sequence
-        depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
-        tree = TokenTree()
-        with run.timed("draft", "draft", depth), drafter.drafting():
-            if depth > 0:
-                pending = sequence[drafter.length:]
-                # calibration (or, off, the first prompt): exact, layer by layer
-                exact = calibration or drafter.length == 0
-                root_logits = drafter.forward(pending, exact=exact, head=True)[-1]
-                cache = DraftTreeCache(drafter, lambda t, p, m: drafter.forward(t, p, m), len(sequence))
-                tree = draft_tree(root_logits, cache, run, vocab, tree_width, depth, budget)
-        path, next_token = verify_round(run, target, sequence, tree)
-        if depth > 0:
-            if calibration:
-                drafter.rollback(len(sequence))      # everything past the exact prefix was fuzzy: drop it
-            else:
-                cache.accept(path)
-        count_round(run, tree, path)
-        yield run.commit([tree.tokens[node] for node in path] + [next_token])
+    else:
+        drafter = Drafter(draft, groups)
+    drafter.calibration = calibration
+    yield from tree_rounds(run, target, drafter, tree_width, tree_depth, tree_budget)
 
 
-class Drafter:
-    """The draft on one device: exact and fuzzy forwards over its own cache."""
+class Drafter(ExactDrafter):
+    """The draft on one device: exact and fuzzy forwards over its own cache.
 
-    def __init__(self, model, groups: list[list[int]]):
-        self.model, self.groups = model, groups
+    root(): the bonus calibration (or, with calibration off, only the first prompt) runs exactly, layer by
+    layer; every tree level runs fuzzily; settle() drops every fuzzy entry past the exact prefix (calibration)
+    or keeps the accepted path's fuzzy entries (calibration off)."""
 
-    @property
-    def length(self) -> int:
-        return self.model.length
-
-    @property
-    def cache(self):
-        return self.model.cache
+    def __init__(self, model, groups: list[list[int]], calibration: bool = True):
+        super().__init__(model)
+        self.groups, self.calibration = groups, calibration
 
     def forward(self, token_ids, positions=None, mask=None, exact: bool = False, head: bool = True):
         if exact:
             return exact_forward(self.model, token_ids, positions, mask)
         return fuzzy_forward(self.model, token_ids, self.groups, positions, mask, head=head)
 
-    def rollback(self, length: int) -> None:
-        self.model.rollback(length)
+    def root(self, pending: list[int]) -> torch.Tensor:
+        return self.forward(pending, exact=self.calibration or self.length == 0)[-1]
 
-    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
-        keep_path(self.model, prefix_len, slots)
+    def expand(self, token_ids, positions, mask) -> torch.Tensor:
+        return self.forward(token_ids, positions, mask)
 
-    def drafting(self):
-        from contextlib import nullcontext
-        return nullcontext()
+    def settle(self, prefix_len: int, cache, path: list[int]) -> None:
+        if self.calibration:
+            self.rollback(prefix_len)        # everything past the exact prefix was fuzzy: drop it
+        else:
+            cache.accept(path)
 
 
 # -- several devices ------------------------------------------------------------------------------------------

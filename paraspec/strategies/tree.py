@@ -16,6 +16,7 @@ themselves), so the children of every node are i.i.d. draws from its q, as the a
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -217,23 +218,65 @@ def count_round(run: Run, tree: TokenTree, path: list[int]) -> None:
     run.worker_reports["tree_nodes"] = run.worker_reports.get("tree_nodes", 0) + len(tree)
 
 
-def decode(run: Run, target, draft, tree_width: int = 4, tree_depth: int = 5, tree_budget: int = 64):
-    from paraspec.models.fuzzy import exact_forward
-    check_native(target, draft)
+class ExactDrafter:
+    """The draft as `tree` drives it: exact forwards over its own cache. easyspec's drafters subclass it and
+    change how the root and the tree levels are computed (fuzzy) and what the cache keeps after a round."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @property
+    def length(self) -> int:
+        return self.model.length
+
+    @property
+    def cache(self):
+        return self.model.cache
+
+    def root(self, pending: list[int]) -> torch.Tensor:
+        """Run the committed tokens the draft has not cached; the draft logits after the last one."""
+        return self.model.forward(pending, last_n=1)[-1]
+
+    def expand(self, token_ids, positions, mask) -> torch.Tensor:
+        from paraspec.models.fuzzy import exact_forward
+        return exact_forward(self.model, token_ids, positions, mask)
+
+    def settle(self, prefix_len: int, cache: DraftTreeCache, path: list[int]) -> None:
+        """After verification: keep the prefix and the accepted path's cached nodes."""
+        cache.accept(path)
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        keep_path(self.model, prefix_len, slots)
+
+    def drafting(self):
+        """Context held while drafting (a multi-device drafter narrows this process's threads and cores)."""
+        return nullcontext()
+
+
+def tree_rounds(run: Run, target, drafter: ExactDrafter, tree_width: int, tree_depth: int, tree_budget: int):
+    """The round loop of `tree` and `easyspec`: draft a tree, verify it in one target forward, settle the draft
+    cache, commit the accepted path plus the correction/bonus token."""
     target.rollback(0)
-    draft.rollback(0)
-    vocab = target.vocab_size
+    drafter.rollback(0)
     while not run.done:
         sequence = run.sequence
         depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
-        with run.timed("draft", "draft", depth):
-            tree = TokenTree()
+        tree = TokenTree()
+        with run.timed("draft", "draft", depth), drafter.drafting():
             if depth > 0:
-                root_logits = draft.forward(sequence[draft.length:], last_n=1)[-1]
-                cache = DraftTreeCache(draft, lambda t, p, m: exact_forward(draft, t, p, m), len(sequence))
-                tree = draft_tree(root_logits, cache, run, vocab, tree_width, depth, budget)
+                root_logits = drafter.root(sequence[drafter.length:])
+                cache = DraftTreeCache(drafter, drafter.expand, len(sequence))
+                tree = draft_tree(root_logits, cache, run, target.vocab_size, tree_width, depth, budget)
         path, next_token = verify_round(run, target, sequence, tree)
         if depth > 0:
-            cache.accept(path)
+            drafter.settle(len(sequence), cache, path)
         count_round(run, tree, path)
         yield run.commit([tree.tokens[node] for node in path] + [next_token])
+
+
+def decode(run: Run, target, draft, tree_width: int = 4, tree_depth: int = 5, tree_budget: int = 64):
+    check_native(target, draft)
+    yield from tree_rounds(run, target, ExactDrafter(draft), tree_width, tree_depth, tree_budget)
