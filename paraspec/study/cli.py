@@ -23,6 +23,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--no-calibration-off", action="store_true", help="ablation: only calibration on")
     p.add_argument("--max-new-tokens", type=int, default=32, help="ablation: tokens per prompt")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--target-devices", nargs="+", default=["cpu"], help="ablation: where the target verifies")
+    p.add_argument("--draft-devices", nargs="+", default=["cpu"],
+                   help="ablation: several devices (e.g. cpu:0 cpu:1) spread each group's attention layers")
     p.add_argument("--out", default="study-easyspec", help="folder for the table, JSON rows and plots")
     p.set_defaults(func=cmd_easyspec)
 
@@ -55,7 +58,8 @@ def cmd_easyspec(args) -> int:
         if not args.target:
             raise ValueError("the ablation needs --target")
         from paraspec import Engine, SamplingParams
-        factory = lambda: Engine(args.target, args.draft, strategy="easyspec", dtype=args.dtype)
+        factory = lambda: Engine(args.target, args.draft, strategy="easyspec", dtype=args.dtype,
+                                 target_devices=args.target_devices, draft_devices=args.draft_devices)
         prompts = _prompts(args, None)
         rows = study.ablation(factory, prompts, SamplingParams(max_new_tokens=args.max_new_tokens),
                               widths=tuple(args.widths), lp_sizes=tuple(args.lp_sizes or (1, 2, 3, 4, 5)),

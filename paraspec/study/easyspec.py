@@ -65,9 +65,9 @@ def ablation(engine_factory, prompts, params, widths=(1, 4, 8, 12), lp_sizes=(1,
     engine = engine_factory()
     try:
         engine.generate(prompts[0], type(params)(max_new_tokens=4))          # warm-up
-        for calibration in calibrations:
-            for width in widths:
-                for lp in lp_sizes:
+        for lp in lp_sizes:                   # LP size outermost: a multi-device drafter restarts per layout
+            for calibration in calibrations:
+                for width in widths:
                     engine.options.update(tree_width=width, lp_size=lp, calibration=calibration,
                                           tree_depth=tree_depth, tree_budget=width * tree_depth)
                     accepted = drafted = tokens = 0

@@ -36,6 +36,9 @@ def test_ablation_rows_and_plots(deep_pair, tmp_path):
                     calibrations=(True, False), tree_depth=3)
     assert len(rows) == 8 and {r["tree_width"] for r in rows} == {1, 3}
     assert all(0 <= r["acceptance_rate"] <= 1 and r["ms_per_token"] > 0 for r in rows)
+    # LP size 1 is the exact draft: calibration on or off drafts the same tokens, so acceptance is the same
+    lp1 = {(r["tree_width"], r["calibration"]): r["acceptance_rate"] for r in rows if r["lp_size"] == 1}
+    assert all(lp1[(w, True)] == lp1[(w, False)] for w in (1, 3))
     paths = plot_ablation(rows, tmp_path)
     assert [p.name for p in paths] == ["easyspec_ablation_acceptance_rate.png", "easyspec_ablation_ms_per_token.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
