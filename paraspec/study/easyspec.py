@@ -99,12 +99,14 @@ def plot_ablation(rows: list[dict], out_dir: Path) -> list[Path]:
     paths = []
     for metric, label in (("acceptance_rate", "acceptance rate"), ("ms_per_token", "ms / token")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        widths = sorted({r["tree_width"] for r in rows})
         for (width, calibration) in sorted({(r["tree_width"], r["calibration"]) for r in rows}):
             line = sorted((r for r in rows if r["tree_width"] == width and r["calibration"] == calibration),
                           key=lambda r: r["lp_size"])
-            ax.plot([r["lp_size"] for r in line], [r[metric] for r in line], marker="o",
-                    linestyle="-" if calibration else "--",
+            ax.plot([r["lp_size"] for r in line], [r[metric] for r in line], marker="o" if calibration else "x",
+                    color=f"C{widths.index(width)}", linestyle="-" if calibration else "--",
                     label=f"width {width}, calibration {'on' if calibration else 'off'}")
+        ax.set_xticks(sorted({r["lp_size"] for r in rows}))
         ax.set_xlabel("LP size (layers per parallel group)")
         ax.set_ylabel(label)
         ax.set_title(f"EasySpec ablation: {label}")
