@@ -6,6 +6,7 @@ prints one JSON line {"pid", "workers", "segments"} once everything is up, then 
 import glob
 import json
 import os
+import signal
 import sys
 
 from paraspec.runtime import Runtime
@@ -13,6 +14,9 @@ from tests.runtime import loops
 from tests.runtime.toy_model import make_toy
 
 if __name__ == "__main__":
+    # a shell that runs the suite in the background (nohup ... &) starts us with SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: restore it, Ctrl-C is what this process is here to receive
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = sys.argv[1]
     rt = Runtime("process")
     worker = rt.add_worker("w", "cpu:0", make_toy)
