@@ -34,6 +34,14 @@ def mistral_target(tiny_dir):
     return make_checkpoint(tiny_dir / "mistral-target", "mistral", seed=5, scale=20)
 
 
+@pytest.fixture(scope="session")
+def deep_pair(tiny_dir):
+    """A 6-layer target and a noisy copy as draft: deep enough for EasySpec groups of 2 and 3 layers."""
+    target = make_checkpoint(tiny_dir / "deep-t", "qwen2", seed=1, scale=20, num_hidden_layers=6)
+    draft = make_checkpoint(tiny_dir / "deep-d", "qwen2", seed=3, base=target, noise=0.05)
+    return target, draft
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Tiny models on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""

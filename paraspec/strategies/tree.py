@@ -229,10 +229,6 @@ class ExactDrafter:
     def length(self) -> int:
         return self.model.length
 
-    @property
-    def cache(self):
-        return self.model.cache
-
     def root(self, pending: list[int]) -> torch.Tensor:
         """Run the committed tokens the draft has not cached; the draft logits after the last one."""
         return self.model.forward(pending, last_n=1)[-1]

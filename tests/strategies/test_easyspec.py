@@ -21,14 +21,6 @@ from tests.tiny import make_checkpoint
 DEVICES = ["cpu:0", "cpu:1"]
 
 
-@pytest.fixture(scope="module")
-def deep_pair(tmp_path_factory):
-    """A 6-layer target and a noisy copy as draft: deep enough for groups of 2 and 3 layers."""
-    d = tmp_path_factory.mktemp("deep")
-    target = make_checkpoint(d / "t", "qwen2", seed=1, scale=20, num_hidden_layers=6)
-    draft = make_checkpoint(d / "d", "qwen2", seed=3, base=target, noise=0.05)
-    return target, draft
-
 
 def shm_segments():
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("paraspec_")}

@@ -9,15 +9,7 @@ from paraspec import Engine, SamplingParams
 from paraspec.cli import main
 from paraspec.models.loader import load_native
 from paraspec.study.easyspec import ablation, plot_ablation, similarity, similarity_table
-from tests.tiny import make_checkpoint
 
-
-@pytest.fixture(scope="module")
-def deep_pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("study")
-    target = make_checkpoint(d / "t", "qwen2", seed=1, scale=20, num_hidden_layers=6)
-    draft = make_checkpoint(d / "d", "qwen2", seed=3, base=target, noise=0.05)
-    return target, draft
 
 
 def test_similarity_is_one_for_exact_and_lower_for_fuzzy(deep_pair):
