@@ -104,12 +104,16 @@ def test_dsi_servers_work_in_parallel():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_preempted_chunks_never_leak(seed):
-    """Simulated draft wrong at random positions (the draft seed picks them), 8 servers, random chunk sizes and
-    acceptance: the output must be the target's truth exactly, so no token of a preempted chunk got through."""
+    """Simulated draft wrong at random positions (the draft seed picks them), up to 8 servers, random chunk sizes
+    and acceptance: the output must be the target's truth exactly, so no token of a preempted chunk got through.
+    The draft is 20x faster than a verification (simulated latencies), so later chunks are always in flight when
+    one is rejected -- without latencies, whether any chunk was preempted hinged on the machine's load."""
+    from paraspec.sim.profile import ForwardCost
     rng = np.random.default_rng(seed)
     a, lookahead, servers = float(rng.uniform(0.2, 0.95)), int(rng.integers(1, 5)), int(rng.integers(2, 9))
-    target = SimulatedSpec(seed=seed)
-    draft = SimulatedSpec(role="draft", seed=seed, draft_seed=100 + seed, acceptance_rate=a)
+    target = SimulatedSpec(seed=seed, cost=ForwardCost.constant(0.01))
+    draft = SimulatedSpec(role="draft", seed=seed, draft_seed=100 + seed, acceptance_rate=a,
+                          cost=ForwardCost.constant(0.0005))
     truth = SimulatedModel(target).predicted
     with Engine(target, draft, strategy="dsi", lookahead=lookahead, max_ahead=lookahead * (servers + 1),
                 target_devices=["cpu"] * servers, runtime="inprocess") as engine:
