@@ -8,10 +8,15 @@ import sys
 from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> None:
     """Flags shared by every command that builds an Engine (named like the Engine keyword arguments)."""
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
-    p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
+    if several_drafts:
+        p.add_argument("--draft", action="append", help="draft model (needed by every speculative strategy); "
+                       "dsi takes it several times: each chunk comes from the first drafter that has drafted "
+                       "it (give one --draft-devices entry per draft, or one for all)")
+    else:
+        p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
     for option in OPTIONS.values():   # every strategy's options, from the registry
         flag = "--" + option.name.replace("_", "-")
         if option.type is bool:
@@ -42,7 +47,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(target=args.target, draft=args.draft, strategy=args.strategy, dtype=args.dtype,
+    draft = args.draft[0] if isinstance(args.draft, list) and len(args.draft) == 1 else args.draft
+    return dict(target=args.target, draft=draft, strategy=args.strategy, dtype=args.dtype,
                 target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
                 max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
                 runtime=args.runtime,
@@ -92,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with one strategy, streaming it to stdout")
-    add_model_args(gen)
+    add_model_args(gen, several_drafts=True)
     gen.add_argument("--strategy", default="ar", choices=list(STRATEGIES))
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")

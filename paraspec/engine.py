@@ -16,7 +16,7 @@ from paraspec.models.loader import load_model, load_tokenizer, parse_dtype, reso
 from paraspec.runtime.devices import apply_device, parse_devices, Device
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
-from paraspec.strategies import OPTIONS, get_strategy
+from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 from paraspec.strategies.base import Run
 from paraspec.trace import Trace
 
@@ -46,8 +46,13 @@ class Engine:
         workers of amusd/dsi: "process" (one process per device group), "inprocess" (threads, for tests),
         "ray" (Ray actors)."""
         self.spec = get_strategy(strategy)
-        if self.spec.needs_draft and draft is None:
+        drafts = list(draft) if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]
+        if self.spec.needs_draft and not drafts:
             raise ValueError(f"strategy {strategy!r} needs a draft model; pass draft=... (--draft)")
+        if len(drafts) > 1 and not self.spec.several_drafts:
+            takes = [name for name, s in STRATEGIES.items() if s.several_drafts]
+            raise ValueError(f"strategy {strategy!r} takes one draft model, got {len(drafts)}; only "
+                             f"{', '.join(takes)} takes several (pass --draft once)")
         if not isinstance(max_context, int) or max_context < 2:
             raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
         unknown = sorted(set(options) - set(OPTIONS))
@@ -58,40 +63,54 @@ class Engine:
         parse_dtype(dtype)
         self.target_devices = parse_devices(target_devices)
         self.draft_devices = parse_devices(draft_devices) if self.spec.needs_draft else []
+        if len(drafts) > 1 and len(self.draft_devices) not in (1, len(drafts)):
+            raise ValueError(f"{len(drafts)} drafts take one draft device group (shared) or one per draft, got "
+                             f"{len(self.draft_devices)}; pass --draft-devices D0 ... D{len(drafts) - 1}")
         self.strategy = strategy
         self.last_result: GenerationResult | None = None
         self.runtime = self.channel = None
         self._unpin = None
         self.target = self.draft = None
+        self.drafts = []               # every draft model (several only for dsi); self.draft is the first
 
         # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
         dtype_of = lambda devices: parse_dtype(dtype, devices[0].torch_device)
         target_dir = _resolve(target, dtype_of(self.target_devices))
-        draft_dir = _resolve(draft, dtype_of(self.draft_devices)) if self.spec.needs_draft else None
+        draft_dirs = [_resolve(d, dtype_of(self.draft_devices)) for d in drafts] if self.spec.needs_draft else []
+        draft_dir = draft_dirs[0] if draft_dirs else None
         self._draft_dir = draft_dir
         self.tokenizer = self._maybe_tokenizer(target_dir)
         load = dict(dtype=dtype, backend=backend, max_context=max_context)
         if self.spec.workers:
-            self._start_workers(target_dir, draft_dir, load, runtime)
+            self._start_workers(target_dir, draft_dirs, load, runtime)
         else:
             self._pin_in_process(self.target_devices + self.draft_devices)
             self.target = _loader(target_dir)(target_dir, device=self.target_devices[0].torch_device, **load)
             if draft_dir is not None:
                 self.draft = _loader(draft_dir)(draft_dir, device=self.draft_devices[0].torch_device, **load)
-        if self.draft is not None and not allow_vocab_mismatch:
-            check_compatible(self.target, self.draft, self.tokenizer, self._maybe_tokenizer(draft_dir))
+                self.drafts = [self.draft]
+        if not allow_vocab_mismatch:
+            try:
+                for model, folder in zip(self.drafts, draft_dirs):
+                    check_compatible(self.target, model, self.tokenizer, self._maybe_tokenizer(folder))
+            except BaseException:
+                self.close()
+                raise
 
-    def _start_workers(self, target_dir, draft_dir, load: dict, backend: str = "process") -> None:
-        """One worker process per model, pinned to its device group, plus the channel they share."""
+    def _start_workers(self, target_dir, draft_dirs: list, load: dict, backend: str = "process") -> None:
+        """One worker process per model, pinned to its device group, plus one channel per drafter."""
         from paraspec.runtime import RemoteError, Runtime
         from paraspec.runtime.remote import RemoteModel
+        from paraspec.strategies.dsi import channel_name, drafter_name
         self.runtime = Runtime(backend=backend)
         try:
             # dsi: one target server per target device (group), target0..N-1; others: one "target"
             targets = ([(f"target{i}", d) for i, d in enumerate(self.target_devices)] if self.spec.target_servers
                        else [("target", self.target_devices[0])])
-            for role, folder, device in [(name, target_dir, d) for name, d in targets] + \
-                    [("draft", draft_dir, self.draft_devices[0])]:
+            # drafters: draft, draft1, ... (several only for dsi), each on its own draft device or all on one
+            drafters = [(drafter_name(i), folder, self.draft_devices[min(i, len(self.draft_devices) - 1)])
+                        for i, folder in enumerate(draft_dirs)]
+            for role, folder, device in [(name, target_dir, d) for name, d in targets] + drafters:
                 spec = folder if _simulated(folder) else str(folder)
                 self.runtime.add_worker(role, device, _loader(folder),
                                         dict(spec=spec, device=device.torch_device, **load))
@@ -100,9 +119,12 @@ class Engine:
             except RemoteError as e:      # a bad checkpoint found while loading: raise its own clear error
                 raise (e.original if isinstance(e.original, ValueError) else e) from None
             self.target = RemoteModel(self.runtime[targets[0][0]])
-            self.draft = RemoteModel(self.runtime["draft"])
-            self.channel = self.runtime.channel("tokens", capacity=self.max_context,
-                                                vocab_size=self.target.vocab_size, q_window=64)
+            self.drafts = [RemoteModel(self.runtime[name]) for name, _, _ in drafters]
+            self.draft = self.drafts[0]
+            channels = [self.runtime.channel(channel_name(i), capacity=self.max_context,
+                                             vocab_size=self.target.vocab_size, q_window=64)
+                        for i in range(len(drafters))]
+            self.channel = channels[0]
         except BaseException:
             self.close()
             raise
@@ -165,7 +187,7 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        return min(m.max_context for m in (self.target, self.draft) if m is not None)
+        return min(m.max_context for m in (self.target, self.draft, *self.drafts) if m is not None)
 
     def decode_text(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -244,6 +266,7 @@ class Engine:
             torch.set_num_threads(threads)
             self._unpin = None
         self.target = self.draft = None
+        self.drafts = []
 
     def __enter__(self) -> "Engine":
         return self

@@ -749,6 +749,10 @@ class Runtime:
         self._state.channels[name] = channel
         return channel
 
+    @property
+    def channels(self) -> dict[str, TokenChannel]:
+        return dict(self._state.channels)
+
     def close_channel(self, name: str) -> None:
         channel = self._state.channels.pop(name)
         channel.close()   # stops it first, so loops still using it wake up with ChannelStopped

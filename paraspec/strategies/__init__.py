@@ -59,6 +59,7 @@ class StrategySpec:
     workers: bool = False             # runs its models in worker processes: decode(run, runtime, channel, ...)
     spreads_draft: bool = False       # in-process, but spreads the draft over draft_devices (easyspec)
     target_servers: bool = False      # workers only: one target worker per target device, target0..N-1
+    several_drafts: bool = False      # workers only: takes a list of drafts (workers draft, draft1, ...)
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -68,8 +69,8 @@ STRATEGIES: dict[str, StrategySpec] = {
     "amusd": StrategySpec("amusd", amusd.decode, needs_draft=True, options=("max_ahead", "verify_chunk"),
                           summary="draft and verify at the same time on separate devices (AMUSD)", workers=True),
     "dsi": StrategySpec("dsi", dsi.decode, needs_draft=True, options=("lookahead", "max_ahead"),
-                        summary="one drafter, N target servers verifying chunks in parallel (DSI)", workers=True,
-                        target_servers=True),
+                        summary="drafters drafting, N target servers verifying chunks in parallel (DSI)",
+                        workers=True, target_servers=True, several_drafts=True),
     "tree": StrategySpec("tree", tree.decode, needs_draft=True, options=("tree_width", "tree_depth", "tree_budget"),
                          summary="token-tree speculative decoding, one tree-masked target forward (SpecInfer)"),
     "easyspec": StrategySpec("easyspec", easyspec.decode, needs_draft=True,

@@ -40,12 +40,13 @@ def common_prefix(a: list[int], b) -> int:
 
 
 def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: int, seed: int | None,
-               t0: float) -> dict:
-    """Runs in the draft worker until the channel stops (the request ended or a worker failed)."""
-    channel = ctx.channels[CHANNEL]
+               t0: float, channel_name: str = CHANNEL, label: str = "draft") -> dict:
+    """Runs in the draft worker until the channel stops (the request ended or a worker failed). `channel_name`
+    and `label` (its trace row) tell several drafters apart (dsi's extra drafters)."""
+    channel = ctx.channels[channel_name]
     generator = make_generator(None if seed is None else seed + 1)
     trace = Trace(t0=t0)
-    device = f"draft:{ctx.device}"
+    device = f"{label}:{ctx.device}"
     cached: list[int] = []          # exactly the tokens in the draft's KV cache, in order
     version = None
     drafted = published = rollbacks = fed = discarded = 0

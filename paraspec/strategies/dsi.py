@@ -19,9 +19,18 @@ while N target servers verify successive chunks of its drafts in parallel.
                        rejection sampling with that draft's q) -- a rejection preempts chunk j+1 onward -- or,
                        if nothing is drafted there yet, supplies the target's own token (the bonus).
 
-Every draft is judged against exactly the prefix it was drafted from: a chunk is cut from the channel under one
-version, and any commit that differs from a draft bumps the version and preempts every chunk in flight.
-Rejection sampling consumes the run's generator in the order positions are settled, so sampling is lossless.
+Several drafters (the paper's f_1..f_{m-1}; `draft=[d0, d1, ...]`, `--draft` given several times): each runs
+`amusd.draft_loop` in its own worker (draft, draft1, ...) on its own channel (tokens, tokens1, ...). A chunk is
+cut from the lowest-index drafter that has drafted through the chunk's end and agrees with the sequence the
+chunks in flight assume (`first_agreeing`); a faster, weaker drafter so fills in while a better one lags.
+
+Every draft is judged against exactly the prefix it was drafted from: a chunk is cut from a channel under one
+version and only where that drafter agrees with the speculated sequence (every chunk in flight is a
+continuation of it), and a commit that differs from the speculated sequence preempts every chunk in flight
+(and bumps the version of each channel whose drafts it contradicts, so those drafters roll back). With
+sampling, each draft is judged with the q of the drafter that sampled it; which drafter is taken depends only
+on timing and on tokens already drafted, never on the draft being judged. Rejection sampling consumes the
+run's generator in the order positions are settled, so sampling is lossless.
 
 N = 1 versus AMUSD (`amusd.py`): both run the same drafter and settle the position after a full acceptance
 from the distribution already in hand. AMUSD's verifier is a loop in the target worker that takes whatever has
@@ -29,7 +38,7 @@ been drafted (1 to `verify_chunk` tokens) the moment it is free; DSI's caller wa
 `lookahead` drafts (shorter only at the token budget) and orchestrates over worker requests, so with one server
 it verifies fixed chunks and pays a round trip per chunk. Differences from the paper's Algorithm 1: no
 target-only ("non-SI") thread on a spare server, a preempted server finishes its forward before it takes the
-next chunk (a forward cannot be interrupted), and one drafter only (the paper's f_1..f_{m-1} are not here).
+next chunk (a forward cannot be interrupted), and a drafter is not preempted mid-forward either.
 """
 from __future__ import annotations
 
@@ -57,6 +66,36 @@ def target_server_names(runtime) -> list[str]:
     return sorted(names, key=lambda n: int(n[6:]))
 
 
+def drafter_name(i: int) -> str:
+    """Worker name of drafter i: "draft" (the one every worker strategy has), then draft1, draft2, ..."""
+    return "draft" if i == 0 else f"draft{i}"
+
+
+def channel_name(i: int) -> str:
+    """Channel of drafter i: "tokens", then tokens1, tokens2, ..."""
+    return CHANNEL if i == 0 else f"{CHANNEL}{i}"
+
+
+def drafter_count(runtime) -> int:
+    n = 0
+    while drafter_name(n) in runtime.workers:
+        n += 1
+    return n
+
+
+def first_agreeing(drafts: list[np.ndarray | None], speculated: np.ndarray, end: int) -> int | None:
+    """Index of the first drafter whose tokens reach `end` and agree with `speculated` (the sequence the chunks in
+    flight assume: verified tokens, then their drafts) wherever both have a token; None if there is none.
+    drafts[i] is drafter i's whole sequence under the version last seen, or None when it is stale."""
+    for i, tokens in enumerate(drafts):
+        if tokens is None or len(tokens) < end:
+            continue
+        n = min(len(speculated), end)
+        if np.array_equal(tokens[:n], speculated[:n]):
+            return i
+    return None
+
+
 def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, greedy: bool, margins: bool) -> dict:
     """Runs in a target server: catch up and verify in one forward. The cache keeps its first `keep` tokens,
     then `tokens` (catch-up + the token before the chunk + the chunk) are fed; the last `rows` rows are the
@@ -79,13 +118,22 @@ class _Server:
 
 
 @dataclass
+class _Drafter:
+    channel: object
+    version: int                   # the channel's version after the last commit
+    chunks: int = 0                # chunks cut from its drafts
+    judged_at_once: int = 0        # its drafts judged at once by a forward already in hand
+
+
+@dataclass
 class _Chunk:
     start: int                     # position of the first draft (the forward also yields position start + len)
     tokens: list[int]
-    q: torch.Tensor | None         # [len(tokens), vocab] when sampling
+    q: torch.Tensor | None         # [len(tokens), vocab] when sampling, from the drafter that sampled them
     server: int
     handle: object
     prefill: bool = False          # the prompt's forward: it yields the first token, it verifies nothing
+    drafter: _Drafter | None = None
 
 
 @dataclass
@@ -119,16 +167,17 @@ def _watch_channel(channel, events: queue.SimpleQueue) -> None:
 
 
 class _MainThread:
-    def __init__(self, run: Run, runtime, channel, lookahead: int, version: int):
-        self.run, self.runtime, self.channel, self.lookahead = run, runtime, channel, lookahead
+    def __init__(self, run: Run, runtime, channels: list, lookahead: int):
+        self.run, self.runtime, self.lookahead = run, runtime, lookahead
         self.servers = [_Server(runtime[name]) for name in target_server_names(runtime)]
-        self.version = version
+        self.drafters = [_Drafter(channel, channel.reset(run.prompt_ids)) for channel in channels]
         self.sampling = not run.params.greedy
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.chunks: deque[_Chunk] = deque()      # in flight, in sequence order
         self.settled: set[int] = set()            # ids of handles whose reply arrived
         self.handles: list = []                   # every request sent (their trace events are merged at the end)
         self.next_start = len(run.prompt_ids)     # first position not in any chunk
+        self.speculated = np.array(run.prompt_ids, np.int64)   # the sequence the chunks in flight assume
         self.next_row: _Row | None = None         # the target's prediction for the next position, if in hand
         self.chunks_sent = self.preempted = self.judged_at_once = self.bonus = 0
 
@@ -155,8 +204,9 @@ class _MainThread:
         self.chunks.append(_Chunk(start, [], None, 0, self.send(0, start, start, prompt), prefill=True))
         for i in range(1, len(self.servers)):
             self.send(i, start, start, prompt)
-        threading.Thread(target=_watch_channel, args=(self.channel, self.events), daemon=True,
-                         name="paraspec-dsi-watch").start()
+        for i, drafter in enumerate(self.drafters):
+            threading.Thread(target=_watch_channel, args=(drafter.channel, self.events), daemon=True,
+                             name=f"paraspec-dsi-watch{i}").start()
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def steps(self):
@@ -208,18 +258,22 @@ class _MainThread:
                 if self.chunks or self.next_row is not None or start > position:
                     return sent
                 size = 0          # one token left and nothing in flight: a chunk without drafts yields it
-            snap = self.channel.snapshot(0, start + size)
-            if snap.version != self.version or len(snap.tokens) < start + size:
-                return sent       # the drafter has not got that far yet
-            q = torch.from_numpy(self.channel.read_q(start, start + size, version=snap.version)) \
+            snaps = [d.channel.snapshot(0, start + size) for d in self.drafters]
+            k = first_agreeing([s.tokens if s.version == d.version else None
+                                for s, d in zip(snaps, self.drafters)], self.speculated, start + size)
+            if k is None:
+                return sent       # no drafter has got that far yet (on the sequence in flight)
+            drafter, sequence = self.drafters[k], snaps[k].tokens
+            q = torch.from_numpy(drafter.channel.read_q(start, start + size, version=drafter.version)) \
                 if self.sampling and size else None
-            sequence = snap.tokens
             # the free server whose cache already holds most of the sequence has the least to catch up on
             i = max(free, key=lambda j: _common_prefix(self.servers[j].cached, sequence))
             handle = self.send(i, start, start + size, sequence)
-            self.chunks.append(_Chunk(start, [int(t) for t in sequence[start:]], q, i, handle))
+            self.chunks.append(_Chunk(start, [int(t) for t in sequence[start:]], q, i, handle, drafter=drafter))
             self.chunks_sent += 1
+            drafter.chunks += size > 0
             self.next_start = start + size
+            self.speculated = np.array(sequence, np.int64)
             sent = True
 
     def resolve(self, chunk: _Chunk) -> list[int]:
@@ -259,12 +313,9 @@ class _MainThread:
         """p for the next position is in hand: judge the draft there at once, or take the target's token."""
         run, row = self.run, self.next_row
         self.next_row = None
-        position = len(run.sequence)
-        snap = self.channel.snapshot(position, position + 1)
-        if len(snap.tokens) and snap.version == self.version:
-            token = int(snap.tokens[0])
+        token, q, drafter = self.draft_at(len(run.sequence))
+        if token is not None:
             if self.sampling:
-                q = torch.from_numpy(self.channel.read_q(position, position + 1, version=snap.version)[0])
                 replacement = verify_token(token, q, row.logits, run.params, run.generator)
             else:
                 replacement = None if row.argmax == token else row.argmax
@@ -272,20 +323,45 @@ class _MainThread:
             run.accepted += replacement is None
             run.rollbacks += replacement is not None
             self.judged_at_once += 1
+            drafter.judged_at_once += 1
             return self.commit([token if replacement is None else replacement])
         self.bonus += 1
         return self.commit([row.argmax if not self.sampling else next_token(row.logits, run)])
 
+    def draft_at(self, position: int) -> tuple[int | None, torch.Tensor | None, _Drafter | None]:
+        """The draft to judge at `position` with its q: the head chunk's, if a chunk in flight starts there,
+        else the first drafter's that has one (on the current sequence); (None, None, None) if none has."""
+        if self.chunks and self.chunks[0].start == position and self.chunks[0].tokens:
+            chunk = self.chunks[0]
+            return chunk.tokens[0], None if chunk.q is None else chunk.q[0], chunk.drafter
+        snaps = [d.channel.snapshot(0, position + 1) for d in self.drafters]
+        k = first_agreeing([s.tokens if s.version == d.version else None for s, d in zip(snaps, self.drafters)],
+                           self.speculated, position + 1)
+        if k is None:
+            return None, None, None
+        drafter = self.drafters[k]
+        q = torch.from_numpy(drafter.channel.read_q(position, position + 1, version=drafter.version)[0]) \
+            if self.sampling else None
+        return int(snaps[k].tokens[position]), q, drafter
+
     def commit(self, tokens: list[int]) -> list[int]:
-        """Commit to the run and the channel; a commit that replaces a draft preempts every chunk in flight."""
-        kept = self.run.commit(tokens)
-        if kept:
-            result = self.channel.commit(kept, start=len(self.run.sequence) - len(kept))
-            if result.version != self.version:
-                self.version = result.version
-                self.preempted += len(self.chunks)
-                self.chunks.clear()
-                self.next_start = len(self.run.sequence)
+        """Commit to the run and every drafter's channel. A commit that differs from the speculated sequence
+        preempts every chunk in flight (they all assume it); a channel whose drafts it contradicts bumps its
+        version, so that drafter rolls back."""
+        run = self.run
+        start = len(run.sequence)
+        kept = run.commit(tokens)
+        if not kept:
+            return kept
+        for drafter in self.drafters:
+            drafter.version = drafter.channel.commit(kept, start=start).version
+        assumed = self.speculated[start:start + len(kept)].tolist()
+        if assumed != kept[:len(assumed)]:
+            self.preempted += len(self.chunks)
+            self.chunks.clear()
+            self.next_start = len(run.sequence)
+        if len(self.speculated) <= len(run.sequence) or not self.chunks:
+            self.speculated = np.array(run.sequence, np.int64)
         return kept
 
     def trace_events(self) -> list[TraceEvent]:
@@ -293,39 +369,48 @@ class _MainThread:
 
     def report(self) -> dict:
         return {"servers": len(self.servers), "chunks": self.chunks_sent, "preempted": self.preempted,
-                "judged_at_once": self.judged_at_once, "bonus": self.bonus}
+                "judged_at_once": self.judged_at_once, "bonus": self.bonus,
+                "chunks_by_drafter": [d.chunks for d in self.drafters],
+                "judged_at_once_by_drafter": [d.judged_at_once for d in self.drafters]}
 
 
 def decode(run: Run, runtime, channel, lookahead: int = 5, max_ahead: int = 16):
-    """Caller side: start the drafter, run the main thread, then merge the drafter's report into `run`."""
+    """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
+    `channel` is drafter 0's; the others' are found in the runtime by name (channel_name)."""
     if max_ahead < lookahead:
         raise ValueError(f"dsi: max_ahead ({max_ahead}) < lookahead ({lookahead}) would never fill a chunk; "
                          f"pass max_ahead >= lookahead (servers x lookahead keeps every server busy)")
     if not target_server_names(runtime):
         raise ValueError("dsi needs target servers named target0..N-1 in the runtime (the Engine starts one "
                          "per entry of target_devices)")
-    version = channel.reset(run.prompt_ids)
-    main = _MainThread(run, runtime, channel, lookahead, version)
-    drafting = runtime["draft"].start_loop(amusd.draft_loop, params=run.params, max_ahead=max_ahead,
-                                           vocab_size=main.servers[0].worker.info.vocab_size,
-                                           seed=run.params.seed, t0=run.trace.t0)
+    channels = [channel] + [runtime.channels[channel_name(i)] for i in range(1, drafter_count(runtime))]
+    main = _MainThread(run, runtime, channels, lookahead)
+    vocab_size = main.servers[0].worker.info.vocab_size
+    drafting = []
+    for i in range(len(channels)):
+        seed = run.params.seed if run.params.seed is None or i == 0 else run.params.seed + 7919 * i
+        drafting.append(runtime[drafter_name(i)].start_loop(
+            amusd.draft_loop, params=run.params, max_ahead=max_ahead, vocab_size=vocab_size, seed=seed,
+            t0=run.trace.t0, channel_name=channel_name(i), label=drafter_name(i)))
     finished = False
     try:
         main.start()
         yield from main.steps()
         finished = run.done
     finally:
-        channel.stop("done" if finished else "cancelled")
+        for c in channels:
+            c.stop("done" if finished else "cancelled")
         if not finished:
             _raise_worker_failure(main)
             run.finish_reason = run.finish_reason or "cancelled"
-        draft_report, = runtime.gather(drafting)
-    draft_trace = Trace.from_dict(draft_report["trace"])
-    run.draft_s = draft_trace.busy_s("draft")
+        draft_reports = runtime.gather(*drafting)
+    draft_traces = [Trace.from_dict(report["trace"]) for report in draft_reports]
+    run.draft_s = sum(t.busy_s("draft") for t in draft_traces)
     server_events = main.trace_events()
     run.verify_s = sum(e.end_s - e.start_s for e in server_events if e.kind == "verify")
-    run.trace.events = sorted(run.trace.events + draft_trace.events + server_events, key=lambda e: e.start_s)
-    run.worker_reports = {"draft": draft_report, "dsi": main.report()}
+    run.trace.events = sorted(run.trace.events + [e for t in draft_traces for e in t.events] + server_events,
+                              key=lambda e: e.start_s)
+    run.worker_reports = {drafter_name(i): r for i, r in enumerate(draft_reports)} | {"dsi": main.report()}
 
 
 def _raise_worker_failure(main: _MainThread) -> None:

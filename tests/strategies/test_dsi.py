@@ -1,4 +1,4 @@
-"""DSI: one drafter and N target servers return exactly ar's tokens (greedy) and ar's distribution (sampling);
+"""DSI: one or several drafters and N target servers return exactly ar's tokens (greedy) and ar's distribution (sampling);
 tokens of preempted chunks never leak; a dying server is reported; nothing is left behind.
 
 Most engines here use the in-process runtime (workers are threads): the protocol, channel and orchestration are
@@ -15,8 +15,9 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
 from paraspec.runtime import WorkerError
-from tests.strategies.test_amusd import check_draft_cache, slow_target_pair  # noqa: F401 (a fixture)
+from tests.strategies.test_amusd import slow_target_pair  # noqa: F401 (a fixture)
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.tiny import make_checkpoint
 
 
 
@@ -30,22 +31,38 @@ def ar_engine(qwen2_target):
         yield engine
 
 
-CONFIGS = {  # draft, servers, lookahead, max_ahead
+CONFIGS = {  # draft(s), servers, lookahead, max_ahead
     "partial-1-3": ("qwen2_partial", 1, 3, 6),
     "partial-2-2": ("qwen2_partial", 2, 2, 6),
     "same-3-4": ("qwen2_target", 3, 4, 16),
     "unrelated-3-1": ("qwen2_unrelated", 3, 1, 4),
+    # extra drafters (the paper's f_1..f_{m-1}): chunks come from whichever agreeing drafter is ahead
+    "unrelated+partial-2-2": (("qwen2_unrelated", "qwen2_partial"), 2, 2, 6),
+    "partial+unrelated+same-3-3": (("qwen2_partial", "qwen2_unrelated", "qwen2_target"), 3, 3, 9),
 }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def dsi(request, qwen2_target):
-    draft_fixture, servers, lookahead, max_ahead = CONFIGS[request.param]
-    draft = request.getfixturevalue(draft_fixture)
+    drafts, servers, lookahead, max_ahead = CONFIGS[request.param]
+    draft = [request.getfixturevalue(d) for d in drafts] if isinstance(drafts, tuple) \
+        else request.getfixturevalue(drafts)
     with Engine(qwen2_target, draft, strategy="dsi", dtype="float32", lookahead=lookahead, max_ahead=max_ahead,
                 target_devices=["cpu"] * servers, runtime="inprocess") as engine:
         engine.config_name = request.param
         yield engine
+
+
+def check_drafters(result, n_drafters: int):
+    """Every drafter's cache holds what it processed; the chunk counts of the drafters add up."""
+    names = ["draft"] + [f"draft{i}" for i in range(1, n_drafters)]
+    assert sorted(k for k in result.worker_reports if k.startswith("draft")) == sorted(names)
+    for name in names:
+        report = result.worker_reports[name]
+        assert report["cache_length"] == report["cached"] and report["fed"] == report["cached"] + report["discarded"]
+    dsi = result.worker_reports["dsi"]
+    assert len(dsi["chunks_by_drafter"]) == n_drafters and sum(dsi["chunks_by_drafter"]) <= dsi["chunks"]
+    assert sum(dsi["judged_at_once_by_drafter"]) == dsi["judged_at_once"]
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])
@@ -55,12 +72,13 @@ def test_dsi_greedy_equals_ar(ar_engine, dsi, max_new_tokens):
     result = dsi.generate(PROMPT, params)
     assert result.token_ids == expected
     assert result.finish_reason == "length"
-    check_draft_cache(result)
+    check_drafters(result, len(dsi.drafts))
     if max_new_tokens == 40:
         s = result.stats
         assert s.rounds > 0 and s.drafted > 0
         report = result.worker_reports["dsi"]
         assert report["servers"] == len(dsi.target_devices) and report["chunks"] > 0
+        assert sum(report["chunks_by_drafter"]) > 0
         if dsi.config_name.startswith("same"):
             assert s.acceptance_rate == 1.0 and report["preempted"] == 0
         if dsi.config_name.startswith("unrelated"):
@@ -124,28 +142,97 @@ def test_preempted_chunks_never_leak(seed):
     assert result.stats.rollbacks > 0 and report["preempted"] > 0     # rejections really preempted chunks
 
 
+# -- several drafters ---------------------------------------------------------------------------------------------
+
+def test_first_agreeing_takes_the_lowest_index_that_reached_the_end_and_agrees():
+    from paraspec.strategies.dsi import first_agreeing
+    a = lambda *t: np.array(t, np.int64)
+    speculated = a(1, 2, 3, 4)                       # verified 1 2, then chunks in flight drafted 3 4
+    assert first_agreeing([a(1, 2, 3, 4, 5, 6), a(1, 2, 3, 4, 5, 6)], speculated, 6) == 0
+    assert first_agreeing([a(1, 2, 3, 4, 5), a(1, 2, 3, 4, 5, 6)], speculated, 6) == 1        # 0 not there yet
+    assert first_agreeing([a(1, 2, 3, 9, 5, 6), a(1, 2, 3, 4, 5, 6)], speculated, 6) == 1     # 0 disagrees
+    assert first_agreeing([None, a(1, 2, 3, 4, 7, 7)], speculated, 6) == 1                   # 0 is stale
+    assert first_agreeing([a(1, 2, 3, 9, 5, 6), a(1, 2)], speculated, 6) is None
+    assert first_agreeing([a(1, 2, 8), a(1, 2, 3)], a(1, 2), 3) == 0          # nothing in flight: any draft
+
+
+@pytest.mark.parametrize("fast", [0, 1])
+def test_the_first_drafter_that_is_ahead_supplies_the_chunks(fast):
+    """Two simulated drafters, one 100x slower than the other: the output is the target's truth, and the fast
+    one supplies (nearly) every chunk whether it comes first or second."""
+    from paraspec.sim.profile import ForwardCost
+    target = SimulatedSpec(seed=1, cost=ForwardCost.constant(0.01))
+    costs = [0.05, 0.05]
+    costs[fast] = 0.0005
+    drafts = [SimulatedSpec(role="draft", seed=1, draft_seed=101 + i, acceptance_rate=(0.9, 0.5)[i],
+                            cost=ForwardCost.constant(costs[i])) for i in range(2)]
+    with Engine(target, drafts, strategy="dsi", lookahead=3, max_ahead=12, target_devices=["cpu"] * 3,
+                runtime="inprocess") as engine:
+        result = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=100))
+    assert result.token_ids == SimulatedModel(target).predicted[3:103].tolist()
+    check_drafters(result, 2)
+    chunks = result.worker_reports["dsi"]["chunks_by_drafter"]
+    assert chunks[fast] >= 0.9 * sum(chunks) and sum(chunks) > 20
+    assert {e.device for e in result.trace.events if e.kind == "draft"} == {"draft:cpu", "draft1:cpu"}
+
+
+def test_several_drafts_are_checked():
+    target = SimulatedSpec(seed=1)
+    drafts = [SimulatedSpec(role="draft", seed=1), SimulatedSpec(role="draft", seed=1, draft_seed=2)]
+    with pytest.raises(ValueError, match="takes one draft model, got 2; only dsi takes several"):
+        Engine(target, drafts, strategy="amusd")
+    with pytest.raises(ValueError, match="one per draft, got 3"):
+        Engine(target, drafts, strategy="dsi", draft_devices=["cpu", "cpu", "cpu"])
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(target, [], strategy="dsi")
+
+
+def test_cli_takes_draft_several_times():
+    from paraspec.cli import build_parser, engine_kwargs
+    parser = build_parser()
+    base = ["generate", "--target", "t", "--strategy", "dsi", "--prompt", "x"]
+    assert engine_kwargs(parser.parse_args(base + ["--draft", "a"]))["draft"] == "a"
+    assert engine_kwargs(parser.parse_args(base + ["--draft", "a", "--draft", "b"]))["draft"] == ["a", "b"]
+
+
 # -- sampling -----------------------------------------------------------------------------------------------------
 
 N_SAMPLES = 1_200
 
 
-def test_dsi_sampling_matches_target_distribution(slow_target_pair):  # noqa: F811
+@pytest.fixture(scope="module")
+def mid_speed_draft(tmp_path_factory):
+    """A second draft with its own distribution, slower than slow_target_pair's draft and faster than its
+    target: as drafter 0 it is ahead only some of the time, so both drafters' drafts get judged."""
+    return make_checkpoint(tmp_path_factory.mktemp("mid-draft") / "d", "qwen2", seed=23, scale=5,
+                           tokenizer=False, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=6,
+                           hidden_size=128, intermediate_size=512)
+
+
+@pytest.mark.parametrize("drafters", [1, 2])
+def test_dsi_sampling_matches_target_distribution(slow_target_pair, mid_speed_draft, drafters):  # noqa: F811
     target, draft = slow_target_pair
     sampling = dict(temperature=0.8, top_k=4)
     prompt = [1, 2, 3]
-    with Engine(target, draft, strategy="dsi", dtype="float32", lookahead=1, max_ahead=3,
+    drafts = draft if drafters == 1 else [mid_speed_draft, draft]
+    with Engine(target, drafts, strategy="dsi", dtype="float32", lookahead=1, max_ahead=3,
                 target_devices=["cpu", "cpu"], runtime="inprocess") as engine, \
             Engine(target, strategy="ar", dtype="float32") as ar:
         joint = exact_joint(ar, prompt, SamplingParams(**sampling))
         counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
+        judged = np.zeros(drafters)                  # drafts judged, per drafter
         for seed in range(N_SAMPLES):
             result = engine.generate(prompt, SamplingParams(max_new_tokens=2, seed=seed, **sampling))
             x1, x2 = result.token_ids
             counts[x1, x2] += 1
             drafted += result.stats.drafted
             accepted += result.stats.accepted
+            report = result.worker_reports["dsi"]
+            judged += np.add(report["chunks_by_drafter"], report["judged_at_once_by_drafter"])
     assert drafted > N_SAMPLES / 2 and 0.1 * drafted < accepted < 0.9 * drafted   # drafts were really judged
+    assert judged.min() > 0.1 * N_SAMPLES, judged                   # each drafter's q was really used
     assert_matches(counts, joint)
+    assert_matches(counts.sum(1), joint.sum(1))                      # the first token alone: more power there
 
 
 # -- faults and cleanup (real processes) --------------------------------------------------------------------------
