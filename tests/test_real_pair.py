@@ -36,6 +36,8 @@ STRATEGIES = {
 # pair would exceed CI's time budget on two cores; `tree` itself is compared with ar on the real pair by
 # benchmarks/easyspec_humaneval.py (its "same as ar" column).
 CASES = [("bfloat16", "sd"), ("bfloat16", "amusd"), ("float32", "sd"), ("float32", "easyspec")]
+# bf16 matmuls are 2-6x slower than fp32 on this AVX2 CPU: the bf16 cases take the first two prompts, for CI time
+PROMPTS_OF = {"bfloat16": PROMPTS[:2], "float32": PROMPTS}
 
 pytestmark = [
     pytest.mark.real_pair,
@@ -57,7 +59,7 @@ def reference(request, references):
     dtype = request.param
     if dtype not in references:
         with Engine(TARGET, strategy="ar", dtype=dtype) as ar:
-            references[dtype] = [ar.generate(p, PARAMS, record_margins=True) for p in PROMPTS]
+            references[dtype] = [ar.generate(p, PARAMS, record_margins=True) for p in PROMPTS_OF[dtype]]
     return dtype, references[dtype]
 
 
@@ -81,7 +83,7 @@ def first_divergence_is_a_near_tie(engine, dtype, expected, result) -> str | Non
 def test_strategy_equals_ar_on_the_reference_pair(reference, name):
     dtype, expected = reference
     with Engine(TARGET, DRAFT, dtype=dtype, **STRATEGIES[name]) as engine:
-        for prompt, ar_result in zip(PROMPTS, expected):
+        for prompt, ar_result in zip(PROMPTS_OF[dtype], expected, strict=True):
             result = engine.generate(prompt, PARAMS, record_margins=True)
             assert len(ar_result.token_ids) == 64 or ar_result.finish_reason == "stop"
             assert result.stats.accepted > 0
