@@ -1,5 +1,5 @@
-"""DSI (Timor et al. 2024, "Distributed Speculative Inference", Algorithm 1): one drafter drafts without pause
-while N target servers verify successive chunks of its drafts in parallel.
+"""DSI (Timor et al. 2024, "Distributed Speculative Inference", Algorithm 1): a drafter drafts without pause
+while N target servers verify successive chunks of its drafts in parallel (several drafters: see below).
 
     draft worker     `amusd.draft_loop`, unchanged: drafts continuously from the latest sequence in the channel,
                      up to `max_ahead` tokens past the verified prefix, and rolls back when the version moves.
