@@ -258,12 +258,9 @@ class _MainThread:
                 if self.chunks or self.next_row is not None or start > position:
                     return sent
                 size = 0          # one token left and nothing in flight: a chunk without drafts yields it
-            snaps = [d.channel.snapshot(0, start + size) for d in self.drafters]
-            k = first_agreeing([s.tokens if s.version == d.version else None
-                                for s, d in zip(snaps, self.drafters)], self.speculated, start + size)
-            if k is None:
+            drafter, sequence = self.ready_drafter(start + size)
+            if drafter is None:
                 return sent       # no drafter has got that far yet (on the sequence in flight)
-            drafter, sequence = self.drafters[k], snaps[k].tokens
             q = torch.from_numpy(drafter.channel.read_q(start, start + size, version=drafter.version)) \
                 if self.sampling and size else None
             # the free server whose cache already holds most of the sequence has the least to catch up on
@@ -334,15 +331,19 @@ class _MainThread:
         if self.chunks and self.chunks[0].start == position and self.chunks[0].tokens:
             chunk = self.chunks[0]
             return chunk.tokens[0], None if chunk.q is None else chunk.q[0], chunk.drafter
-        snaps = [d.channel.snapshot(0, position + 1) for d in self.drafters]
-        k = first_agreeing([s.tokens if s.version == d.version else None for s, d in zip(snaps, self.drafters)],
-                           self.speculated, position + 1)
-        if k is None:
+        drafter, sequence = self.ready_drafter(position + 1)
+        if drafter is None:
             return None, None, None
-        drafter = self.drafters[k]
         q = torch.from_numpy(drafter.channel.read_q(position, position + 1, version=drafter.version)[0]) \
             if self.sampling else None
-        return int(snaps[k].tokens[position]), q, drafter
+        return int(sequence[position]), q, drafter
+
+    def ready_drafter(self, end: int) -> tuple[_Drafter | None, np.ndarray | None]:
+        """The first drafter that has drafted through `end` on the speculated sequence, with its sequence."""
+        snaps = [d.channel.snapshot(0, end) for d in self.drafters]
+        k = first_agreeing([s.tokens if s.version == d.version else None for s, d in zip(snaps, self.drafters)],
+                           self.speculated, end)
+        return (None, None) if k is None else (self.drafters[k], snaps[k].tokens)
 
     def commit(self, tokens: list[int]) -> list[int]:
         """Commit to the run and every drafter's channel. A commit that differs from the speculated sequence
