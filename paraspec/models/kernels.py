@@ -3,8 +3,9 @@
 `F.linear` on CPU calls MKL's sgemm. On the AVX2 machine of this project a product with a few rows -- a
 verification chunk of k+1 tokens -- costs 2-3.5x a one-row product there, and two threads barely help;
 oneDNN's inner product on the very same weight tensor (plain layout, no copy) is 1.0-1.4x faster for 2-24
-rows on one thread and 1.5-2.5x on two (`python benchmarks/linear_kernels.py`, one layer's four projections). Speculative decoding lives on that ratio, so `Linear` sends
-fp32 CPU products to oneDNN where it wins and to `F.linear` elsewhere:
+rows on one thread and 1.5-2.5x on two (`python benchmarks/linear_kernels.py`, one layer's four projections).
+Speculative decoding lives on that ratio, so `Linear` sends fp32 CPU products to oneDNN where it wins and to
+`F.linear` elsewhere:
 
     PARASPEC_MATMUL=auto     (default) oneDNN for fp32 on CPU with more than one row, or with several threads;
                              F.linear for one row on one thread, for other dtypes, devices and under autograd

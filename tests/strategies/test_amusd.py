@@ -44,8 +44,8 @@ def amusd(request, qwen2_target):
         yield engine
 
 
-def check_draft_cache(result):
-    draft = result.worker_reports["draft"]
+def check_draft_cache(result, name: str = "draft"):
+    draft = result.worker_reports[name]
     assert draft["cache_length"] == draft["cached"]                 # the cache holds what was processed
     assert draft["fed"] == draft["cached"] + draft["discarded"]      # no token fed twice without a rollback
 

@@ -1,5 +1,5 @@
-"""DSI: one or several drafters and N target servers return exactly ar's tokens (greedy) and ar's distribution (sampling);
-tokens of preempted chunks never leak; a dying server is reported; nothing is left behind.
+"""DSI: one or several drafters and N target servers return exactly ar's tokens (greedy) and ar's distribution
+(sampling); tokens of preempted chunks never leak; a dying server is reported; nothing is left behind.
 
 Most engines here use the in-process runtime (workers are threads): the protocol, channel and orchestration are
 the same as with processes, and starting N + 1 processes per configuration on a loaded 2-core machine would
@@ -15,7 +15,8 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
 from paraspec.runtime import WorkerError
-from tests.strategies.test_amusd import slow_target_pair  # noqa: F401 (a fixture)
+from paraspec.strategies.dsi import drafter_name
+from tests.strategies.test_amusd import check_draft_cache, slow_target_pair  # noqa: F401 (a fixture)
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
@@ -55,11 +56,10 @@ def dsi(request, qwen2_target):
 
 def check_drafters(result, n_drafters: int):
     """Every drafter's cache holds what it processed; the chunk counts of the drafters add up."""
-    names = ["draft"] + [f"draft{i}" for i in range(1, n_drafters)]
+    names = [drafter_name(i) for i in range(n_drafters)]
     assert sorted(k for k in result.worker_reports if k.startswith("draft")) == sorted(names)
     for name in names:
-        report = result.worker_reports[name]
-        assert report["cache_length"] == report["cached"] and report["fed"] == report["cached"] + report["discarded"]
+        check_draft_cache(result, name)
     dsi = result.worker_reports["dsi"]
     assert len(dsi["chunks_by_drafter"]) == n_drafters and sum(dsi["chunks_by_drafter"]) <= dsi["chunks"]
     assert sum(dsi["judged_at_once_by_drafter"]) == dsi["judged_at_once"]
