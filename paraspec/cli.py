@@ -28,8 +28,11 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
     p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
                    help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N")
     p.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="devices of the draft")
-    p.add_argument("--backend", default="native", choices=["native", "hf"],
-                   help="native decoder (Llama/Qwen2/Mistral) or any transformers causal LM")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf", "llamacpp"],
+                   help="llamacpp: llama.cpp's quantized CPU kernels on the GGUF file (exact configuration); "
+                        "native: paraspec's PyTorch decoder (Llama/Qwen2/Mistral); hf: any transformers causal "
+                        "LM; auto (default): llamacpp for GGUF-backed models on CPU with --dtype auto and a "
+                        "strategy without token trees, else native")
     p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens")
     p.add_argument("--runtime", default="process", choices=["process", "inprocess", "ray"],
                    help="where worker strategies (amusd, dsi, easyspec) run their models: one process per "

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from paraspec.models.loader import load_model, load_tokenizer, parse_dtype, resolve_checkpoint
+from paraspec.models.loader import choose_backend, load_model, load_tokenizer, parse_dtype, resolve_checkpoint
 from paraspec.runtime.devices import apply_device, parse_devices, Device
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
@@ -39,12 +39,13 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, target, draft=None, strategy: str = "ar", dtype="auto", target_devices=("cpu",),
-                 draft_devices=("cpu",), backend: str = "native", max_context: int = 4096,
+                 draft_devices=("cpu",), backend: str = "auto", max_context: int = 4096,
                  allow_vocab_mismatch: bool = False, runtime: str = "process", **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of amusd/dsi: "process" (one process per device group), "inprocess" (threads, for tests),
-        "ray" (Ray actors)."""
+        "ray" (Ray actors). `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU when
+        the strategy allows it, else the native decoder), "native", "hf" or "llamacpp"."""
         self.spec = get_strategy(strategy)
         drafts = list(draft) if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]
         if self.spec.needs_draft and not drafts:
@@ -75,8 +76,12 @@ class Engine:
 
         # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
         dtype_of = lambda devices: parse_dtype(dtype, devices[0].torch_device)
-        target_dir = _resolve(target, dtype_of(self.target_devices))
-        draft_dirs = [_resolve(d, dtype_of(self.draft_devices)) for d in drafts] if self.spec.needs_draft else []
+        models = [target] + (drafts if self.spec.needs_draft else [])
+        backend = self._choose_backend(backend, models, dtype)
+        self.backend = backend
+        target_dir = _resolve(target, dtype_of(self.target_devices), backend)
+        draft_dirs = ([_resolve(d, dtype_of(self.draft_devices), backend) for d in drafts]
+                      if self.spec.needs_draft else [])
         draft_dir = draft_dirs[0] if draft_dirs else None
         self._draft_dir = draft_dir
         self.tokenizer = self._maybe_tokenizer(target_dir)
@@ -96,6 +101,21 @@ class Engine:
             except BaseException:
                 self.close()
                 raise
+
+    def _choose_backend(self, backend: str, models: list, dtype) -> str:
+        """The backend every model of this engine runs on ("auto" resolved), or a clear error."""
+        if any(_simulated(m) for m in models) or (backend == "auto" and str(dtype) != "auto"):
+            return "native"       # a dtype asks for torch weights; simulated models have no backend
+        probe = [_resolve(m, parse_dtype("float32"), "auto") for m in models] if backend == "auto" else []
+        chosen = choose_backend(backend, probe, self.target_devices + self.draft_devices,
+                                trees="llamacpp" not in self.spec.backends)
+        if chosen not in self.spec.backends:
+            raise ValueError(f"strategy {self.strategy!r} runs on the {', '.join(self.spec.backends)} backend(s), not "
+                             f"{chosen!r}; pass backend='native' (--backend native)")
+        if chosen == "llamacpp" and str(dtype) != "auto":
+            raise ValueError(f"dtype={dtype!r} does not apply to the llamacpp backend (it runs the GGUF's own "
+                             f"quantized weights); leave dtype='auto' or use backend='native'")
+        return chosen
 
     def _start_workers(self, target_dir, draft_dirs: list, load: dict, backend: str = "process") -> None:
         """One worker process per model, pinned to its device group, plus one channel per drafter."""
@@ -280,9 +300,9 @@ def _simulated(spec) -> bool:
     return isinstance(spec, SimulatedSpec)
 
 
-def _resolve(spec, dtype):
+def _resolve(spec, dtype, backend: str = "native"):
     """A checkpoint folder (resolved and converted here), or a simulated model's spec as it is."""
-    return spec if _simulated(spec) else resolve_checkpoint(spec, dtype)
+    return spec if _simulated(spec) else resolve_checkpoint(spec, dtype, backend)
 
 
 def _loader(spec):

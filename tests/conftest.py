@@ -42,6 +42,31 @@ def deep_pair(tiny_dir):
     return target, draft
 
 
+@pytest.fixture(scope="session")
+def gguf_pair(tiny_dir):
+    """Tiny Qwen2 GGUF files (2048-token context) for the llamacpp backend: an f32 target with peaked logits, a
+    draft that partly agrees with it (the target plus noise), the target as an HF checkpoint folder (the same
+    weights, for the native decoder), and a milder model with Q8_0 matrices (at the target's weight scale the
+    random model is chaotic enough to amplify llama.cpp's 8-bit activations far beyond their rounding), and a
+    pair for sampling tests whose draft's first tokens overlap the target's (13-25% acceptance)."""
+    from tests.tiny_gguf import noisy_copy, tiny_hf_model, tiny_vocab, write_gguf
+    vocab = len(tiny_vocab()[0])
+    target = tiny_hf_model("qwen2", vocab, tied=True, seed=11, scale=20, max_position_embeddings=2048)
+    out = {"target": tiny_dir / "gguf-target.gguf", "draft": tiny_dir / "gguf-draft.gguf",
+           "target_q8": tiny_dir / "gguf-target-q8.gguf", "target_hf": tiny_dir / "gguf-target-hf",
+           "sample_target": tiny_dir / "gguf-sample-t.gguf", "sample_draft": tiny_dir / "gguf-sample-d.gguf"}
+    write_gguf(out["target"], target)
+    write_gguf(out["draft"], noisy_copy(target, seed=12, noise=0.3))
+    mild = tiny_hf_model("qwen2", vocab, tied=True, seed=13, scale=5, max_position_embeddings=2048)
+    q8 = {name: "Q8_0" for name, t in mild.state_dict().items() if t.ndim == 2 and "embed" not in name}
+    write_gguf(out["target_q8"], mild, quantize=q8)
+    sampled = tiny_hf_model("qwen2", vocab, tied=True, seed=13, scale=10, max_position_embeddings=2048)
+    write_gguf(out["sample_target"], sampled)
+    write_gguf(out["sample_draft"], noisy_copy(sampled, seed=12, noise=0.3))
+    target.save_pretrained(str(out["target_hf"]))
+    return out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Tiny models on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""

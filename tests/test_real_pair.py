@@ -90,3 +90,28 @@ def test_strategy_equals_ar_on_the_reference_pair(reference, name):
             note = first_divergence_is_a_near_tie(engine, dtype, ar_result, result)
             if note:
                 print(f"[{name} {dtype}] {note}")
+
+
+# -- the llamacpp backend: exact by construction, so no near-tie allowance -------------------------------------
+LLAMACPP_STRATEGIES = {
+    "sd": dict(strategy="sd", lookahead=5),
+    "amusd": dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
+    "dsi": dict(strategy="dsi", lookahead=4, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
+}
+
+
+@pytest.fixture(scope="module")
+def llamacpp_reference() -> list:
+    with Engine(TARGET, strategy="ar", backend="llamacpp") as ar:
+        return [ar.generate(p, PARAMS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", list(LLAMACPP_STRATEGIES))
+def test_llamacpp_strategy_equals_ar_exactly(llamacpp_reference, name):
+    with Engine(TARGET, DRAFT, backend="llamacpp", **LLAMACPP_STRATEGIES[name]) as engine:
+        for prompt, expected in zip(PROMPTS, llamacpp_reference, strict=True):
+            result = engine.generate(prompt, PARAMS)
+            assert result.stats.accepted > 0
+            assert result.token_ids == expected.token_ids, (
+                f"{name} on llamacpp differs from ar at output token "
+                f"{next((i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b), '(end)')}")

@@ -35,3 +35,9 @@ class Model(Protocol):
 
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""
+
+
+def check_rollback(length: int, cached: int) -> None:
+    """The one rule of `rollback`: a cache can only be cut back to a length it holds."""
+    if not 0 <= length <= cached:
+        raise ValueError(f"cannot roll back to {length}: the cache holds {cached} tokens")

@@ -161,7 +161,7 @@ def is_converted(folder: str | os.PathLike, sha256: str | None = None, dtype: An
         return False
     if sha256 is not None and marker.get("gguf_sha256") != sha256.lower():
         return False
-    if dtype is not None and marker.get("dtype") != normalize_dtype(dtype):
+    if dtype is not None and marker.get("dtype") != (dtype if dtype == "gguf" else normalize_dtype(dtype)):
         return False
     return True
 
@@ -698,7 +698,7 @@ def _write_generation_config(gf: GGUFFile, out: Path, eos_ids: list[int]) -> Non
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = "bfloat16", *,
                  sha256: str | None = None, overwrite: bool = False, with_tokenizer: bool = True,
                  progress: bool = True, max_shard_size: int = 5 * 2**30,
-                 extra_record: dict | None = None) -> Path:
+                 extra_record: dict | None = None, weights: bool = True) -> Path:
     """Convert a GGUF file into a Hugging Face checkpoint folder at `out_dir` and return its path.
 
     dtype: bfloat16 (default) | float16 | float32 -- every tensor is dequantized to it.
@@ -707,6 +707,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         replaced when it came from another file or dtype, and returned as it is when it matches.
     with_tokenizer: also write the tokenizer files (needs the GGUF's tokenizer metadata).
     extra_record: more fields for paraspec_source.json.
+    weights: False writes everything but the weights (config, tokenizer, marker naming the GGUF): the folder a
+        backend that runs the GGUF itself (llamacpp) needs for its tokenizer and chat template.
     """
     dtype = normalize_dtype(dtype)
     gguf_path = Path(gguf_path).expanduser().resolve()
@@ -720,29 +722,36 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
                               f"folder or pass overwrite=True to replace it")
 
     gf = read_gguf(gguf_path, with_vocab=True)  # fails fast on non-GGUF files
-    family = _family(gf)
+    family = _family(gf) if weights else gf.architecture   # without weights any architecture will do
     digest = (sha256 or "").lower() or file_sha256(gguf_path, progress=progress)
-    if not overwrite and is_converted(out_dir, sha256=digest, dtype=dtype):
+    held = dtype if weights else "gguf"     # no weights: the folder describes the file as it is
+    if not overwrite and is_converted(out_dir, sha256=digest, dtype=held):
         logger.info("%s is already a conversion of %s to %s", out_dir, gguf_path.name, dtype)
         return out_dir
 
     tensors = {t.name: t for t in gf.tensors}
-    config = gguf_to_hf_config(gf, tensors=tensors, dtype=dtype)
-    plan = _plan_tensors(gf, config)
+    config = gguf_to_hf_config(gf, tensors=tensors, dtype=dtype) if weights else None
+    plan = _plan_tensors(gf, config) if weights else []
     tokens = gf.get("tokenizer.ggml.tokens")
     token_types = None
     if "tokenizer.ggml.token_type" in gf.reader.fields:
         token_types = _field_value(gf.reader.fields["tokenizer.ggml.token_type"])
     eos_ids = _eos_ids(gf, tokens, token_types)
-    scaling = _config_rope_scaling(config)
+    scaling = _config_rope_scaling(config) if weights else None
+    context = config.max_position_embeddings if weights else int(gf.arch("context_length", 4096) or 4096)
 
     tmp = make_partial_dir(out_dir)
     try:
-        _write_config(config, tmp, scaling)
+        if weights:
+            _write_config(config, tmp, scaling)
+        else:   # what the runtime that reads the GGUF itself needs to know is in the GGUF
+            (tmp / "config.json").write_text(json.dumps({"gguf_architecture": gf.architecture,
+                                                         "max_position_embeddings": context}, indent=2) + "\n")
         _write_generation_config(gf, tmp, eos_ids)
         if with_tokenizer:
-            _write_tokenizer(gf, tmp, model_max_length=config.max_position_embeddings)
-        _write_weights(gf, config, family, plan, tmp, dtype, max_shard_size, progress)
+            _write_tokenizer(gf, tmp, model_max_length=context)
+        if weights:
+            _write_weights(gf, config, family, plan, tmp, dtype, max_shard_size, progress)
         quant: dict[str, int] = {}
         for t in gf.tensors:
             quant[t.tensor_type.name] = quant.get(t.tensor_type.name, 0) + 1
@@ -752,9 +761,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
             "gguf_path": str(gguf_path),
             "gguf_size": gguf_path.stat().st_size,
             "gguf_sha256": digest,
-            "dtype": dtype,
+            "dtype": held,
             "architecture": gf.architecture,
-            "model_type": config.model_type,
+            "model_type": config.model_type if weights else None,
             "general_name": gf.get("general.name"),
             "gguf_tensor_types": quant,
             "tokenizer": bool(with_tokenizer),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from paraspec.models.base import check_rollback
+
 
 class HFModel:
     def __init__(self, model, max_context: int, eos_token_ids: tuple[int, ...]):
@@ -37,8 +39,7 @@ class HFModel:
         return self.cache.get_seq_length()
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: the cache holds {self.length} tokens")
+        check_rollback(length, self.length)
         if length == 0:
             self.cache = self._new_cache()
         elif length < self.length:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paraspec.models.base import check_rollback
 from paraspec.models.kernels import Linear
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -249,8 +250,7 @@ class NativeModel:
         return self.cache.length
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.cache.length:
-            raise ValueError(f"cannot roll back to {length}: the cache holds {self.cache.length} tokens")
+        check_rollback(length, self.cache.length)
         self.cache.length = length
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:

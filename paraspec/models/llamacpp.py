@@ -1,0 +1,351 @@
+"""llama.cpp backend: a GGUF model on llama.cpp's quantized CPU kernels, behind the Model protocol.
+
+Exactness is the point of this module. llama.cpp picks different kernels for different batch widths (weight
+repacking's gemm vs gemv, llamafile's tinyBLAS for f16 attention products, the tiled K-quant matmul, flash
+attention's KV split), so by default the logits of a token computed in a forward of w tokens differ from the
+same token's logits computed one token at a time, by up to ~0.5 — enough to flip a greedy choice. A speculative
+strategy on such a backend would not return `ar`'s tokens. So this backend:
+
+1. runs the configuration found batch-invariant (BENCHMARKS.md "llama.cpp exactness"): a build without
+   llamafile (`scripts/build_llamacpp.py wheel`; refused otherwise), weight repacking off
+   (`use_extra_bufts=False`), flash attention off, `GGML_CPU_TILED_MM=0` (set before the library loads);
+2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build and
+   thread count (`probe_exact_width`, cached per model file, build, CPU and threads) at a short and a long
+   context, and
+3. splits every forward after the prompt into sub-forwards no wider than that width. Verification is
+   compute-bound on CPUs, so a split costs little; with width 1 it would cost the speculation, and the probe's
+   result is reported (`exact_width`) so that a user sees it.
+
+The prompt's prefill is one forward (chunked by n_batch) in every strategy alike, so its KV cache is the same.
+Tree attention is refused: llama.cpp would take a token tree through sequence ids, but the accepted branch then
+sits in non-contiguous KV cells, and the attention reductions run over cell indices, so later tokens would not be
+computed as in `ar` (see the README's backend notes).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from paraspec.models.base import check_rollback
+
+PROBE_WIDTH = 16          # widths 1..PROBE_WIDTH are checked; wider forwards are split
+PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
+_lib = None
+
+
+class LlamaCppUnavailable(ImportError):
+    pass
+
+
+def _llama_cpp():
+    """Import llama_cpp once, with the batch-invariance switches that must be set before ggml initialises."""
+    global _lib
+    if _lib is None:
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise LlamaCppUnavailable(
+                f"the llamacpp backend needs llama-cpp-python built for paraspec ({e}); run `make setup` or "
+                f"`python scripts/build_llamacpp.py wheel --python {sys.executable}`, or use backend='native'"
+            ) from None
+        if os.environ["GGML_CPU_TILED_MM"] != "0":
+            raise ValueError("GGML_CPU_TILED_MM is set to something other than 0; the tiled K-quant matmul is not "
+                             "batch-invariant, so the llamacpp backend would not be exact: unset it")
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+        if "LLAMAFILE = 1" in info:
+            raise LlamaCppUnavailable(
+                "this llama-cpp-python was built with llamafile's tinyBLAS, whose multi-token attention products "
+                "differ from its one-token ones (not exact); rebuild it with `python scripts/build_llamacpp.py "
+                f"wheel --force --python {sys.executable}` (it builds with -DGGML_LLAMAFILE=OFF)")
+        llama_cpp.llama_backend_init()
+        global _log_callback
+        _log_callback = llama_cpp.llama_log_callback(_log)   # kept referenced: C holds the pointer
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _lib = llama_cpp
+    return _lib
+
+
+_log_callback = None
+
+
+def _log(level, text, user_data):
+    """llama.cpp's log is silent unless PARASPEC_LLAMACPP_LOG is set (1: errors, all: everything)."""
+    wanted = os.environ.get("PARASPEC_LLAMACPP_LOG")
+    if wanted == "all" or (wanted and level == 4):   # 4 = GGML_LOG_LEVEL_ERROR
+        sys.stderr.write(text.decode(errors="replace"))
+
+
+def build_fingerprint() -> str:
+    """What the numerics depend on besides the model: library build, its switches, the CPU."""
+    lib = _llama_cpp()
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    lib_file = Path(lib.__file__).parent / "lib"
+    libs = sorted(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in lib_file.glob("*.so*"))
+    return "\n".join([lib.__version__, lib.llama_print_system_info().decode(errors="replace"), cpu, *libs,
+                      "repack=0 flash=0 tiled=0"])
+
+
+class LlamaCppModel:
+    """One llama.cpp context over one GGUF model; one sequence, KV cache = llama.cpp's memory."""
+
+    def __init__(self, path: Path, max_context: int, eos_token_ids: tuple[int, ...], n_threads: int | None = None,
+                 probe: bool = True, kv_f32: bool = False):
+        """n_threads None: follow torch's thread count (set by the Engine or worker to the device group's cores,
+        and by the benchmark per variant), checked at every prefill; an int fixes it. kv_f32: keep K/V in f32
+        instead of llama.cpp's f16 (twice the cache memory; the tests use it to compare with fp32 references)."""
+        lib = _llama_cpp()
+        self._follow_torch = n_threads is None
+        n_threads = n_threads or torch.get_num_threads()
+        self.path = Path(path)
+        mparams = lib.llama_model_default_params()
+        mparams.use_extra_bufts = False           # weight repacking: gemm for 4-row groups, gemv for the rest
+        mparams.n_gpu_layers = 0
+        model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not model:
+            raise ValueError(f"llama.cpp could not load {self.path} (architecture {_architecture(self.path)!r}): "
+                             f"the file is corrupt or truncated, or its architecture is not one this llama.cpp "
+                             f"knows (PARASPEC_LLAMACPP_LOG=1 shows llama.cpp's reason); re-download the file, or "
+                             f"convert the model for backend='native'")
+        self._model = model
+        train_ctx = lib.llama_model_n_ctx_train(model)
+        self.max_context = min(max_context, train_ctx) if train_ctx > 0 else max_context
+        self.n_batch = min(512, self.max_context)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = self.max_context
+        cparams.n_batch = cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = n_threads
+        cparams.flash_attn_type = 0               # off: with it, a long KV is split across threads (not exact)
+        cparams.no_perf = True
+        if kv_f32:
+            cparams.type_k = cparams.type_v = 0       # GGML_TYPE_F32
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise ValueError(f"llama.cpp could not create a context of {self.max_context} tokens for {self.path}; "
+                             f"lower max_context")
+        self._ctx = ctx
+        self._mem = lib.llama_get_memory(ctx)
+        vocab = lib.llama_model_get_vocab(model)
+        self.vocab_size = lib.llama_vocab_n_tokens(vocab)
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.n_threads = n_threads
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._length = 0
+        self.exact_width = PROBE_WIDTH
+        self.forward_widths: dict[int, int] = {}      # sub-forward width -> count (what the split really ran)
+        self._probe = probe
+        if probe:
+            self.exact_width = probe_exact_width(self)
+
+    def _set_threads(self, n: int) -> None:
+        """A new thread count between requests; batch invariance is measured (or read) again for it."""
+        if n != self.n_threads:
+            _lib.llama_set_n_threads(self._ctx, n, n)
+            self.n_threads = n
+            if self._probe:
+                self.exact_width = probe_exact_width(self)
+
+    # -- the Model protocol --------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def rollback(self, length: int) -> None:
+        check_rollback(length, self._length)
+        if length < self._length:
+            if not _lib.llama_memory_seq_rm(self._mem, 0, length, -1):
+                raise RuntimeError("llama.cpp refused to remove the tail of the KV cache")
+            self._length = length
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        """The prompt in one forward (chunks of n_batch), exactly as every strategy runs it."""
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        if self._follow_torch:
+            self._set_threads(torch.get_num_threads())
+        _lib.llama_memory_clear(self._mem, True)
+        self._length = 0
+        self._check_room(len(token_ids))
+        for start in range(0, len(token_ids), self.n_batch):
+            chunk = token_ids[start:start + self.n_batch]
+            last = start + len(chunk) == len(token_ids)
+            logits = self._decode(chunk, outputs=1 if last else 0)
+        return logits[-1]
+
+    def forward(self, token_ids: list[int], positions: list[int] | None = None,
+                tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
+        if tree_mask is not None:
+            raise ValueError("token trees are not exact on the llamacpp backend (a verified branch would sit in "
+                             "non-contiguous KV cells); use strategy sd/amusd/dsi, or backend='native' for tree "
+                             "and easyspec")
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if positions is not None and list(positions) != list(range(self._length, self._length + n)):
+            raise ValueError("the llamacpp backend takes consecutive positions only; use backend='native'")
+        self._check_room(n)
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")
+        want = n if last_n is None else min(last_n, n)
+        pieces = []
+        for start in range(0, n, self.exact_width):
+            chunk = token_ids[start:start + self.exact_width]
+            self.forward_widths[len(chunk)] = self.forward_widths.get(len(chunk), 0) + 1
+            keep = max(0, len(chunk) - max(0, (n - want) - start))
+            pieces.append(self._decode(chunk, outputs=keep))
+        return torch.cat([p for p in pieces if len(p)])
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        raise ValueError("token trees are not supported by the llamacpp backend; use backend='native'")
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _check_room(self, n: int) -> None:
+        if self._length + n > self.max_context:
+            raise ValueError(f"context full: {self._length} cached + {n} new tokens exceed max_context "
+                             f"{self.max_context}; create the engine with a larger max_context")
+
+    def _decode(self, token_ids: list[int], outputs: int) -> torch.Tensor:
+        """One llama_decode of consecutive tokens; logits [outputs, vocab] for the last `outputs` of them."""
+        batch, n = self._batch, len(token_ids)
+        for i, tok in enumerate(token_ids):
+            batch.token[i] = tok
+            batch.pos[i] = self._length + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i >= n - outputs
+        batch.n_tokens = n
+        code = _lib.llama_decode(self._ctx, batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed (code {code}) at position {self._length} with {n} tokens")
+        self._length += n
+        if outputs == 0:
+            return torch.empty(0, self.vocab_size)
+        ptr = _lib.llama_get_logits(self._ctx)
+        rows = np.ctypeslib.as_array(ptr, shape=(outputs, self.vocab_size))
+        return torch.from_numpy(rows.copy())
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            _lib.llama_batch_free(self._batch)
+            _lib.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            _lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _architecture(path: Path) -> str:
+    try:
+        from paraspec.models.gguf import read_gguf
+        return str(read_gguf(path).architecture)
+    except Exception:
+        return "unreadable"
+
+
+# -- batch invariance, measured ---------------------------------------------------------------------------
+def _file_key(path: Path) -> str:
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 22))
+        f.seek(max(0, path.stat().st_size - (1 << 22)))
+        h.update(f.read(1 << 22))
+    return h.hexdigest()
+
+
+def _probe_cache(model: LlamaCppModel) -> Path:
+    from paraspec.models.loader import cache_dir
+    key = hashlib.sha256("\n".join([build_fingerprint(), _file_key(model.path), str(model.n_threads),
+                                    str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]).encode())
+    return cache_dir() / "llamacpp" / "exactness" / f"{key.hexdigest()[:24]}.json"
+
+
+def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
+                        contexts: tuple[int, ...] = PROBE_CONTEXTS) -> tuple[int, list[dict]]:
+    """The largest W such that for every w <= W, at every context length P, one forward of w tokens gives
+    logits bitwise equal to the same tokens decoded one at a time (llama.cpp's own `ar`)."""
+    rng = np.random.default_rng(0)
+    exact = widths
+    rows = []
+    for p in contexts:
+        p = min(p, model.max_context - widths - 1)
+        if p < 1:
+            continue
+        ids = rng.integers(0, model.vocab_size, size=p + widths).tolist()
+        model.prefill(ids[:p])
+        reference = torch.cat([model._decode([t], outputs=1) for t in ids[p:]])
+        for w in range(2, widths + 1):
+            model.rollback(p)
+            got = model._decode(ids[p:p + w], outputs=w)
+            diff = float((got - reference[:w]).abs().max())
+            rows.append({"context": p, "width": w, "max_abs_diff": diff})
+            if diff != 0.0:
+                exact = min(exact, w - 1)
+        model.rollback(0)
+    _lib.llama_memory_clear(model._mem, True)
+    model._length = 0
+    return exact, rows
+
+
+def probe_exact_width(model: LlamaCppModel) -> int:
+    """measure_exact_width once per (build, CPU, model file, threads, context size); the result is cached."""
+    path = _probe_cache(model)
+    if path.exists():
+        try:
+            return int(json.loads(path.read_text())["exact_width"])
+        except (ValueError, KeyError, OSError):
+            pass
+    big = model.path.stat().st_size > 50 << 20
+    if big:
+        print(f"paraspec: checking llama.cpp batch invariance for {model.path.name} at {model.n_threads} "
+              f"thread(s) (once; cached)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    width, rows = measure_exact_width(model)
+    record = {"exact_width": width, "model": str(model.path), "threads": model.n_threads,
+              "seconds": round(time.perf_counter() - start, 2), "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+    if width < PROBE_WIDTH:
+        print(f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
+              f"forwards for {model.path.name} here; verification is split into sub-forwards of <= {width}",
+              file=sys.stderr, flush=True)
+    return width
+
+
+def load_llamacpp(gguf_path: Path, folder: Path | None, max_context: int | None = None,
+                  device: str = "cpu") -> LlamaCppModel:
+    """A LlamaCppModel with torch's thread count: the Engine (or a worker) has set it to its device group's cores
+    and pinned the process there before loading."""
+    from paraspec.models.loader import generation_eos_ids
+    if str(device) != "cpu" and not str(device).startswith("cpu"):
+        raise ValueError(f"the llamacpp backend runs on CPU cores only, got device {device!r}; use backend='native' "
+                         f"for {device}")
+    gguf_path = Path(gguf_path)
+    if not gguf_path.exists():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{gguf_path} is not a GGUF file (bad magic); pass a .gguf model file")
+    eos = generation_eos_ids(folder, ()) if folder is not None else ()
+    return LlamaCppModel(gguf_path, max_context or 4096, eos)

@@ -1,0 +1,235 @@
+"""The llamacpp backend (models/llamacpp.py) on tiny GGUF files written by tests/tiny_gguf.py.
+
+- its logits are the native decoder's on the same weights (f32 file; Q8_0 file vs its dequantized weights);
+- a forward of w tokens gives logits bitwise equal to w one-token forwards, for w = 1..16, at contexts the probe
+  did not use, with 1 and 2 threads: what makes every strategy on it return ar's tokens exactly;
+- greedy sd / amusd / dsi equal ar on the backend, and sd's sampling follows the target's distribution;
+- bad files and a missing llama-cpp-python give errors that name the fix.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paraspec import Engine, SamplingParams
+from paraspec.models import llamacpp
+from paraspec.models.llamacpp import LlamaCppModel, measure_exact_width
+from paraspec.models.loader import load_model
+from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf
+
+
+def one_at_a_time(model, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    model.prefill(prefix)
+    return torch.cat([model.forward([t]) for t in tokens])
+
+
+def assert_close_to_native(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
+    diff = float((a - b).abs().max())
+    assert diff <= atol, f"llamacpp vs native: max |diff| {diff:.4g} > {atol} (logits' std {float(b.std()):.3g})"
+    for x, y in zip(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])):
+        assert torch.corrcoef(torch.stack([x, y]))[0, 1] > 0.995
+
+
+# Tolerances: with K/V kept in f32, llama.cpp's f32 file computes what the fp32 native decoder computes to ~3e-5
+# (logits' std ~3); with its f16 K/V (what the engine runs) to ~0.05. The Q8_0 file (std ~0.8) is compared with
+# the native decoder on its dequantized weights: llama.cpp also rounds the activations to 8 bits there (~0.06).
+# A tensor mapped wrongly moves the logits by about their std, and breaks the correlation.
+@pytest.mark.parametrize("kind,kv_f32,atol", [("target", True, 2e-4), ("target", False, 0.15),
+                                              ("target_q8", True, 0.15), ("target_q8", False, 0.15)])
+def test_logits_match_the_native_decoder(gguf_pair, kind, kv_f32, atol):
+    lc = LlamaCppModel(gguf_pair[kind], 2048, (), n_threads=1, kv_f32=kv_f32)
+    native = load_model(gguf_pair[kind] if kind == "target_q8" else gguf_pair["target_hf"], dtype="float32",
+                        backend="native", max_context=2048)
+    prompt = list(range(10, 60))
+    assert_close_to_native(lc.prefill(prompt), native.prefill(prompt), atol)
+    for t in (5, 77, 130):                                          # decoding one token at a time
+        assert_close_to_native(lc.forward([t]), native.forward([t]), atol)
+    assert_close_to_native(lc.forward([1, 2, 3, 4]), native.forward([1, 2, 3, 4]), atol)   # a chunk
+    for m in (lc, native):                                          # a rollback, then other tokens
+        m.rollback(len(prompt) + 2)
+    assert lc.length == native.length == len(prompt) + 2
+    assert_close_to_native(lc.forward([200, 201, 9]), native.forward([200, 201, 9]), atol)
+    assert lc.vocab_size == native.vocab_size == len(tiny_vocab()[0])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("context", [100, 700])
+def test_forward_is_bitwise_one_token_forwards(gguf_pair, threads, context):
+    """The guarantee the engine relies on, at contexts the start-up probe did not use (it uses 32 and 600)."""
+    model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=threads)
+    rng = np.random.default_rng(context)
+    ids = rng.integers(0, model.vocab_size, size=context + 16).tolist()
+    reference = one_at_a_time(model, ids[:context], ids[context:])
+    for w in range(1, 17):
+        model.rollback(context)
+        got = model.forward(ids[context:context + w])
+        assert torch.equal(got, reference[:w]), f"width {w}: max |diff| {(got - reference[:w]).abs().max()}"
+
+
+def test_one_thread_equals_two_threads(gguf_pair):
+    """amusd's target runs on one core, ar's on two: their logits must agree bitwise too."""
+    ids = list(range(3, 40))
+    one = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=1), ids[:30], ids[30:])
+    two = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2), ids[:30], ids[30:])
+    assert torch.equal(one, two)
+
+
+def test_wide_forwards_are_split_to_the_exact_width(gguf_pair, monkeypatch):
+    """Where the probe finds width 3 exact, a 8-token forward runs as 3 + 3 + 2, with the same logits."""
+    model = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
+    ids = list(range(20, 48))
+    reference = one_at_a_time(model, ids[:20], ids[20:])
+    model.exact_width, model.forward_widths = 3, {}
+    model.rollback(20)
+    assert torch.equal(model.forward(ids[20:]), reference)
+    assert model.forward_widths == {3: 2, 2: 1}
+    model.rollback(20)
+    assert torch.equal(model.forward(ids[20:], last_n=4), reference[-4:])
+
+
+def test_probe_measures_and_is_cached(gguf_pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    first = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2)
+    width, rows = measure_exact_width(first)
+    assert first.exact_width == width and {r["width"] for r in rows} == set(range(2, 17))
+    assert len(list((tmp_path / "llamacpp" / "exactness").glob("*.json"))) == 1
+
+    def fail(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(llamacpp, "measure_exact_width", fail)
+    assert LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2).exact_width == width   # from the cache
+    with pytest.raises(AssertionError, match="measured again"):       # another thread count is another key
+        LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
+
+
+# -- strategies on the backend ------------------------------------------------------------------------------
+
+PROMPT = [5, 17, 33, 90, 12, 7]
+PARAMS = SamplingParams(max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(gguf_pair):
+    with Engine(gguf_pair["target"], strategy="ar", backend="llamacpp") as ar:
+        assert ar.backend == "llamacpp"
+        return ar.generate(PROMPT, PARAMS).token_ids
+
+
+@pytest.mark.parametrize("config", [
+    dict(strategy="sd", lookahead=1), dict(strategy="sd", lookahead=3), dict(strategy="sd", lookahead=8),
+    dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
+    dict(strategy="dsi", lookahead=3, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
+], ids=["sd1", "sd3", "sd8", "amusd", "dsi"])
+def test_greedy_strategies_equal_ar(gguf_pair, ar_tokens, config):
+    with Engine(gguf_pair["target"], gguf_pair["draft"], backend="llamacpp", **config) as engine:
+        result = engine.generate(PROMPT, PARAMS)
+        again = engine.generate(PROMPT, PARAMS)          # a second request on the same engine
+    assert result.token_ids == ar_tokens and again.token_ids == ar_tokens
+    assert 0 < result.stats.accepted < result.stats.drafted      # the draft partly agrees: both paths ran
+
+
+def test_sd_stops_on_a_stop_token_inside_a_chunk(gguf_pair, ar_tokens):
+    stop = ar_tokens[9]
+    first = ar_tokens.index(stop)
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=[stop])
+    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="sd", lookahead=8, backend="llamacpp") as sd:
+        result = sd.generate(PROMPT, params)
+    assert result.token_ids == ar_tokens[:first + 1] and result.finish_reason == "stop"
+
+
+N_SAMPLES = 4_000
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_p=0.6)])
+def test_sd_sampling_follows_the_target(gguf_pair, sampling):
+    """Joint distribution of the first two tokens: sd on llama.cpp vs the target's exact distribution."""
+    from scipy.stats import chisquare
+    from paraspec.sampling import logits_to_probs
+    params = SamplingParams(**sampling)
+    with Engine(gguf_pair["sample_target"], gguf_pair["sample_draft"], strategy="sd", lookahead=3,
+                backend="llamacpp") as sd:
+        p1 = logits_to_probs(sd.target.prefill(PROMPT), params).double()
+        support = torch.nonzero(p1).flatten().tolist()
+        joint = {}
+        for x1 in support:
+            p2 = logits_to_probs(sd.target.prefill(PROMPT + [x1]), params).double()
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+        counts, accepted = {}, 0
+        for seed in range(N_SAMPLES):
+            result = sd.generate(PROMPT, SamplingParams(max_new_tokens=2, seed=seed, **sampling))
+            key = tuple(result.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+            accepted += result.stats.accepted
+    assert set(counts) <= set(joint), f"sampled pairs outside the target's support: {set(counts) - set(joint)}"
+    assert 0.05 * N_SAMPLES < accepted < 0.95 * N_SAMPLES    # kept drafts and resampled rejections both ran
+    keys = sorted(joint)
+    expected = np.array([joint[k] for k in keys])
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    big = expected * N_SAMPLES >= 5                   # pool the rare pairs into one cell
+    exp, obs = expected[big] * N_SAMPLES, observed[big]
+    if (~big).any():
+        exp, obs = np.append(exp, expected[~big].sum() * N_SAMPLES), np.append(obs, observed[~big].sum())
+    assert chisquare(obs, exp / exp.sum() * obs.sum()).pvalue > 1e-3
+
+
+# -- backend choice and bad input ---------------------------------------------------------------------------
+
+def test_auto_backend_choice(gguf_pair):
+    with Engine(gguf_pair["target"], strategy="ar") as engine:              # a GGUF on CPU: llama.cpp
+        assert engine.backend == "llamacpp" and isinstance(engine.target, LlamaCppModel)
+    with Engine(gguf_pair["target"], strategy="ar", dtype="float32") as engine:   # a dtype asks for torch
+        assert engine.backend == "native"
+    with Engine(gguf_pair["target_hf"], strategy="ar") as engine:          # no GGUF source
+        assert engine.backend == "native"
+
+
+def test_tree_strategies_are_refused_on_llamacpp(gguf_pair):
+    for strategy in ("tree", "easyspec"):
+        with pytest.raises(ValueError, match="backend='native'"):
+            Engine(gguf_pair["target"], gguf_pair["draft"], strategy=strategy, backend="llamacpp")
+    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="tree") as tree:   # auto: native
+        assert tree.backend == "native"
+
+
+def test_dtype_is_refused_on_llamacpp(gguf_pair):
+    with pytest.raises(ValueError, match="quantized weights"):
+        Engine(gguf_pair["target"], strategy="ar", backend="llamacpp", dtype="float32")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "odd.gguf"
+    write_gguf(path, tiny_hf_model("qwen2", len(tiny_vocab()[0]), tied=True), arch="notanarch")
+    with pytest.raises(ValueError, match="architecture 'notanarch'.*convert the model"):
+        load_model(path, backend="llamacpp")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "not_gguf"])
+def test_damaged_files(gguf_pair, tmp_path, damage):
+    data = gguf_pair["target"].read_bytes()
+    path = tmp_path / "bad.gguf"
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "corrupt":
+        path.write_bytes(data[:64] + bytes(len(data) - 64))     # header start kept, the rest zeroed
+    else:
+        path.write_bytes(b"PK\x03\x04" + data[4:])
+    from paraspec.models.llamacpp import load_llamacpp
+    with pytest.raises((ValueError, Exception), match="corrupt|truncated|not a GGUF|re-download|GGUF"):
+        load_llamacpp(path, None)
+
+
+def test_missing_llama_cpp_python_names_the_fix(monkeypatch):
+    import sys
+    monkeypatch.setattr(llamacpp, "_lib", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)       # import fails as if it were not installed
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="make setup|build_llamacpp.py wheel"):
+        llamacpp._llama_cpp()
+
+
+def test_gguf_file_gets_a_tokenizer_folder_without_weights(gguf_pair):
+    from paraspec.models.loader import gguf_source, resolve_checkpoint
+    folder = resolve_checkpoint(gguf_pair["target"], backend="llamacpp")
+    assert not list(folder.glob("*.safetensors")) and (folder / "tokenizer.json").exists()
+    assert gguf_source(folder) == gguf_pair["target"].resolve()
