@@ -17,9 +17,10 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    result is reported (`exact_width`) so that a user sees it.
 
 The prompt's prefill is one forward (chunked by n_batch) in every strategy alike, so its KV cache is the same.
-Tree attention is refused: llama.cpp would take a token tree through sequence ids, but the accepted branch then
-sits in non-contiguous KV cells, and the attention reductions run over cell indices, so later tokens would not be
-computed as in `ar` (see the README's backend notes).
+Tree attention is refused. llama.cpp takes a token tree through sequence ids, and it is exact for the one branch
+whose KV cells are contiguous, but a branch laid out with other nodes between its cells gets other logits (0.32
+apart on the reference target) and so do the tokens decoded after it (0.60): the attention reductions run over
+cell indices (`benchmarks/llamacpp_tree_exactness.py`). Only one root-to-leaf path of a tree can be contiguous.
 """
 from __future__ import annotations
 
