@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TARGET := Qwen/Qwen2.5-Coder-1.5B-Instruct
 DRAFT := Qwen/Qwen2.5-Coder-0.5B-Instruct
 
-.PHONY: setup llamacpp models test test-fast demo clean
+.PHONY: setup llamacpp models test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,14 +37,29 @@ test: setup models
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not real_pair"
 
-# The main job: the strategies and HF assisted generation on 5 HumanEval prompts x 128 tokens, interleaved
-# (dsi is left out: with amusd it would hold a third fp32 copy of the pair, ~28 GB on a 24 GB machine);
-# prints the table and writes report.md, results.json and the plots to out/demo/ (about an hour on 2 cores).
+# The main job, minutes on a warm cache (models fetched, llama.cpp built): the reference pair on 3 HumanEval and
+# 3 MT-Bench prompts x 64 tokens, greedy, on the machine's 2 cores: paraspec ar and sd (2 threads) and amusd
+# (target on core 1, draft on core 0), on llama.cpp's kernels (--backend auto), against llama.cpp itself:
+# llama-server alone (llamacpp-ar) and with its own speculative decoding (llamacpp-spec, the best of its
+# 3 x 3 draft-max x p-min grid, timed on each dataset's first prompt). Prints the tables and writes report.md,
+# results.json and the plots to out/demo/.
 demo: setup models
+	$(PYTHON) scripts/build_llamacpp.py peer
 	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
-		--strategies ar,sd,amusd,tree,easyspec,hf-ar,hf-assisted --threads 1,2 \
+		--strategies ar,sd,amusd,llamacpp-ar,llamacpp-spec --threads 2 \
+		--target-devices cpu:1 --draft-devices cpu:0 \
+		--dataset humaneval mt-bench --num-prompts 3 --max-new-tokens 64 --out out/demo
+
+# The full sweep (well over an hour on 2 cores): every strategy, transformers' generate and assisted
+# generation, and the llama.cpp peers, at 1 and 2 threads, on 5 HumanEval and 5 MT-Bench prompts x 128 tokens
+# (dsi is left out: with amusd it would hold a third copy of the pair). tree and easyspec run on the native fp32
+# decoder (llama.cpp cannot verify a token tree exactly), the others on llama.cpp's kernels.
+bench: setup models
+	$(PYTHON) scripts/build_llamacpp.py peer
+	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
+		--strategies ar,sd,amusd,tree,easyspec,hf-ar,hf-assisted,llamacpp-ar,llamacpp-spec --threads 1,2 \
 		--target-devices cpu:1 --draft-devices cpu:0 --lookahead 20 --draft-confidence 0.4 \
-		--dataset humaneval --num-prompts 5 --max-new-tokens 128 --out out/demo
+		--dataset humaneval mt-bench --num-prompts 5 --max-new-tokens 128 --out out/bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

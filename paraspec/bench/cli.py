@@ -8,6 +8,7 @@ from pathlib import Path
 
 from paraspec.bench.datasets import DATASETS
 from paraspec.bench.hf_baselines import HF_STRATEGIES
+from paraspec.bench.llamacpp_peers import LLAMACPP_STRATEGIES
 from paraspec.strategies import OPTIONS, STRATEGIES
 
 
@@ -20,8 +21,10 @@ def add_commands(subparsers) -> None:
     add_model_args(bench)
     add_sampling_args(bench)
     bench.add_argument("--strategies", default="ar,sd,hf-ar,hf-assisted",
-                       help=f"comma-separated: {', '.join(list(STRATEGIES) + list(HF_STRATEGIES))}, or all "
-                            f"(every paraspec strategy); NAME@Nt fixes a thread count")
+                       help=f"comma-separated: {', '.join(list(STRATEGIES) + list(HF_STRATEGIES))}, "
+                            f"{', '.join(LLAMACPP_STRATEGIES)} (llama.cpp's llama-server on the GGUF files, built "
+                            f"once by scripts/build_llamacpp.py peer), or all (every paraspec strategy); NAME@Nt "
+                            f"fixes a thread count")
     bench.add_argument("--threads", type=_int_list, metavar="N[,N]",
                        help="run each in-process strategy at each of these torch thread counts, on every core "
                             "this process may use, e.g. 1,2 (variants ar@1t, ar@2t, ...); default: the cores and "
@@ -42,6 +45,9 @@ def add_commands(subparsers) -> None:
     bench.add_argument("--hf-confidence-threshold", type=float,
                        help="hf-assisted: stop drafting below this draft probability (default: transformers' "
                             "0.4; 0 disables it)")
+    bench.add_argument("--llamacpp-spec-grid", type=_spec_grid, metavar="N:P[,N:P]",
+                       help="llamacpp-spec: the (draft max, p-min) settings tried on the first prompt of each "
+                            "dataset, the fastest kept (default: draft max 4,8,16 x p-min 0,0.5,0.8)")
     bench.add_argument("--plot-prompt", type=int, default=0, help="index of the prompt drawn in the plots")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--out", required=True, help="folder for report.md, results.json and the PNGs")
@@ -82,6 +88,14 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _spec_grid(text: str) -> list[tuple[int, float]]:
+    from paraspec.bench.llamacpp_peers import parse_spec_grid
+    try:
+        return parse_spec_grid(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_bench(args) -> int:
     from paraspec.bench.datasets import load_prompts
     from paraspec.bench.report import write_report
@@ -101,7 +115,8 @@ def cmd_bench(args) -> int:
         allow_vocab_mismatch=args.allow_vocab_mismatch, chat=args.chat,
         options={name: getattr(args, name) for name in OPTIONS},       # each engine takes its own
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
-        hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress)
+        hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress,
+        **({"llamacpp_spec_grid": tuple(args.llamacpp_spec_grid)} if args.llamacpp_spec_grid else {}))
     prompt_sets = {name: load_prompts(name, args.num_prompts, args.turns if name == "mt-bench" else 1)
                    for name in args.dataset}
     tokenizer = load_tokenizer(args.target, args.dtype)

@@ -29,8 +29,8 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
     cfg = result.config
     params = cfg.params
     mode = "greedy" if params.greedy else f"sampling T={params.temperature:g}"
-    dtypes = {kind: sorted({c["dtype"] for c in result.contenders.values() if c["strategy"].startswith("hf-") == hf})
-              for kind, hf in (("paraspec", False), ("transformers", True))}
+    dtypes = {kind: sorted({c["dtype"] for c in result.contenders.values() if _runs_on(c["strategy"]) == kind})
+              for kind in ("paraspec", "transformers", "llama.cpp")}
     dtype_text = ", ".join(f"{kind} {'/'.join(d)}" for kind, d in dtypes.items() if d)
     extra = [k for k in (rows[0] if rows else {}) if k.startswith("speedup_vs_ar@")]
     header = ["strategy", "devices", "threads", "ms/token", "tokens/s", "× vs ar", "× vs hf-assisted"]
@@ -53,7 +53,8 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
         cells += [_num(row["ttft_ms"], ".0f"), _num(row["tpot_ms"], ".1f"),
                   NONE if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}",
                   _num(row["mean_accepted_length"], ".2f"),
-                  *((NONE, NONE) if row["acceptance_rate"] is None else
+                  # llama-server reports no split of its generation time into drafting and verifying
+                  *((NONE, NONE) if row["acceptance_rate"] is None or _runs_on(row["strategy"]) == "llama.cpp" else
                     (_num(row["draft_s_per_100_tokens"], ".2f"), _num(row["verify_s_per_100_tokens"], ".2f"))),
                   _identical(row)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -68,7 +69,33 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
             lines.append(f"- {variant} on {d['prompt_id']} at output token {d['index']}: {reference} "
                          f"{_tok(d['reference_token'])} vs {_tok(d['token'])}, gap {_num(d['reference_margin'], '.4f')}"
                          f" ({reference}) / {_num(d['margin'], '.4f')} ({variant})")
+    lines += _spec_grid_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _runs_on(strategy: str) -> str:
+    return "transformers" if strategy.startswith("hf-") else "llama.cpp" if strategy.startswith("llamacpp-") \
+        else "paraspec"
+
+
+def _spec_grid_lines(result: BenchResult) -> list[str]:
+    """llamacpp-spec's draft settings as tuned (llamacpp_peers.LlamaCppPeer.tune), the kept one in bold."""
+    lines = []
+    for name, info in result.contenders.items():
+        grid, settings = info["settings"].get("spec_grid"), info["settings"]
+        if not grid:
+            continue
+        tuned = settings["tuned_on"]
+        lines += ["", f"{name}: llama.cpp's draft settings, timed on {tuned['prompts']} prompt(s) × "
+                      f"{tuned['max_new_tokens']} new tokens before the run; kept draft max {settings['draft_max']}, "
+                      f"p-min {settings['p_min']:g}:",
+                  "", "| draft max | p-min | ms/token | acceptance |", "|---|---|---|---|"]
+        for row in grid:
+            kept = (row["draft_max"], row["p_min"]) == (settings["draft_max"], settings["p_min"])
+            cells = [str(row["draft_max"]), f"{row['p_min']:g}", f"{row['ms_per_token']:.1f}",
+                     NONE if row["acceptance"] is None else f"{row['acceptance']:.1%}"]
+            lines.append("| " + " | ".join(f"**{c}**" if kept else c for c in cells) + " |")
+    return lines
 
 
 def _speedup(result: BenchResult, row: dict, baseline: str) -> str:

@@ -5,7 +5,9 @@ Each engine (and each transformers baseline) is built once. Then prompt 1 runs o
 always the one that runs right after a thread-count switch. Every variant gets the same prompt token ids.
 
 In-process engines and the transformers baselines share one copy of each model (`shared_model_loads`);
-strategies that run in worker processes load their own copies there.
+strategies that run in worker processes load their own copies there. The llama.cpp peers run llama-server
+processes on the GGUF files (llamacpp_peers.py); llamacpp-spec picks its draft settings on the first prompt of
+each dataset before the warm-up.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.hf_baselines import HF_STRATEGIES, HFBaseline, hf_causal_lm
+from paraspec.bench.llamacpp_peers import DEFAULT_SPEC_GRID, LLAMACPP_STRATEGIES, LlamaCppPeer
 from paraspec.bench.metrics import Record, Variant
 from paraspec.sampling import SamplingParams
 from paraspec.strategies import STRATEGIES
@@ -43,7 +46,7 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
         raise ValueError("--strategies is empty; pass e.g. ar,sd,hf-assisted")
     if threads is not None and (not threads or any(not isinstance(t, int) or t < 1 for t in threads)):
         raise ValueError(f"--threads takes positive integers like 1,2, got {threads}")
-    known = list(STRATEGIES) + list(HF_STRATEGIES)
+    known = list(STRATEGIES) + list(HF_STRATEGIES) + list(LLAMACPP_STRATEGIES)
     variants: list[Variant] = []
     for name in names:
         strategy, _, suffix = name.partition("@")
@@ -90,6 +93,7 @@ class BenchConfig:
     warmup_tokens: int = 8
     hf_assistant_tokens: int | None = None
     hf_confidence_threshold: float | None = None
+    llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID          # llamacpp-spec's (draft max, p-min) settings to try
     progress: bool = True
 
 
@@ -101,10 +105,11 @@ class Contender:
     """
 
     def __init__(self, variant: Variant, generate, devices: str, affinity, default_threads: int,
-                 settings: dict | None = None, worker_cores: int | None = None):
+                 settings: dict | None = None, worker_cores: int | None = None, tune=None):
         self.variant, self._generate, self.devices = variant, generate, devices
         self.affinity, self.default_threads, self.settings = affinity, default_threads, settings or {}
         self.worker_cores = worker_cores
+        self.tune = tune            # llamacpp-spec: picks its draft settings on tuning prompts (tune(ids, params))
 
     @property
     def threads(self) -> int:
@@ -171,7 +176,8 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     smallest context (prompt + new tokens) any of them holds."""
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
     needs_draft = [v.name for v in config.variants
-                   if v.strategy == "hf-assisted" or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
+                   if v.strategy in ("hf-assisted", "llamacpp-spec")
+                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
     if needs_draft and config.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
     start_affinity, start_threads = _affinity(), torch.get_num_threads()
@@ -210,13 +216,15 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
                     built[name] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
                                        affinity=start_affinity, default_threads=start_threads,
                                        settings=baseline.settings())
+        for v in [v for v in config.variants if v.strategy in LLAMACPP_STRATEGIES]:
+            built[v] = _peer_contender(config, v, start_affinity, engines, limits)
     except BaseException:
         for engine in engines:
             engine.close()
         raise
     contenders = []
     for v in config.variants:
-        kwargs = dict(built[v.strategy])
+        kwargs = dict(built[v] if v in built else built[v.strategy])
         if v.threads is not None:
             # an explicit thread count runs on every core this process may use, not the engine's pinned set
             kwargs["affinity"] = start_affinity
@@ -245,6 +253,25 @@ def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits:
                 default_threads=torch.get_num_threads(), settings=settings,
                 worker_cores=_cores(engine.target_devices + engine.draft_devices)
                 if runs_in_workers(strategy) else None)
+
+
+def _peer_contender(config: BenchConfig, variant: Variant, start_affinity, closers: list, limits: list) -> dict:
+    """A llama.cpp peer (one llama-server per variant): on every core this process may use with the variant's
+    thread count, as ar@Nt; without @Nt, on the target's first device with one thread per core."""
+    from paraspec.runtime.devices import parse_device
+    if variant.threads is not None:
+        cores, threads = start_affinity, variant.threads
+    else:
+        device = parse_device(config.target_devices[0])
+        if device.kind != "cpu":
+            raise ValueError(f"{variant.strategy} runs on CPU cores; --target-devices {device} is not a CPU")
+        cores, threads = device.cores or start_affinity, device.num_threads
+    peer = LlamaCppPeer(variant.strategy, config.target, config.draft, threads=threads, cores=cores,
+                        max_context=config.max_context, spec_grid=config.llamacpp_spec_grid)
+    closers.append(peer)
+    limits.append(peer.max_context)
+    return dict(generate=peer.generate, devices=peer.devices, affinity=start_affinity, default_threads=threads,
+                settings=peer.settings, tune=peer.tune)
 
 
 def _restore(affinity, threads: int) -> None:
@@ -294,6 +321,11 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
                                 top_p=config.params.top_p, seed=config.params.seed,
                                 max_new_tokens=max(1, min(config.warmup_tokens, config.params.max_new_tokens)))
         warmup_ids = encode_prompt(tokenizer, first.as_input(chat))[:max(1, context - warmup.max_new_tokens)]
+        tuning_ids = [encode_prompt(tokenizer, prompts[0].as_input(chat)) for prompts in prompt_sets.values()]
+        for c in contenders:
+            if c.tune is not None:
+                c.tune([ids[:max(1, context - config.params.max_new_tokens)] for ids in tuning_ids], config.params,
+                       progress=_note if config.progress else None)
         for c in contenders:
             c.generate(warmup_ids, warmup, record_margins=config.params.greedy)
         return {name: _run(config, prompts, tokenizer, chat, contenders, name, context)
@@ -349,6 +381,10 @@ def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: in
                              "cores": c.cores, "dtype": c.settings.get("dtype", "?"), "settings": c.settings}
             for c in contenders}
     return BenchResult(dataset, config, prompts, prompt_ids, chat, records, info)
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _running_ms(records: list[Record], contenders: list[Contender]) -> str:

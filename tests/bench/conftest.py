@@ -19,3 +19,8 @@ def bench_draft(tiny_dir, bench_target):
 def bench_tokenizer(bench_target):
     from paraspec.models.loader import load_tokenizer
     return load_tokenizer(bench_target, "float32")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "llamacpp_peer: needs llama.cpp's llama-server (built once by "
+                                       "`python scripts/build_llamacpp.py peer`, or by the test's fixture)")
