@@ -9,7 +9,6 @@ strategies that run in worker processes load their own copies there.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ import torch
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.hf_baselines import HF_STRATEGIES, HFBaseline, hf_causal_lm
 from paraspec.bench.metrics import Record, Variant
+from paraspec.runtime.devices import current_pinning, set_pinning
 from paraspec.sampling import SamplingParams
 from paraspec.strategies import STRATEGIES
 
@@ -119,9 +119,7 @@ class Contender:
         return f"{self.worker_cores} (workers)" if self.worker_cores else str(self.threads)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, record_margins: bool):
-        if self.affinity is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, self.affinity)
-        torch.set_num_threads(self.threads)
+        set_pinning(self.affinity, self.threads)
         return self._generate(prompt_ids, params, record_margins=record_margins)
 
 
@@ -162,10 +160,6 @@ def shared_model_loads():
         engine_module.load_model = original
 
 
-def _affinity():
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-
-
 def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     """Engines and baselines for every variant, each built once; returns them, the engines to close, and the
     smallest context (prompt + new tokens) any of them holds."""
@@ -174,20 +168,20 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
                    if v.strategy == "hf-assisted" or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
     if needs_draft and config.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
-    start_affinity, start_threads = _affinity(), torch.get_num_threads()
+    start_affinity, start_threads = current_pinning()
     engines, built, limits = [], {}, [config.max_context]
     strategies = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in STRATEGIES))
     try:
         # worker strategies load their models in their own processes: build them outside the shared loads
         for name in [s for s in strategies if runs_in_workers(s)]:
             built[name] = _engine_contender(config, name, engines, limits)
-            _restore(start_affinity, start_threads)
+            set_pinning(start_affinity, start_threads)
         with shared_model_loads() as load:
             for name in [s for s in strategies if not runs_in_workers(s)]:
                 built[name] = _engine_contender(config, name, engines, limits)
                 # an in-process engine pins this process to its cores; undo it, or the next engine could not
                 # even name the other cores (device parsing checks them against the current affinity)
-                _restore(start_affinity, start_threads)
+                set_pinning(start_affinity, start_threads)
             hf_wanted = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in HF_STRATEGIES))
             if hf_wanted:
                 torch_dtype = parse_dtype(config.dtype, _torch_device(config.target_devices[0]))
@@ -241,16 +235,10 @@ def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits:
     settings = dict(options)
     settings["dtype"] = _dtype_name(engine.target) or str(
         parse_dtype(config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
-    return dict(generate=engine.generate, devices=devices, affinity=_affinity(),
+    return dict(generate=engine.generate, devices=devices, affinity=current_pinning()[0],
                 default_threads=torch.get_num_threads(), settings=settings,
                 worker_cores=_cores(engine.target_devices + engine.draft_devices)
                 if runs_in_workers(strategy) else None)
-
-
-def _restore(affinity, threads: int) -> None:
-    if affinity is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, affinity)
-    torch.set_num_threads(threads)
 
 
 def _cores(devices) -> int:
@@ -286,7 +274,7 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
         for p in prompts:
             if p.answer_of is None or not chat:
                 p.as_input(chat)
-    start = _affinity(), torch.get_num_threads()
+    start = current_pinning()
     contenders, engines, context = build_contenders(config)
     try:
         first = next(iter(prompt_sets.values()))[0]
@@ -301,7 +289,7 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
     finally:
         for engine in engines:
             engine.close()
-        _restore(*start)
+        set_pinning(*start)
 
 
 def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: int) -> BenchResult:

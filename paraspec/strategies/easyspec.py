@@ -23,12 +23,11 @@ holding a replica of the draft. Ranks exchange attention outputs through a share
 from __future__ import annotations
 
 import os
-import time
 import weakref
 
-import numpy as np
 import torch
 
+from paraspec.runtime.exchange import ShmExchange
 from paraspec.models.fuzzy import exact_forward, fuzzy_forward, lp_groups, parse_layer_groups
 from paraspec.strategies.base import Run
 from paraspec.strategies.tree import ExactDrafter, check_native, keep_path, tree_rounds
@@ -80,74 +79,6 @@ class Drafter(ExactDrafter):
 
 
 # -- several devices ------------------------------------------------------------------------------------------
-
-class ShmExchange:
-    """All-gather among `world` processes through one shared-memory segment.
-
-    Layout: per rank a 64-byte header (its uint32 step word) and two payload buffers, used by step parity. A
-    rank waits for every other rank to publish step s before it can publish s + 1, so a buffer is never
-    overwritten while someone may still read it (a rank is at most one step ahead). Waiting sleeps on the step word (futex), checking
-    `alive()` every half second so a dead peer raises instead of hanging.
-    """
-
-    HEADER = 64
-
-    def __init__(self, segment, rank: int, world: int, max_bytes: int, alive=None):
-        self.segment, self.rank, self.world, self.max_bytes = segment, rank, world, max_bytes
-        self.alive = alive or (lambda: True)
-        self.stride = self.HEADER + 2 * max_bytes
-        self.steps = [np.ndarray((1,), np.uint32, buffer=segment.buf, offset=r * self.stride) for r in range(world)]
-        self.addresses = [s.__array_interface__["data"][0] for s in self.steps]
-        self.step = int(self.steps[rank][0])
-
-    @classmethod
-    def create(cls, world: int, max_bytes: int) -> "ShmExchange":
-        from paraspec.runtime.shm import Segment
-        segment = Segment.create("easyspec", world * (cls.HEADER + 2 * max_bytes))
-        np.ndarray((segment.size,), np.uint8, buffer=segment.buf)[:] = 0
-        return cls(segment, 0, world, max_bytes)
-
-    @classmethod
-    def attach(cls, name: str, rank: int, world: int, max_bytes: int, alive=None) -> "ShmExchange":
-        from paraspec.runtime.shm import Segment
-        return cls(Segment.attach(name), rank, world, max_bytes, alive)
-
-    def _payload(self, rank: int, step: int, nbytes: int) -> np.ndarray:
-        offset = rank * self.stride + self.HEADER + (step % 2) * self.max_bytes
-        return np.ndarray((nbytes,), np.uint8, buffer=self.segment.buf, offset=offset)
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        from paraspec.runtime.shm import futex_wait, futex_wake_all
-        data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
-        if data.nbytes > self.max_bytes:
-            raise ValueError(f"all_gather of {data.nbytes} bytes exceeds the exchange's {self.max_bytes}")
-        step = self.step + 1
-        self._payload(self.rank, step, data.nbytes)[:] = data
-        self.steps[self.rank][0] = step & 0xFFFFFFFF
-        futex_wake_all(self.addresses[self.rank])
-        out = []
-        for r in range(self.world):
-            if r == self.rank:
-                out.append(tensor)
-                continue
-            last_check = time.monotonic()
-            # rank r is at step - 1 (not published yet) or at step (or already at step + 1, its next
-            # all-gather: it read ours, and writes step + 1 into the other parity buffer)
-            while (seen := int(self.steps[r][0])) == (step - 1) & 0xFFFFFFFF:
-                futex_wait(self.addresses[r], seen, 0.5)
-                if time.monotonic() - last_check > 0.5:
-                    last_check = time.monotonic()
-                    if not self.alive():
-                        raise RuntimeError(f"easyspec: draft rank {r} stopped during an all-gather")
-            raw = torch.from_numpy(self._payload(r, step, data.nbytes).copy())
-            out.append(raw.view(tensor.dtype).reshape(tensor.shape))
-        self.step = step
-        return out
-
-    def close(self) -> None:
-        self.steps = self.addresses = None
-        self.segment.close()
-
 
 class DraftRank:
     """What a draft worker process holds: a replica of the draft and its end of the exchange."""
@@ -202,7 +133,7 @@ class DeviceGroupDrafter(Drafter):
         self.max_bytes = per_rank * model.max_context * model.cfg.hidden_size * model.dtype.itemsize
         # a tree level or a calibration is much shorter than the context; cap the segment at 64 MiB
         self.max_bytes = min(self.max_bytes, 64 << 20)
-        self.exchange = ShmExchange.create(world, self.max_bytes)
+        self.exchange = ShmExchange.create(world, self.max_bytes, tag="easyspec")
         self.runtime = Runtime(backend="process")
         dtype = str(model.dtype).removeprefix("torch.")
         try:
