@@ -8,7 +8,7 @@ from pathlib import Path
 
 from paraspec.bench.datasets import DATASETS
 from paraspec.bench.hf_baselines import HF_STRATEGIES
-from paraspec.strategies import OPTIONS, STRATEGIES
+from paraspec.strategies import STRATEGIES
 
 
 def add_commands(subparsers) -> None:
@@ -88,18 +88,13 @@ def cmd_bench(args) -> int:
     from paraspec.bench.runner import BenchConfig, parse_variants, run_benchmark
     from paraspec.cli import sampling_params
     from paraspec.models.loader import load_tokenizer
-    from paraspec.runtime.devices import parse_devices
+    from paraspec.cli import engine_config
     variants = parse_variants(args.strategies, args.threads)
-    parse_devices(args.target_devices)
-    parse_devices(args.draft_devices)
     if args.warmup_tokens < 1:
         raise ValueError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
     config = BenchConfig(
-        target=args.target, draft=args.draft, variants=variants, params=sampling_params(args),
-        dtype=args.dtype, target_devices=tuple(args.target_devices),
-        draft_devices=tuple(args.draft_devices), backend=args.backend, max_context=args.max_context,
-        allow_vocab_mismatch=args.allow_vocab_mismatch, chat=args.chat,
-        options={name: getattr(args, name) for name in OPTIONS},       # each engine takes its own
+        engine=engine_config(args, strategy="sd" if args.draft else "ar"),   # each variant sets its own
+        variants=variants, params=sampling_params(args), chat=args.chat,
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
         hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress)
     prompt_sets = {name: load_prompts(name, args.num_prompts, args.turns if name == "mt-bench" else 1)
@@ -117,9 +112,8 @@ def cmd_profile(args) -> int:
     from paraspec.bench.profile import profile_pair
     from paraspec.engine import Engine
     prompts = load_prompts(args.dataset, args.num_prompts)
-    with Engine(args.target, args.draft, strategy="sd", dtype=args.dtype, target_devices=args.target_devices,
-                draft_devices=args.draft_devices, backend=args.backend, max_context=args.max_context,
-                allow_vocab_mismatch=args.allow_vocab_mismatch) as engine:
+    from paraspec.cli import engine_config
+    with Engine.from_config(engine_config(args, strategy="sd")) as engine:
         if engine.tokenizer is None:
             raise ValueError("profile needs the target's tokenizer to build prompts; the checkpoint has none")
         chat = resolve_chat(args.chat, engine.tokenizer)

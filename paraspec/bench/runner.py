@@ -9,16 +9,18 @@ strategies that run in worker processes load their own copies there.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.hf_baselines import HF_STRATEGIES, HFBaseline, hf_causal_lm
 from paraspec.bench.metrics import Record, Variant
+from paraspec.config import EngineConfig
 from paraspec.runtime.devices import current_pinning, set_pinning
 from paraspec.sampling import SamplingParams
 from paraspec.strategies import STRATEGIES
@@ -27,7 +29,7 @@ from paraspec.strategies import STRATEGIES
 def runs_in_workers(strategy: str) -> bool:
     """Strategies whose models run in worker processes pinned to their devices: this process's thread count
     does not apply to them."""
-    return strategy in STRATEGIES and getattr(STRATEGIES[strategy], "workers", False)
+    return strategy in STRATEGIES and STRATEGIES[strategy].in_workers
 
 
 def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]:
@@ -75,17 +77,9 @@ def interleave(num_prompts: int, variants: list[Variant]) -> list[tuple[int, Var
 
 @dataclass
 class BenchConfig:
-    target: str
-    draft: str | None
-    variants: list[Variant]
+    engine: EngineConfig                                  # models, devices, options; its strategy is replaced
+    variants: list[Variant]                               # by each variant's
     params: SamplingParams
-    dtype: str = "auto"
-    target_devices: tuple = ("cpu",)
-    draft_devices: tuple = ("cpu",)
-    backend: str = "native"
-    max_context: int = 4096
-    allow_vocab_mismatch: bool = False
-    options: dict = field(default_factory=dict)           # strategy options (OPTIONS names -> values)
     chat: bool | None = None                              # None: on when the tokenizer has a chat template
     warmup_tokens: int = 8
     hf_assistant_tokens: int | None = None
@@ -141,9 +135,9 @@ def shared_model_loads():
     Strategies reset the caches at the start of every request, and the benchmark runs one request at a time, so
     sharing is safe; it keeps a benchmark of ar, sd and the transformers baselines at one copy of each model.
     """
-    import paraspec.engine as engine_module
+    import paraspec.models.loader as loader_module       # strategies load through loader.load_model
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
-    original, cache = engine_module.load_model, {}
+    original, cache = loader_module.load_model, {}
 
     def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu"):
         # a hub id and the folder it resolves to are one model
@@ -153,11 +147,11 @@ def shared_model_loads():
             cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device)
         return cache[key]
 
-    engine_module.load_model = load
+    loader_module.load_model = load
     try:
         yield load
     finally:
-        engine_module.load_model = original
+        loader_module.load_model = original
 
 
 def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
@@ -166,10 +160,10 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
     needs_draft = [v.name for v in config.variants
                    if v.strategy == "hf-assisted" or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
-    if needs_draft and config.draft is None:
+    if needs_draft and config.engine.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
     start_affinity, start_threads = current_pinning()
-    engines, built, limits = [], {}, [config.max_context]
+    engines, built, limits = [], {}, [config.engine.max_context]
     strategies = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in STRATEGIES))
     try:
         # worker strategies load their models in their own processes: build them outside the shared loads
@@ -184,19 +178,19 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
                 set_pinning(start_affinity, start_threads)
             hf_wanted = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in HF_STRATEGIES))
             if hf_wanted:
-                torch_dtype = parse_dtype(config.dtype, _torch_device(config.target_devices[0]))
-                device = _torch_device(config.target_devices[0])
-                target_model = load(config.target, config.dtype, backend=config.backend,
-                                    max_context=config.max_context, device=device)
+                torch_dtype = parse_dtype(config.engine.dtype, _torch_device(config.engine.target_devices[0]))
+                device = _torch_device(config.engine.target_devices[0])
+                target_model = load(config.engine.target, config.engine.dtype, backend=config.engine.backend,
+                                    max_context=config.engine.max_context, device=device)
                 limits.append(target_model.max_context)
-                target = hf_causal_lm(target_model, resolve_checkpoint(config.target, torch_dtype))
+                target = hf_causal_lm(target_model, resolve_checkpoint(config.engine.target, torch_dtype))
                 draft = None
                 if "hf-assisted" in hf_wanted:
-                    draft_model = load(config.draft, config.dtype, backend=config.backend,
-                                       max_context=config.max_context,
-                                       device=_torch_device(config.draft_devices[0]))
+                    draft_model = load(config.engine.draft, config.engine.dtype, backend=config.engine.backend,
+                                       max_context=config.engine.max_context,
+                                       device=_torch_device(config.engine.draft_devices[0]))
                     limits.append(draft_model.max_context)
-                    draft = hf_causal_lm(draft_model, resolve_checkpoint(config.draft, torch_dtype))
+                    draft = hf_causal_lm(draft_model, resolve_checkpoint(config.engine.draft, torch_dtype))
                 for name in hf_wanted:
                     baseline = HFBaseline(name, target, draft, max_context=min(limits),
                                           num_assistant_tokens=config.hf_assistant_tokens,
@@ -221,20 +215,15 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
 def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits: list) -> dict:
     from paraspec.engine import Engine
     from paraspec.models.loader import parse_dtype
-    spec = STRATEGIES[strategy]
-    options = {k: v for k, v in config.options.items() if k in spec.options}
-    engine = Engine(config.target, config.draft, strategy=strategy, dtype=config.dtype,
-                    target_devices=config.target_devices, draft_devices=config.draft_devices,
-                    backend=config.backend, max_context=config.max_context,
-                    allow_vocab_mismatch=config.allow_vocab_mismatch, **options)
+    engine = Engine.from_config(dataclasses.replace(config.engine, strategy=strategy))
     engines.append(engine)
     limits.append(engine.max_context)
     devices = f"target {' '.join(map(str, engine.target_devices))}"
     if engine.draft_devices:
         devices += f", draft {' '.join(map(str, engine.draft_devices))}"
-    settings = dict(options)
+    settings = dict(engine.options)
     settings["dtype"] = _dtype_name(engine.target) or str(
-        parse_dtype(config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
+        parse_dtype(config.engine.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
     return dict(generate=engine.generate, devices=devices, affinity=current_pinning()[0],
                 default_threads=torch.get_num_threads(), settings=settings,
                 worker_cores=_cores(engine.target_devices + engine.draft_devices)

@@ -15,8 +15,8 @@ With calibration off (the ablation), the accepted tokens keep their fuzzy KV ent
 goes through a fuzzy forward as well.
 
 Devices: rank 0 runs in the caller's process with the Engine's draft (and the target, which verifies
-with every core of the caller while the draft ranks wait); each further draft device gets a worker process
-holding a replica of the draft. Ranks exchange attention outputs through a shared-memory all-gather
+with every core of the caller while the draft ranks wait); each further draft device gets a worker (on the
+Engine's runtime: a process by default) holding a replica of the draft. Ranks exchange attention outputs through a shared-memory all-gather
 (ShmExchange: one segment, a sequence word per rank, futex waits), which beat gloo here
 (benchmarks/easyspec_exchange.py).
 """
@@ -24,40 +24,68 @@ from __future__ import annotations
 
 import os
 import weakref
+from contextlib import nullcontext
 
 import torch
 
-from paraspec.runtime.exchange import ShmExchange
+from paraspec.drafters import ModelDrafter
+from paraspec.models.loader import load_model     # bound at import: a replica never shares a bench's cached model
 from paraspec.models.fuzzy import exact_forward, fuzzy_forward, lp_groups, parse_layer_groups
-from paraspec.strategies.base import Run
-from paraspec.strategies.tree import ExactDrafter, check_native, keep_path, tree_rounds
+from paraspec.runtime.devices import pinned
+from paraspec.runtime.exchange import ShmExchange
+from paraspec.strategies import register
+from paraspec.strategies.base import Placement
+from paraspec.strategies.tree import TreeStrategy
 
 
-def decode(run: Run, target, draft, tree_width: int = 4, tree_depth: int = 5, tree_budget: int = 64,
-           lp_size: int = 2, layer_groups: str = "", calibration: bool = True, draft_devices=None,
-           draft_checkpoint=None):
-    """draft_devices (more than one) and draft_checkpoint (the draft's folder, for the replicas) spread the
-    attention layers of each group over devices; without them every group runs in this process."""
-    check_native(target, draft)
-    n_layers = draft.cfg.num_layers
-    groups = parse_layer_groups(layer_groups, n_layers) if layer_groups else lp_groups(lp_size, n_layers)
-    if draft_devices is not None and len(draft_devices) > 1:
-        drafter = DeviceGroupDrafter.for_model(draft, groups, draft_devices, draft_checkpoint)
-    else:
-        drafter = Drafter(draft, groups)
-    drafter.calibration = calibration
-    yield from tree_rounds(run, target, drafter, tree_width, tree_depth, tree_budget)
+@register
+class EasySpec(TreeStrategy):
+    name = "easyspec"
+    summary = "layer-parallel fuzzy drafting with bonus calibration (EasySpec)"
+    options = TreeStrategy.options + ("lp_size", "layer_groups", "calibration")
+    runtimes = ("process", "inprocess", "ray")        # where the draft ranks 1.. run
+    device_group = None            # DeviceGroupDrafter: started on first use, kept across requests
+
+    def setup(self, placement: Placement) -> None:
+        super().setup(placement)
+        self.draft_devices, self.runtime_backend = placement.draft_devices, placement.runtime
+        self.draft_checkpoint = placement.drafts[0]
+
+    def drafter(self) -> "FuzzyDrafter":
+        """One draft device: every group in this process. Several: the attention layers of each group spread
+        over them, one rank per device (the ranks' workers are reused while the groups stay the same)."""
+        o, draft = self.options, self.drafts[0]
+        n_layers = draft.cfg.num_layers
+        groups = (parse_layer_groups(o["layer_groups"], n_layers) if o["layer_groups"]
+                  else lp_groups(o["lp_size"], n_layers))
+        if len(self.draft_devices) < 2:
+            return FuzzyDrafter(draft, groups, self.target.vocab_size, o["calibration"])
+        if self.device_group is None or self.device_group.groups != groups:
+            self.close_device_group()
+            self.device_group = DeviceGroupDrafter(draft, groups, self.draft_devices, self.draft_checkpoint,
+                                                   self.target.vocab_size, self.runtime_backend)
+        self.device_group.calibration = o["calibration"]
+        return self.device_group
+
+    def close_device_group(self) -> None:
+        if self.device_group is not None:
+            self.device_group.close()
+            self.device_group = None
+
+    def close(self) -> None:
+        self.close_device_group()
+        super().close()
 
 
-class Drafter(ExactDrafter):
+class FuzzyDrafter(ModelDrafter):
     """The draft on one device: exact and fuzzy forwards over its own cache.
 
     root(): the bonus calibration (or, with calibration off, only the first prompt) runs exactly, layer by
     layer; every tree level runs fuzzily; settle() drops every fuzzy entry past the exact prefix (calibration)
     or keeps the accepted path's fuzzy entries (calibration off)."""
 
-    def __init__(self, model, groups: list[list[int]], calibration: bool = True):
-        super().__init__(model)
+    def __init__(self, model, groups: list[list[int]], vocab_size: int | None = None, calibration: bool = True):
+        super().__init__(model, model.vocab_size if vocab_size is None else vocab_size)
         self.groups, self.calibration = groups, calibration
 
     def forward(self, token_ids, positions=None, mask=None, exact: bool = False, head: bool = True):
@@ -85,7 +113,6 @@ class DraftRank:
 
     def __init__(self, spec: str, dtype: str, max_context: int, groups: list[list[int]], segment: str,
                  rank: int, world: int, max_bytes: int):
-        from paraspec.models.loader import load_model
         self.model = load_model(spec, dtype=dtype, max_context=max_context)
         parent = os.getppid()
         self.exchange = ShmExchange.attach(segment, rank, world, max_bytes, alive=lambda: os.getppid() == parent)
@@ -104,14 +131,14 @@ class DraftRank:
         self.model.rollback(length)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
-        keep_path(self.model, prefix_len, slots)
+        self.model.keep_path(prefix_len, slots)
 
-    def cache_state(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def cache_entries(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` KV entries (tests compare replicas)."""
-        return self.model.cache.k[:, :, :length].clone(), self.model.cache.v[:, :, :length].clone()
+        return self.model.cache_entries(length)
 
 
-class DeviceGroupDrafter(Drafter):
+class DeviceGroupDrafter(FuzzyDrafter):
     """Rank 0 in this process, ranks 1.. in worker processes; every cache operation runs on every rank.
 
     Each rank computes the attention of its share of each group's layers (group[rank::world]); the calibration
@@ -120,10 +147,10 @@ class DeviceGroupDrafter(Drafter):
     threads and cores back.
     """
 
-    def __init__(self, model, groups, devices, checkpoint):
+    def __init__(self, model, groups, devices, checkpoint, vocab_size: int | None = None, runtime: str = "process"):
         from paraspec.runtime import Runtime
         from paraspec.runtime.devices import parse_devices
-        super().__init__(model, groups)
+        super().__init__(model, groups, vocab_size)
         self.devices = parse_devices(devices)
         if checkpoint is None:
             raise ValueError("easyspec across several draft devices needs the draft's checkpoint "
@@ -134,7 +161,7 @@ class DeviceGroupDrafter(Drafter):
         # a tree level or a calibration is much shorter than the context; cap the segment at 64 MiB
         self.max_bytes = min(self.max_bytes, 64 << 20)
         self.exchange = ShmExchange.create(world, self.max_bytes, tag="easyspec")
-        self.runtime = Runtime(backend="process")
+        self.runtime = Runtime(backend=runtime)
         dtype = str(model.dtype).removeprefix("torch.")
         try:
             for rank, device in enumerate(self.devices[1:], start=1):
@@ -149,20 +176,6 @@ class DeviceGroupDrafter(Drafter):
         self._finalizer = weakref.finalize(self, _close_group, self.runtime, self.exchange)
         workers = self.workers            # closures below must not hold `self` (the finalizer holds them)
         self.exchange.alive = lambda: all(w.alive for w in workers)
-        self.key = (tuple(map(tuple, groups)), tuple(str(d) for d in self.devices), str(checkpoint))
-
-    @classmethod
-    def for_model(cls, model, groups, devices, checkpoint) -> "DeviceGroupDrafter":
-        """One group of draft workers per draft model and layout, started on first use, closed with the model."""
-        drafter = getattr(model, "_easyspec_drafter", None)
-        from paraspec.runtime.devices import parse_devices
-        key = (tuple(map(tuple, groups)), tuple(str(d) for d in parse_devices(devices)), str(checkpoint))
-        if drafter is None or drafter.key != key:
-            if drafter is not None:
-                drafter.close()
-            drafter = cls(model, groups, devices, checkpoint)
-            model._easyspec_drafter = drafter
-        return drafter
 
     def _everywhere(self, method: str, *args, **kwargs):
         handles = [w.submit(method, *args, **kwargs) for w in self.workers]
@@ -199,25 +212,12 @@ class DeviceGroupDrafter(Drafter):
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self._everywhere("keep_path", prefix_len, slots)
 
-    def drafting(self):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def one_core():
-            threads = torch.get_num_threads()
-            cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-            first = self.devices[0]
-            try:
-                if first.kind == "cpu":
-                    torch.set_num_threads(first.num_threads)
-                    if first.cores and cores is not None:
-                        os.sched_setaffinity(0, first.cores)
-                yield
-            finally:
-                torch.set_num_threads(threads)
-                if cores is not None:
-                    os.sched_setaffinity(0, cores)
-        return one_core()
+    def propose_tree(self, *args, **kwargs):
+        """While drafting, this process computes rank 0 on the first draft device's cores and threads;
+        verification gets its usual threads and cores back."""
+        first = self.devices[0]
+        with pinned(first) if first.kind == "cpu" else nullcontext():
+            return super().propose_tree(*args, **kwargs)
 
     def close(self) -> None:
         finalizer = getattr(self, "_finalizer", None)
