@@ -41,8 +41,8 @@ class Engine:
                  allow_vocab_mismatch: bool = False, runtime: str = "process", **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
-        workers of the strategies that start some (amusd, dsi, easyspec's extra draft devices): "process" (one
-        process per device group), "inprocess" (threads, for tests), "ray" (Ray actors)."""
+        workers of a strategy that starts some: "process" (one process per device group), "inprocess"
+        (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `runtimes`)."""
         self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
                                  max_context, allow_vocab_mismatch, runtime, options))
 
