@@ -17,7 +17,7 @@ HIDDEN = 896          # Qwen2.5-0.5B
 
 
 def shm_rank(rank, name, rows, iters, out):
-    from paraspec.strategies.easyspec import ShmExchange
+    from paraspec.runtime.exchange import ShmExchange
     os.sched_setaffinity(0, {rank})
     torch.set_num_threads(1)
     ex = ShmExchange.attach(name, rank, 2, rows * HIDDEN * 4)
@@ -63,7 +63,7 @@ def main():
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = p.parse_args()
-    from paraspec.strategies.easyspec import ShmExchange
+    from paraspec.runtime.exchange import ShmExchange
     print("| rows (tokens) | shared memory (us) | gloo (us) |\n|---|---|---|")
     for i, rows in enumerate(args.rows):
         ex = ShmExchange.create(2, rows * HIDDEN * 4)

@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     from paraspec import Engine, SamplingParams
     from paraspec.bench.datasets import load_prompts
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
+    from paraspec.config import EngineConfig
+    from paraspec.runtime.devices import parse_devices
     from paraspec.strategies import get_strategy
 
     draft_dir = resolve_checkpoint(args.draft, parse_dtype(args.dtype))
@@ -48,15 +50,24 @@ def main(argv=None) -> int:
                               tree_budget=args.tree_width * args.tree_depth)),
         "easyspec": ("easyspec", dict(tree_width=args.tree_width, tree_depth=args.tree_depth,
                                       tree_budget=args.tree_width * args.tree_depth, lp_size=args.lp_size,
-                                      layer_groups="", calibration=True, draft_devices=["cpu:0", "cpu:1"],
-                                      draft_checkpoint=str(draft_dir))),
+                                      layer_groups="", calibration=True)),
     }
     engine = Engine(args.target, args.draft, strategy="sd", dtype=args.dtype, target_devices=["cpu:0-1"],
                     draft_devices=["cpu:0-1"])
+    models = engine.strategy
+    strategies = {}
 
     def use(name):
-        strategy, options = variants[name]
-        engine.spec, engine.strategy, engine.options = get_strategy(strategy), strategy, dict(options)
+        """Every variant shares the engine's loaded pair: a Strategy object per variant over the same models."""
+        if name not in strategies:
+            strategy, options = variants[name]
+            s = get_strategy(strategy)(EngineConfig(args.target, args.draft, strategy, options=options).strategy_options)
+            s.target, s.drafts = models.target, models.drafts
+            if strategy == "easyspec":      # drafting spread over cpu:0 and cpu:1, one rank each
+                s.draft_devices, s.runtime_backend, s.draft_checkpoint = parse_devices(["cpu:0", "cpu:1"]), \
+                    "process", draft_dir
+            strategies[name] = s
+        engine.strategy = strategies[name]
 
     rows = []
     try:
@@ -82,6 +93,10 @@ def main(argv=None) -> int:
                     row["verify_s_per_100"] = row["total_s_per_100"]
                 rows.append(row)
     finally:
+        for s in strategies.values():
+            if s is not models and hasattr(s, "close_device_group"):
+                s.close_device_group()
+        engine.strategy = models
         engine.close()
     print(table(rows))
     if args.json:

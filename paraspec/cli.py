@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
+from paraspec.strategies import OPTIONS, STRATEGIES
 
 
 def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> None:
@@ -35,8 +35,9 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
                         "strategy without token trees, else native")
     p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens")
     p.add_argument("--runtime", default="process", choices=["process", "inprocess", "ray"],
-                   help="where worker strategies (amusd, dsi, easyspec) run their models: one process per "
-                        "device group, threads (tests), or Ray actors (pip install 'paraspec[ray]')")
+                   help="where the workers of amusd, dsi and easyspec (its extra --draft-devices) run: one process "
+                        "per device group, threads (tests), or Ray actors (pip install 'paraspec[ray]'); ar, sd "
+                        "and tree start no workers and reject ray")
     p.add_argument("--allow-vocab-mismatch", action="store_true",
                    help="skip the check that draft and target share a tokenizer")
 
@@ -49,13 +50,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
-def engine_kwargs(args) -> dict:
+def engine_config(args, strategy: str | None = None):
+    """The EngineConfig of add_model_args' flags (validated: every error before any model loads). Every
+    strategy option goes in; the strategy takes its own."""
+    from paraspec.config import EngineConfig
     draft = args.draft[0] if isinstance(args.draft, list) and len(args.draft) == 1 else args.draft
-    return dict(target=args.target, draft=draft, strategy=args.strategy, dtype=args.dtype,
-                target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
-                max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
-                runtime=args.runtime,
-                **{name: getattr(args, name) for name in get_strategy(args.strategy).options})
+    return EngineConfig(target=args.target, draft=draft, strategy=strategy or args.strategy, dtype=args.dtype,
+                        target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
+                        max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
+                        runtime=getattr(args, "runtime", "process"),
+                        options={name: getattr(args, name) for name in OPTIONS if hasattr(args, name)})
 
 
 def sampling_params(args):
@@ -80,7 +84,7 @@ def cmd_generate(args) -> int:
     from paraspec.engine import Engine
     params = sampling_params(args)
     prompt = read_prompt(args)
-    with Engine(**engine_kwargs(args)) as engine:
+    with Engine.from_config(engine_config(args)) as engine:
         if args.json:
             result = engine.generate(prompt, params)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids,

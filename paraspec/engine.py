@@ -1,23 +1,21 @@
-"""Engine: owns the models for one (target, draft, strategy) setup and serves generate() / stream().
+"""Engine: one (target, drafts, strategy) setup, serving generate() / stream().
 
-Everything a user can get wrong is checked here, before the first forward: strategy and options, devices,
-checkpoints, tokenizer compatibility, sampling values, prompt length.
+Everything a user can get wrong is checked before the first forward: strategy, options and devices in
+EngineConfig (config.py), before anything loads; checkpoints and tokenizer compatibility here, before and right
+after the strategy's setup(); sampling values and prompt length per request. The strategy object owns the models,
+its workers and channels (strategies/base.py: setup, decode, close).
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import torch
-
-from paraspec.models.loader import choose_backend, load_model, load_tokenizer, parse_dtype, resolve_checkpoint
-from paraspec.runtime.devices import apply_device, parse_devices, Device
+from paraspec.config import EngineConfig
+from paraspec.models.loader import load_tokenizer, parse_dtype, resolve_checkpoint
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
-from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
-from paraspec.strategies.base import Run
+from paraspec.strategies.base import Placement, Run
 from paraspec.trace import Trace
 
 
@@ -43,127 +41,70 @@ class Engine:
                  allow_vocab_mismatch: bool = False, runtime: str = "process", **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
-        workers of amusd/dsi: "process" (one process per device group), "inprocess" (threads, for tests),
-        "ray" (Ray actors). `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU when
-        the strategy allows it, else the native decoder), "native", "hf" or "llamacpp"."""
-        self.spec = get_strategy(strategy)
-        drafts = list(draft) if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]
-        if self.spec.needs_draft and not drafts:
-            raise ValueError(f"strategy {strategy!r} needs a draft model; pass draft=... (--draft)")
-        if len(drafts) > 1 and not self.spec.several_drafts:
-            takes = [name for name, s in STRATEGIES.items() if s.several_drafts]
-            raise ValueError(f"strategy {strategy!r} takes one draft model, got {len(drafts)}; only "
-                             f"{', '.join(takes)} takes several (pass --draft once)")
-        if not isinstance(max_context, int) or max_context < 2:
-            raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown Engine option(s) {unknown}; strategy options are {sorted(OPTIONS)}")
-        self.options = {name: OPTIONS[name].check(options.get(name, OPTIONS[name].default))
-                        for name in self.spec.options}
-        parse_dtype(dtype)
-        self.target_devices = parse_devices(target_devices)
-        self.draft_devices = parse_devices(draft_devices) if self.spec.needs_draft else []
-        if len(drafts) > 1 and len(self.draft_devices) not in (1, len(drafts)):
-            raise ValueError(f"{len(drafts)} drafts take one draft device group (shared) or one per draft, got "
-                             f"{len(self.draft_devices)}; pass --draft-devices D0 ... D{len(drafts) - 1}")
-        self.strategy = strategy
-        self.last_result: GenerationResult | None = None
-        self.runtime = self.channel = None
-        self._unpin = None
-        self.target = self.draft = None
-        self.drafts = []               # every draft model (several only for dsi); self.draft is the first
+        workers of a strategy that starts some: "process" (one process per device group), "inprocess"
+        (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `runtimes`).
+        `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU where the strategy allows
+        them, else the native decoder), "native", "hf" or "llamacpp" (README "Backends")."""
+        self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
+                                 max_context, allow_vocab_mismatch, runtime, options))
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        engine = cls.__new__(cls)
+        engine._start(config)
+        return engine
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self.last_result: GenerationResult | None = None
+        self.target_devices = list(config.target_devices)
+        self.draft_devices = config.used_draft_devices
+        self.strategy = config.strategy_class(config.strategy_options)
+        self.options = self.strategy.options
         # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
-        dtype_of = lambda devices: parse_dtype(dtype, devices[0].torch_device)
-        models = [target] + (drafts if self.spec.needs_draft else [])
-        backend = self._choose_backend(backend, models, dtype)
-        self.backend = backend
-        target_dir = _resolve(target, dtype_of(self.target_devices), backend)
-        draft_dirs = ([_resolve(d, dtype_of(self.draft_devices), backend) for d in drafts]
-                      if self.spec.needs_draft else [])
-        draft_dir = draft_dirs[0] if draft_dirs else None
-        self._draft_dir = draft_dir
+        dtype_of = lambda devices: parse_dtype(config.dtype, devices[0].torch_device)
+        self.backend = config.model_backend        # "auto" resolved by the config
+        target_dir = _resolve(config.target, dtype_of(self.target_devices), self.backend)
+        draft_dirs = ([_resolve(d, dtype_of(self.draft_devices), self.backend) for d in config.drafts]
+                      if self.draft_devices else [])
         self.tokenizer = self._maybe_tokenizer(target_dir)
-        load = dict(dtype=dtype, backend=backend, max_context=max_context)
-        if self.spec.workers:
-            self._start_workers(target_dir, draft_dirs, load, runtime)
-        else:
-            self._pin_in_process(self.target_devices + self.draft_devices)
-            self.target = _loader(target_dir)(target_dir, device=self.target_devices[0].torch_device, **load)
-            if draft_dir is not None:
-                self.draft = _loader(draft_dir)(draft_dir, device=self.draft_devices[0].torch_device, **load)
-                self.drafts = [self.draft]
-        if not allow_vocab_mismatch:
-            try:
+        placement = Placement(target_dir, draft_dirs, self.target_devices, self.draft_devices,
+                              dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),
+                              config.runtime)
+        try:
+            self.strategy.setup(placement)
+            if not config.allow_vocab_mismatch:
                 for model, folder in zip(self.drafts, draft_dirs):
                     check_compatible(self.target, model, self.tokenizer, self._maybe_tokenizer(folder))
-            except BaseException:
-                self.close()
-                raise
-
-    def _choose_backend(self, backend: str, models: list, dtype) -> str:
-        """The backend every model of this engine runs on ("auto" resolved), or a clear error."""
-        if any(_simulated(m) for m in models) or (backend == "auto" and str(dtype) != "auto"):
-            return "native"       # a dtype asks for torch weights; simulated models have no backend
-        probe = [_resolve(m, parse_dtype("float32"), "auto") for m in models] if backend == "auto" else []
-        chosen = choose_backend(backend, probe, self.target_devices + self.draft_devices,
-                                trees="llamacpp" not in self.spec.backends)
-        if chosen not in self.spec.backends:
-            raise ValueError(f"strategy {self.strategy!r} runs on the {', '.join(self.spec.backends)} backend(s), not "
-                             f"{chosen!r}; pass backend='native' (--backend native)")
-        if chosen == "llamacpp" and str(dtype) != "auto":
-            raise ValueError(f"dtype={dtype!r} does not apply to the llamacpp backend (it runs the GGUF's own "
-                             f"quantized weights); leave dtype='auto' or use backend='native'")
-        return chosen
-
-    def _start_workers(self, target_dir, draft_dirs: list, load: dict, backend: str = "process") -> None:
-        """One worker process per model, pinned to its device group, plus one channel per drafter."""
-        from paraspec.runtime import RemoteError, Runtime
-        from paraspec.runtime.remote import RemoteModel
-        from paraspec.strategies.dsi import channel_name, drafter_name
-        self.runtime = Runtime(backend=backend)
-        try:
-            # dsi: one target server per target device (group), target0..N-1; others: one "target"
-            targets = ([(f"target{i}", d) for i, d in enumerate(self.target_devices)] if self.spec.target_servers
-                       else [("target", self.target_devices[0])])
-            # drafters: draft, draft1, ... (several only for dsi), each on its own draft device or all on one
-            drafters = [(drafter_name(i), folder, self.draft_devices[min(i, len(self.draft_devices) - 1)])
-                        for i, folder in enumerate(draft_dirs)]
-            for role, folder, device in [(name, target_dir, d) for name, d in targets] + drafters:
-                spec = folder if _simulated(folder) else str(folder)
-                self.runtime.add_worker(role, device, _loader(folder),
-                                        dict(spec=spec, device=device.torch_device, **load))
-            try:
-                self.runtime.wait_ready()
-            except RemoteError as e:      # a bad checkpoint found while loading: raise its own clear error
-                raise (e.original if isinstance(e.original, ValueError) else e) from None
-            self.target = RemoteModel(self.runtime[targets[0][0]])
-            self.drafts = [RemoteModel(self.runtime[name]) for name, _, _ in drafters]
-            self.draft = self.drafts[0]
-            channels = [self.runtime.channel(channel_name(i), capacity=self.max_context,
-                                             vocab_size=self.target.vocab_size, q_window=64)
-                        for i in range(len(drafters))]
-            self.channel = channels[0]
         except BaseException:
             self.close()
             raise
 
+    # the models and workers are the strategy's; these name them for callers and tests
+    @property
+    def target(self):
+        return self.strategy.target
+
+    @property
+    def drafts(self) -> list:
+        return self.strategy.drafts
+
+    @property
+    def draft(self):
+        return self.strategy.drafts[0] if self.strategy.drafts else None
+
+    @property
+    def runtime(self):
+        return self.strategy.runtime
+
     @staticmethod
     def _maybe_tokenizer(folder):
         """The checkpoint's tokenizer, or None for a weights-only checkpoint (token-id prompts still work)."""
-        if _simulated(folder) or not any((folder / f).exists() for f in (
+        from paraspec.models.simulated import SimulatedSpec
+        if isinstance(folder, SimulatedSpec) or not any((folder / f).exists() for f in (
                 "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
             return None
         return load_tokenizer(folder)
-
-    def _pin_in_process(self, devices: list[Device]) -> None:
-        """ar, sd and tree run in the caller's process: pin it to the union of the requested cores, until
-        close() puts the previous affinity and thread count back."""
-        cores = sorted({c for d in devices if d.kind == "cpu" for c in d.cores})
-        if cores and all(d.kind == "cpu" and d.cores for d in devices) and hasattr(os, "sched_getaffinity"):
-            self._unpin = (os.sched_getaffinity(0), torch.get_num_threads())
-            apply_device(Device("cpu", cores=tuple(cores)))
 
     # -- prompts -------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -207,7 +148,7 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        return min(m.max_context for m in (self.target, self.draft, *self.drafts) if m is not None)
+        return min(m.max_context for m in (self.target, *self.drafts))
 
     def decode_text(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -224,22 +165,13 @@ class Engine:
                    generator=make_generator(params.seed), max_context=self.max_context,
                    margins={} if record_margins else None)
 
-    def _decode_loop(self, run: Run):
-        if self.spec.workers:
-            return self.spec.decode(run, self.runtime, self.channel, **self.options)
-        placement = {}
-        if self.spec.spreads_draft and len(self.draft_devices) > 1:
-            placement = dict(draft_devices=[str(d) for d in self.draft_devices],
-                             draft_checkpoint=str(self._draft_dir))
-        return self.spec.decode(run, self.target, self.draft, **self.options, **placement)
-
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`."""
         run = self._new_run(prompt, params)
         start = time.perf_counter()
         run.trace.t0 = start
         text = ""
-        for _ in self._decode_loop(run):
+        for _ in self.strategy.decode(run):
             now_text = self.decode_text(self._text_tokens(run))
             if now_text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for the next token
                 continue
@@ -261,32 +193,22 @@ class Engine:
         run = self._new_run(prompt, params, record_margins)
         start = time.perf_counter()
         run.trace.t0 = start
-        for _ in self._decode_loop(run):
+        for _ in self.strategy.decode(run):
             pass
         return self._finish(run, start)
 
     def _finish(self, run: Run, start: float) -> GenerationResult:
         total = time.perf_counter() - start
         self.last_result = GenerationResult(
-            self.decode_text(self._text_tokens(run)), list(run.tokens), compute_stats(run, self.strategy, total),
+            self.decode_text(self._text_tokens(run)), list(run.tokens), compute_stats(run, self.strategy.name, total),
             run.trace, run.finish_reason or "length", run.prompt_ids, run.margins, run.worker_reports)
         return self.last_result
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop every worker and unlink every shared-memory segment (idempotent)."""
-        if self.runtime is not None:
-            self.runtime.close()
-        drafter = getattr(self.draft, "_easyspec_drafter", None)   # easyspec's draft replicas on other devices
-        if drafter is not None:
-            drafter.close()
-        if self._unpin:
-            affinity, threads = self._unpin
-            os.sched_setaffinity(0, affinity)
-            torch.set_num_threads(threads)
-            self._unpin = None
-        self.target = self.draft = None
-        self.drafts = []
+        if getattr(self, "strategy", None) is not None:
+            self.strategy.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -295,22 +217,10 @@ class Engine:
         self.close()
 
 
-def _simulated(spec) -> bool:
-    from paraspec.models.simulated import SimulatedSpec
-    return isinstance(spec, SimulatedSpec)
-
-
 def _resolve(spec, dtype, backend: str = "native"):
     """A checkpoint folder (resolved and converted here), or a simulated model's spec as it is."""
-    return spec if _simulated(spec) else resolve_checkpoint(spec, dtype, backend)
-
-
-def _loader(spec):
-    """load_model for checkpoints; simulated models (models/simulated.py) build from their spec."""
-    if _simulated(spec):
-        from paraspec.models.simulated import load_simulated
-        return load_simulated
-    return load_model
+    from paraspec.models.simulated import SimulatedSpec
+    return spec if isinstance(spec, SimulatedSpec) else resolve_checkpoint(spec, dtype, backend)
 
 
 def check_compatible(target, draft, target_tok, draft_tok) -> None:

@@ -71,6 +71,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """The target's own token from one row of logits: its argmax (greedy) or a draw from the processed p."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(logits_to_probs(logits, params), generator)
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed if seed is not None else torch.seed())

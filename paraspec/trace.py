@@ -6,7 +6,8 @@ Times are seconds since the start of the request.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, asdict
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass, field, asdict
 
 
 @dataclass
@@ -24,22 +25,39 @@ class TraceEvent:
 
 @dataclass
 class Trace:
+    """The events and token progress of one request. Times are seconds since `t0`; time.perf_counter is
+    CLOCK_MONOTONIC on Linux, one clock for every process, so a worker records against the caller's t0.
+    `device` is the row an event goes to when add/span name none (a worker's own trace)."""
     events: list[TraceEvent] = field(default_factory=list)
     # (seconds since start, tokens committed so far): the AMUSD Fig. 4 token-progress curve
     progress: list[tuple[float, int]] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
+    device: str = ""
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def add(self, device: str, kind: str, start_s: float, end_s: float, tokens: int = 0) -> None:
-        self.events.append(TraceEvent(device, kind, start_s, end_s, tokens))
+    def add(self, device: str | None, kind: str, start_s: float, end_s: float, tokens: int = 0) -> None:
+        self.events.append(TraceEvent(device or self.device, kind, start_s, end_s, tokens))
+
+    @contextmanager
+    def span(self, kind: str, tokens: int = 0, device: str | None = None):
+        """Record an event of `kind` around a block."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(device, kind, start, self.now(), tokens)
 
     def commit(self, total_tokens: int, at_s: float | None = None) -> None:
         self.progress.append((self.now() if at_s is None else at_s, total_tokens))
 
     def busy_s(self, kind: str) -> float:
         return sum(e.duration_s for e in self.events if e.kind == kind)
+
+    def event_tuples(self) -> list[tuple]:
+        """The events as plain tuples (what a worker sends back; TraceEvent(*t) rebuilds each)."""
+        return [astuple(e) for e in self.events]
 
     def to_dict(self) -> dict:
         return {"events": [asdict(e) for e in self.events], "progress": [list(p) for p in self.progress]}

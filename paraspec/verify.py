@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from paraspec.sampling import sample
+from paraspec.sampling import logits_to_probs, next_token, sample
 
 
 def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
@@ -17,7 +17,11 @@ def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple
     target_logits: [len(draft_tokens) + 1, vocab]. Returns (accepted, next_token): next_token is the target's
     correction at the first mismatch, or its bonus token after a full acceptance.
     """
-    target_tokens = target_logits.argmax(-1).tolist()
+    return greedy_match(draft_tokens, target_logits.argmax(-1).tolist())
+
+
+def greedy_match(draft_tokens: list[int], target_tokens: list[int]) -> tuple[int, int]:
+    """greedy_accept when only the target's argmax tokens are at hand ([len(draft_tokens) + 1] of them)."""
     accepted = 0
     while accepted < len(draft_tokens) and draft_tokens[accepted] == target_tokens[accepted]:
         accepted += 1
@@ -76,7 +80,6 @@ def verify_chain(draft_tokens: list[int], draft_probs: torch.Tensor | None, targ
     """
     if params.greedy:
         return greedy_accept(draft_tokens, target_logits)
-    from paraspec.sampling import logits_to_probs
     p = logits_to_probs(target_logits, params)
     if not draft_tokens:
         return 0, sample(p[0], generator)
@@ -94,9 +97,26 @@ def verify_token(token: int, draft_probs: torch.Tensor | None, target_logits: to
     if params.greedy:
         best = int(target_logits.argmax())
         return None if best == token else best
-    from paraspec.sampling import logits_to_probs
     q, p = _same_vocab(draft_probs, logits_to_probs(target_logits, params))
     return accept_one(token, p, q, generator)
+
+
+def judge_in_hand(draft_token: int | None, draft_probs: torch.Tensor | None, target, params,
+                  generator: torch.Generator) -> tuple[int, bool | None]:
+    """The step after a full acceptance (AMUSD Alg. 1's bonus; DSI's next position): the verifying forward
+    also computed the target's distribution for the next position, so a draft there is judged at once, and
+    without a draft the target supplies its own token instead of waiting.
+
+    target: that position's logits row; under greedy it may be the target's argmax token (an int) instead.
+    Returns (the token to commit, verdict): True = the draft stood, False = it was replaced, None = there was no
+    draft (the token is the target's own, the bonus).
+    """
+    if params.greedy and isinstance(target, int):
+        return target, (None if draft_token is None else draft_token == target)
+    if draft_token is None:
+        return next_token(target, params, generator), None
+    replacement = verify_token(draft_token, draft_probs, target, params, generator)
+    return (draft_token, True) if replacement is None else (replacement, False)
 
 
 # -- token trees (SpecInfer, Miao et al. 2024) ------------------------------------------------------------------
@@ -147,7 +167,6 @@ def verify_tree(tokens: list[int], parents: list[int], draft_probs: dict[int, to
                 return path, best[node + 1]
             path.append(match)
             node = match
-    from paraspec.sampling import logits_to_probs
     while True:
         p = logits_to_probs(target_logits[node + 1], params)
         kids = children.get(node)

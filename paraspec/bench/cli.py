@@ -9,7 +9,7 @@ from pathlib import Path
 from paraspec.bench.datasets import DATASETS
 from paraspec.bench.hf_baselines import HF_STRATEGIES
 from paraspec.bench.llamacpp_peers import LLAMACPP_STRATEGIES
-from paraspec.strategies import OPTIONS, STRATEGIES
+from paraspec.strategies import STRATEGIES
 
 
 def add_commands(subparsers) -> None:
@@ -63,7 +63,9 @@ def add_commands(subparsers) -> None:
     prof.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
                       help="the target's device (the first is measured)")
     prof.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="the draft's device")
-    prof.add_argument("--backend", default="native", choices=["native", "hf"])
+    prof.add_argument("--backend", default="auto", choices=["auto", "native", "hf", "llamacpp"],
+                      help="as for generate (llamacpp: threads = the cores of --target-devices and "
+                           "--draft-devices together)")
     prof.add_argument("--max-context", type=int, default=4096)
     prof.add_argument("--dataset", default="humaneval", metavar="NAME", help="as for bench")
     prof.add_argument("--num-prompts", type=int, default=5)
@@ -102,18 +104,13 @@ def cmd_bench(args) -> int:
     from paraspec.bench.runner import BenchConfig, parse_variants, run_benchmark
     from paraspec.cli import sampling_params
     from paraspec.models.loader import load_tokenizer
-    from paraspec.runtime.devices import parse_devices
+    from paraspec.cli import engine_config
     variants = parse_variants(args.strategies, args.threads)
-    parse_devices(args.target_devices)
-    parse_devices(args.draft_devices)
     if args.warmup_tokens < 1:
         raise ValueError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
     config = BenchConfig(
-        target=args.target, draft=args.draft, variants=variants, params=sampling_params(args),
-        dtype=args.dtype, target_devices=tuple(args.target_devices),
-        draft_devices=tuple(args.draft_devices), backend=args.backend, max_context=args.max_context,
-        allow_vocab_mismatch=args.allow_vocab_mismatch, chat=args.chat,
-        options={name: getattr(args, name) for name in OPTIONS},       # each engine takes its own
+        engine=engine_config(args, strategy="sd" if args.draft else "ar"),   # each variant sets its own
+        variants=variants, params=sampling_params(args), chat=args.chat,
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
         hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress,
         **({"llamacpp_spec_grid": tuple(args.llamacpp_spec_grid)} if args.llamacpp_spec_grid else {}))
@@ -132,9 +129,8 @@ def cmd_profile(args) -> int:
     from paraspec.bench.profile import profile_pair
     from paraspec.engine import Engine
     prompts = load_prompts(args.dataset, args.num_prompts)
-    with Engine(args.target, args.draft, strategy="sd", dtype=args.dtype, target_devices=args.target_devices,
-                draft_devices=args.draft_devices, backend=args.backend, max_context=args.max_context,
-                allow_vocab_mismatch=args.allow_vocab_mismatch) as engine:
+    from paraspec.cli import engine_config
+    with Engine.from_config(engine_config(args, strategy="sd")) as engine:
         if engine.tokenizer is None:
             raise ValueError("profile needs the target's tokenizer to build prompts; the checkpoint has none")
         chat = resolve_chat(args.chat, engine.tokenizer)

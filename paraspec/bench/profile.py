@@ -13,14 +13,12 @@ The schema (all times in ms) is read by `paraspec.sim.profile.Profile`:
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 
-from paraspec.runtime.devices import Device, apply_device
+from paraspec.runtime.devices import Device, pinned
 
 WIDTHS = (1, 2, 4, 8, 16)
 
@@ -92,20 +90,6 @@ def acceptance_from_windows(hits: int, misses: int) -> tuple[float, float]:
     """(acceptance rate 1 - 1/(1 + n̄), n̄). With no miss at all n̄ is taken as the whole run (one window)."""
     mean_match = hits / misses if misses else float(hits)
     return 1 - 1 / (1 + mean_match), mean_match
-
-
-@contextmanager
-def pinned(device: Device):
-    """Run on `device` (cores and threads), then give the process its previous cores and threads back."""
-    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    threads = torch.get_num_threads()
-    apply_device(device)
-    try:
-        yield
-    finally:
-        if affinity is not None:
-            os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
 
 
 def profile_pair(target, draft, target_device: Device, draft_device: Device, prompts: list[list[int]],

@@ -37,9 +37,9 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
     header += [f"× vs {k.removeprefix('speedup_vs_')}" for k in extra]
     header += ["TTFT ms", "TPOT ms", "acceptance", "mean acc. len", "draft s/100 tok", "verify s/100 tok", "= ar"]
     lines = [f"### {result.dataset}: {len(result.prompts)} prompts × {params.max_new_tokens} new tokens, {mode}, "
-             f"dtype {cfg.dtype} ({dtype_text})",
+             f"dtype {cfg.engine.dtype} ({dtype_text})",
              "",
-             f"target `{cfg.target}`" + (f", draft `{cfg.draft}`" if cfg.draft else "")
+             f"target `{cfg.engine.target}`" + (f", draft `{cfg.engine.draft}`" if cfg.engine.draft else "")
              + f", chat template {'on' if result.chat else 'off'}" + _options_text(result),
              "",
              "| " + " | ".join(header) + " |",
@@ -113,7 +113,7 @@ def _options_text(result: BenchResult) -> str:
     """`; sd: lookahead=5; amusd: max_ahead=16, verify_chunk=8` (the options each strategy ran with)."""
     parts = {}
     for info in result.contenders.values():
-        options = {k: v for k, v in info["settings"].items() if k in result.config.options}
+        options = {k: v for k, v in info["settings"].items() if k in result.config.engine.options}
         if options:
             parts[info["strategy"]] = ", ".join(f"{k}={v}" for k, v in options.items())
     return "".join(f"; {name}: {text}" for name, text in parts.items())
@@ -158,10 +158,10 @@ def _meta(result: BenchResult) -> dict:
     import torch
     import transformers
     cfg = result.config
-    return {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "options": cfg.options,
-            "target_devices": list(map(str, cfg.target_devices)),
-            "draft_devices": list(map(str, cfg.draft_devices)), "backend": cfg.backend,
-            "max_context": cfg.max_context, "sampling": dict(cfg.params.__dict__),
+    return {"target": cfg.engine.target, "draft": cfg.engine.draft, "dtype": cfg.engine.dtype, "options": cfg.engine.options,
+            "target_devices": list(map(str, cfg.engine.target_devices)),
+            "draft_devices": list(map(str, cfg.engine.draft_devices)), "backend": cfg.engine.backend,
+            "max_context": cfg.engine.max_context, "sampling": dict(cfg.params.__dict__),
             "variants": [v.name for v in cfg.variants], "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "processor": _cpu_model()}

@@ -11,11 +11,11 @@ each dataset before the warm-up.
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 import statistics
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +23,8 @@ from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.hf_baselines import HF_STRATEGIES, HFBaseline, hf_causal_lm
 from paraspec.bench.llamacpp_peers import DEFAULT_SPEC_GRID, LLAMACPP_STRATEGIES, LlamaCppPeer
 from paraspec.bench.metrics import Record, Variant
+from paraspec.config import EngineConfig
+from paraspec.runtime.devices import current_pinning, set_pinning
 from paraspec.sampling import SamplingParams
 from paraspec.strategies import STRATEGIES
 
@@ -30,7 +32,7 @@ from paraspec.strategies import STRATEGIES
 def runs_in_workers(strategy: str) -> bool:
     """Strategies whose models run in worker processes pinned to their devices: this process's thread count
     does not apply to them."""
-    return strategy in STRATEGIES and getattr(STRATEGIES[strategy], "workers", False)
+    return strategy in STRATEGIES and STRATEGIES[strategy].in_workers
 
 
 def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]:
@@ -78,17 +80,9 @@ def interleave(num_prompts: int, variants: list[Variant]) -> list[tuple[int, Var
 
 @dataclass
 class BenchConfig:
-    target: str
-    draft: str | None
-    variants: list[Variant]
+    engine: EngineConfig                                  # models, devices, options; its strategy is replaced
+    variants: list[Variant]                               # by each variant's
     params: SamplingParams
-    dtype: str = "auto"
-    target_devices: tuple = ("cpu",)
-    draft_devices: tuple = ("cpu",)
-    backend: str = "native"
-    max_context: int = 4096
-    allow_vocab_mismatch: bool = False
-    options: dict = field(default_factory=dict)           # strategy options (OPTIONS names -> values)
     chat: bool | None = None                              # None: on when the tokenizer has a chat template
     warmup_tokens: int = 8
     hf_assistant_tokens: int | None = None
@@ -124,9 +118,7 @@ class Contender:
         return f"{self.worker_cores} (workers)" if self.worker_cores else str(self.threads)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, record_margins: bool):
-        if self.affinity is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, self.affinity)
-        torch.set_num_threads(self.threads)
+        set_pinning(self.affinity, self.threads)
         return self._generate(prompt_ids, params, record_margins=record_margins)
 
 
@@ -148,27 +140,23 @@ def shared_model_loads():
     Strategies reset the caches at the start of every request, and the benchmark runs one request at a time, so
     sharing is safe; it keeps a benchmark of ar, sd and the transformers baselines at one copy of each model.
     """
-    import paraspec.engine as engine_module
+    import paraspec.models.loader as loader_module       # strategies load through loader.load_model
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
-    original, cache = engine_module.load_model, {}
+    original, cache = loader_module.load_model, {}
 
     def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu"):
         # a hub id and the folder it resolves to are one model
         torch_dtype = parse_dtype(dtype, device)
-        key = (str(resolve_checkpoint(spec, torch_dtype)), torch_dtype, backend, max_context, str(device))
+        key = (str(resolve_checkpoint(spec, torch_dtype, backend)), torch_dtype, backend, max_context, str(device))
         if key not in cache:
             cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device)
         return cache[key]
 
-    engine_module.load_model = load
+    loader_module.load_model = load
     try:
         yield load
     finally:
-        engine_module.load_model = original
-
-
-def _affinity():
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        loader_module.load_model = original
 
 
 def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
@@ -178,37 +166,40 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     needs_draft = [v.name for v in config.variants
                    if v.strategy in ("hf-assisted", "llamacpp-spec")
                    or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
-    if needs_draft and config.draft is None:
+    if needs_draft and config.engine.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
-    start_affinity, start_threads = _affinity(), torch.get_num_threads()
-    engines, built, limits = [], {}, [config.max_context]
+    start_affinity, start_threads = current_pinning()
+    engines, built, limits = [], {}, [config.engine.max_context]
     strategies = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in STRATEGIES))
     try:
         # worker strategies load their models in their own processes: build them outside the shared loads
         for name in [s for s in strategies if runs_in_workers(s)]:
             built[name] = _engine_contender(config, name, engines, limits)
-            _restore(start_affinity, start_threads)
+            set_pinning(start_affinity, start_threads)
         with shared_model_loads() as load:
             for name in [s for s in strategies if not runs_in_workers(s)]:
                 built[name] = _engine_contender(config, name, engines, limits)
                 # an in-process engine pins this process to its cores; undo it, or the next engine could not
                 # even name the other cores (device parsing checks them against the current affinity)
-                _restore(start_affinity, start_threads)
+                set_pinning(start_affinity, start_threads)
             hf_wanted = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in HF_STRATEGIES))
             if hf_wanted:
-                torch_dtype = parse_dtype(config.dtype, _torch_device(config.target_devices[0]))
-                device = _torch_device(config.target_devices[0])
-                target_model = load(config.target, config.dtype, backend=config.backend,
-                                    max_context=config.max_context, device=device)
+                torch_dtype = parse_dtype(config.engine.dtype, _torch_device(config.engine.target_devices[0]))
+                device = _torch_device(config.engine.target_devices[0])
+                # transformers' baselines need torch weights: the native decoder's (same names), whatever the
+                # paraspec engines run on
+                hf_backend = "hf" if config.engine.backend == "hf" else "native"
+                target_model = load(config.engine.target, config.engine.dtype, backend=hf_backend,
+                                    max_context=config.engine.max_context, device=device)
                 limits.append(target_model.max_context)
-                target = hf_causal_lm(target_model, resolve_checkpoint(config.target, torch_dtype))
+                target = hf_causal_lm(target_model, resolve_checkpoint(config.engine.target, torch_dtype))
                 draft = None
                 if "hf-assisted" in hf_wanted:
-                    draft_model = load(config.draft, config.dtype, backend=config.backend,
-                                       max_context=config.max_context,
-                                       device=_torch_device(config.draft_devices[0]))
+                    draft_model = load(config.engine.draft, config.engine.dtype, backend=hf_backend,
+                                       max_context=config.engine.max_context,
+                                       device=_torch_device(config.engine.draft_devices[0]))
                     limits.append(draft_model.max_context)
-                    draft = hf_causal_lm(draft_model, resolve_checkpoint(config.draft, torch_dtype))
+                    draft = hf_causal_lm(draft_model, resolve_checkpoint(config.engine.draft, torch_dtype))
                 for name in hf_wanted:
                     baseline = HFBaseline(name, target, draft, max_context=min(limits),
                                           num_assistant_tokens=config.hf_assistant_tokens,
@@ -235,21 +226,17 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
 def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits: list) -> dict:
     from paraspec.engine import Engine
     from paraspec.models.loader import parse_dtype
-    spec = STRATEGIES[strategy]
-    options = {k: v for k, v in config.options.items() if k in spec.options}
-    engine = Engine(config.target, config.draft, strategy=strategy, dtype=config.dtype,
-                    target_devices=config.target_devices, draft_devices=config.draft_devices,
-                    backend=config.backend, max_context=config.max_context,
-                    allow_vocab_mismatch=config.allow_vocab_mismatch, **options)
+    engine = Engine.from_config(dataclasses.replace(config.engine, strategy=strategy))
     engines.append(engine)
     limits.append(engine.max_context)
     devices = f"target {' '.join(map(str, engine.target_devices))}"
     if engine.draft_devices:
         devices += f", draft {' '.join(map(str, engine.draft_devices))}"
-    settings = dict(options)
-    settings["dtype"] = _dtype_name(engine.target) or str(
-        parse_dtype(config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
-    return dict(generate=engine.generate, devices=devices, affinity=_affinity(),
+    settings = dict(engine.options)
+    settings["backend"] = engine.backend
+    settings["dtype"] = "gguf" if engine.backend == "llamacpp" else _dtype_name(engine.target) or str(
+        parse_dtype(config.engine.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
+    return dict(generate=engine.generate, devices=devices, affinity=current_pinning()[0],
                 default_threads=torch.get_num_threads(), settings=settings,
                 worker_cores=_cores(engine.target_devices + engine.draft_devices)
                 if runs_in_workers(strategy) else None)
@@ -262,22 +249,16 @@ def _peer_contender(config: BenchConfig, variant: Variant, start_affinity, close
     if variant.threads is not None:
         cores, threads = start_affinity, variant.threads
     else:
-        device = parse_device(config.target_devices[0])
+        device = parse_device(config.engine.target_devices[0])
         if device.kind != "cpu":
             raise ValueError(f"{variant.strategy} runs on CPU cores; --target-devices {device} is not a CPU")
         cores, threads = device.cores or start_affinity, device.num_threads
-    peer = LlamaCppPeer(variant.strategy, config.target, config.draft, threads=threads, cores=cores,
-                        max_context=config.max_context, spec_grid=config.llamacpp_spec_grid)
+    peer = LlamaCppPeer(variant.strategy, config.engine.target, config.engine.draft, threads=threads, cores=cores,
+                        max_context=config.engine.max_context, spec_grid=config.llamacpp_spec_grid)
     closers.append(peer)
     limits.append(peer.max_context)
     return dict(generate=peer.generate, devices=peer.devices, affinity=start_affinity, default_threads=threads,
                 settings=peer.settings, tune=peer.tune)
-
-
-def _restore(affinity, threads: int) -> None:
-    if affinity is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, affinity)
-    torch.set_num_threads(threads)
 
 
 def _cores(devices) -> int:
@@ -313,7 +294,7 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
         for p in prompts:
             if p.answer_of is None or not chat:
                 p.as_input(chat)
-    start = _affinity(), torch.get_num_threads()
+    start = current_pinning()
     contenders, engines, context = build_contenders(config)
     try:
         first = next(iter(prompt_sets.values()))[0]
@@ -333,7 +314,7 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
     finally:
         for engine in engines:
             engine.close()
-        _restore(*start)
+        set_pinning(*start)
 
 
 def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: int) -> BenchResult:

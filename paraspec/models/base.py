@@ -1,8 +1,9 @@
-"""The Model protocol every strategy talks to.
+"""The Model protocol every strategy talks to, and the EOS-id normalisation every loader uses.
 
 Implemented by the native decoder (`models/llama.py`), the Hugging Face fallback (`models/hf.py`), a remote
-worker proxy (`runtime/`) and the simulated model. Logits come back as float32 tensors of shape
-[n_tokens, vocab_size] on the CPU-side of the caller's device.
+worker proxy (`runtime/remote.py`) and the simulated model (`models/simulated.py`); a new backend implements
+every method below. Logits come back as float32 tensors of shape [n_tokens, vocab_size] on the CPU-side of the
+caller's device.
 """
 from __future__ import annotations
 
@@ -34,7 +35,29 @@ class Model(Protocol):
         """
 
     def rollback(self, length: int) -> None:
-        """Keep only the first `length` cached tokens."""
+        """Keep only the first `length` cached tokens (0 <= length <= self.length, else ValueError)."""
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        """Keep the first `prefix_len` cached tokens, then the entries at `slots` (ascending, all >= prefix_len)
+        moved to positions prefix_len, prefix_len + 1, ...; drop the rest. This is how a token tree's accepted
+        path is compacted after verification. A backend that cannot move entries must still accept a chain
+        (slots == prefix_len, prefix_len + 1, ...: a rollback) and raise ValueError naming the fix otherwise."""
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    """An `eos_token_id` as configs spell it (an int, a list of ints, or None) as a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def keep_chain(model, prefix_len: int, slots: list[int]) -> None:
+    """keep_path for backends whose cache can only be cut: a chain of slots right after the prefix is a
+    rollback; anything else needs entries moved, which they cannot do."""
+    if list(slots) != list(range(prefix_len, prefix_len + len(slots))):
+        raise ValueError(f"{type(model).__name__} cannot move KV entries (token trees need the native backend); "
+                         f"pass backend='native' (--backend native)")
+    model.rollback(prefix_len + len(slots))
 
 
 def check_rollback(length: int, cached: int) -> None:

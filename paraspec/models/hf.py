@@ -26,13 +26,12 @@ class HFModel:
     @classmethod
     def load(cls, folder: Path, dtype: torch.dtype, max_context: int | None = None, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
+        from paraspec.models.base import eos_ids
         from paraspec.models.loader import generation_eos_ids
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
         cfg = model.config
-        eos = cfg.eos_token_id
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         limit = getattr(cfg, "max_position_embeddings", None) or 4096
-        return cls(model, min(max_context or 4096, limit), generation_eos_ids(folder, eos))
+        return cls(model, min(max_context or 4096, limit), generation_eos_ids(folder, eos_ids(cfg.eos_token_id)))
 
     @property
     def length(self) -> int:
@@ -44,6 +43,10 @@ class HFModel:
             self.cache = self._new_cache()
         elif length < self.length:
             self.cache.crop(length - self.length)   # a negative count removes that many (transformers 4 and 5)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        from paraspec.models.base import keep_chain
+        keep_chain(self, prefix_len, slots)
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         self.cache = self._new_cache()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraspec.models.base import check_rollback
+from paraspec.models.base import check_rollback, eos_ids
 from paraspec.models.kernels import Linear
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -71,8 +71,6 @@ class DecoderConfig:
             if kind == "default":
                 scaling = None
         heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window") if (family == "mistral" or cfg.get("use_sliding_window")) else None
         return cls(
             family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
@@ -84,7 +82,7 @@ class DecoderConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=window, eos_token_ids=eos_ids)
+            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=window, eos_token_ids=eos_ids(cfg.get("eos_token_id")))
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -136,14 +134,6 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
         self.max_context = max_context
-
-    def keep(self, slots: list[int]) -> None:
-        """Keep only the given slots (ascending), moved to the front: compacts an accepted tree path."""
-        idx = torch.tensor(slots, device=self.k.device)
-        n = len(slots)
-        self.k[:, :, :n] = self.k[:, :, idx]
-        self.v[:, :, :n] = self.v[:, :, idx]
-        self.length = n
 
 
 class Attention(nn.Module):
@@ -252,6 +242,21 @@ class NativeModel:
     def rollback(self, length: int) -> None:
         check_rollback(length, self.cache.length)
         self.cache.length = length
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        """The Model protocol's compaction: only the moved entries are copied, the prefix stays in place."""
+        cache = self.cache
+        if slots:
+            src = torch.tensor(slots, device=cache.k.device)
+            dst = torch.arange(prefix_len, prefix_len + len(slots), device=cache.k.device)
+            if not torch.equal(src, dst):
+                cache.k[:, :, dst] = cache.k[:, :, src]       # the right side is gathered first: overlap is safe
+                cache.v[:, :, dst] = cache.v[:, :, src]
+        cache.length = prefix_len + len(slots)
+
+    def cache_entries(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the first `length` keys and values (native only; tests compare caches with it)."""
+        return self.cache.k[:, :, :length].clone(), self.cache.v[:, :, :length].clone()
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         self.cache.length = 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from paraspec.models.base import eos_ids
 from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -229,8 +230,7 @@ def generation_eos_ids(folder: Path, default: tuple[int, ...]) -> tuple[int, ...
     gen = folder / "generation_config.json"
     ids = set(default)
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        ids |= set(eos_ids(json.loads(gen.read_text()).get("eos_token_id")))
     return tuple(sorted(ids))
 
 

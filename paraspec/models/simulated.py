@@ -79,6 +79,12 @@ class SimulatedModel:
         check_rollback(length, self._length)
         self._length = length
 
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        """Predictions depend only on positions, so moving entries is just the new length."""
+        if not 0 <= prefix_len <= self._length or any(not prefix_len <= s < self._length for s in slots):
+            raise ValueError(f"keep_path({prefix_len}, {slots}) outside the cache of {self._length} tokens")
+        self._length = prefix_len + len(slots)
+
     def prefill(self, token_ids) -> torch.Tensor:
         self._length = 0
         return self.forward(token_ids, last_n=1)[-1]

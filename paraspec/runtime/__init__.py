@@ -1,8 +1,13 @@
 """Process-per-device execution: devices, workers, shared-memory channels, fault propagation.
 
-    devices.py   device strings (cpu, cpu:N, cpu:A-B, cuda:N) and pinning a process to one
-    workers.py   Runtime (the owner), Worker backends (process, inprocess), Handle, LoopContext, errors
+    devices.py   device strings (cpu, cpu:N, cpu:A-B, cuda:N); pinning a process to one, and undoing it
+    errors.py    WorkerError and its kinds (RemoteError, WorkerDied, WorkerClosed); errors over the wire
+    serve.py     the worker side: serve() (every backend's entry point), WorkerInfo, LoopContext
+    workers.py   the caller side: Worker, Handle; backends (process, inprocess) and their registry BACKENDS
+    ray_backend.py  the Ray backend (optional extra), registered by name
+    runtime.py   Runtime: owns workers and channels, stops every channel when a worker dies, closes it all
     channels.py  TokenChannel (versioned token exchange, optional q ring) and StopSignal
+    exchange.py  ShmExchange: an all-gather among processes through one shared-memory segment
     remote.py    RemoteModel: the Model protocol over a worker (imports torch; import it from there)
     wire.py      message framing between a caller and a worker (arrays out-of-band)
     shm.py       shared-memory segments, a cross-process lock and futex waits
@@ -10,10 +15,12 @@
 from paraspec.runtime.channels import (ChannelFull, ChannelState, ChannelStopped, CommitResult, DraftSnapshot,
                                        StaleVersion, StopSignal, TokenChannel)
 from paraspec.runtime.devices import Device, DeviceError, parse_device, parse_devices
-from paraspec.runtime.workers import (Handle, LoopContext, ProcessWorker, RemoteError, Runtime, ThreadWorker,
-                                      TraceRecorder, Worker, WorkerClosed, WorkerDied, WorkerError, WorkerInfo)
+from paraspec.runtime.errors import RemoteError, WorkerClosed, WorkerDied, WorkerError
+from paraspec.runtime.runtime import Runtime
+from paraspec.runtime.serve import LoopContext, WorkerInfo
+from paraspec.runtime.workers import BACKENDS, Handle, ProcessWorker, ThreadWorker, Worker
 
-__all__ = ["ChannelFull", "ChannelState", "ChannelStopped", "CommitResult", "Device", "DeviceError",
+__all__ = ["BACKENDS", "ChannelFull", "ChannelState", "ChannelStopped", "CommitResult", "Device", "DeviceError",
            "DraftSnapshot", "Handle", "LoopContext", "ProcessWorker", "RemoteError", "Runtime", "StaleVersion",
-           "StopSignal", "ThreadWorker", "TokenChannel", "TraceRecorder", "Worker", "WorkerClosed", "WorkerDied",
-           "WorkerError", "WorkerInfo", "parse_device", "parse_devices"]
+           "StopSignal", "ThreadWorker", "TokenChannel", "Worker", "WorkerClosed", "WorkerDied", "WorkerError",
+           "WorkerInfo", "parse_device", "parse_devices"]

@@ -6,6 +6,7 @@ boundary (Engine arguments, CLI flags), before any process starts, so a typo nev
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -104,12 +105,36 @@ def parse_devices(texts) -> list[Device]:
     return devices
 
 
+def current_pinning() -> tuple[set[int] | None, int]:
+    """This process's core affinity (None where the OS has none) and torch's intra-op thread count."""
+    import torch
+    return (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None), torch.get_num_threads()
+
+
+def set_pinning(cores, threads: int) -> None:
+    """Pin this process to `cores` (None: leave the affinity alone) with `threads` torch threads; the one
+    place that sets both, so restoring is the same call with what current_pinning() returned."""
+    import torch
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
 def apply_device(device: Device) -> None:
     """Pin this process to the device: core affinity and thread count for CPU, the current GPU for CUDA."""
-    import torch
     if device.kind == "cpu":
-        if device.cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, device.cores)
-        torch.set_num_threads(device.num_threads)
+        set_pinning(device.cores, device.num_threads)
     else:
+        import torch
         torch.cuda.set_device(device.index)
+
+
+@contextmanager
+def pinned(device: Device):
+    """Run a block on `device` (cores and threads), then give the process its previous cores and threads."""
+    before = current_pinning()
+    apply_device(device)
+    try:
+        yield
+    finally:
+        set_pinning(*before)

@@ -2,12 +2,12 @@
 `Engine(..., runtime="ray")`; install `paraspec[ray]` and call `ray.init()` first).
 
 Only where the worker runs changes. The actor connects back to the caller over TCP and runs the very request
-loop the process backend runs (`workers._serve`), so requests, loops, traces, errors and the token protocol are
+loop the process backend runs (`serve.serve`), so requests, loops, traces, errors and the token protocol are
 unchanged: loops still exchange tokens through the Runtime's shared-memory TokenChannels, attached by name.
 
     caller (driver)                             actor (a Ray worker process)
     RayWorker._start: listen on 127.0.0.1  -->  _WorkerActor.serve: connect, pin to the device, build the model,
-    Wire over the accepted socket         <-->  answer requests (workers._serve) until shutdown or EOF
+    Wire over the accepted socket         <-->  answer requests (serve.serve) until shutdown or EOF
     death: the actor's pidfd (the process       a killed actor closes its socket too, so a waiter also sees EOF
     sentinel of the other backends)
 
@@ -27,7 +27,9 @@ import socket
 import time
 
 from paraspec.runtime.wire import Wire
-from paraspec.runtime.workers import Worker, WorkerError, _remaining, _serve
+from paraspec.runtime.errors import WorkerError
+from paraspec.runtime.serve import serve
+from paraspec.runtime.workers import Worker, remaining
 
 try:
     import ray
@@ -50,7 +52,7 @@ class _WorkerActor:
     def serve(self, address: tuple[str, int], name: str, device: str, spec: bytes) -> None:
         from paraspec.runtime.devices import parse_device
         sock = socket.create_connection(address)
-        _serve(sock, name, parse_device(device), spec, in_process=False)
+        serve(sock, name, parse_device(device), spec, in_process=False)
 
 
 class RayWorker(Worker):
@@ -101,7 +103,7 @@ class RayWorker(Worker):
 
     def _stop_worker(self, deadline: float) -> None:
         try:
-            ray.wait([self._serving], timeout=_remaining(deadline))
+            ray.wait([self._serving], timeout=remaining(deadline))
         except Exception:
             pass
         try:

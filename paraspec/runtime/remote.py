@@ -33,6 +33,9 @@ class RemoteModel:
     def rollback(self, length: int) -> None:
         self.worker.call("rollback", length)
 
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        self.worker.call("keep_path", prefix_len, list(slots))
+
     def submit_prefill(self, token_ids) -> Handle:
         return self.worker.submit("prefill", token_ids)
 

@@ -1,13 +1,14 @@
-"""The registry of decoding strategies: name -> decode loop, whether it needs a draft, which options it takes.
+"""The registry of decoding strategies (name -> Strategy class) and of their options (name -> Option).
 
-A strategy that is not implemented is absent here, and therefore absent from the CLI choices.
+Each strategy module registers its class with `register`; this package imports the modules once, below. A
+strategy that is not implemented is absent here, and therefore absent from the CLI choices.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from paraspec.strategies import amusd, ar, dsi, easyspec, sd, tree
+from paraspec.strategies.base import Strategy
 
 
 @dataclass(frozen=True)
@@ -49,42 +50,27 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 )}
 
 
-@dataclass(frozen=True)
-class StrategySpec:
-    name: str
-    decode: Callable
-    needs_draft: bool
-    options: tuple[str, ...] = ()     # names in OPTIONS passed to decode as keyword arguments
-    summary: str = ""
-    workers: bool = False             # runs its models in worker processes: decode(run, runtime, channel, ...)
-    spreads_draft: bool = False       # in-process, but spreads the draft over draft_devices (easyspec)
-    target_servers: bool = False      # workers only: one target worker per target device, target0..N-1
-    several_drafts: bool = False      # workers only: takes a list of drafts (workers draft, draft1, ...)
-    backends: tuple[str, ...] = ("native", "hf", "llamacpp")   # model backends its forwards can run on
+STRATEGIES: dict[str, type[Strategy]] = {}
 
 
-STRATEGIES: dict[str, StrategySpec] = {
-    "ar": StrategySpec("ar", ar.decode, needs_draft=False, summary="autoregressive decoding of the target"),
-    "sd": StrategySpec("sd", sd.decode, needs_draft=True, options=("lookahead", "draft_confidence"),
-                       summary="synchronous speculative decoding (draft k, verify in one forward)"),
-    "amusd": StrategySpec("amusd", amusd.decode, needs_draft=True, options=("max_ahead", "verify_chunk"),
-                          summary="draft and verify at the same time on separate devices (AMUSD)", workers=True),
-    "dsi": StrategySpec("dsi", dsi.decode, needs_draft=True, options=("lookahead", "max_ahead"),
-                        summary="drafters drafting, N target servers verifying chunks in parallel (DSI)",
-                        workers=True, target_servers=True, several_drafts=True),
-    "tree": StrategySpec("tree", tree.decode, needs_draft=True, options=("tree_width", "tree_depth", "tree_budget"),
-                         summary="token-tree speculative decoding, one tree-masked target forward (SpecInfer)",
-                         backends=("native",)),
-    "easyspec": StrategySpec("easyspec", easyspec.decode, needs_draft=True,
-                             options=("tree_width", "tree_depth", "tree_budget", "lp_size", "layer_groups",
-                                      "calibration"),
-                             summary="layer-parallel fuzzy drafting with bonus calibration (EasySpec)",
-                             spreads_draft=True, backends=("native",)),
-}
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Add a Strategy class under its `name` (a class decorator). Its options must be in OPTIONS."""
+    unknown = [o for o in cls.options if o not in OPTIONS]
+    if unknown:
+        raise ValueError(f"strategy {cls.name!r} takes unknown options {unknown}; add them to OPTIONS")
+    STRATEGIES[cls.name] = cls
+    return cls
 
 
-def get_strategy(name: str) -> StrategySpec:
+def unregister(name: str) -> None:
+    STRATEGIES.pop(name, None)
+
+
+def get_strategy(name: str) -> type[Strategy]:
     try:
         return STRATEGIES[name]
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
+
+
+from paraspec.strategies import ar, sd, amusd, dsi, tree, easyspec  # noqa: E402,F401  (each registers itself)

@@ -23,20 +23,29 @@ import torch
 
 from paraspec.runtime.channels import ChannelFull, ChannelStopped
 from paraspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from paraspec.strategies.ar import next_token
-from paraspec.strategies.base import Run
+from paraspec.strategies import register
+from paraspec.strategies.base import Placement, Run, WorkerStrategy, common_prefix
 from paraspec.trace import Trace
-from paraspec.verify import verify_chain, verify_token
+from paraspec.verify import judge_in_hand, verify_chain
 
 CHANNEL = "tokens"
 
 
-def common_prefix(a: list[int], b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+@register
+class AMUSD(WorkerStrategy):
+    name = "amusd"
+    summary = "draft and verify at the same time on separate devices (AMUSD)"
+    options = ("max_ahead", "verify_chunk")
+
+    def setup(self, placement: Placement) -> None:
+        self.start_workers(placement, [("target", placement.target, placement.target_devices[0]),
+                                       ("draft", placement.drafts[0], placement.draft_devices[0])])
+        self.target, self.drafts = self.remote("target"), [self.remote("draft")]
+        self.channel = self.runtime.channel(CHANNEL, capacity=min(self.target.max_context, self.drafts[0].max_context),
+                                            vocab_size=self.target.vocab_size, q_window=64)
+
+    def decode(self, run: Run):
+        return decode(run, self.runtime, self.channel, self.options["max_ahead"], self.options["verify_chunk"])
 
 
 def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: int, seed: int | None,
@@ -103,9 +112,9 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
                 channel.wait_for_version_change(version)
     except ChannelStopped:
         pass
-    # fed == cached + discarded shows no token was fed twice without a rollback in between
+    # "cached" is this loop's record of the cache; tests check it against the channel's sequence and the cache
     return {"drafted": drafted, "published": published, "rollbacks": rollbacks, "fed": fed,
-            "discarded": discarded, "cache_length": draft.length, "cached": len(cached),
+            "discarded": discarded, "cache_length": draft.length, "cached": list(cached),
             "trace": trace.to_dict()}
 
 
@@ -134,18 +143,17 @@ def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop
                 # a full acceptance (or the prefill) left p for `position` in hand: judge the draft's token
                 # there at once, or take the target's own token if the draft has not got that far
                 snap = channel.snapshot(position, position + 1)
-                if len(snap.tokens):
-                    token = int(snap.tokens[0])
-                    q = torch.from_numpy(channel.read_q(position, position + 1, version=snap.version)[0]) \
-                        if sampling else None
-                    replacement = verify_token(token, q, next_logits, params, run.generator)
-                    run.drafted += 1
-                    run.accepted += replacement is None
-                    judged_at_once += 1
-                    commit([token if replacement is None else replacement])
-                else:
+                draft = int(snap.tokens[0]) if len(snap.tokens) else None
+                q = torch.from_numpy(channel.read_q(position, position + 1, version=snap.version)[0]) \
+                    if sampling and draft is not None else None
+                token, verdict = judge_in_hand(draft, q, next_logits, params, run.generator)
+                if verdict is None:
                     bonus += 1
-                    commit([next_token(next_logits, run)])
+                else:
+                    run.drafted += 1
+                    run.accepted += verdict
+                    judged_at_once += 1
+                commit([token])
                 next_logits = None
                 continue
 

@@ -1,18 +1,29 @@
-"""What every strategy shares: the request in flight (`Run`) and the rules for committing tokens.
+"""What every strategy shares: the Strategy interface the Engine calls, what setup() gets (`Placement`), the
+request in flight (`Run`) and the rules for committing tokens.
 
-A strategy is a generator function `decode(run, target, draft, **options)` that yields each batch of newly
-committed token ids; the Engine turns those into streamed text and, at the end, into stats. Committing goes
-through `Run.commit`, which is the one place that enforces stop tokens and `max_new_tokens`, so no strategy
-can overshoot.
+    Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
+    Strategy.decode(run)       a generator yielding each batch of newly committed token ids
+    Strategy.close()           stop its workers, unlink its segments, undo its pinning (idempotent)
+
+The Engine turns the batches into streamed text and, at the end, into stats. Committing goes through
+`Run.commit`, the one place that enforces stop tokens and `max_new_tokens`, so no strategy can overshoot.
+A new strategy subclasses LocalStrategy (models in the caller's process) or Strategy, and registers itself with
+`paraspec.strategies.register`; nothing else changes.
 """
 from __future__ import annotations
 
+import abc
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any, ClassVar, Iterator
 
+import numpy as np
 import torch
+
+from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
 
 from paraspec.sampling import SamplingParams
 from paraspec.trace import Trace
@@ -103,3 +114,123 @@ class Run:
 
 def wall_clock() -> float:
     return time.perf_counter()
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or arrays)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+# -- the Strategy interface -------------------------------------------------------------------------------------
+
+@dataclass
+class Placement:
+    """What the Engine resolved before setup(): the checkpoints, the devices, how to load."""
+    target: Any                        # a checkpoint folder, or a SimulatedSpec (models/simulated.py)
+    drafts: list                       # the same, one per draft model (empty when the strategy needs none)
+    target_devices: list[Device]
+    draft_devices: list[Device]
+    load: dict                         # load_model's keyword arguments: dtype, backend, max_context
+    runtime: str                       # the worker backend (runtime/workers.BACKENDS)
+
+    @staticmethod
+    def loader(spec):
+        """load_model for checkpoints; a simulated model builds from its spec (the same signature)."""
+        from paraspec.models.simulated import SimulatedSpec, load_simulated
+        if isinstance(spec, SimulatedSpec):
+            return load_simulated
+        from paraspec.models.loader import load_model
+        return load_model
+
+    def load_here(self, spec, device: Device):
+        return self.loader(spec)(spec, device=device.torch_device, **self.load)
+
+    def worker_args(self, spec, device: Device) -> dict:
+        """The factory arguments of a worker building `spec` on `device`."""
+        from paraspec.models.simulated import SimulatedSpec
+        return dict(spec=spec if isinstance(spec, SimulatedSpec) else str(spec), device=device.torch_device,
+                    **self.load)
+
+
+class Strategy(abc.ABC):
+    """One decoding strategy: owns its models, workers, channels and drafters from setup() to close()."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    needs_draft: ClassVar[bool] = True
+    several_drafts: ClassVar[bool] = False            # takes a list of drafts
+    options: ClassVar[tuple[str, ...]] = ()           # names in strategies.OPTIONS
+    runtimes: ClassVar[tuple[str, ...]] = ("process", "inprocess")   # the runtime= values it honours
+    backends: ClassVar[tuple[str, ...]] = ("native", "hf", "llamacpp")   # model backends its forwards run on
+    in_workers: ClassVar[bool] = False                # its models run in pinned workers: the caller's thread
+                                                      # count does not apply (the bench's @Nt)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Checks across options, devices and backend (EngineConfig calls it); raise ValueError naming the fix."""
+
+    def __init__(self, options: dict):
+        self.options = options         # the strategy's options, read at each decode()
+        self.target = None             # Model protocol (a RemoteModel when it runs in a worker)
+        self.drafts: list = []
+        self.runtime = None            # the Runtime of its workers, if it has any
+
+    @abc.abstractmethod
+    def setup(self, placement: Placement) -> None:
+        """Load the models (set target and drafts) and start whatever workers and channels it needs."""
+
+    @abc.abstractmethod
+    def decode(self, run: "Run") -> Iterator[list[int]]:
+        """Decode one request; yield each batch of committed tokens (Run.commit's return value)."""
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+        self.target, self.drafts = None, []
+
+
+class LocalStrategy(Strategy):
+    """Models loaded in the caller's process, which is pinned to the union of the requested cores until close()
+    (when every device is a CPU core set)."""
+
+    runtimes = ("process", "inprocess")    # it starts no workers: there is nothing for Ray to place
+    _pinning = None
+
+    def setup(self, placement: Placement) -> None:
+        devices = placement.target_devices + (placement.draft_devices if placement.drafts else [])
+        cores = sorted({c for d in devices if d.kind == "cpu" for c in d.cores})
+        if cores and all(d.kind == "cpu" and d.cores for d in devices) and hasattr(os, "sched_getaffinity"):
+            self._pinning = current_pinning()
+            apply_device(Device("cpu", cores=tuple(cores)))
+        self.target = placement.load_here(placement.target, placement.target_devices[0])
+        self.drafts = [placement.load_here(d, placement.draft_devices[0]) for d in placement.drafts]
+
+    def close(self) -> None:
+        super().close()
+        if self._pinning is not None:
+            set_pinning(*self._pinning)
+            self._pinning = None
+
+
+class WorkerStrategy(Strategy):
+    """Models in workers (one per device group), started on `placement.runtime`."""
+
+    runtimes = ("process", "inprocess", "ray")
+    in_workers = True
+
+    def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]]) -> None:
+        """Start one worker per (name, checkpoint, device) and wait until every model is built."""
+        from paraspec.runtime import RemoteError, Runtime
+        self.runtime = Runtime(backend=placement.runtime)
+        for name, spec, device in workers:
+            self.runtime.add_worker(name, device, placement.loader(spec), placement.worker_args(spec, device))
+        try:
+            self.runtime.wait_ready()
+        except RemoteError as e:          # a bad checkpoint found while loading: raise its own clear error
+            raise (e.original if isinstance(e.original, ValueError) else e) from None
+
+    def remote(self, name: str):
+        from paraspec.runtime.remote import RemoteModel
+        return RemoteModel(self.runtime[name])

@@ -51,36 +51,53 @@ import numpy as np
 import torch
 
 from paraspec.runtime.channels import ChannelStopped
-from paraspec.strategies import amusd
-from paraspec.strategies.ar import next_token
-from paraspec.strategies.base import Run
+from paraspec.strategies import amusd, register
+from paraspec.strategies.base import Placement, Run, WorkerStrategy, common_prefix
 from paraspec.trace import Trace, TraceEvent
-from paraspec.verify import verify_chain, verify_token
+from paraspec.verify import greedy_match, judge_in_hand, verify_chain
 
 CHANNEL = amusd.CHANNEL
 
 
-def target_server_names(runtime) -> list[str]:
-    """The DSI target servers of a runtime, in index order (target0, target1, ...)."""
-    names = [n for n in runtime.workers if n.startswith("target") and n[6:].isdigit()]
-    return sorted(names, key=lambda n: int(n[6:]))
+@register
+class DSI(WorkerStrategy):
+    name = "dsi"
+    summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
+    options = ("lookahead", "max_ahead")
+    several_drafts = True
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        o = config.strategy_options
+        if o["max_ahead"] < o["lookahead"]:
+            raise ValueError(f"dsi: max_ahead ({o['max_ahead']}) < lookahead ({o['lookahead']}) would never fill a "
+                             f"chunk; pass max_ahead >= lookahead (servers x lookahead keeps every server busy)")
+
+    def setup(self, placement: Placement) -> None:
+        """One target server per target device (group), target0..N-1; drafters draft, draft1, ..., each on its
+        own draft device or all on one, each with its own channel (tokens, tokens1, ...)."""
+        devices = placement.draft_devices
+        self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
+        self.drafter_names = [drafter_name(i) for i in range(len(placement.drafts))]
+        self.start_workers(placement, [(name, placement.target, d)
+                                       for name, d in zip(self.server_names, placement.target_devices)] +
+                           [(name, spec, devices[min(i, len(devices) - 1)])
+                            for i, (name, spec) in enumerate(zip(self.drafter_names, placement.drafts))])
+        self.target = self.remote(self.server_names[0])
+        self.drafts = [self.remote(name) for name in self.drafter_names]
+        capacity = min(m.max_context for m in [self.target, *self.drafts])
+        self.channel_names = [CHANNEL if i == 0 else f"{CHANNEL}{i}" for i in range(len(self.drafts))]
+        for name in self.channel_names:
+            self.runtime.channel(name, capacity=capacity, vocab_size=self.target.vocab_size, q_window=64)
+
+    def decode(self, run: Run):
+        return decode(run, self.runtime, self.server_names, self.drafter_names, self.channel_names,
+                      self.options["lookahead"], self.options["max_ahead"])
 
 
 def drafter_name(i: int) -> str:
-    """Worker name of drafter i: "draft" (the one every worker strategy has), then draft1, draft2, ..."""
+    """Worker name of drafter i (and its key in worker_reports): "draft", then draft1, draft2, ..."""
     return "draft" if i == 0 else f"draft{i}"
-
-
-def channel_name(i: int) -> str:
-    """Channel of drafter i: "tokens", then tokens1, tokens2, ..."""
-    return CHANNEL if i == 0 else f"{CHANNEL}{i}"
-
-
-def drafter_count(runtime) -> int:
-    n = 0
-    while drafter_name(n) in runtime.workers:
-        n += 1
-    return n
 
 
 def first_agreeing(drafts: list[np.ndarray | None], speculated: np.ndarray, end: int) -> int | None:
@@ -143,12 +160,6 @@ class _Row:
     logits: torch.Tensor | None    # sampling only
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
 def _notify_when_done(handle, server: int, events: queue.SimpleQueue) -> None:
     handle.exception()             # blocks until the reply (or the worker's death) arrives; never raises
     events.put(("done", server, handle))
@@ -167,9 +178,9 @@ def _watch_channel(channel, events: queue.SimpleQueue) -> None:
 
 
 class _MainThread:
-    def __init__(self, run: Run, runtime, channels: list, lookahead: int):
+    def __init__(self, run: Run, runtime, server_names: list[str], channels: list, lookahead: int):
         self.run, self.runtime, self.lookahead = run, runtime, lookahead
-        self.servers = [_Server(runtime[name]) for name in target_server_names(runtime)]
+        self.servers = [_Server(runtime[name]) for name in server_names]
         self.drafters = [_Drafter(channel, channel.reset(run.prompt_ids)) for channel in channels]
         self.sampling = not run.params.greedy
         self.events: queue.SimpleQueue = queue.SimpleQueue()
@@ -185,7 +196,7 @@ class _MainThread:
     def send(self, i: int, start: int, end: int, sequence: np.ndarray):
         """Have server i verify positions [start, end) of `sequence` (drafts; none for a prefill)."""
         server = self.servers[i]
-        keep = min(_common_prefix(server.cached, sequence[:end]), start - 1)
+        keep = min(common_prefix(server.cached, sequence[:end]), start - 1)
         handle = server.worker.start_loop(
             serve_chunk, trace=Trace(t0=self.run.trace.t0), keep=keep,
             tokens=[int(t) for t in sequence[keep:end]], rows=end - start + 1, greedy=not self.sampling,
@@ -264,7 +275,7 @@ class _MainThread:
             q = torch.from_numpy(drafter.channel.read_q(start, start + size, version=drafter.version)) \
                 if self.sampling and size else None
             # the free server whose cache already holds most of the sequence has the least to catch up on
-            i = max(free, key=lambda j: _common_prefix(self.servers[j].cached, sequence))
+            i = max(free, key=lambda j: common_prefix(self.servers[j].cached, sequence))
             handle = self.send(i, start, start + size, sequence)
             self.chunks.append(_Chunk(start, [int(t) for t in sequence[start:]], q, i, handle, drafter=drafter))
             self.chunks_sent += 1
@@ -288,11 +299,7 @@ class _MainThread:
             accepted, correction = verify_chain(drafts, chunk.q[skip:], logits, run.params, run.generator) \
                 if drafts else (0, None)
         else:
-            target = reply["argmax"][skip:]
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-                accepted += 1
-            correction = target[accepted]
+            accepted, correction = greedy_match(drafts, reply["argmax"][skip:])
         if not chunk.prefill:
             run.rounds += 1
             run.verified_tokens += accepted + 1
@@ -310,20 +317,18 @@ class _MainThread:
         """p for the next position is in hand: judge the draft there at once, or take the target's token."""
         run, row = self.run, self.next_row
         self.next_row = None
-        token, q, drafter = self.draft_at(len(run.sequence))
-        if token is not None:
-            if self.sampling:
-                replacement = verify_token(token, q, row.logits, run.params, run.generator)
-            else:
-                replacement = None if row.argmax == token else row.argmax
+        draft, q, drafter = self.draft_at(len(run.sequence))
+        token, verdict = judge_in_hand(draft, q, row.logits if self.sampling else row.argmax, run.params,
+                                       run.generator)
+        if verdict is None:
+            self.bonus += 1
+        else:
             run.drafted += 1
-            run.accepted += replacement is None
-            run.rollbacks += replacement is not None
+            run.accepted += verdict
+            run.rollbacks += not verdict
             self.judged_at_once += 1
             drafter.judged_at_once += 1
-            return self.commit([token if replacement is None else replacement])
-        self.bonus += 1
-        return self.commit([row.argmax if not self.sampling else next_token(row.logits, run)])
+        return self.commit([token])
 
     def draft_at(self, position: int) -> tuple[int | None, torch.Tensor | None, _Drafter | None]:
         """The draft to judge at `position` with its q: the head chunk's, if a chunk in flight starts there,
@@ -375,24 +380,19 @@ class _MainThread:
                 "judged_at_once_by_drafter": [d.judged_at_once for d in self.drafters]}
 
 
-def decode(run: Run, runtime, channel, lookahead: int = 5, max_ahead: int = 16):
+def decode(run: Run, runtime, server_names: list[str], drafter_names: list[str], channel_names: list[str],
+           lookahead: int, max_ahead: int):
     """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
-    `channel` is drafter 0's; the others' are found in the runtime by name (channel_name)."""
-    if max_ahead < lookahead:
-        raise ValueError(f"dsi: max_ahead ({max_ahead}) < lookahead ({lookahead}) would never fill a chunk; "
-                         f"pass max_ahead >= lookahead (servers x lookahead keeps every server busy)")
-    if not target_server_names(runtime):
-        raise ValueError("dsi needs target servers named target0..N-1 in the runtime (the Engine starts one "
-                         "per entry of target_devices)")
-    channels = [channel] + [runtime.channels[channel_name(i)] for i in range(1, drafter_count(runtime))]
-    main = _MainThread(run, runtime, channels, lookahead)
+    Drafter drafter_names[i] drafts into the channel channel_names[i]."""
+    channels = [runtime.channels[name] for name in channel_names]
+    main = _MainThread(run, runtime, server_names, channels, lookahead)
     vocab_size = main.servers[0].worker.info.vocab_size
     drafting = []
     for i in range(len(channels)):
         seed = run.params.seed if run.params.seed is None or i == 0 else run.params.seed + 7919 * i
-        drafting.append(runtime[drafter_name(i)].start_loop(
+        drafting.append(runtime[drafter_names[i]].start_loop(
             amusd.draft_loop, params=run.params, max_ahead=max_ahead, vocab_size=vocab_size, seed=seed,
-            t0=run.trace.t0, channel_name=channel_name(i), label=drafter_name(i)))
+            t0=run.trace.t0, channel_name=channel_names[i], label=drafter_names[i]))
     finished = False
     try:
         main.start()
@@ -411,7 +411,7 @@ def decode(run: Run, runtime, channel, lookahead: int = 5, max_ahead: int = 16):
     run.verify_s = sum(e.end_s - e.start_s for e in server_events if e.kind == "verify")
     run.trace.events = sorted(run.trace.events + [e for t in draft_traces for e in t.events] + server_events,
                               key=lambda e: e.start_s)
-    run.worker_reports = {drafter_name(i): r for i, r in enumerate(draft_reports)} | {"dsi": main.report()}
+    run.worker_reports = dict(zip(drafter_names, draft_reports)) | {"dsi": main.report()}
 
 
 def _raise_worker_failure(main: _MainThread) -> None:

@@ -15,50 +15,77 @@ With calibration off (the ablation), the accepted tokens keep their fuzzy KV ent
 goes through a fuzzy forward as well.
 
 Devices: rank 0 runs in the caller's process with the Engine's draft (and the target, which verifies
-with every core of the caller while the draft ranks wait); each further draft device gets a worker process
-holding a replica of the draft. Ranks exchange attention outputs through a shared-memory all-gather
+with every core of the caller while the draft ranks wait); each further draft device gets a worker (on the
+Engine's runtime: a process by default) holding a replica of the draft. Ranks exchange attention outputs through a shared-memory all-gather
 (ShmExchange: one segment, a sequence word per rank, futex waits), which beat gloo here
 (benchmarks/easyspec_exchange.py).
 """
 from __future__ import annotations
 
 import os
-import time
 import weakref
+from contextlib import nullcontext
 
-import numpy as np
 import torch
 
+from paraspec.drafters import ModelDrafter
+from paraspec.models.loader import load_model     # bound at import: a replica never shares a bench's cached model
 from paraspec.models.fuzzy import exact_forward, fuzzy_forward, lp_groups, parse_layer_groups
-from paraspec.strategies.base import Run
-from paraspec.strategies.tree import ExactDrafter, check_native, keep_path, tree_rounds
+from paraspec.runtime.devices import pinned
+from paraspec.runtime.exchange import ShmExchange
+from paraspec.strategies import register
+from paraspec.strategies.base import Placement
+from paraspec.strategies.tree import TreeStrategy
 
 
-def decode(run: Run, target, draft, tree_width: int = 4, tree_depth: int = 5, tree_budget: int = 64,
-           lp_size: int = 2, layer_groups: str = "", calibration: bool = True, draft_devices=None,
-           draft_checkpoint=None):
-    """draft_devices (more than one) and draft_checkpoint (the draft's folder, for the replicas) spread the
-    attention layers of each group over devices; without them every group runs in this process."""
-    check_native(target, draft)
-    n_layers = draft.cfg.num_layers
-    groups = parse_layer_groups(layer_groups, n_layers) if layer_groups else lp_groups(lp_size, n_layers)
-    if draft_devices is not None and len(draft_devices) > 1:
-        drafter = DeviceGroupDrafter.for_model(draft, groups, draft_devices, draft_checkpoint)
-    else:
-        drafter = Drafter(draft, groups)
-    drafter.calibration = calibration
-    yield from tree_rounds(run, target, drafter, tree_width, tree_depth, tree_budget)
+@register
+class EasySpec(TreeStrategy):
+    name = "easyspec"
+    summary = "layer-parallel fuzzy drafting with bonus calibration (EasySpec)"
+    options = TreeStrategy.options + ("lp_size", "layer_groups", "calibration")
+    runtimes = ("process", "inprocess", "ray")        # where the draft ranks 1.. run
+    device_group = None            # DeviceGroupDrafter: started on first use, kept across requests
+
+    def setup(self, placement: Placement) -> None:
+        super().setup(placement)
+        self.draft_devices, self.runtime_backend = placement.draft_devices, placement.runtime
+        self.draft_checkpoint = placement.drafts[0]
+
+    def drafter(self) -> "FuzzyDrafter":
+        """One draft device: every group in this process. Several: the attention layers of each group spread
+        over them, one rank per device (the ranks' workers are reused while the groups stay the same)."""
+        o, draft = self.options, self.drafts[0]
+        n_layers = draft.cfg.num_layers
+        groups = (parse_layer_groups(o["layer_groups"], n_layers) if o["layer_groups"]
+                  else lp_groups(o["lp_size"], n_layers))
+        if len(self.draft_devices) < 2:
+            return FuzzyDrafter(draft, groups, self.target.vocab_size, o["calibration"])
+        if self.device_group is None or self.device_group.groups != groups:
+            self.close_device_group()
+            self.device_group = DeviceGroupDrafter(draft, groups, self.draft_devices, self.draft_checkpoint,
+                                                   self.target.vocab_size, self.runtime_backend)
+        self.device_group.calibration = o["calibration"]
+        return self.device_group
+
+    def close_device_group(self) -> None:
+        if self.device_group is not None:
+            self.device_group.close()
+            self.device_group = None
+
+    def close(self) -> None:
+        self.close_device_group()
+        super().close()
 
 
-class Drafter(ExactDrafter):
+class FuzzyDrafter(ModelDrafter):
     """The draft on one device: exact and fuzzy forwards over its own cache.
 
     root(): the bonus calibration (or, with calibration off, only the first prompt) runs exactly, layer by
     layer; every tree level runs fuzzily; settle() drops every fuzzy entry past the exact prefix (calibration)
     or keeps the accepted path's fuzzy entries (calibration off)."""
 
-    def __init__(self, model, groups: list[list[int]], calibration: bool = True):
-        super().__init__(model)
+    def __init__(self, model, groups: list[list[int]], vocab_size: int | None = None, calibration: bool = True):
+        super().__init__(model, model.vocab_size if vocab_size is None else vocab_size)
         self.groups, self.calibration = groups, calibration
 
     def forward(self, token_ids, positions=None, mask=None, exact: bool = False, head: bool = True):
@@ -81,80 +108,11 @@ class Drafter(ExactDrafter):
 
 # -- several devices ------------------------------------------------------------------------------------------
 
-class ShmExchange:
-    """All-gather among `world` processes through one shared-memory segment.
-
-    Layout: per rank a 64-byte header (its uint32 step word) and two payload buffers, used by step parity. A
-    rank waits for every other rank to publish step s before it can publish s + 1, so a buffer is never
-    overwritten while someone may still read it (a rank is at most one step ahead). Waiting sleeps on the step word (futex), checking
-    `alive()` every half second so a dead peer raises instead of hanging.
-    """
-
-    HEADER = 64
-
-    def __init__(self, segment, rank: int, world: int, max_bytes: int, alive=None):
-        self.segment, self.rank, self.world, self.max_bytes = segment, rank, world, max_bytes
-        self.alive = alive or (lambda: True)
-        self.stride = self.HEADER + 2 * max_bytes
-        self.steps = [np.ndarray((1,), np.uint32, buffer=segment.buf, offset=r * self.stride) for r in range(world)]
-        self.addresses = [s.__array_interface__["data"][0] for s in self.steps]
-        self.step = int(self.steps[rank][0])
-
-    @classmethod
-    def create(cls, world: int, max_bytes: int) -> "ShmExchange":
-        from paraspec.runtime.shm import Segment
-        segment = Segment.create("easyspec", world * (cls.HEADER + 2 * max_bytes))
-        np.ndarray((segment.size,), np.uint8, buffer=segment.buf)[:] = 0
-        return cls(segment, 0, world, max_bytes)
-
-    @classmethod
-    def attach(cls, name: str, rank: int, world: int, max_bytes: int, alive=None) -> "ShmExchange":
-        from paraspec.runtime.shm import Segment
-        return cls(Segment.attach(name), rank, world, max_bytes, alive)
-
-    def _payload(self, rank: int, step: int, nbytes: int) -> np.ndarray:
-        offset = rank * self.stride + self.HEADER + (step % 2) * self.max_bytes
-        return np.ndarray((nbytes,), np.uint8, buffer=self.segment.buf, offset=offset)
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        from paraspec.runtime.shm import futex_wait, futex_wake_all
-        data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
-        if data.nbytes > self.max_bytes:
-            raise ValueError(f"all_gather of {data.nbytes} bytes exceeds the exchange's {self.max_bytes}")
-        step = self.step + 1
-        self._payload(self.rank, step, data.nbytes)[:] = data
-        self.steps[self.rank][0] = step & 0xFFFFFFFF
-        futex_wake_all(self.addresses[self.rank])
-        out = []
-        for r in range(self.world):
-            if r == self.rank:
-                out.append(tensor)
-                continue
-            last_check = time.monotonic()
-            # rank r is at step - 1 (not published yet) or at step (or already at step + 1, its next
-            # all-gather: it read ours, and writes step + 1 into the other parity buffer)
-            while (seen := int(self.steps[r][0])) == (step - 1) & 0xFFFFFFFF:
-                futex_wait(self.addresses[r], seen, 0.5)
-                if time.monotonic() - last_check > 0.5:
-                    last_check = time.monotonic()
-                    if not self.alive():
-                        raise RuntimeError(f"easyspec: draft rank {r} stopped during an all-gather")
-            raw = torch.from_numpy(self._payload(r, step, data.nbytes).copy())
-            out.append(raw.view(tensor.dtype).reshape(tensor.shape))
-        self.step = step
-        return out
-
-    def close(self) -> None:
-        self.steps = self.addresses = None
-        self.segment.close()
-
-
 class DraftRank:
     """What a draft worker process holds: a replica of the draft and its end of the exchange."""
 
     def __init__(self, spec: str, dtype: str, max_context: int, groups: list[list[int]], segment: str,
                  rank: int, world: int, max_bytes: int):
-        from paraspec.models.loader import load_model
         self.model = load_model(spec, dtype=dtype, max_context=max_context)
         parent = os.getppid()
         self.exchange = ShmExchange.attach(segment, rank, world, max_bytes, alive=lambda: os.getppid() == parent)
@@ -173,14 +131,14 @@ class DraftRank:
         self.model.rollback(length)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
-        keep_path(self.model, prefix_len, slots)
+        self.model.keep_path(prefix_len, slots)
 
-    def cache_state(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def cache_entries(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` KV entries (tests compare replicas)."""
-        return self.model.cache.k[:, :, :length].clone(), self.model.cache.v[:, :, :length].clone()
+        return self.model.cache_entries(length)
 
 
-class DeviceGroupDrafter(Drafter):
+class DeviceGroupDrafter(FuzzyDrafter):
     """Rank 0 in this process, ranks 1.. in worker processes; every cache operation runs on every rank.
 
     Each rank computes the attention of its share of each group's layers (group[rank::world]); the calibration
@@ -189,10 +147,10 @@ class DeviceGroupDrafter(Drafter):
     threads and cores back.
     """
 
-    def __init__(self, model, groups, devices, checkpoint):
+    def __init__(self, model, groups, devices, checkpoint, vocab_size: int | None = None, runtime: str = "process"):
         from paraspec.runtime import Runtime
         from paraspec.runtime.devices import parse_devices
-        super().__init__(model, groups)
+        super().__init__(model, groups, vocab_size)
         self.devices = parse_devices(devices)
         if checkpoint is None:
             raise ValueError("easyspec across several draft devices needs the draft's checkpoint "
@@ -202,8 +160,8 @@ class DeviceGroupDrafter(Drafter):
         self.max_bytes = per_rank * model.max_context * model.cfg.hidden_size * model.dtype.itemsize
         # a tree level or a calibration is much shorter than the context; cap the segment at 64 MiB
         self.max_bytes = min(self.max_bytes, 64 << 20)
-        self.exchange = ShmExchange.create(world, self.max_bytes)
-        self.runtime = Runtime(backend="process")
+        self.exchange = ShmExchange.create(world, self.max_bytes, tag="easyspec")
+        self.runtime = Runtime(backend=runtime)
         dtype = str(model.dtype).removeprefix("torch.")
         try:
             for rank, device in enumerate(self.devices[1:], start=1):
@@ -218,20 +176,6 @@ class DeviceGroupDrafter(Drafter):
         self._finalizer = weakref.finalize(self, _close_group, self.runtime, self.exchange)
         workers = self.workers            # closures below must not hold `self` (the finalizer holds them)
         self.exchange.alive = lambda: all(w.alive for w in workers)
-        self.key = (tuple(map(tuple, groups)), tuple(str(d) for d in self.devices), str(checkpoint))
-
-    @classmethod
-    def for_model(cls, model, groups, devices, checkpoint) -> "DeviceGroupDrafter":
-        """One group of draft workers per draft model and layout, started on first use, closed with the model."""
-        drafter = getattr(model, "_easyspec_drafter", None)
-        from paraspec.runtime.devices import parse_devices
-        key = (tuple(map(tuple, groups)), tuple(str(d) for d in parse_devices(devices)), str(checkpoint))
-        if drafter is None or drafter.key != key:
-            if drafter is not None:
-                drafter.close()
-            drafter = cls(model, groups, devices, checkpoint)
-            model._easyspec_drafter = drafter
-        return drafter
 
     def _everywhere(self, method: str, *args, **kwargs):
         handles = [w.submit(method, *args, **kwargs) for w in self.workers]
@@ -268,25 +212,12 @@ class DeviceGroupDrafter(Drafter):
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self._everywhere("keep_path", prefix_len, slots)
 
-    def drafting(self):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def one_core():
-            threads = torch.get_num_threads()
-            cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-            first = self.devices[0]
-            try:
-                if first.kind == "cpu":
-                    torch.set_num_threads(first.num_threads)
-                    if first.cores and cores is not None:
-                        os.sched_setaffinity(0, first.cores)
-                yield
-            finally:
-                torch.set_num_threads(threads)
-                if cores is not None:
-                    os.sched_setaffinity(0, cores)
-        return one_core()
+    def propose_tree(self, *args, **kwargs):
+        """While drafting, this process computes rank 0 on the first draft device's cores and threads;
+        verification gets its usual threads and cores back."""
+        first = self.devices[0]
+        with pinned(first) if first.kind == "cpu" else nullcontext():
+            return super().propose_tree(*args, **kwargs)
 
     def close(self) -> None:
         finalizer = getattr(self, "_finalizer", None)

@@ -4,6 +4,7 @@ import pytest
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.metrics import Variant
 from paraspec.bench.runner import BenchConfig, Contender, _run, interleave, parse_variants
+from paraspec.config import EngineConfig
 from paraspec.engine import GenerationResult
 from paraspec.sampling import SamplingParams
 from paraspec.stats import GenerationStats
@@ -21,10 +22,9 @@ def test_parse_variants():
 
 
 def test_worker_strategies_run_once_on_their_devices(monkeypatch):
-    import dataclasses
     from paraspec.bench import runner
-    monkeypatch.setitem(runner.STRATEGIES, "pipelined",
-                        dataclasses.replace(STRATEGIES["sd"], name="pipelined", workers=True))
+    pipelined = type("Pipelined", (STRATEGIES["sd"],), {"name": "pipelined", "in_workers": True})
+    monkeypatch.setitem(runner.STRATEGIES, "pipelined", pipelined)
     assert [v.name for v in parse_variants("ar,pipelined", [1, 2])] == ["ar@1t", "ar@2t", "pipelined"]
     with pytest.raises(ValueError, match="pipelined runs in worker processes .* no @Nt thread count"):
         parse_variants("pipelined@2t")
@@ -76,7 +76,7 @@ def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer)
     variants = [Variant("sd"), Variant("ar"), Variant("hf-ar")]
     calls = []
     contenders = [fake_contender(v, calls, bench_tokenizer) for v in variants]
-    config = BenchConfig("t", "d", variants, SamplingParams(max_new_tokens=8), progress=False)
+    config = BenchConfig(EngineConfig("t", "d"), variants, SamplingParams(max_new_tokens=8), progress=False)
     result = _run(config, prompts, bench_tokenizer, True, contenders, "two-turn", 4096)
 
     expected_ids = [encode_prompt(bench_tokenizer, prompts[0].as_input(True)),
@@ -93,7 +93,7 @@ def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer)
 def test_run_refuses_prompts_that_leave_no_room(bench_tokenizer):
     prompts = [BenchPrompt("long", ({"role": "user", "content": "x" * 100},), text="x" * 100)]
     calls = []
-    config = BenchConfig("t", None, [Variant("ar")], SamplingParams(max_new_tokens=50), progress=False)
+    config = BenchConfig(EngineConfig("t"), [Variant("ar")], SamplingParams(max_new_tokens=50), progress=False)
     with pytest.raises(ValueError, match="needs a context of 150, but the models hold 120"):
         _run(config, prompts, bench_tokenizer, False, [fake_contender(Variant("ar"), calls, bench_tokenizer)],
              "x", 120)

@@ -60,7 +60,7 @@ def test_tree_mask_and_positions(qwen2_target):
     out = model.forward(a + b, positions=[4, 5, 4, 5], tree_mask=mask)
     assert (out[:2] - ref_a[4:]).abs().max() <= 1e-4
     assert (out[2:] - ref_b[4:]).abs().max() <= 1e-4
-    model.cache.keep([0, 1, 2, 3, 6, 7])                       # keep branch b
+    model.keep_path(4, [6, 7])                                 # keep branch b
     assert model.length == 6
     assert (model.forward([40]) - hf_logits(qwen2_target, prefix + b + [40])[-1]).abs().max() <= 1e-4
 

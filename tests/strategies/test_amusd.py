@@ -5,12 +5,11 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from paraspec import Engine, SamplingParams
 from paraspec.runtime import WorkerError
-from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.strategies.test_sd import PROMPT, VOCAB
 from tests.tiny import make_checkpoint
 
 DEVICES = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"])
@@ -44,10 +43,19 @@ def amusd(request, qwen2_target):
         yield engine
 
 
-def check_draft_cache(result, name: str = "draft"):
-    draft = result.worker_reports[name]
-    assert draft["cache_length"] == draft["cached"]                 # the cache holds what was processed
-    assert draft["fed"] == draft["cached"] + draft["discarded"]      # no token fed twice without a rollback
+def check_draft_cache(engine, result, name: str = "draft"):
+    """The draft loop's record of its cache is what the cache holds: the same length, and the same entries -- the
+    cache continues exactly like a fresh prefill of the recorded tokens (a token fed twice without a rollback,
+    or a stale entry left behind, would change the next logits); the record starts with the prompt."""
+    report = result.worker_reports[name]
+    cached = report["cached"]
+    assert report["cache_length"] == len(cached)
+    n = min(len(cached), len(result.prompt_ids))
+    assert cached[:n] == result.prompt_ids[:n]
+    if cached:
+        model = engine.drafts[0 if name == "draft" else int(name.removeprefix("draft"))]
+        probe = model.forward([1])[-1]
+        assert (probe - model.prefill(cached + [1])).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])
@@ -57,28 +65,12 @@ def test_amusd_greedy_equals_ar(ar_engine, amusd, max_new_tokens):
     result = amusd.generate(PROMPT, params)
     assert result.token_ids == expected
     assert result.finish_reason == "length"
-    check_draft_cache(result)
+    check_draft_cache(amusd, result)
     if max_new_tokens == 40:
         s = result.stats
         assert s.rounds > 0 and s.drafted > 0
         if amusd.config_name.startswith("same"):
             assert s.acceptance_rate == 1.0
-
-
-def test_amusd_stop_token_mid_chunk(ar_engine, amusd):
-    reference = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40)).token_ids
-    position = next(i for i in range(5, 40) if reference[i] not in reference[:i])
-    params = SamplingParams(max_new_tokens=40, stop_token_ids=[reference[position]])
-    result = amusd.generate(PROMPT, params)
-    assert result.token_ids == reference[:position + 1] and result.finish_reason == "stop"
-
-
-def test_amusd_streams_and_serves_many_requests(ar_engine, amusd):
-    for prompt in ["a", "def g(y):", "xyz" * 5]:
-        params = SamplingParams(max_new_tokens=20)
-        text = "".join(amusd.stream(prompt, params))
-        assert amusd.last_result.token_ids == ar_engine.generate(prompt, params).token_ids
-        assert text == amusd.last_result.text
 
 
 def test_amusd_uses_both_paths_and_overlaps(ar_engine, qwen2_target):
@@ -111,24 +103,6 @@ def slow_target_pair(tmp_path_factory):
     draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
                             eos_token_id=None, num_hidden_layers=1)
     return target, draft
-
-
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)])
-def test_amusd_sampling_matches_target_distribution(slow_target_pair, sampling):
-    target, draft = slow_target_pair
-    prompt = [1, 2, 3]
-    with Engine(target, draft, strategy="amusd", dtype="float32", max_ahead=4, verify_chunk=2,
-                **DEVICES) as engine, Engine(target, strategy="ar", dtype="float32") as ar:
-        joint = exact_joint(ar, prompt, SamplingParams(**sampling))
-        counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
-        for seed in range(N_SAMPLES):
-            result = engine.generate(prompt, SamplingParams(max_new_tokens=2, seed=seed, **sampling))
-            x1, x2 = result.token_ids
-            counts[x1, x2] += 1
-            drafted += result.stats.drafted
-            accepted += result.stats.accepted
-    assert drafted > N_SAMPLES and 0.1 * drafted < accepted < 0.9 * drafted   # drafts were really judged
-    assert_matches(counts, joint)
 
 
 # -- faults and cleanup ---------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
 
-
 def own_segments():
     """Shared-memory segments this test process created (other test runs on the machine create their own)."""
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{os.getpid()}_")}
@@ -54,15 +53,18 @@ def dsi(request, qwen2_target):
         yield engine
 
 
-def check_drafters(result, n_drafters: int):
-    """Every drafter's cache holds what it processed; the chunk counts of the drafters add up."""
+def check_drafters(engine, result, n_drafters: int):
+    """Every drafter's cache holds what it processed; chunks and at-once judgements are credited to drafters
+    that drafted at least that many tokens."""
     names = [drafter_name(i) for i in range(n_drafters)]
     assert sorted(k for k in result.worker_reports if k.startswith("draft")) == sorted(names)
     for name in names:
-        check_draft_cache(result, name)
+        check_draft_cache(engine, result, name)
     dsi = result.worker_reports["dsi"]
     assert len(dsi["chunks_by_drafter"]) == n_drafters and sum(dsi["chunks_by_drafter"]) <= dsi["chunks"]
-    assert sum(dsi["judged_at_once_by_drafter"]) == dsi["judged_at_once"]
+    for name, chunks, judged in zip(names, dsi["chunks_by_drafter"], dsi["judged_at_once_by_drafter"]):
+        drafted = result.worker_reports[name]["drafted"]
+        assert chunks <= drafted and judged <= drafted, (name, chunks, judged, drafted)
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])
@@ -72,7 +74,7 @@ def test_dsi_greedy_equals_ar(ar_engine, dsi, max_new_tokens):
     result = dsi.generate(PROMPT, params)
     assert result.token_ids == expected
     assert result.finish_reason == "length"
-    check_drafters(result, len(dsi.drafts))
+    check_drafters(dsi, result, len(dsi.drafts))
     if max_new_tokens == 40:
         s = result.stats
         assert s.rounds > 0 and s.drafted > 0
@@ -83,22 +85,6 @@ def test_dsi_greedy_equals_ar(ar_engine, dsi, max_new_tokens):
             assert s.acceptance_rate == 1.0 and report["preempted"] == 0
         if dsi.config_name.startswith("unrelated"):
             assert s.rollbacks > 0
-
-
-def test_dsi_stop_token_mid_chunk(ar_engine, dsi):
-    reference = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40)).token_ids
-    position = next(i for i in range(5, 40) if reference[i] not in reference[:i])
-    params = SamplingParams(max_new_tokens=40, stop_token_ids=[reference[position]])
-    result = dsi.generate(PROMPT, params)
-    assert result.token_ids == reference[:position + 1] and result.finish_reason == "stop"
-
-
-def test_dsi_streams_and_serves_many_requests(ar_engine, dsi):
-    for prompt in ["a", "xyz" * 5]:
-        params = SamplingParams(max_new_tokens=20)
-        text = "".join(dsi.stream(prompt, params))
-        assert dsi.last_result.token_ids == ar_engine.generate(prompt, params).token_ids
-        assert text == dsi.last_result.text
 
 
 def test_dsi_servers_work_in_parallel():
@@ -169,8 +155,8 @@ def test_the_first_drafter_that_is_ahead_supplies_the_chunks(fast):
     with Engine(target, drafts, strategy="dsi", lookahead=3, max_ahead=12, target_devices=["cpu"] * 3,
                 runtime="inprocess") as engine:
         result = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=100))
+        check_drafters(engine, result, 2)
     assert result.token_ids == SimulatedModel(target).predicted[3:103].tolist()
-    check_drafters(result, 2)
     chunks = result.worker_reports["dsi"]["chunks_by_drafter"]
     assert chunks[fast] >= 0.9 * sum(chunks) and sum(chunks) > 20
     assert {e.device for e in result.trace.events if e.kind == "draft"} == {"draft:cpu", "draft1:cpu"}
@@ -188,11 +174,11 @@ def test_several_drafts_are_checked():
 
 
 def test_cli_takes_draft_several_times():
-    from paraspec.cli import build_parser, engine_kwargs
+    from paraspec.cli import build_parser, engine_config
     parser = build_parser()
     base = ["generate", "--target", "t", "--strategy", "dsi", "--prompt", "x"]
-    assert engine_kwargs(parser.parse_args(base + ["--draft", "a"]))["draft"] == "a"
-    assert engine_kwargs(parser.parse_args(base + ["--draft", "a", "--draft", "b"]))["draft"] == ["a", "b"]
+    assert engine_config(parser.parse_args(base + ["--draft", "a"])).draft == "a"
+    assert engine_config(parser.parse_args(base + ["--draft", "a", "--draft", "b"])).drafts == ["a", "b"]
 
 
 # -- sampling -----------------------------------------------------------------------------------------------------
@@ -209,7 +195,7 @@ def mid_speed_draft(tmp_path_factory):
                            hidden_size=128, intermediate_size=512)
 
 
-@pytest.mark.parametrize("drafters", [1, 2])
+@pytest.mark.parametrize("drafters", [2])     # one drafter: tests/strategies/test_lossless.py
 def test_dsi_sampling_matches_target_distribution(slow_target_pair, mid_speed_draft, drafters):  # noqa: F811
     target, draft = slow_target_pair
     sampling = dict(temperature=0.8, top_k=4)
@@ -272,8 +258,8 @@ def test_abandoned_stream_cancels_cleanly(ar_engine, qwen2_target, qwen2_partial
         assert engine.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
 
 
-def test_bad_options_fail_early(qwen2_target, qwen2_partial):
-    with Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", lookahead=6, max_ahead=4,
-                runtime="inprocess") as engine:
-        with pytest.raises(ValueError, match="max_ahead"):
-            engine.generate(PROMPT, SamplingParams(max_new_tokens=4))
+def test_bad_options_fail_before_any_worker_starts(qwen2_target, qwen2_partial, monkeypatch):
+    from paraspec.runtime.runtime import Runtime
+    monkeypatch.setattr(Runtime, "add_worker", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(ValueError, match="max_ahead \\(4\\) < lookahead \\(6\\)"):
+        Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", lookahead=6, max_ahead=4)

@@ -14,7 +14,7 @@ from paraspec.models.fuzzy import exact_forward, format_groups, fuzzy_forward, l
 from paraspec.models.llama import NativeModel
 from paraspec.models.loader import load_native
 from paraspec.runtime import WorkerError
-from paraspec.strategies.easyspec import DeviceGroupDrafter, Drafter
+from paraspec.strategies.easyspec import DeviceGroupDrafter, FuzzyDrafter
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
@@ -74,7 +74,7 @@ def test_calibration_rebuilds_the_exact_cache(deep_pair):
     _, draft_dir = deep_pair
     model = load_native(draft_dir, torch.float32)
     groups = lp_groups(2, model.cfg.num_layers)
-    drafter = Drafter(model, groups)
+    drafter = FuzzyDrafter(model, groups)
     prompt, accepted, bonus = [5, 9, 14, 3], [22, 40], 41
     drafter.forward(prompt, exact=True)
     drafter.forward(accepted + [77])               # a fuzzy chain: two kept drafts and a rejected one
@@ -96,10 +96,8 @@ def test_calibration_rebuilds_the_exact_cache(deep_pair):
 
 @pytest.fixture(scope="module")
 def two_device_engine(deep_pair):
-    with Engine(*deep_pair, strategy="easyspec", dtype="float32") as engine:
-        # draft_devices/draft_checkpoint are not yet forwarded by the Engine (see the report): set them here
-        engine.options.update(draft_devices=DEVICES, draft_checkpoint=str(deep_pair[1]))
-        yield engine
+    with Engine(*deep_pair, strategy="easyspec", dtype="float32", draft_devices=DEVICES) as engine:
+        yield engine    # the tests set options between requests: a strategy reads them at each decode
 
 
 @pytest.mark.parametrize("lp_size,calibration,tree_width", [(2, True, 4), (3, False, 1), (3, True, 1),
@@ -122,11 +120,12 @@ def test_replicas_hold_the_same_cache(two_device_engine):
     """After a request, rank 1's calibrated prefix equals rank 0's."""
     two_device_engine.options.update(lp_size=2, calibration=True, tree_width=4)
     two_device_engine.generate(PROMPT, SamplingParams(max_new_tokens=12))
-    drafter = two_device_engine.draft._easyspec_drafter
+    drafter = two_device_engine.strategy.device_group
     n = drafter.length
-    k, v = drafter.workers[0].call("cache_state", n)
-    assert torch.allclose(torch.as_tensor(k), drafter.model.cache.k[:, :, :n], atol=1e-6)
-    assert torch.allclose(torch.as_tensor(v), drafter.model.cache.v[:, :, :n], atol=1e-6)
+    k, v = drafter.workers[0].call("cache_entries", n)
+    k0, v0 = drafter.model.cache_entries(n)
+    assert torch.allclose(torch.as_tensor(k), k0, atol=1e-6)
+    assert torch.allclose(torch.as_tensor(v), v0, atol=1e-6)
 
 
 def test_killed_draft_rank_is_reported_and_nothing_leaks(deep_pair):

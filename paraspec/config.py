@@ -1,0 +1,108 @@
+"""EngineConfig: everything that defines an Engine, validated in one place (`__post_init__`) before any model
+loads or any worker starts. The Engine, the CLI (`cli.engine_config`) and the bench (`BenchConfig.engine`)
+build from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from paraspec.runtime.devices import parse_devices
+from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
+
+
+@dataclass
+class EngineConfig:
+    target: Any                                   # checkpoint folder, .gguf file, hub id (or a SimulatedSpec)
+    draft: Any = None                             # the same; a list of them for strategies that take several
+    strategy: str = "ar"
+    dtype: str = "auto"
+    target_devices: Any = ("cpu",)                # device strings; parsed into Devices here
+    draft_devices: Any = ("cpu",)
+    backend: str = "auto"                         # models.loader.BACKENDS, or "auto" (resolved here)
+    max_context: int = 4096
+    allow_vocab_mismatch: bool = False
+    runtime: str = "process"                      # runtime.workers.BACKENDS: where workers run
+    options: dict = field(default_factory=dict)   # strategy options by OPTIONS name (others' are ignored)
+    model_backend: str = field(init=False, default="")   # `backend` with "auto" resolved for this strategy
+
+    def __post_init__(self):
+        from paraspec.models.loader import BACKENDS as MODEL_BACKENDS, parse_dtype
+        from paraspec.runtime.workers import BACKENDS as RUNTIMES
+        cls = get_strategy(self.strategy)
+        drafts = self.drafts
+        if cls.needs_draft and not drafts:
+            raise ValueError(f"strategy {self.strategy!r} needs a draft model; pass draft=... (--draft)")
+        if len(drafts) > 1 and not cls.several_drafts:
+            takes = [name for name, s in STRATEGIES.items() if s.several_drafts]
+            raise ValueError(f"strategy {self.strategy!r} takes one draft model, got {len(drafts)}; only "
+                             f"{', '.join(takes)} takes several (pass --draft once)")
+        if not isinstance(self.max_context, int) or self.max_context < 2:
+            raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")
+        unknown = sorted(set(self.options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown Engine option(s) {unknown}; strategy options are {sorted(OPTIONS)}")
+        self.options = {name: OPTIONS[name].check(value) for name, value in self.options.items()}
+        parse_dtype(self.dtype)
+        if self.backend not in MODEL_BACKENDS + ("auto",):
+            raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
+        if self.runtime not in cls.runtimes:
+            raise ValueError(f"strategy {self.strategy!r} runs its models in this process and starts no workers, so "
+                             f"runtime={self.runtime!r} does not apply to it; pass runtime='process' (the default), "
+                             f"or pick a strategy that runs workers "
+                             f"({', '.join(n for n, s in STRATEGIES.items() if self.runtime in s.runtimes)})")
+        self.target_devices = tuple(parse_devices(self.target_devices))
+        if cls.needs_draft:
+            self.draft_devices = tuple(parse_devices(self.draft_devices))
+            if len(drafts) > 1 and len(self.draft_devices) not in (1, len(drafts)):
+                raise ValueError(f"{len(drafts)} drafts take one draft device group (shared) or one per draft, got "
+                                 f"{len(self.draft_devices)}; pass --draft-devices D0 ... D{len(drafts) - 1}")
+        self.model_backend = self._resolve_backend(cls)
+        cls.check_config(self)
+
+    def _resolve_backend(self, cls) -> str:
+        """"auto" made concrete, and the backend checked against the strategy and the dtype."""
+        from paraspec.models.loader import CheckpointError, choose_backend, resolve_checkpoint
+        from paraspec.models.simulated import SimulatedSpec
+        models = [self.target] + (self.drafts if cls.needs_draft else [])
+        backend = self.backend
+        if backend == "auto":
+            if any(isinstance(m, SimulatedSpec) for m in models) or str(self.dtype) != "auto" \
+                    or "llamacpp" not in cls.backends:
+                return "native"      # a dtype asks for torch weights; trees need the native decoder
+            try:
+                folders = [resolve_checkpoint(m, backend="auto") for m in models]   # never converts weights
+            except CheckpointError:
+                return "native"      # the Engine reports the bad checkpoint where it resolves it
+            devices = list(self.target_devices) + list(self.draft_devices if cls.needs_draft else [])
+            return choose_backend("auto", folders, devices, trees=False)
+        if backend not in cls.backends:
+            raise ValueError(f"strategy {self.strategy!r} runs on the {', '.join(cls.backends)} backend, not "
+                             f"{backend!r}; pass backend='native' (--backend native)")
+        if backend == "llamacpp" and str(self.dtype) != "auto":
+            raise ValueError(f"dtype={self.dtype!r} does not apply to the llamacpp backend (it runs the GGUF's own "
+                             f"quantized weights); leave dtype='auto' or use backend='native'")
+        return backend
+
+    @property
+    def drafts(self) -> list:
+        """The draft models as a list (empty, one, or several)."""
+        if self.draft is None:
+            return []
+        return list(self.draft) if isinstance(self.draft, (list, tuple)) else [self.draft]
+
+    @property
+    def strategy_class(self):
+        return get_strategy(self.strategy)
+
+    @property
+    def strategy_options(self) -> dict:
+        """The strategy's own options: given values, defaults for the rest."""
+        return {name: self.options.get(name, OPTIONS[name].default) for name in self.strategy_class.options}
+
+    @property
+    def used_draft_devices(self) -> list:
+        """The parsed draft devices, or none for a strategy without a draft."""
+        return list(self.draft_devices) if self.strategy_class.needs_draft else []

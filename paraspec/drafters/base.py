@@ -1,0 +1,62 @@
+"""The Drafter interface: propose draft tokens continuing a sequence, and say which distribution each came from.
+
+The q contract (what makes every strategy lossless, whatever the drafter): under sampling, q[i] is the
+distribution that tokens[i] was actually drawn from -- for a model drafter, the processed draft distribution
+(`sampling.logits_to_probs` of its logits); for a deterministic drafter (a lookup table, an n-gram match), the
+point mass on the token it proposes (`point_mass`). Acceptance divides by exactly this q, so the output follows
+the target's distribution however good or bad the drafts are. Under greedy decoding q is not used (None).
+
+A drafter may propose fewer tokens than asked, or none (nothing to propose here): a round then verifies nothing
+and the target supplies its own next token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paraspec.drafters.tree import TokenTree
+from paraspec.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    q: torch.Tensor | None = None      # [len(tokens), vocab] under sampling (see the q contract); None if greedy
+
+
+def point_mass(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """q for a deterministic drafter: row i is the one-hot of tokens[i]."""
+    return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab_size).float()
+
+
+class Drafter:
+    """What the chain and tree strategies draw from. Subclasses implement propose(); a drafter that can
+    branch overrides propose_tree(); one with state (a KV cache) overrides reset() and accept()."""
+
+    def reset(self) -> None:
+        """A new request starts: forget everything about the previous one."""
+
+    def propose(self, sequence: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        """Up to `k` tokens continuing `sequence` (the prompt plus every committed token), with their q."""
+        raise NotImplementedError
+
+    def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
+                     generator: torch.Generator) -> TokenTree:
+        """A token tree continuing `sequence`: at most `width` nodes per level, `depth` levels, `budget` nodes.
+        The default is the chain of propose(sequence, depth) as a one-branch tree (width 1)."""
+        proposal = self.propose(sequence, min(depth, budget), params, generator)
+        tree = TokenTree()
+        for i, token in enumerate(proposal.tokens):
+            if proposal.q is not None:
+                tree.draft_probs[i - 1] = proposal.q[i]       # node i - 1's one child was drawn from q[i]
+            tree.add(token, i - 1)
+        return tree
+
+    def accept(self, prefix_len: int, path: list[int]) -> None:
+        """Verification kept `path` of the last proposal (chain: indices 0..accepted-1; tree: node indices
+        root-down) after the first `prefix_len` tokens of the sequence it continued."""
+
+    def close(self) -> None:
+        """Release what the drafter holds (worker processes, shared memory)."""

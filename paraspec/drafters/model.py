@@ -1,0 +1,88 @@
+"""ModelDrafter: a draft model as a Drafter -- chains (sd) and token trees (tree), exact forwards over its own
+KV cache. easyspec's drafters subclass it and change how the root and the tree levels are computed (fuzzy) and
+what the cache keeps after a round (`settle`).
+
+q: the processed draft distribution each token was sampled from (`logits_to_probs`), restricted to the first
+`vocab_size` ids (those the target can score): a padding row of a wider draft head could otherwise win.
+"""
+from __future__ import annotations
+
+import torch
+
+from paraspec.drafters.base import Drafter, Proposal
+from paraspec.drafters.tree import DraftTreeCache, TokenTree, draft_tree
+from paraspec.sampling import SamplingParams, logits_to_probs, sample
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, model, vocab_size: int, min_confidence: float = 0.0):
+        """vocab_size: the target's (ids the draft may propose). min_confidence: a chain stops after a token
+        whose draft probability is below it (HF assisted generation's rule): where the draft is unsure the
+        target will likely reject, so drafting on is waste. Stopping early only shortens the chain."""
+        self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
+        self._tree: DraftTreeCache | None = None      # the slots of the last proposed tree's nodes
+
+    @property
+    def length(self) -> int:
+        return self.model.length
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+    def propose(self, sequence: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        """Sample up to k tokens one by one. The draft first catches up on the tokens of `sequence` it has not
+        cached (e.g. the last round's bonus token)."""
+        self._tree = None
+        tokens, probs = [], []
+        if k <= 0:
+            return Proposal(tokens)
+        logits = self.model.forward(sequence[self.model.length:], last_n=1)[-1, :self.vocab_size]
+        for i in range(k):
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = logits_to_probs(logits, params)
+                token = sample(q, generator)
+                probs.append(q)
+            tokens.append(token)
+            if self.min_confidence > 0 and float(logits.softmax(-1)[token]) < self.min_confidence:
+                break
+            if i < k - 1:
+                logits = self.model.forward([token])[-1, :self.vocab_size]
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
+                     generator: torch.Generator) -> TokenTree:
+        """Grow the tree level by level (draft_tree); each level's nodes go through the draft in one forward,
+        each seeing only the prefix, its ancestors and itself."""
+        root_logits = self.root(sequence[self.length:])
+        self._tree = DraftTreeCache(self, self.expand, len(sequence))
+        return draft_tree(root_logits, self._tree, params, generator, self.vocab_size, width, depth, budget)
+
+    def accept(self, prefix_len: int, path: list[int]) -> None:
+        if self._tree is not None:
+            self.settle(prefix_len, self._tree, path)
+        else:                                            # a chain: its accepted drafts are already in place
+            self.rollback(min(self.length, prefix_len + len(path)))
+
+    # -- hooks of the tree drafting (easyspec overrides them) ----------------------------------------------------
+    def root(self, pending: list[int]) -> torch.Tensor:
+        """Run the committed tokens the draft has not cached; the draft logits after the last one."""
+        return self.model.forward(pending, last_n=1)[-1]
+
+    def expand(self, token_ids, positions, mask) -> torch.Tensor:
+        """Logits of tree nodes fed with explicit positions and a mask over the whole cache."""
+        from paraspec.models.fuzzy import exact_forward
+        return exact_forward(self.model, token_ids, positions, mask)
+
+    def settle(self, prefix_len: int, cache: DraftTreeCache, path: list[int]) -> None:
+        """After verification: keep the prefix and the accepted path's cached nodes."""
+        cache.accept(path)
+
+    # -- cache operations (a multi-device drafter runs them on every replica) ------------------------------------
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        self.model.keep_path(prefix_len, slots)

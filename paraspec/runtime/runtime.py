@@ -1,0 +1,240 @@
+"""The Runtime: owner of a set of workers and the channels between them.
+
+    Runtime                 owns workers, channels and a stop signal; close() (or with-exit, garbage
+    │                       collection, interpreter exit) stops every worker and unlinks every segment
+    ├── Worker  "draft"     pinned to its device; builds its model once from a picklable factory (workers.py)
+    ├── Worker  "target"
+    └── TokenChannel(s)     shared-memory token exchange between loops (channels.py)
+
+The Runtime's monitor stops all channels as soon as a worker process dies, so loops in other workers blocked on
+them wake up with ChannelStopped.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from paraspec.runtime.channels import StopSignal, TokenChannel
+from paraspec.runtime.devices import Device
+from paraspec.runtime.errors import WorkerClosed
+from paraspec.runtime.serve import WorkerInfo
+from paraspec.runtime.workers import Handle, Worker, expired, remaining, worker_class
+
+
+@dataclass
+class _RuntimeState:
+    """Everything close() needs, kept apart from the Runtime so the finalizer holds no reference to it."""
+    stop: StopSignal
+    workers: dict[str, Worker] = field(default_factory=dict)
+    channels: dict[str, TokenChannel] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closing: bool = False
+    wake_r: int = -1
+    wake_w: int = -1
+    monitor: threading.Thread | None = None
+
+    def stop_all(self, reason: str) -> None:
+        self.stop.set(reason)
+        for channel in list(self.channels.values()):
+            channel.stop(reason)
+
+    def poke_monitor(self) -> None:
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
+
+
+def _monitor(state: _RuntimeState) -> None:
+    """Stop every channel as soon as a worker process dies, so loops blocked on them wake up."""
+    noted: set[str] = set()
+    while not state.closing:
+        with state.lock:
+            watched = {w._sentinel: w for w in state.workers.values()
+                       if w._sentinel is not None and w.name not in noted}
+        ready = multiprocessing.connection.wait([state.wake_r, *watched])
+        if state.wake_r in ready:
+            os.read(state.wake_r, 4096)
+        for sentinel in ready:
+            worker = watched.get(sentinel)
+            if worker is None:
+                continue
+            noted.add(worker.name)
+            if not state.closing and not worker._closed:
+                code = worker._exitcode()
+                state.stop_all(f"worker {worker.name!r} ({worker.device}) died with exit code {code}")
+
+
+def _shutdown(state: _RuntimeState, timeout: float) -> None:
+    if state.closing:
+        return
+    state.closing = True
+    state.poke_monitor()
+    if state.monitor is not None and state.monitor is not threading.current_thread():
+        state.monitor.join(1.0)
+    workers = list(state.workers.values())
+    deadline = time.monotonic() + timeout
+    for worker in workers:   # ask them all first, so they exit in parallel
+        if not worker._closed:
+            worker._request_shutdown(deadline)
+    state.stop_all("runtime closed")   # now wake their loops
+    for worker in workers:
+        worker._closed = True
+        try:
+            worker._stop_worker(deadline)
+        finally:
+            worker._wire.close()
+    for channel in list(state.channels.values()):
+        channel.close()
+    state.channels.clear()
+    state.stop.close()
+    for fd in (state.wake_r, state.wake_w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class Runtime:
+    """Owner of a set of workers and the channels between them.
+
+        with Runtime() as rt:
+            draft = rt.add_worker("draft", "cpu:0", load_model, {"path": draft_path})
+            target = rt.add_worker("target", "cpu:1", load_model, {"path": target_path})
+            channel = rt.channel("tokens", capacity=4096, vocab_size=151936)   # q ring for sampling
+            ...
+    close() stops every worker and unlinks every shared-memory segment; it also runs when the Runtime is
+    garbage-collected unclosed, and at interpreter exit (including after Ctrl-C).
+    """
+
+    def __init__(self, backend: str = "process", close_timeout: float = 3.0):
+        worker_class(backend)                # an unknown name fails here, before anything starts
+        self.backend = backend
+        state = _RuntimeState(stop=StopSignal("stop"))
+        state.wake_r, state.wake_w = os.pipe()
+        self._state = state
+        self._finalizer = weakref.finalize(self, _shutdown, state, close_timeout)
+        state.monitor = threading.Thread(target=_monitor, args=(state,), name="paraspec-monitor", daemon=True)
+        state.monitor.start()
+
+    # -- workers ----------------------------------------------------------------------------------------------
+    def add_worker(self, name: str, device: Device | str, factory: Callable[..., Any],
+                   factory_args: dict | None = None) -> Worker:
+        """Start a worker building factory(**factory_args) on `device`; returns at once (see wait_ready)."""
+        self._check_open()
+        state = self._state
+        if name in state.workers:
+            raise ValueError(f"a worker named {name!r} already exists in this runtime")
+        worker = worker_class(self.backend)(name, device, factory, factory_args, state.stop, state.channels)
+        with state.lock:
+            state.workers[name] = worker
+        state.poke_monitor()
+        return worker
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return dict(self._state.workers)
+
+    def __getitem__(self, name: str) -> Worker:
+        return self._state.workers[name]
+
+    def wait_ready(self, timeout: float | None = None) -> dict[str, WorkerInfo]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return {name: w.wait_ready(remaining(deadline)) for name, w in self._state.workers.items()}
+
+    # -- channels and stopping ------------------------------------------------------------------------------
+    def channel(self, name: str, capacity: int, *, vocab_size: int | None = None,
+                q_window: int = 64) -> TokenChannel:
+        """A new TokenChannel, visible to loops as ctx.channels[name] and closed with the runtime."""
+        self._check_open()
+        if name in self._state.channels:
+            raise ValueError(f"a channel named {name!r} already exists in this runtime")
+        channel = TokenChannel(capacity, vocab_size=vocab_size, q_window=q_window, tag=name)
+        self._state.channels[name] = channel
+        return channel
+
+    @property
+    def channels(self) -> dict[str, TokenChannel]:
+        return dict(self._state.channels)
+
+    def close_channel(self, name: str) -> None:
+        channel = self._state.channels.pop(name)
+        channel.close()   # stops it first, so loops still using it wake up with ChannelStopped
+        for worker in self._state.workers.values():
+            if worker.alive:
+                worker.release_channels([channel.name])
+
+    @property
+    def stop_signal(self) -> StopSignal:
+        return self._state.stop
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Set the stop signal and stop every channel: loops see ctx.stopped, waiters get ChannelStopped."""
+        self._state.stop_all(reason)
+
+    def clear_stop(self) -> None:
+        """Clear the stop signal before the next request (channels are cleared by their reset())."""
+        self._state.stop.clear()
+
+    # -- waiting on several handles ----------------------------------------------------------------------------
+    def wait(self, handles: Iterable[Handle], timeout: float | None = None,
+             return_when: str = "first") -> tuple[list[Handle], list[Handle]]:
+        """Block until one ("first") or every ("all") handle is done; return (done, pending)."""
+        if return_when not in ("first", "all"):
+            raise ValueError(f"return_when must be 'first' or 'all', not {return_when!r}")
+        handles = list(handles)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done = [h for h in handles if h.done()]
+            pending = [h for h in handles if h not in done]
+            if (done and return_when == "first") or not pending or expired(deadline):
+                return done, pending
+            workers = {h.worker for h in pending}
+            watched = {w._wire.sock: w for w in workers} | {w._sentinel: w for w in workers
+                                                            if w._sentinel is not None}
+            for ready in multiprocessing.connection.wait(list(watched), remaining(deadline)):
+                watched[ready]._pump(0.0)
+
+    def gather(self, *handles: Handle, timeout: float | None = None, grace: float = 5.0) -> list:
+        """Results of all handles. On the first failure: stop the runtime (so the other loops end), give
+        them `grace` seconds to finish, and raise that failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = list(handles)
+        while pending:
+            done, pending = self.wait(pending, remaining(deadline), "first")
+            if not done:
+                raise TimeoutError(f"{len(pending)} request(s) still running after {timeout} s")
+            for handle in done:
+                error = handle.exception()
+                if error is not None:
+                    self.stop(f"worker {handle.worker.name!r} failed: {type(error).__name__}")
+                    self.wait(pending, grace, "all")
+                    raise error
+        return [h.result() for h in handles]
+
+    # -- lifetime -----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise WorkerClosed("this runtime is closed")
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Runtime {self.backend} workers={list(self._state.workers)} channels={list(self._state.channels)}>"

@@ -1,0 +1,167 @@
+"""One losslessness suite for every registered strategy: a strategy gets all of it by registering.
+
+Greedy: exactly `ar`'s tokens for a draft equal to the target, an unrelated draft and a partially agreeing one,
+at several lookahead-like shapes (whatever options the strategy takes: lookahead, tree depth, max_ahead); a
+stop token inside a drafted chunk; max_new_tokens inside a chunk; streaming equals generate; several requests on
+one engine. Sampling: the joint distribution of the first two tokens equals the target's (chi-square).
+
+Strategies that start workers run them as threads here (runtime="inprocess": the same protocol, channels and
+orchestration as processes, without spawning N processes per case); the per-strategy modules test processes,
+faults and cleanup. A toy strategy registered from this module shows that nothing else needs an edit.
+"""
+import numpy as np
+import pytest
+
+from paraspec import Engine, SamplingParams
+from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
+from paraspec.strategies.base import LocalStrategy
+from tests.strategies.test_amusd import slow_target_pair  # noqa: F401 (a fixture)
+from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+
+SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
+
+
+def shapes(name: str) -> list[dict]:
+    """Option sets that move where chunks end: the strategy's own lookahead-like options, at small and large."""
+    options = STRATEGIES[name].options
+    if "lookahead" in options:
+        return [dict(lookahead=k, max_ahead=max(OPTIONS["max_ahead"].default, 2 * k)) if "max_ahead" in options
+                else dict(lookahead=k) for k in (1, 3, 8)]
+    if "tree_depth" in options:
+        return [dict(tree_width=1, tree_depth=4), dict(tree_width=3, tree_depth=3, tree_budget=10),
+                dict(tree_width=2, tree_depth=6)]
+    if "max_ahead" in options:
+        return [dict(max_ahead=1, verify_chunk=1), dict(max_ahead=4, verify_chunk=2), dict(max_ahead=16)]
+    return [{}]
+
+
+def long_chunks(name: str) -> dict:
+    """The shape with the longest chunks (a stop token or the token budget falls inside one)."""
+    return shapes(name)[-1]
+
+
+def engine(name: str, target, draft, **options) -> Engine:
+    runtime = "inprocess" if "inprocess" in STRATEGIES[name].runtimes else "process"
+    return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **options)
+
+
+@pytest.fixture(scope="module")
+def ar_engine(qwen2_target):
+    with Engine(qwen2_target, strategy="ar", dtype="float32") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def drafts(qwen2_target, qwen2_unrelated, qwen2_partial):
+    return {"same": qwen2_target, "unrelated": qwen2_unrelated, "partial": qwen2_partial}
+
+
+CASES = [(name, i) for name in SPECULATIVE for i in range(len(shapes(name)))]
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "unrelated", "partial"])
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_greedy_equals_ar(ar_engine, qwen2_target, drafts, name, shape, draft_kind):
+    params = SamplingParams(max_new_tokens=40)
+    with engine(name, qwen2_target, drafts[draft_kind], **shapes(name)[shape]) as e:
+        result = e.generate(PROMPT, params)
+    assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
+    assert result.finish_reason == "length"
+    s = result.stats
+    assert s.drafted > 0 and s.rounds > 0
+    if draft_kind == "unrelated":
+        assert s.accepted < s.drafted                  # rejections really happened and were repaired
+
+
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_stop_token_inside_a_chunk(ar_engine, qwen2_target, name):
+    """A stop id that first appears mid-chunk ends generation exactly there, stop token included."""
+    reference = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40)).token_ids
+    position = next(i for i in range(5, 40) if reference[i] not in reference[:i])
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=[reference[position]])
+    with engine(name, qwen2_target, qwen2_target, **long_chunks(name)) as e:
+        result = e.generate(PROMPT, params)
+    assert result.token_ids == reference[:position + 1] and result.finish_reason == "stop"
+    assert result.stats.drafted > 0
+
+
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_max_new_tokens_inside_a_chunk(ar_engine, qwen2_target, qwen2_partial, name):
+    with engine(name, qwen2_target, qwen2_partial, **long_chunks(name)) as e:
+        for max_new_tokens in (1, 2, 7, 13):
+            params = SamplingParams(max_new_tokens=max_new_tokens)
+            result = e.generate(PROMPT, params)
+            assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
+            assert len(result.token_ids) == max_new_tokens and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_streams_equal_generate_over_several_requests(ar_engine, qwen2_target, qwen2_partial, name):
+    with engine(name, qwen2_target, qwen2_partial, **shapes(name)[0]) as e:
+        for prompt in ["a", "def g(y):", "xyz" * 5]:
+            params = SamplingParams(max_new_tokens=20)
+            text = "".join(e.stream(prompt, params))
+            streamed = e.last_result
+            assert streamed.token_ids == ar_engine.generate(prompt, params).token_ids
+            assert text == streamed.text == e.generate(prompt, params).text
+
+
+# -- sampling ---------------------------------------------------------------------------------------------------
+
+N_SAMPLES = 1_200
+SAMPLING = dict(temperature=0.9, top_k=4)      # top-k: q has zeros, as real samplers make
+
+
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_sampling_matches_target_distribution(slow_target_pair, name):  # noqa: F811
+    """A draft much faster than its target (so worker strategies judge drafts rather than sampling the target
+    alone); the first two tokens follow the target's exact joint distribution, and drafts were really judged."""
+    target, draft = slow_target_pair
+    prompt = [1, 2, 3]
+    with engine(name, target, draft, **shapes(name)[1]) as e, Engine(target, strategy="ar", dtype="float32") as ar:
+        joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
+        counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
+        for seed in range(N_SAMPLES):
+            result = e.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed, **SAMPLING))
+            counts[result.token_ids[0], result.token_ids[1]] += 1
+            drafted += result.stats.drafted
+            accepted += result.stats.accepted
+    assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted   # both branches ran
+    assert_matches(counts, joint)
+
+
+# -- a new strategy needs no edit elsewhere --------------------------------------------------------------------
+
+class Echo(LocalStrategy):
+    """A toy strategy: drafts nothing, the target decodes one token per round through verify_chain."""
+    name = "toy-echo"
+    summary = "test-only"
+    needs_draft = False
+
+    def decode(self, run):
+        from paraspec.verify import verify_chain
+        self.target.rollback(0)
+        while not run.done:
+            pending = run.sequence[self.target.length:]
+            logits = self.target.forward(pending, last_n=1)
+            _, token = verify_chain([], None, logits, run.params, run.generator)
+            yield run.commit([token])
+
+
+@pytest.fixture
+def toy_registered():
+    register(Echo)
+    yield Echo.name
+    unregister(Echo.name)
+
+
+def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, ar_engine, qwen2_target):
+    from paraspec.cli import build_parser, engine_config
+    params = SamplingParams(max_new_tokens=12)
+    with Engine(qwen2_target, strategy=toy_registered, dtype="float32") as e:
+        assert e.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
+        assert e.strategy.name == toy_registered and e.last_result.stats.strategy == toy_registered
+    args = build_parser().parse_args(["generate", "--target", "t", "--strategy", toy_registered, "--prompt", "x"])
+    assert engine_config(args).strategy_class is Echo
+    with pytest.raises(ValueError, match="does not apply"):
+        Engine(qwen2_target, strategy=toy_registered, runtime="ray")
