@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TARGET := Qwen/Qwen2.5-Coder-1.5B-Instruct
 DRAFT := Qwen/Qwen2.5-Coder-0.5B-Instruct
 
-.PHONY: setup llamacpp models test test-fast demo bench clean
+.PHONY: setup llamacpp peer models test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,8 +29,13 @@ setup: $(STAMP) llamacpp
 models: setup
 	$(PYTHON) scripts/fetch_models.py
 
-# Unit tests on tiny random models, then the real-pair tests.
-test: setup models
+# llama.cpp's own programs (llama-server, llama-speculative-simple) with its default options: the peers that
+# `paraspec bench` compares against (llamacpp-ar, llamacpp-spec), built once per options + CPU + compiler.
+peer: setup
+	$(PYTHON) scripts/build_llamacpp.py peer
+
+# Unit tests on tiny random models (tiny GGUF files on llama.cpp included), then the real-pair tests.
+test: setup models peer
 	$(PYTHON) -m pytest -q
 
 # Tiny-model tests only (no download).
@@ -45,8 +50,7 @@ test-fast: setup
 # full 3 x 3 grid is `make bench`'s). Prints the tables and writes report.md, results.json and the plots to
 # out/demo/. Timings assume a quiet machine: llama.cpp's OpenMP threads slow down many-fold when another process
 # competes for the cores.
-demo: setup models
-	$(PYTHON) scripts/build_llamacpp.py peer
+demo: setup models peer
 	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
 		--strategies ar,sd,amusd,llamacpp-ar,llamacpp-spec --threads 2 \
 		--target-devices cpu:1 --draft-devices cpu:0 --llamacpp-spec-grid 4:0.8,8:0.8,16:0.8 \
@@ -56,8 +60,7 @@ demo: setup models
 # generation, and the llama.cpp peers, at 1 and 2 threads, on 5 HumanEval and 5 MT-Bench prompts x 128 tokens
 # (dsi is left out: with amusd it would hold a third copy of the pair). tree and easyspec run on the native fp32
 # decoder (llama.cpp cannot verify a token tree exactly), the others on llama.cpp's kernels.
-bench: setup models
-	$(PYTHON) scripts/build_llamacpp.py peer
+bench: setup models peer
 	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
 		--strategies ar,sd,amusd,tree,easyspec,hf-ar,hf-assisted,llamacpp-ar,llamacpp-spec --threads 1,2 \
 		--target-devices cpu:1 --draft-devices cpu:0 --lookahead 20 --draft-confidence 0.4 \
