@@ -92,8 +92,9 @@ def build_fingerprint() -> str:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         cpu = ""
-    lib_file = Path(lib.__file__).parent / "lib"
-    libs = sorted(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in lib_file.glob("*.so*"))
+    lib_dir = Path(lib.__file__).parent / "lib"
+    # by content, not mtime: a fresh venv with the same cached build reuses the measurement
+    libs = sorted(f"{p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in lib_dir.glob("*.so*"))
     return "\n".join([lib.__version__, lib.llama_print_system_info().decode(errors="replace"), cpu, *libs,
                       "repack=0 flash=0 tiled=0"])
 
