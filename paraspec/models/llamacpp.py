@@ -265,18 +265,9 @@ def _architecture(path: Path) -> str:
 
 
 # -- batch invariance, measured ---------------------------------------------------------------------------
-def _file_key(path: Path) -> str:
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 22))
-        f.seek(max(0, path.stat().st_size - (1 << 22)))
-        h.update(f.read(1 << 22))
-    return h.hexdigest()
-
-
 def _probe_cache(model: LlamaCppModel) -> Path:
-    from paraspec.models.loader import cache_dir
-    key = hashlib.sha256("\n".join([build_fingerprint(), _file_key(model.path), str(model.n_threads),
+    from paraspec.models.loader import _sha256_prefix, cache_dir
+    key = hashlib.sha256("\n".join([build_fingerprint(), _sha256_prefix(model.path), str(model.n_threads),
                                     str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]).encode())
     return cache_dir() / "llamacpp" / "exactness" / f"{key.hexdigest()[:24]}.json"
 
