@@ -12,9 +12,11 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
     """Flags shared by every command that builds an Engine (named like the Engine keyword arguments)."""
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
     if several_drafts:
-        p.add_argument("--draft", action="append", help="draft model (needed by every speculative strategy); "
-                       "dsi takes it several times: each chunk comes from the first drafter that has drafted "
-                       "it (give one --draft-devices entry per draft, or one for all)")
+        p.add_argument("--draft", action="append", help="draft model (needed by every speculative strategy), or "
+                       "a model-free drafter: 'ngram' (prompt lookup) or 'suffix' (sd, tree, dsi). Several "
+                       "--draft are tried in order: sd/tree take each round's drafts from the first with any "
+                       "(--draft ngram --draft MODEL: the hybrid); dsi cuts each chunk from the first that has "
+                       "drafted it (give one --draft-devices entry per draft model, or one for all)")
     else:
         p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
     for option in OPTIONS.values():   # every strategy's options, from the registry

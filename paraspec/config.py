@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from paraspec.drafters import is_model_free
 from paraspec.runtime.devices import parse_devices
 from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 
@@ -37,6 +38,12 @@ class EngineConfig:
             takes = [name for name, s in STRATEGIES.items() if s.several_drafts]
             raise ValueError(f"strategy {self.strategy!r} takes one draft model, got {len(drafts)}; only "
                              f"{', '.join(takes)} takes several (pass --draft once)")
+        free = [d for d in drafts if is_model_free(d)]
+        if free and not cls.model_free_drafts:
+            takes = [name for name, s in STRATEGIES.items() if s.model_free_drafts]
+            raise ValueError(f"strategy {self.strategy!r} needs a draft model, not {free[0]!r}"
+                             f"{': ' + cls.no_model_free_reason if cls.no_model_free_reason else ''}; model-free "
+                             f"drafters run with {', '.join(takes)}")
         if not isinstance(self.max_context, int) or self.max_context < 2:
             raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")
         unknown = sorted(set(self.options) - set(OPTIONS))
@@ -56,9 +63,11 @@ class EngineConfig:
         self.target_devices = tuple(parse_devices(self.target_devices))
         if cls.needs_draft:
             self.draft_devices = tuple(parse_devices(self.draft_devices))
-            if len(drafts) > 1 and len(self.draft_devices) not in (1, len(drafts)):
-                raise ValueError(f"{len(drafts)} drafts take one draft device group (shared) or one per draft, got "
-                                 f"{len(self.draft_devices)}; pass --draft-devices D0 ... D{len(drafts) - 1}")
+            models = self.model_drafts
+            if len(models) > 1 and len(self.draft_devices) not in (1, len(models)):
+                raise ValueError(f"{len(models)} draft models take one draft device group (shared) or one per "
+                                 f"model, got {len(self.draft_devices)}; pass --draft-devices D0 ... "
+                                 f"D{len(models) - 1}")
         self.model_backend = self._resolve_backend(cls)
         cls.check_config(self)
 
@@ -66,7 +75,7 @@ class EngineConfig:
         """"auto" made concrete, and the backend checked against the strategy and the dtype."""
         from paraspec.models.loader import CheckpointError, choose_backend, resolve_checkpoint
         from paraspec.models.simulated import SimulatedSpec
-        models = [self.target] + (self.drafts if cls.needs_draft else [])
+        models = [self.target] + (self.model_drafts if cls.needs_draft else [])
         backend = self.backend
         if backend == "auto":
             if any(isinstance(m, SimulatedSpec) for m in models) or str(self.dtype) != "auto" \
@@ -94,6 +103,11 @@ class EngineConfig:
         return list(self.draft) if isinstance(self.draft, (list, tuple)) else [self.draft]
 
     @property
+    def model_drafts(self) -> list:
+        """The drafts that are models (checkpoints), without the model-free drafters ("ngram", "suffix")."""
+        return [d for d in self.drafts if not is_model_free(d)]
+
+    @property
     def strategy_class(self):
         return get_strategy(self.strategy)
 
@@ -104,5 +118,5 @@ class EngineConfig:
 
     @property
     def used_draft_devices(self) -> list:
-        """The parsed draft devices, or none for a strategy without a draft."""
-        return list(self.draft_devices) if self.strategy_class.needs_draft else []
+        """The parsed draft devices, or none for a strategy without a draft model."""
+        return list(self.draft_devices) if self.strategy_class.needs_draft and self.model_drafts else []

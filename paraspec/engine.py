@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from paraspec.config import EngineConfig
+from paraspec.drafters import is_model_free
 from paraspec.models.loader import load_tokenizer, parse_dtype, resolve_checkpoint
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
@@ -65,10 +66,13 @@ class Engine:
         dtype_of = lambda devices: parse_dtype(config.dtype, devices[0].torch_device)
         self.backend = config.model_backend        # "auto" resolved by the config
         target_dir = _resolve(config.target, dtype_of(self.target_devices), self.backend)
-        draft_dirs = ([_resolve(d, dtype_of(self.draft_devices), self.backend) for d in config.drafts]
+        draft_dirs = ([_resolve(d, dtype_of(self.draft_devices), self.backend) for d in config.model_drafts]
                       if self.draft_devices else [])
+        drafts = iter(draft_dirs)         # the specs in order: model-free drafters ("ngram") stay names
+        draft_specs = [d if is_model_free(d) else next(drafts) for d in config.drafts] if self.draft_devices \
+            else [d for d in config.drafts if is_model_free(d)]
         self.tokenizer = self._maybe_tokenizer(target_dir)
-        placement = Placement(target_dir, draft_dirs, self.target_devices, self.draft_devices,
+        placement = Placement(target_dir, draft_specs, self.target_devices, self.draft_devices,
                               dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),
                               config.runtime)
         try:

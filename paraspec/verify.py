@@ -143,13 +143,34 @@ def multi_step_accept(candidates: list[int], p: torch.Tensor, q: torch.Tensor,
     return None, sample(p, generator)
 
 
+def point_mass_accept(candidates: list[int], p: torch.Tensor, generator: torch.Generator) -> tuple[int | None, int]:
+    """Siblings chosen deterministically (distinct tokens, q_i = the point mass on candidate i): candidate i is
+    kept with probability p_i(x_i), where p_1 = p and after each rejection p_{i+1} = p_i with x_i removed and
+    renormalised (norm(max(0, p_i - q_i))); when all are rejected the token is drawn from the last residual.
+
+    Exact by the same induction as multi_step_accept, with q_i fixed before the round (a function of the
+    sequence, never of the target's draws): step i outputs min(q_i, p_i)(x) + max(0, p_i - q_i)(x) = p_i(x).
+    """
+    for i, token in enumerate(candidates):
+        p_x = float(p[token]) if token < p.shape[-1] else 0.0
+        if p_x >= 1.0 or torch.rand((), generator=generator).item() < p_x:
+            return i, token
+        if p_x > 0:
+            p = p.clone()
+            p[token] = 0
+            p = p / p.sum()
+    return None, sample(p, generator)
+
+
 def verify_tree(tokens: list[int], parents: list[int], draft_probs: dict[int, torch.Tensor] | None,
                 target_logits: torch.Tensor, params, generator: torch.Generator) -> tuple[list[int], int]:
     """Accept a path of a token tree against the target's logits for the root and every node.
 
     tokens[i], parents[i]: node i's token and its parent's index (-1: a child of the root); parents come before
     children. target_logits: [len(tokens) + 1, vocab], row 0 at the root, row i + 1 at node i.
-    draft_probs[v]: the q the children of v (v = -1: the root) were drawn from (sampling only).
+    draft_probs[v]: the q the children of v (v = -1: the root) were drawn from (sampling only); a node absent
+    from it has children chosen deterministically (a model-free drafter): each child's q is the point mass on
+    itself, and they are judged one after another (point_mass_accept).
     Greedy: follow the child equal to the target's argmax while there is one. Sampling: multi-step
     speculative sampling over each node's children. Returns (accepted node indices root-down, next token):
     the next token is the target's correction, or its bonus token after a leaf.
@@ -172,8 +193,12 @@ def verify_tree(tokens: list[int], parents: list[int], draft_probs: dict[int, to
         kids = children.get(node)
         if not kids:
             return path, sample(p, generator)
-        q, p = _same_vocab(draft_probs[node], p)
-        kept, token = multi_step_accept([tokens[c] for c in kids], p, q, generator)
+        candidates = [tokens[c] for c in kids]
+        if draft_probs is None or node not in draft_probs:
+            kept, token = point_mass_accept(candidates, p, generator)
+        else:
+            q, p = _same_vocab(draft_probs[node], p)
+            kept, token = multi_step_accept(candidates, p, q, generator)
         if kept is None:
             return path, token
         node = kids[kept]

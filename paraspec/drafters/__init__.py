@@ -1,13 +1,40 @@
-"""Drafters: where the chain (`sd`) and tree (`tree`, `easyspec`) strategies get their draft tokens.
+"""Drafters: where the chain (`sd`), tree (`tree`, `easyspec`) and `dsi` strategies get their draft tokens.
 
-    base.py    the Drafter interface, Proposal, and the q contract (stated once, there)
-    tree.py    TokenTree and draft_tree: growing a token tree from a drafter's logits
-    model.py   ModelDrafter: a draft model (chains and trees; easyspec's fuzzy drafters subclass it)
+    base.py      the Drafter interface, Proposal, and the q contract (stated once, there)
+    tree.py      TokenTree and draft_tree: growing a token tree from a drafter's logits
+    model.py     ModelDrafter: a draft model (chains and trees; easyspec's fuzzy drafters subclass it)
+    ngram.py     NGramDrafter: prompt lookup, the longest matching n-gram's continuation (model-free)
+    suffix.py    SuffixDrafter: the most frequent continuation in suffix tries of the request and of earlier
+                 outputs; trees of branches by frequency (model-free)
+    hybrid.py    Hybrid: the drafters in order (model-free first, the model where it has nothing)
+    adaptive.py  the adaptive draft length rule: k* maximising expected tokens per second
 
+A draft is named like a checkpoint: a model's folder / .gguf / hub id, or "ngram" / "suffix" (MODEL_FREE).
 A new drafter subclasses Drafter and implements propose(); strategies need no edit.
 """
 from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.hybrid import Hybrid
 from paraspec.drafters.model import ModelDrafter
+from paraspec.drafters.ngram import NGramDrafter
+from paraspec.drafters.suffix import SuffixDrafter
 from paraspec.drafters.tree import TokenTree
 
-__all__ = ["Drafter", "ModelDrafter", "Proposal", "TokenTree", "point_mass"]
+MODEL_FREE = {"ngram": NGramDrafter, "suffix": SuffixDrafter}
+
+
+def is_model_free(spec) -> bool:
+    """A draft spec naming a model-free drafter ("ngram", "suffix") rather than a checkpoint."""
+    return isinstance(spec, str) and spec in MODEL_FREE
+
+
+def model_free(spec: str, vocab_size: int, options: dict) -> Drafter:
+    """Build a model-free drafter from its name and the strategy options (defaults where absent)."""
+    from paraspec.strategies import OPTIONS
+    get = lambda name: options.get(name, OPTIONS[name].default)
+    if spec == "ngram":
+        return NGramDrafter(vocab_size, get("ngram_min"), get("ngram_max"))
+    return SuffixDrafter(vocab_size, get("suffix_depth"), get("suffix_cache"))
+
+
+__all__ = ["Drafter", "Hybrid", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",
+           "TokenTree", "is_model_free", "model_free", "point_mass"]

@@ -34,6 +34,9 @@ class Drafter:
     """What the chain and tree strategies draw from. Subclasses implement propose(); a drafter that can
     branch overrides propose_tree(); one with state (a KV cache) overrides reset() and accept()."""
 
+    name = "drafter"
+    free = False      # True: proposing costs next to nothing (no model): the adaptive rule may ask every round
+
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""
 
@@ -57,6 +60,9 @@ class Drafter:
     def accept(self, prefix_len: int, path: list[int]) -> None:
         """Verification kept `path` of the last proposal (chain: indices 0..accepted-1; tree: node indices
         root-down) after the first `prefix_len` tokens of the sequence it continued."""
+
+    def finish(self, sequence: list[int]) -> None:
+        """The request ended with `sequence` (prompt + output); a drafter that learns across requests keeps it."""
 
     def close(self) -> None:
         """Release what the drafter holds (worker processes, shared memory)."""

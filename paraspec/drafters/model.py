@@ -15,6 +15,8 @@ from paraspec.sampling import SamplingParams, logits_to_probs, sample
 
 
 class ModelDrafter(Drafter):
+    name = "model"
+
     def __init__(self, model, vocab_size: int, min_confidence: float = 0.0):
         """vocab_size: the target's (ids the draft may propose). min_confidence: a chain stops after a token
         whose draft probability is below it (HF assisted generation's rule): where the draft is unsure the

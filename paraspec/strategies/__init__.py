@@ -47,7 +47,18 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("layer_groups", str, "", "easyspec: explicit layer groups such as '0,1-3,4-7,...,23' "
                                     "(overrides --lp-size)", minimum=None),
     Option("calibration", bool, True, "easyspec: recompute the draft's KV exactly after each verification"),
+    Option("ngram_min", int, 2, "sd, tree, dsi with --draft ngram: shortest n-gram matched (prompt lookup)"),
+    Option("ngram_max", int, 4, "sd, tree, dsi with --draft ngram: longest n-gram matched (the longest match wins)"),
+    Option("suffix_depth", int, 32, "sd, tree, dsi with --draft suffix: longest substring the suffix tries keep "
+                                    "(matched context up to half of it, then the proposal)", minimum=2),
+    Option("suffix_cache", int, 128, "sd, tree, dsi with --draft suffix: earlier outputs kept in the shared "
+                                     "suffix cache (0: this request only)", minimum=0),
+    Option("adaptive", bool, False, "sd, tree: choose each round's draft length (tree: depth) maximising expected "
+                                    "tokens per second from measured verification costs and acceptance; 0 drafts "
+                                    "when speculation does not pay (lookahead / tree_depth is the most)"),
 )}
+
+DRAFTER_OPTIONS = ("ngram_min", "ngram_max", "suffix_depth", "suffix_cache")
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}

@@ -36,6 +36,9 @@ class AMUSD(WorkerStrategy):
     name = "amusd"
     summary = "draft and verify at the same time on separate devices (AMUSD)"
     options = ("max_ahead", "verify_chunk")
+    no_model_free_reason = ("its draft worker overlaps a draft model's forwards with verification on another "
+                            "device, and a model-free drafter costs microseconds, so there is nothing to overlap "
+                            "(use sd with the same draft, or dsi to put it beside a draft model)")
 
     def setup(self, placement: Placement) -> None:
         self.start_workers(placement, [("target", placement.target, placement.target_devices[0]),

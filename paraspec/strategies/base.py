@@ -99,12 +99,13 @@ class Run:
     def timed(self, device: str, kind: str, tokens: int = 0):
         """Record a trace event around a block and add its duration to draft_s / verify_s. The block may set
         `event.tokens` when it learns the count only at its end."""
-        event = SimpleNamespace(tokens=tokens)
+        event = SimpleNamespace(tokens=tokens, seconds=0.0)
         start = self.trace.now()
         try:
             yield event
         finally:
             end = self.trace.now()
+            event.seconds = end - start
             self.trace.add(device, kind, start, end, event.tokens)
             if kind == "draft":
                 self.draft_s += end - start
@@ -135,6 +136,12 @@ class Placement:
     load: dict                         # load_model's keyword arguments: dtype, backend, max_context
     runtime: str                       # the worker backend (runtime/workers.BACKENDS)
 
+    @property
+    def model_drafts(self) -> list:
+        """The drafts that are models (not "ngram" / "suffix")."""
+        from paraspec.drafters import is_model_free
+        return [d for d in self.drafts if not is_model_free(d)]
+
     @staticmethod
     def loader(spec):
         """load_model for checkpoints; a simulated model builds from its spec (the same signature)."""
@@ -161,6 +168,8 @@ class Strategy(abc.ABC):
     summary: ClassVar[str] = ""
     needs_draft: ClassVar[bool] = True
     several_drafts: ClassVar[bool] = False            # takes a list of drafts
+    model_free_drafts: ClassVar[bool] = False         # takes "ngram" / "suffix" (drafters.MODEL_FREE) as drafts
+    no_model_free_reason: ClassVar[str] = ""          # why not, when it does not (the error says it)
     options: ClassVar[tuple[str, ...]] = ()           # names in strategies.OPTIONS
     runtimes: ClassVar[tuple[str, ...]] = ("process", "inprocess")   # the runtime= values it honours
     backends: ClassVar[tuple[str, ...]] = ("native", "hf", "llamacpp")   # model backends its forwards run on
@@ -174,7 +183,8 @@ class Strategy(abc.ABC):
     def __init__(self, options: dict):
         self.options = options         # the strategy's options, read at each decode()
         self.target = None             # Model protocol (a RemoteModel when it runs in a worker)
-        self.drafts: list = []
+        self.drafts: list = []         # the draft models (model-free drafters are not models)
+        self.draft_specs: list = []    # every draft as given: checkpoints and model-free names, in order
         self.runtime = None            # the Runtime of its workers, if it has any
 
     @abc.abstractmethod
@@ -199,13 +209,21 @@ class LocalStrategy(Strategy):
     _pinning = None
 
     def setup(self, placement: Placement) -> None:
-        devices = placement.target_devices + (placement.draft_devices if placement.drafts else [])
+        devices = placement.target_devices + (placement.draft_devices if placement.model_drafts else [])
         cores = sorted({c for d in devices if d.kind == "cpu" for c in d.cores})
         if cores and all(d.kind == "cpu" and d.cores for d in devices) and hasattr(os, "sched_getaffinity"):
             self._pinning = current_pinning()
             apply_device(Device("cpu", cores=tuple(cores)))
         self.target = placement.load_here(placement.target, placement.target_devices[0])
-        self.drafts = [placement.load_here(d, placement.draft_devices[0]) for d in placement.drafts]
+        self.draft_specs = list(placement.drafts)
+        self.drafts = [placement.load_here(d, placement.draft_devices[0]) for d in placement.model_drafts]
+
+    def make_drafters(self, for_model) -> list:
+        """One Drafter per draft spec, in order: `for_model(model)` for a draft model, else the model-free one."""
+        from paraspec.drafters import is_model_free, model_free
+        models = iter(self.drafts)
+        return [model_free(spec, self.target.vocab_size, self.options) if is_model_free(spec)
+                else for_model(next(models)) for spec in self.draft_specs]
 
     def close(self) -> None:
         super().close()

@@ -23,6 +23,10 @@ Several drafters (the paper's f_1..f_{m-1}; `draft=[d0, d1, ...]`, `--draft` giv
 `amusd.draft_loop` in its own worker (draft, draft1, ...) on its own channel (tokens, tokens1, ...). A chunk is
 cut from the lowest-index drafter that has drafted through the chunk's end and agrees with the sequence the
 chunks in flight assume (`first_agreeing`); a faster, weaker drafter so fills in while a better one lags.
+A model-free drafter ("ngram", "suffix"; `draft=["ngram", MODEL]`) runs in the caller, not in a worker: it
+costs microseconds, so the main thread asks it on the spot for the chunk continuing the speculated sequence
+(1 to `lookahead` tokens, q the point masses) and, in the given order, takes it when it has one. With only
+model-free drafters a position none of them can draft is decoded plainly (a chunk without drafts).
 
 Every draft is judged against exactly the prefix it was drafted from: a chunk is cut from a channel under one
 version and only where that drafter agrees with the speculated sequence (every chunk in flight is a
@@ -51,7 +55,7 @@ import numpy as np
 import torch
 
 from paraspec.runtime.channels import ChannelStopped
-from paraspec.strategies import amusd, register
+from paraspec.strategies import DRAFTER_OPTIONS, amusd, register
 from paraspec.strategies.base import Placement, Run, WorkerStrategy, common_prefix
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import greedy_match, judge_in_hand, verify_chain
@@ -63,8 +67,9 @@ CHANNEL = amusd.CHANNEL
 class DSI(WorkerStrategy):
     name = "dsi"
     summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
-    options = ("lookahead", "max_ahead")
+    options = ("lookahead", "max_ahead") + DRAFTER_OPTIONS
     several_drafts = True
+    model_free_drafts = True
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -76,23 +81,28 @@ class DSI(WorkerStrategy):
     def setup(self, placement: Placement) -> None:
         """One target server per target device (group), target0..N-1; drafters draft, draft1, ..., each on its
         own draft device or all on one, each with its own channel (tokens, tokens1, ...)."""
-        devices = placement.draft_devices
+        from paraspec.drafters import is_model_free, model_free
+        devices, models = placement.draft_devices, placement.model_drafts
         self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
-        self.drafter_names = [drafter_name(i) for i in range(len(placement.drafts))]
+        self.drafter_names = [drafter_name(i) for i in range(len(models))]
         self.start_workers(placement, [(name, placement.target, d)
                                        for name, d in zip(self.server_names, placement.target_devices)] +
                            [(name, spec, devices[min(i, len(devices) - 1)])
-                            for i, (name, spec) in enumerate(zip(self.drafter_names, placement.drafts))])
+                            for i, (name, spec) in enumerate(zip(self.drafter_names, models))])
         self.target = self.remote(self.server_names[0])
         self.drafts = [self.remote(name) for name in self.drafter_names]
         capacity = min(m.max_context for m in [self.target, *self.drafts])
         self.channel_names = [CHANNEL if i == 0 else f"{CHANNEL}{i}" for i in range(len(self.drafts))]
         for name in self.channel_names:
             self.runtime.channel(name, capacity=capacity, vocab_size=self.target.vocab_size, q_window=64)
+        # every drafter in the given order: a model's channel index, or a model-free Drafter (run in the caller)
+        channel_index = iter(range(len(models)))
+        self.order = [model_free(spec, self.target.vocab_size, self.options) if is_model_free(spec)
+                      else next(channel_index) for spec in placement.drafts]
 
     def decode(self, run: Run):
         return decode(run, self.runtime, self.server_names, self.drafter_names, self.channel_names,
-                      self.options["lookahead"], self.options["max_ahead"])
+                      self.options["lookahead"], self.options["max_ahead"], self.order)
 
 
 def drafter_name(i: int) -> str:
@@ -136,10 +146,51 @@ class _Server:
 
 @dataclass
 class _Drafter:
+    """A draft model's worker, seen through its channel."""
     channel: object
     version: int                   # the channel's version after the last commit
+    name: str = "draft"
     chunks: int = 0                # chunks cut from its drafts
     judged_at_once: int = 0        # its drafts judged at once by a forward already in hand
+    local = False
+
+    def drafts(self, speculated: np.ndarray, start: int, end: int) -> np.ndarray | None:
+        """Its sequence through `end`, if it has drafted that far and agrees with the speculated sequence."""
+        snap = self.channel.snapshot(0, end)
+        tokens = snap.tokens if snap.version == self.version else None
+        return tokens if first_agreeing([tokens], speculated, end) == 0 else None
+
+    def q(self, start: int, end: int, sequence: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(self.channel.read_q(start, end, version=self.version))
+
+
+@dataclass
+class _LocalDrafter:
+    """A model-free drafter, asked in the caller for the tokens continuing the speculated sequence."""
+    drafter: object                # a drafters.Drafter (NGramDrafter, SuffixDrafter)
+    params: object
+    generator: object
+    chunks: int = 0
+    judged_at_once: int = 0
+    local = True
+
+    @property
+    def name(self) -> str:
+        return self.drafter.name
+
+    def drafts(self, speculated: np.ndarray, start: int, end: int) -> np.ndarray | None:
+        """speculated[:start] and then 1 to end - start proposed tokens; None if it has none."""
+        if len(speculated) < start:
+            return None
+        prefix = speculated[:start]
+        if end <= start:
+            return prefix
+        tokens = self.drafter.propose(prefix.tolist(), end - start, self.params, self.generator).tokens
+        return np.concatenate([prefix, np.array(tokens, np.int64)]) if tokens else None
+
+    def q(self, start: int, end: int, sequence: np.ndarray) -> torch.Tensor:
+        from paraspec.drafters import point_mass
+        return point_mass([int(t) for t in sequence[start:end]], self.drafter.vocab_size)
 
 
 @dataclass
@@ -178,10 +229,17 @@ def _watch_channel(channel, events: queue.SimpleQueue) -> None:
 
 
 class _MainThread:
-    def __init__(self, run: Run, runtime, server_names: list[str], channels: list, lookahead: int):
+    def __init__(self, run: Run, runtime, server_names: list[str], channels: list, lookahead: int,
+                 order: list | None = None, drafter_names: list[str] | None = None):
+        """order: every drafter in priority order, a channel index (a model drafter) or a model-free Drafter;
+        None: the channels in order."""
         self.run, self.runtime, self.lookahead = run, runtime, lookahead
         self.servers = [_Server(runtime[name]) for name in server_names]
-        self.drafters = [_Drafter(channel, channel.reset(run.prompt_ids)) for channel in channels]
+        names = drafter_names or [drafter_name(i) for i in range(len(channels))]
+        self.drafters = [_Drafter(channels[d], channels[d].reset(run.prompt_ids), names[d]) if isinstance(d, int)
+                         else _LocalDrafter(d, run.params, run.generator)
+                         for d in (range(len(channels)) if order is None else order)]
+        self.all_local = all(d.local for d in self.drafters)
         self.sampling = not run.params.greedy
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.chunks: deque[_Chunk] = deque()      # in flight, in sequence order
@@ -215,7 +273,7 @@ class _MainThread:
         self.chunks.append(_Chunk(start, [], None, 0, self.send(0, start, start, prompt), prefill=True))
         for i in range(1, len(self.servers)):
             self.send(i, start, start, prompt)
-        for i, drafter in enumerate(self.drafters):
+        for i, drafter in enumerate(d for d in self.drafters if not d.local):
             threading.Thread(target=_watch_channel, args=(drafter.channel, self.events), daemon=True,
                              name=f"paraspec-dsi-watch{i}").start()
 
@@ -269,17 +327,20 @@ class _MainThread:
                 if self.chunks or self.next_row is not None or start > position:
                     return sent
                 size = 0          # one token left and nothing in flight: a chunk without drafts yields it
-            drafter, sequence = self.ready_drafter(start + size)
+            drafter, sequence = self.ready_drafter(start, start + size)
             if drafter is None:
-                return sent       # no drafter has got that far yet (on the sequence in flight)
-            q = torch.from_numpy(drafter.channel.read_q(start, start + size, version=drafter.version)) \
-                if self.sampling and size else None
+                if not (self.all_local and not self.chunks and self.next_row is None and start == position):
+                    return sent   # no drafter has got that far yet (on the sequence in flight)
+                sequence = np.array(run.sequence, np.int64)   # model-free drafters only, none has a draft here:
+            size = len(sequence) - start                      # a chunk without drafts decodes the position
+            q = drafter.q(start, start + size, sequence) if self.sampling and size else None
             # the free server whose cache already holds most of the sequence has the least to catch up on
             i = max(free, key=lambda j: common_prefix(self.servers[j].cached, sequence))
             handle = self.send(i, start, start + size, sequence)
             self.chunks.append(_Chunk(start, [int(t) for t in sequence[start:]], q, i, handle, drafter=drafter))
             self.chunks_sent += 1
-            drafter.chunks += size > 0
+            if drafter is not None:
+                drafter.chunks += size > 0
             self.next_start = start + size
             self.speculated = np.array(sequence, np.int64)
             sent = True
@@ -336,19 +397,20 @@ class _MainThread:
         if self.chunks and self.chunks[0].start == position and self.chunks[0].tokens:
             chunk = self.chunks[0]
             return chunk.tokens[0], None if chunk.q is None else chunk.q[0], chunk.drafter
-        drafter, sequence = self.ready_drafter(position + 1)
+        drafter, sequence = self.ready_drafter(position, position + 1)
         if drafter is None:
             return None, None, None
-        q = torch.from_numpy(drafter.channel.read_q(position, position + 1, version=drafter.version)[0]) \
-            if self.sampling else None
+        q = drafter.q(position, position + 1, sequence)[0] if self.sampling else None
         return int(sequence[position]), q, drafter
 
-    def ready_drafter(self, end: int) -> tuple[_Drafter | None, np.ndarray | None]:
-        """The first drafter that has drafted through `end` on the speculated sequence, with its sequence."""
-        snaps = [d.channel.snapshot(0, end) for d in self.drafters]
-        k = first_agreeing([s.tokens if s.version == d.version else None for s, d in zip(snaps, self.drafters)],
-                           self.speculated, end)
-        return (None, None) if k is None else (self.drafters[k], snaps[k].tokens)
+    def ready_drafter(self, start: int, end: int) -> tuple[_Drafter | _LocalDrafter | None, np.ndarray | None]:
+        """The first drafter, in order, with drafts for [start, end) on the speculated sequence, and its sequence:
+        a model drafter's reaches `end` (first_agreeing), a model-free drafter's may stop earlier."""
+        for drafter in self.drafters:
+            sequence = drafter.drafts(self.speculated, start, end)
+            if sequence is not None:
+                return drafter, sequence
+        return None, None
 
     def commit(self, tokens: list[int]) -> list[int]:
         """Commit to the run and every drafter's channel. A commit that differs from the speculated sequence
@@ -360,7 +422,8 @@ class _MainThread:
         if not kept:
             return kept
         for drafter in self.drafters:
-            drafter.version = drafter.channel.commit(kept, start=start).version
+            if not drafter.local:
+                drafter.version = drafter.channel.commit(kept, start=start).version
         assumed = self.speculated[start:start + len(kept)].tolist()
         if assumed != kept[:len(assumed)]:
             self.preempted += len(self.chunks)
@@ -376,16 +439,21 @@ class _MainThread:
     def report(self) -> dict:
         return {"servers": len(self.servers), "chunks": self.chunks_sent, "preempted": self.preempted,
                 "judged_at_once": self.judged_at_once, "bonus": self.bonus,
+                "drafters": [d.name for d in self.drafters],
                 "chunks_by_drafter": [d.chunks for d in self.drafters],
                 "judged_at_once_by_drafter": [d.judged_at_once for d in self.drafters]}
 
 
 def decode(run: Run, runtime, server_names: list[str], drafter_names: list[str], channel_names: list[str],
-           lookahead: int, max_ahead: int):
+           lookahead: int, max_ahead: int, order: list | None = None):
     """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
-    Drafter drafter_names[i] drafts into the channel channel_names[i]."""
+    Drafter drafter_names[i] drafts into the channel channel_names[i]; `order` puts them and the model-free
+    drafters in priority order (_MainThread)."""
     channels = [runtime.channels[name] for name in channel_names]
-    main = _MainThread(run, runtime, server_names, channels, lookahead)
+    local = [d for d in order or [] if not isinstance(d, int)]
+    for drafter in local:
+        drafter.reset()
+    main = _MainThread(run, runtime, server_names, channels, lookahead, order, drafter_names)
     vocab_size = main.servers[0].worker.info.vocab_size
     drafting = []
     for i in range(len(channels)):
@@ -405,6 +473,8 @@ def decode(run: Run, runtime, server_names: list[str], drafter_names: list[str],
             _raise_worker_failure(main)
             run.finish_reason = run.finish_reason or "cancelled"
         draft_reports = runtime.gather(*drafting)
+        for drafter in local:
+            drafter.finish(run.sequence)
     draft_traces = [Trace.from_dict(report["trace"]) for report in draft_reports]
     run.draft_s = sum(t.busy_s("draft") for t in draft_traces)
     server_events = main.trace_events()

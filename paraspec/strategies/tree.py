@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from paraspec.drafters import Drafter, ModelDrafter, TokenTree
-from paraspec.strategies import register
+from paraspec.drafters import Drafter, Hybrid, ModelDrafter, TokenTree
+from paraspec.strategies import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import LocalStrategy, Run
+from paraspec.strategies.sd import measure_cost, record_plan
 from paraspec.verify import verify_tree
 
 
@@ -84,21 +85,36 @@ def count_round(run: Run, tree: TokenTree, path: list[int]) -> None:
 
 def tree_rounds(run: Run, target, drafter: Drafter, tree_width: int, tree_depth: int, tree_budget: int):
     """The round loop of `tree` and `easyspec`: draft a tree, verify it in one target forward, settle the draft
-    cache, commit the accepted path plus the correction/bonus token."""
+    cache, commit the accepted path plus the correction/bonus token. With the adaptive rule the tree's depth
+    is the rule's k* (0: the target decodes plainly)."""
+    drafter = drafter if isinstance(drafter, Hybrid) else Hybrid([drafter])
     target.rollback(0)
     drafter.reset()
-    while not run.done:
-        sequence = run.sequence
-        depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
-        tree = TokenTree()
-        with run.timed("draft", "draft", depth):
-            if depth > 0:
-                tree = drafter.propose_tree(sequence, tree_width, depth, budget, run.params, run.generator)
-        path, next_token = verify_round(run, target, sequence, tree)
-        if depth > 0:
-            drafter.accept(len(sequence), path)
-        count_round(run, tree, path)
-        yield run.commit([tree.tokens[node] for node in path] + [next_token])
+    try:
+        while not run.done:
+            sequence = run.sequence
+            pending = len(sequence) - target.length
+            depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
+            tree = TokenTree()
+            with run.timed("draft", "draft", depth) as event:
+                if depth > 0:
+                    tree = drafter.propose_tree(sequence, tree_width, depth, budget, run.params, run.generator,
+                                                pending=pending)
+                event.tokens = tree.depth
+            record_plan(run, drafter, tree.depth)
+            start = run.trace.now()
+            path, next_token = verify_round(run, target, sequence, tree)
+            verify_s = run.trace.now() - start
+            if len(tree):
+                drafter.accept(len(sequence), path)
+            committed = [tree.tokens[node] for node in path] + [next_token]
+            drafter.observe(pending + len(tree), verify_s, committed)
+            count_round(run, tree, path)
+            yield run.commit(committed)
+    finally:
+        drafter.finish(run.sequence)
+        if drafter.adaptive:
+            run.worker_reports["adaptive"] = drafter.report()
 
 
 class TreeStrategy(LocalStrategy):
@@ -118,5 +134,25 @@ class TreeStrategy(LocalStrategy):
 
 @register
 class Tree(TreeStrategy):
+    """The drafter: a draft model, "suffix" (branches by frequency), "ngram" (one branch), or several in order."""
     name = "tree"
     summary = "token-tree speculative decoding, one tree-masked target forward (SpecInfer)"
+    options = TreeStrategy.options + ("adaptive",) + DRAFTER_OPTIONS
+    several_drafts = True
+    model_free_drafts = True
+
+    def setup(self, placement) -> None:
+        super().setup(placement)
+        self.hybrid = None
+
+    def drafter(self) -> Hybrid:
+        if self.hybrid is None:
+            o = self.options
+            widest = min(o["tree_budget"], o["tree_width"] * o["tree_depth"])
+            self.hybrid = Hybrid(self.make_drafters(lambda m: ModelDrafter(m, self.target.vocab_size)),
+                                 measure_cost(self.target, widest) if o["adaptive"] else None)
+        return self.hybrid
+
+    def close(self) -> None:
+        self.hybrid = None
+        super().close()

@@ -112,6 +112,17 @@ N_SAMPLES = 1_200
 SAMPLING = dict(temperature=0.9, top_k=4)      # top-k: q has zeros, as real samplers make
 
 
+def sample_first_two(e: Engine, prompt) -> tuple[np.ndarray, int, int]:
+    """Counts of the first two sampled tokens over N_SAMPLES seeds, and the drafts made and accepted."""
+    counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
+    for seed in range(N_SAMPLES):
+        result = e.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed, **SAMPLING))
+        counts[result.token_ids[0], result.token_ids[1]] += 1
+        drafted += result.stats.drafted
+        accepted += result.stats.accepted
+    return counts, drafted, accepted
+
+
 @pytest.mark.parametrize("name", SPECULATIVE)
 def test_sampling_matches_target_distribution(slow_target_pair, name):  # noqa: F811
     """A draft much faster than its target (so worker strategies judge drafts rather than sampling the target
@@ -120,12 +131,7 @@ def test_sampling_matches_target_distribution(slow_target_pair, name):  # noqa: 
     prompt = [1, 2, 3]
     with engine(name, target, draft, **shapes(name)[1]) as e, Engine(target, strategy="ar", dtype="float32") as ar:
         joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
-        counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
-        for seed in range(N_SAMPLES):
-            result = e.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed, **SAMPLING))
-            counts[result.token_ids[0], result.token_ids[1]] += 1
-            drafted += result.stats.drafted
-            accepted += result.stats.accepted
+        counts, drafted, accepted = sample_first_two(e, prompt)
     assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted   # both branches ran
     assert_matches(counts, joint)
 
@@ -165,3 +171,61 @@ def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, a
     assert engine_config(args).strategy_class is Echo
     with pytest.raises(ValueError, match="does not apply"):
         Engine(qwen2_target, strategy=toy_registered, runtime="ray")
+
+
+# -- model-free drafters (ngram, suffix) and the hybrid, with and without the adaptive length ------------------
+
+FREE_TAKERS = [name for name, cls in STRATEGIES.items() if cls.model_free_drafts]
+FREE_DRAFTS = {"ngram": lambda model: "ngram", "suffix": lambda model: "suffix",
+               "ngram+model": lambda model: ["ngram", model], "suffix+model": lambda model: ["suffix", model]}
+FREE_CASES = [(name, kind, adaptive) for name in FREE_TAKERS for kind in FREE_DRAFTS
+              for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))]
+SMALL_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]       # repeats: the n-gram and suffix drafters find matches
+SAMPLED_PROMPT = [1, 2, 3, 5, 5, 1, 5, 5, 5, 5]          # the target often samples what the drafters propose
+FREE_OPTIONS = dict(ngram_min=1)
+
+
+def free_engine(name, target, draft_model, kind, adaptive):
+    options = dict(long_chunks(name), **FREE_OPTIONS)
+    if adaptive:
+        options["adaptive"] = True
+    return engine(name, target, FREE_DRAFTS[kind](draft_model), **options)
+
+
+def test_amusd_and_easyspec_refuse_model_free_drafters(qwen2_target):
+    for name in [n for n, cls in STRATEGIES.items() if cls.needs_draft and not cls.model_free_drafts]:
+        with pytest.raises(ValueError, match="needs a draft model, not 'ngram'.*run with"):
+            Engine(qwen2_target, "ngram", strategy=name)
+
+
+@pytest.mark.parametrize("name,kind,adaptive", FREE_CASES, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
+                                                                for n, k, a in FREE_CASES])
+def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive):  # noqa: F811
+    """Small vocabulary: the text repeats, so proposals are often right and often wrong; exactly ar's tokens over
+    several requests (the suffix cache carries across them)."""
+    target, draft = slow_target_pair
+    with free_engine(name, target, draft, kind, adaptive) as e, Engine(target, strategy="ar", dtype="float32") as ar:
+        drafted = accepted = 0
+        for prompt in (SMALL_PROMPT, SMALL_PROMPT[:7], [4, 4, 5, 4, 4]):
+            params = SamplingParams(max_new_tokens=40)
+            result = e.generate(prompt, params)
+            assert result.token_ids == ar.generate(prompt, params).token_ids
+            drafted += result.stats.drafted
+            accepted += result.stats.accepted
+    assert 0 < accepted < drafted                     # drafts were accepted and rejected
+
+
+@pytest.mark.parametrize("name,kind,adaptive", FREE_CASES, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
+                                                                for n, k, a in FREE_CASES])
+def test_model_free_sampling_matches_target_distribution(slow_target_pair, name, kind, adaptive):  # noqa: F811
+    """Point-mass q (and, in the hybrids, the draft model's q where the model drafts): the first two tokens
+    follow the target's exact joint distribution."""
+    target, draft = slow_target_pair
+    prompt = SAMPLED_PROMPT
+    with free_engine(name, target, draft, kind, adaptive) as e, Engine(target, strategy="ar", dtype="float32") as ar:
+        joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
+        counts, drafted, accepted = sample_first_two(e, prompt)
+    assert drafted > N_SAMPLES / 4 and 0 < accepted < drafted           # both branches ran
+    if not adaptive:    # (the rule may learn to draft only where drafts are rarely right: that is its job)
+        assert 0.05 * drafted < accepted < 0.95 * drafted
+    assert_matches(counts, joint)

@@ -1,0 +1,203 @@
+"""Suffix drafting (SuffixDecoding, Oliaro et al. 2024; vLLM's `suffix`): propose what most often followed the
+current context, in this request's prompt and text and in the engine's earlier outputs.
+
+Two suffix tries, each holding every substring of up to `depth` tokens of the sequences added to it with the
+number of times it occurs (a suffix tree cut at depth `depth`, O(depth) to extend per token):
+
+    request trie   the prompt and the tokens generated so far (rebuilt for every request);
+    output cache   the outputs of the engine's last `cache_requests` requests, shared across requests (the
+                   oldest output is removed, counts and all, when the cache is full).
+
+Each round matches the longest suffix of the sequence (up to `depth // 2` tokens) in both tries and follows
+the continuation from the deeper match (the request's on a tie): a chain takes the most frequent child at every
+step; a tree (`propose_tree`) takes the `width` most frequent children of each node, best first by the
+empirical probability of the path (count(child) / count(parent) multiplied down), so branches come ordered by
+frequency. A path whose empirical probability falls below MIN_PATH_PROB is not proposed (vLLM's default
+`suffix_decoding_min_token_prob`): after a short, common context the continuations are too spread to pay.
+
+q: proposals are deterministic functions of the sequence and the cache, so each token's q is the point mass on
+it (a tree's siblings are distinct fixed tokens: verify_tree judges each with its own point mass).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+import torch
+
+from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.ngram import SequenceIndex
+from paraspec.drafters.tree import TokenTree
+from paraspec.sampling import SamplingParams
+
+MIN_PATH_PROB = 0.1
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self):
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    """Every substring of up to `depth` tokens of the sequences added, with its number of occurrences."""
+
+    def __init__(self, depth: int):
+        if depth < 2:
+            raise ValueError(f"suffix_depth must be >= 2 (a match and a proposed token), got {depth}")
+        self.depth = depth
+        self.root = _Node()
+
+    def add(self, tokens, sign: int = 1) -> None:
+        """Count every substring of `tokens` (up to `depth` long) once per occurrence; sign=-1 removes them."""
+        active: list[_Node] = []          # active[d - 1]: the node of the last d tokens
+        for token in tokens:
+            active = self._step(active, int(token), sign)
+
+    def _step(self, active: list[_Node], token: int, sign: int) -> list[_Node]:
+        new = []
+        for parent in [self.root] + active[:self.depth - 1]:
+            child = parent.children.get(token)
+            if child is None:
+                if sign < 0:
+                    break                  # never added (cannot happen for a sequence that was): nothing deeper
+                child = parent.children[token] = _Node()
+            child.count += sign
+            if child.count <= 0:
+                del parent.children[token]
+            new.append(child)
+        return new
+
+    def match(self, sequence: list[int], longest: int) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `sequence` (at most `longest` tokens) that occurs with a
+        continuation, and its length."""
+        for m in range(min(longest, len(sequence), self.depth - 1), 0, -1):
+            node = self.root
+            for token in sequence[len(sequence) - m:]:
+                node = node.children.get(token)
+                if node is None:
+                    break
+            else:
+                if node.children:
+                    return node, m
+        return None, 0
+
+    def size(self) -> int:
+        count, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            count += len(node.children)
+            stack.extend(node.children.values())
+        return count
+
+
+class RequestTrie(SequenceIndex):
+    """A SuffixTrie of the current request's sequence but its last token, extended as the sequence grows: a
+    match of the sequence's suffix is then always an earlier occurrence (never the suffix itself)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        super().__init__()
+        self.restart()
+
+    def restart(self) -> None:
+        super().restart()
+        self.trie = SuffixTrie(self.depth)
+        self._active: list[_Node] = []
+
+    def append(self, token: int) -> None:
+        super().append(token)
+        if len(self.tokens) >= 2:
+            self._active = self.trie._step(self._active, self.tokens[-2], 1)
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+    free = True
+
+    def __init__(self, vocab_size: int, depth: int = 32, cache_requests: int = 128):
+        if cache_requests < 0:
+            raise ValueError(f"suffix_cache must be >= 0 (earlier requests kept), got {cache_requests}")
+        self.vocab_size, self.depth, self.cache_requests = vocab_size, depth, cache_requests
+        self.request = RequestTrie(depth)
+        self.cache = SuffixTrie(depth)           # shared across requests
+        self.cached: deque[list[int]] = deque()  # the outputs in the cache, oldest first
+        self.prompt_len: int | None = None
+        self.last_match = 0
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.request.restart()
+        self.prompt_len = None
+
+    def finish(self, sequence: list[int]) -> None:
+        """The request ended: its output joins the cache (the oldest leaves when full)."""
+        if self.prompt_len is None or self.cache_requests == 0:
+            return
+        output = [int(t) for t in sequence[self.prompt_len:]]
+        self.prompt_len = None
+        if len(output) < 2:
+            return
+        self.cache.add(output)
+        self.cached.append(output)
+        while len(self.cached) > self.cache_requests:
+            self.cache.add(self.cached.popleft(), sign=-1)
+
+    def _match(self, sequence: list[int]) -> tuple[_Node | None, int]:
+        if self.prompt_len is None:
+            self.prompt_len = len(sequence)
+        self.request.sync(sequence)
+        longest = self.depth // 2
+        mine = self.request.trie.match(sequence, longest)
+        theirs = self.cache.match(sequence, longest)
+        node, n = mine if mine[1] >= theirs[1] else theirs
+        self.last_match = n
+        return node, n
+
+    # -- proposals --------------------------------------------------------------------------------------------
+    def propose(self, sequence: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        if k <= 0:
+            return Proposal([])
+        node, n = self._match(sequence)
+        tokens, prob = [], 1.0
+        while node is not None and node.children and len(tokens) < min(k, self.depth - n):
+            token, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
+            prob *= child.count / max(node.count, 1)
+            if prob < MIN_PATH_PROB or token >= self.vocab_size:
+                break
+            tokens.append(token)
+            node = child
+        return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
+
+    def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
+                     generator: torch.Generator) -> TokenTree:
+        """Best first by the path's empirical probability: at most `width` children a node (its most frequent),
+        `depth` levels, `budget` nodes. The children of a node come out in decreasing frequency."""
+        tree = TokenTree()
+        root, n = self._match(sequence)
+        if root is None:
+            return tree
+        depth = min(depth, self.depth - n)
+        heap: list = []
+        order = 0
+
+        def push(node: _Node, parent: int, level: int, prob: float) -> None:
+            nonlocal order
+            if level >= depth:
+                return
+            kids = sorted(node.children.items(), key=lambda kv: (-kv[1].count, kv[0]))[:width]
+            for token, child in kids:
+                p = prob * child.count / max(node.count, 1)
+                if p >= MIN_PATH_PROB and token < self.vocab_size:
+                    heapq.heappush(heap, (-p, order, token, child, parent, level + 1))
+                    order += 1
+
+        push(root, -1, 0, 1.0)
+        while heap and len(tree) < budget:
+            neg_p, _, token, node, parent, level = heapq.heappop(heap)
+            index = tree.add(token, parent)
+            push(node, index, level, -neg_p)
+        return tree     # no draft_probs: every node's children are fixed tokens (point masses)
