@@ -31,7 +31,8 @@ def add_commands(subparsers) -> None:
                             "threads the engine's devices give. Strategies in worker processes (amusd, dsi) run "
                             "once, on their devices")
     bench.add_argument("--dataset", nargs="+", default=["humaneval"], metavar="NAME",
-                       help=f"{', '.join(DATASETS)}, or FILE.jsonl (a 'prompt' or 'messages' field per line); "
+                       help=f"{', '.join(DATASETS)} (code-edit and summarize are copy-heavy: the answer repeats "
+                            f"much of the prompt), or FILE.jsonl (a 'prompt' or 'messages' field per line); "
                             f"several give one table each")
     bench.add_argument("--num-prompts", type=int, default=5, help="prompts per dataset (MT-Bench: questions)")
     bench.add_argument("--turns", type=int, choices=[1, 2], default=1,
