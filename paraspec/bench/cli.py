@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from paraspec.bench.datasets import DATASETS
-from paraspec.bench.hf_baselines import HF_STRATEGIES
+from paraspec.bench.hf_baselines import HF_STRATEGIES, PROMPT_LOOKUP_TOKENS
 from paraspec.bench.llamacpp_peers import LLAMACPP_STRATEGIES
 from paraspec.strategies import STRATEGIES
 
@@ -46,6 +46,12 @@ def add_commands(subparsers) -> None:
     bench.add_argument("--hf-confidence-threshold", type=float,
                        help="hf-assisted: stop drafting below this draft probability (default: transformers' "
                             "0.4; 0 disables it)")
+    bench.add_argument("--hf-prompt-lookup-tokens", type=int, default=PROMPT_LOOKUP_TOKENS, metavar="N",
+                       help="hf-prompt-lookup: candidate tokens copied per round (transformers' "
+                            "prompt_lookup_num_tokens; default %(default)s)")
+    bench.add_argument("--hf-prompt-lookup-ngram", type=int, metavar="N",
+                       help="hf-prompt-lookup: the longest n-gram matched (transformers' max_matching_ngram_size; "
+                            "default: transformers' own, 2)")
     bench.add_argument("--llamacpp-spec-grid", type=_spec_grid, metavar="N:P[,N:P]",
                        help="llamacpp-spec: the (draft max, p-min) settings tried on the first prompt of each "
                             "dataset, the fastest kept (default: draft max 4,8,16 x p-min 0,0.5,0.8)")
@@ -113,7 +119,8 @@ def cmd_bench(args) -> int:
         engine=engine_config(args, strategy="sd" if args.draft else "ar"),   # each variant sets its own
         variants=variants, params=sampling_params(args), chat=args.chat,
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
-        hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress,
+        hf_confidence_threshold=args.hf_confidence_threshold, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens,
+        hf_prompt_lookup_ngram=args.hf_prompt_lookup_ngram, progress=not args.no_progress,
         **({"llamacpp_spec_grid": tuple(args.llamacpp_spec_grid)} if args.llamacpp_spec_grid else {}))
     prompt_sets = {name: load_prompts(name, args.num_prompts, args.turns if name == "mt-bench" else 1)
                    for name in args.dataset}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
-from paraspec.bench.hf_baselines import HF_STRATEGIES, HFBaseline, hf_causal_lm
+from paraspec.bench.hf_baselines import HF_STRATEGIES, PROMPT_LOOKUP_TOKENS, HFBaseline, hf_causal_lm
 from paraspec.bench.llamacpp_peers import DEFAULT_SPEC_GRID, LLAMACPP_STRATEGIES, LlamaCppPeer
 from paraspec.bench.metrics import Record, Variant
 from paraspec.config import EngineConfig
@@ -87,6 +87,8 @@ class BenchConfig:
     warmup_tokens: int = 8
     hf_assistant_tokens: int | None = None
     hf_confidence_threshold: float | None = None
+    hf_prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS     # hf-prompt-lookup: candidates per round
+    hf_prompt_lookup_ngram: int | None = None              # and the longest n-gram matched (None: transformers' 2)
     llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID          # llamacpp-spec's (draft max, p-min) settings to try
     progress: bool = True
 
@@ -203,7 +205,9 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
                 for name in hf_wanted:
                     baseline = HFBaseline(name, target, draft, max_context=min(limits),
                                           num_assistant_tokens=config.hf_assistant_tokens,
-                                          confidence_threshold=config.hf_confidence_threshold)
+                                          confidence_threshold=config.hf_confidence_threshold,
+                                          prompt_lookup_tokens=config.hf_prompt_lookup_tokens,
+                                          prompt_lookup_ngram=config.hf_prompt_lookup_ngram)
                     built[name] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
                                        affinity=start_affinity, default_threads=start_threads,
                                        settings=baseline.settings())
