@@ -24,7 +24,9 @@ def add_commands(subparsers) -> None:
                        help=f"comma-separated: {', '.join(list(STRATEGIES) + list(HF_STRATEGIES))}, "
                             f"{', '.join(LLAMACPP_STRATEGIES)} (llama.cpp's llama-server on the GGUF files, built "
                             f"once by scripts/build_llamacpp.py peer), or all (every paraspec strategy); NAME@Nt "
-                            f"fixes a thread count")
+                            f"fixes a thread count; NAME[D,...] gives a strategy its drafters in order, each ngram, "
+                            f"suffix or model (the --draft checkpoint), e.g. sd[ngram,model] (hybrid), "
+                            f"dsi[ngram,model] (two drafters); without brackets it takes --draft")
     bench.add_argument("--threads", type=_int_list, metavar="N[,N]",
                        help="run each in-process strategy at each of these torch thread counts, on every core "
                             "this process may use, e.g. 1,2 (variants ar@1t, ar@2t, ...); default: the cores and "
