@@ -57,6 +57,11 @@ def add_commands(subparsers) -> None:
     bench.add_argument("--llamacpp-spec-grid", type=_spec_grid, metavar="N:P[,N:P]",
                        help="llamacpp-spec: the (draft max, p-min) settings tried on the first prompt of each "
                             "dataset, the fastest kept (default: draft max 4,8,16 x p-min 0,0.5,0.8)")
+    bench.add_argument("--llamacpp-ngram-grid", type=_ngram_grid, metavar="TYPE:N:M[,...]",
+                       help="llamacpp-ngram: llama-server's n-gram drafters tried on the first prompt of each "
+                            "dataset, the fastest kept: TYPE ngram-simple, ngram-map-k, ngram-map-k4v or ngram-mod, "
+                            "N tokens looked up, at most M drafted (default: ngram-simple:12:48, ngram-mod:24:64 "
+                            "(llama.cpp's defaults), ngram-simple:4:16, ngram-simple:3:8)")
     bench.add_argument("--plot-prompt", type=int, default=0, help="index of the prompt drawn in the plots")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--out", required=True, help="folder for report.md, results.json and the PNGs")
@@ -107,6 +112,14 @@ def _spec_grid(text: str) -> list[tuple[int, float]]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _ngram_grid(text: str) -> list[tuple[str, int, int]]:
+    from paraspec.bench.llamacpp_peers import parse_ngram_grid
+    try:
+        return parse_ngram_grid(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_bench(args) -> int:
     from paraspec.bench.datasets import load_prompts
     from paraspec.bench.report import write_report
@@ -123,7 +136,8 @@ def cmd_bench(args) -> int:
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
         hf_confidence_threshold=args.hf_confidence_threshold, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens,
         hf_prompt_lookup_ngram=args.hf_prompt_lookup_ngram, progress=not args.no_progress,
-        **({"llamacpp_spec_grid": tuple(args.llamacpp_spec_grid)} if args.llamacpp_spec_grid else {}))
+        **({"llamacpp_spec_grid": tuple(args.llamacpp_spec_grid)} if args.llamacpp_spec_grid else {}),
+        **({"llamacpp_ngram_grid": tuple(args.llamacpp_ngram_grid)} if args.llamacpp_ngram_grid else {}))
     prompt_sets = {name: load_prompts(name, args.num_prompts, args.turns if name == "mt-bench" else 1)
                    for name in args.dataset}
     tokenizer = load_tokenizer(args.target, args.dtype)

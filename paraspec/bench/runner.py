@@ -6,8 +6,8 @@ always the one that runs right after a thread-count switch. Every variant gets t
 
 In-process engines and the transformers baselines share one copy of each model (`shared_model_loads`);
 strategies that run in worker processes load their own copies there. The llama.cpp peers run llama-server
-processes on the GGUF files (llamacpp_peers.py); llamacpp-spec picks its draft settings on the first prompt of
-each dataset before the warm-up.
+processes on the GGUF files (llamacpp_peers.py); llamacpp-spec and llamacpp-ngram pick their draft settings on the
+first prompt of each dataset before the warm-up.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.hf_baselines import HF_STRATEGIES, PROMPT_LOOKUP_TOKENS, HFBaseline, hf_causal_lm
-from paraspec.bench.llamacpp_peers import DEFAULT_SPEC_GRID, LLAMACPP_STRATEGIES, LlamaCppPeer
+from paraspec.bench.llamacpp_peers import DEFAULT_NGRAM_GRID, DEFAULT_SPEC_GRID, LLAMACPP_STRATEGIES, LlamaCppPeer
 from paraspec.bench.metrics import Record, Variant
 from paraspec.config import EngineConfig
 from paraspec.runtime.devices import current_pinning, set_pinning
@@ -144,6 +144,7 @@ class BenchConfig:
     hf_prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS     # hf-prompt-lookup: candidates per round
     hf_prompt_lookup_ngram: int | None = None              # and the longest n-gram matched (None: transformers' 2)
     llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID          # llamacpp-spec's (draft max, p-min) settings to try
+    llamacpp_ngram_grid: tuple = DEFAULT_NGRAM_GRID        # llamacpp-ngram's (spec type, n, m) settings to try
     progress: bool = True
 
 
@@ -159,7 +160,7 @@ class Contender:
         self.variant, self._generate, self.devices = variant, generate, devices
         self.affinity, self.default_threads, self.settings = affinity, default_threads, settings or {}
         self.worker_cores = worker_cores
-        self.tune = tune            # llamacpp-spec: picks its draft settings on tuning prompts (tune(ids, params))
+        self.tune = tune            # llamacpp-spec/-ngram: pick draft settings on tuning prompts (tune(ids, params))
 
     @property
     def threads(self) -> int:
@@ -327,7 +328,8 @@ def _peer_contender(config: BenchConfig, variant: Variant, start_affinity, close
             raise ValueError(f"{variant.strategy} runs on CPU cores; --target-devices {device} is not a CPU")
         cores, threads = device.cores or start_affinity, device.num_threads
     peer = LlamaCppPeer(variant.strategy, config.engine.target, config.engine.draft, threads=threads, cores=cores,
-                        max_context=config.engine.max_context, spec_grid=config.llamacpp_spec_grid)
+                        max_context=config.engine.max_context, spec_grid=config.llamacpp_spec_grid,
+                        ngram_grid=config.llamacpp_ngram_grid)
     closers.append(peer)
     limits.append(peer.max_context)
     return dict(generate=peer.generate, devices=peer.devices, affinity=start_affinity, default_threads=threads,
