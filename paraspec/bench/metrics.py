@@ -18,13 +18,16 @@ from paraspec.trace import Trace
 
 @dataclass(frozen=True)
 class Variant:
-    """A strategy at a thread count: `ar@2t` runs `ar` with torch.set_num_threads(2) in this process."""
+    """A strategy at a thread count, with its drafters: `ar@2t` runs `ar` with torch.set_num_threads(2) in this
+    process; `sd[ngram,model]` runs `sd` with the drafters ngram and the bench's --draft model (runner.py)."""
     strategy: str
     threads: int | None = None       # None: the thread count the engine set up (from its devices)
+    drafts: tuple[str, ...] | None = None     # None: the bench's --draft as it is
 
     @property
     def name(self) -> str:
-        return self.strategy if self.threads is None else f"{self.strategy}@{self.threads}t"
+        label = self.strategy if self.drafts is None else f"{self.strategy}[{','.join(self.drafts)}]"
+        return label if self.threads is None else f"{label}@{self.threads}t"
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Record:
 
     def to_dict(self) -> dict:
         return {"variant": self.variant.name, "strategy": self.variant.strategy, "threads": self.variant.threads,
+                "drafts": None if self.variant.drafts is None else list(self.variant.drafts),
                 "prompt_index": self.prompt_index, "prompt_id": self.prompt_id,
                 "prompt_tokens": self.prompt_tokens, "token_ids": self.token_ids, "text": self.text,
                 "finish_reason": self.finish_reason, "stats": self.stats.to_dict(),

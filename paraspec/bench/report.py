@@ -79,21 +79,25 @@ def _runs_on(strategy: str) -> str:
 
 
 def _spec_grid_lines(result: BenchResult) -> list[str]:
-    """llamacpp-spec's draft settings as tuned (llamacpp_peers.LlamaCppPeer.tune), the kept one in bold."""
+    """The llama.cpp peers' settings as tuned (llamacpp_peers.LlamaCppPeer.tune: llamacpp-spec's draft max and
+    p-min, llamacpp-ngram's n-gram type, n and m), the kept one in bold."""
+    from paraspec.bench.llamacpp_peers import SETTING_FIELDS, setting_label
     lines = []
     for name, info in result.contenders.items():
         grid, settings = info["settings"].get("spec_grid"), info["settings"]
         if not grid:
             continue
-        tuned = settings["tuned_on"]
-        lines += ["", f"{name}: llama.cpp's draft settings, timed on {tuned['prompts']} prompt(s) × "
-                      f"{tuned['max_new_tokens']} new tokens before the run; kept draft max {settings['draft_max']}, "
-                      f"p-min {settings['p_min']:g}:",
-                  "", "| draft max | p-min | ms/token | acceptance |", "|---|---|---|---|"]
+        tuned, fields = settings["tuned_on"], [k for k in SETTING_FIELDS if k in grid[0]]
+        kind = "n-gram" if "spec_type" in fields else "draft"
+        lines += ["", f"{name}: llama.cpp's {kind} settings, timed on {tuned['prompts']} prompt(s) × "
+                      f"{tuned['max_new_tokens']} new tokens before the run; kept "
+                      f"{setting_label({k: settings[k] for k in fields})}:",
+                  "", "| " + " | ".join(SETTING_FIELDS[k] for k in fields) + " | ms/token | acceptance |",
+                  "|" + "---|" * (len(fields) + 2)]
         for row in grid:
-            kept = (row["draft_max"], row["p_min"]) == (settings["draft_max"], settings["p_min"])
-            cells = [str(row["draft_max"]), f"{row['p_min']:g}", f"{row['ms_per_token']:.1f}",
-                     NONE if row["acceptance"] is None else f"{row['acceptance']:.1%}"]
+            kept = all(row[k] == settings[k] for k in fields)
+            cells = [f"{row[k]:g}" if isinstance(row[k], float) else str(row[k]) for k in fields]
+            cells += [f"{row['ms_per_token']:.1f}", NONE if row["acceptance"] is None else f"{row['acceptance']:.1%}"]
             lines.append("| " + " | ".join(f"**{c}**" if kept else c for c in cells) + " |")
     return lines
 

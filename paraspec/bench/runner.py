@@ -6,12 +6,13 @@ always the one that runs right after a thread-count switch. Every variant gets t
 
 In-process engines and the transformers baselines share one copy of each model (`shared_model_loads`);
 strategies that run in worker processes load their own copies there. The llama.cpp peers run llama-server
-processes on the GGUF files (llamacpp_peers.py); llamacpp-spec picks its draft settings on the first prompt of
-each dataset before the warm-up.
+processes on the GGUF files (llamacpp_peers.py); llamacpp-spec and llamacpp-ngram pick their draft settings on the
+first prompt of each dataset before the warm-up.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import sys
 from contextlib import contextmanager
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
-from paraspec.bench.hf_baselines import HF_STRATEGIES, HFBaseline, hf_causal_lm
-from paraspec.bench.llamacpp_peers import DEFAULT_SPEC_GRID, LLAMACPP_STRATEGIES, LlamaCppPeer
+from paraspec.bench.hf_baselines import HF_STRATEGIES, PROMPT_LOOKUP_TOKENS, HFBaseline, hf_causal_lm
+from paraspec.bench.llamacpp_peers import DEFAULT_NGRAM_GRID, DEFAULT_SPEC_GRID, LLAMACPP_STRATEGIES, LlamaCppPeer
 from paraspec.bench.metrics import Record, Variant
 from paraspec.config import EngineConfig
 from paraspec.runtime.devices import current_pinning, set_pinning
@@ -35,14 +36,49 @@ def runs_in_workers(strategy: str) -> bool:
     return strategy in STRATEGIES and STRATEGIES[strategy].in_workers
 
 
+# The drafters a variant may name in brackets: the model-free ones, and `model` = the bench's --draft checkpoint(s).
+DRAFTER_NAMES = ("ngram", "suffix", "model")
+
+
+def split_items(spec: str) -> list[str]:
+    """`ar,sd[ngram,model]@2t` -> ["ar", "sd[ngram,model]@2t"]: commas inside brackets separate drafters."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(spec):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise ValueError(f"unbalanced brackets in --strategies {spec!r}; write e.g. sd[ngram,model]")
+        if char == "," and depth == 0:
+            items.append(spec[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced brackets in --strategies {spec!r}; write e.g. sd[ngram,model]")
+    return [item.strip() for item in items + [spec[start:]] if item.strip()]
+
+
+def parse_drafts(strategy: str, text: str, item: str) -> tuple[str, ...]:
+    """The drafters in `sd[ngram,model]`, checked against DRAFTER_NAMES and the strategy."""
+    drafts = tuple(d.strip() for d in text.split(","))
+    unknown = [d for d in drafts if d not in DRAFTER_NAMES]
+    if not drafts or unknown:
+        raise ValueError(f"bad drafter {(unknown or [''])[0]!r} in {item!r}; name drafters among "
+                         f"{', '.join(DRAFTER_NAMES)} (model: the --draft checkpoint), e.g. sd[ngram,model]")
+    if strategy not in STRATEGIES or not STRATEGIES[strategy].needs_draft:
+        takes = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
+        raise ValueError(f"{strategy} takes no drafters, so {item!r} does not apply; brackets go with "
+                         f"{', '.join(takes)}")
+    if len(set(drafts)) < len(drafts):
+        raise ValueError(f"{item!r} names a drafter twice")
+    return drafts
+
+
 def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]:
-    """`ar,sd@2t,hf-assisted` -> variants. A name without `@Nt` runs at every --threads count (or, without
-    --threads, at the engine's own thread count); strategies that run in worker processes run once, on their
-    devices. `all` is every registered paraspec strategy."""
+    """`ar,sd@2t,sd[ngram,model],hf-assisted` -> variants. A name without `@Nt` runs at every --threads count
+    (or, without --threads, at the engine's own thread count); strategies that run in worker processes run once,
+    on their devices. `STRATEGY[D1,D2]` gives a strategy its drafters (ngram, suffix, or model: the --draft
+    checkpoint) in that order; without brackets it takes --draft as it is. `all` is every registered paraspec
+    strategy."""
     names = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
+    for item in split_items(spec):
         names += list(STRATEGIES) if item == "all" else [item]
     if not names:
         raise ValueError("--strategies is empty; pass e.g. ar,sd,hf-assisted")
@@ -51,13 +87,19 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
     known = list(STRATEGIES) + list(HF_STRATEGIES) + list(LLAMACPP_STRATEGIES)
     variants: list[Variant] = []
     for name in names:
-        strategy, _, suffix = name.partition("@")
+        found = re.fullmatch(r"([^\[\]@]*)(?:\[([^\]]*)\])?(?:@([^\[\]]*))?", name)
+        if found is None:
+            raise ValueError(f"bad variant {name!r} in --strategies; write STRATEGY, STRATEGY@2t or "
+                             f"STRATEGY[ngram,model]@2t")
+        strategy, drafts_text, suffix = found.groups()
+        strategy = strategy.strip()
         if strategy not in known:
             raise ValueError(f"unknown strategy {strategy!r} in --strategies; choose from {', '.join(known)}, all")
-        if suffix and runs_in_workers(strategy):
+        drafts = None if drafts_text is None else parse_drafts(strategy, drafts_text, name)
+        if suffix is not None and runs_in_workers(strategy):
             raise ValueError(f"{strategy} runs in worker processes on --target-devices/--draft-devices; it takes "
                              f"no @Nt thread count (give it devices instead)")
-        if suffix:
+        if suffix is not None:
             try:
                 counts = [int(suffix.removesuffix("t"))]
             except ValueError:
@@ -67,9 +109,21 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
         else:
             counts = [None] if runs_in_workers(strategy) else threads or [None]
         for n in counts:
-            if Variant(strategy, n) not in variants:
-                variants.append(Variant(strategy, n))
+            if Variant(strategy, n, drafts) not in variants:
+                variants.append(Variant(strategy, n, drafts))
     return variants
+
+
+def variant_drafts(variant: Variant, draft) -> str | list | None:
+    """The Engine's `draft` for a variant: the bench's --draft (`draft`) without brackets; else the bracket's
+    drafters with `model` replaced by the --draft checkpoint(s) — one drafter as itself, several as a list."""
+    if variant.drafts is None:
+        return draft
+    if "model" in variant.drafts and draft is None:
+        raise ValueError(f"{variant.name} names the draft model; pass --draft")
+    models = list(draft) if isinstance(draft, (list, tuple)) else [draft]
+    out = [m for d in variant.drafts for m in (models if d == "model" else [d])]
+    return out[0] if len(out) == 1 else out
 
 
 def interleave(num_prompts: int, variants: list[Variant]) -> list[tuple[int, Variant]]:
@@ -87,7 +141,10 @@ class BenchConfig:
     warmup_tokens: int = 8
     hf_assistant_tokens: int | None = None
     hf_confidence_threshold: float | None = None
+    hf_prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS     # hf-prompt-lookup: candidates per round
+    hf_prompt_lookup_ngram: int | None = None              # and the longest n-gram matched (None: transformers' 2)
     llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID          # llamacpp-spec's (draft max, p-min) settings to try
+    llamacpp_ngram_grid: tuple = DEFAULT_NGRAM_GRID        # llamacpp-ngram's (spec type, n, m) settings to try
     progress: bool = True
 
 
@@ -103,7 +160,7 @@ class Contender:
         self.variant, self._generate, self.devices = variant, generate, devices
         self.affinity, self.default_threads, self.settings = affinity, default_threads, settings or {}
         self.worker_cores = worker_cores
-        self.tune = tune            # llamacpp-spec: picks its draft settings on tuning prompts (tune(ids, params))
+        self.tune = tune            # llamacpp-spec/-ngram: pick draft settings on tuning prompts (tune(ids, params))
 
     @property
     def threads(self) -> int:
@@ -164,21 +221,24 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     smallest context (prompt + new tokens) any of them holds."""
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
     needs_draft = [v.name for v in config.variants
-                   if v.strategy in ("hf-assisted", "llamacpp-spec")
-                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft)]
+                   if v.strategy in ("hf-assisted", "llamacpp-spec") or "model" in (v.drafts or ())
+                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft and v.drafts is None)]
     if needs_draft and config.engine.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
+    # one engine per (strategy, drafters), shared by that variant's thread counts; every config is checked
+    # before any model loads
+    engine_configs = {engine_key(v): variant_engine_config(config.engine, v) for v in config.variants
+                      if v.strategy in STRATEGIES}
     start_affinity, start_threads = current_pinning()
     engines, built, limits = [], {}, [config.engine.max_context]
-    strategies = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in STRATEGIES))
     try:
         # worker strategies load their models in their own processes: build them outside the shared loads
-        for name in [s for s in strategies if runs_in_workers(s)]:
-            built[name] = _engine_contender(config, name, engines, limits)
+        for key in [k for k in engine_configs if runs_in_workers(k[0])]:
+            built[key] = _engine_contender(engine_configs[key], engines, limits)
             set_pinning(start_affinity, start_threads)
         with shared_model_loads() as load:
-            for name in [s for s in strategies if not runs_in_workers(s)]:
-                built[name] = _engine_contender(config, name, engines, limits)
+            for key in [k for k in engine_configs if not runs_in_workers(k[0])]:
+                built[key] = _engine_contender(engine_configs[key], engines, limits)
                 # an in-process engine pins this process to its cores; undo it, or the next engine could not
                 # even name the other cores (device parsing checks them against the current affinity)
                 set_pinning(start_affinity, start_threads)
@@ -203,8 +263,10 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
                 for name in hf_wanted:
                     baseline = HFBaseline(name, target, draft, max_context=min(limits),
                                           num_assistant_tokens=config.hf_assistant_tokens,
-                                          confidence_threshold=config.hf_confidence_threshold)
-                    built[name] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
+                                          confidence_threshold=config.hf_confidence_threshold,
+                                          prompt_lookup_tokens=config.hf_prompt_lookup_tokens,
+                                          prompt_lookup_ngram=config.hf_prompt_lookup_ngram)
+                    built[(name, None)] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
                                        affinity=start_affinity, default_threads=start_threads,
                                        settings=baseline.settings())
         for v in [v for v in config.variants if v.strategy in LLAMACPP_STRATEGIES]:
@@ -215,7 +277,7 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
         raise
     contenders = []
     for v in config.variants:
-        kwargs = dict(built[v] if v in built else built[v.strategy])
+        kwargs = dict(built[v] if v in built else built[engine_key(v)])
         if v.threads is not None:
             # an explicit thread count runs on every core this process may use, not the engine's pinned set
             kwargs["affinity"] = start_affinity
@@ -223,10 +285,21 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     return contenders, engines, min(limits)
 
 
-def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits: list) -> dict:
+def engine_key(variant: Variant) -> tuple:
+    """Variants with the same key share one engine (or baseline): they differ in thread count only."""
+    return variant.strategy, variant.drafts
+
+
+def variant_engine_config(engine: EngineConfig, variant: Variant) -> EngineConfig:
+    """The bench's EngineConfig with the variant's strategy and drafters (validated here, before loading)."""
+    return dataclasses.replace(engine, strategy=variant.strategy, draft=variant_drafts(variant, engine.draft))
+
+
+def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) -> dict:
     from paraspec.engine import Engine
     from paraspec.models.loader import parse_dtype
-    engine = Engine.from_config(dataclasses.replace(config.engine, strategy=strategy))
+    strategy = engine_config.strategy
+    engine = Engine.from_config(engine_config)
     engines.append(engine)
     limits.append(engine.max_context)
     devices = f"target {' '.join(map(str, engine.target_devices))}"
@@ -234,8 +307,9 @@ def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits:
         devices += f", draft {' '.join(map(str, engine.draft_devices))}"
     settings = dict(engine.options)
     settings["backend"] = engine.backend
+    settings["draft"] = [str(d) for d in engine_config.drafts] if engine_config.strategy_class.needs_draft else []
     settings["dtype"] = "gguf" if engine.backend == "llamacpp" else _dtype_name(engine.target) or str(
-        parse_dtype(config.engine.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
+        parse_dtype(engine_config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
     return dict(generate=engine.generate, devices=devices, affinity=current_pinning()[0],
                 default_threads=torch.get_num_threads(), settings=settings,
                 worker_cores=_cores(engine.target_devices + engine.draft_devices)
@@ -254,7 +328,8 @@ def _peer_contender(config: BenchConfig, variant: Variant, start_affinity, close
             raise ValueError(f"{variant.strategy} runs on CPU cores; --target-devices {device} is not a CPU")
         cores, threads = device.cores or start_affinity, device.num_threads
     peer = LlamaCppPeer(variant.strategy, config.engine.target, config.engine.draft, threads=threads, cores=cores,
-                        max_context=config.engine.max_context, spec_grid=config.llamacpp_spec_grid)
+                        max_context=config.engine.max_context, spec_grid=config.llamacpp_spec_grid,
+                        ngram_grid=config.llamacpp_ngram_grid)
     closers.append(peer)
     limits.append(peer.max_context)
     return dict(generate=peer.generate, devices=peer.devices, affinity=start_affinity, default_threads=threads,

@@ -98,3 +98,18 @@ def test_bench_runs_every_registered_strategy(tmp_path, bench_target, bench_draf
     summary = json.loads((out / "results.json").read_text())["datasets"][str(prompts)]["summary"]
     assert [row["strategy"] for row in summary] == list(STRATEGIES)
     assert all(row["identical"] == 1 for row in summary if row["strategy"] != "ar")
+
+
+def test_bench_runs_prompt_lookup_on_code_edit(tmp_path, bench_target):
+    """No draft model needed; transformers' settings are recorded; greedy tokens equal ar's."""
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(bench_target), "--dtype", "float32", "--strategies", "ar,hf-prompt-lookup",
+                 "--threads", "1", "--dataset", "code-edit", "--num-prompts", "1", "--max-new-tokens", "8",
+                 "--hf-prompt-lookup-tokens", "3", "--hf-prompt-lookup-ngram", "4", "--out", str(out),
+                 "--no-progress"]) == 0
+    data = json.loads((out / "results.json").read_text())["datasets"]["code-edit"]
+    assert [p["id"] for p in data["prompts"]] == ["code-edit/HumanEval/0"]
+    settings = data["variants"]["hf-prompt-lookup@1t"]["settings"]
+    assert settings["prompt_lookup_num_tokens"] == 3 and settings["max_matching_ngram_size"] == 4
+    summary = {row["variant"]: row for row in data["summary"]}
+    assert summary["hf-prompt-lookup@1t"]["identical"] == 1

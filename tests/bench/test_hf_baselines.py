@@ -7,6 +7,7 @@ from paraspec.bench.hf_baselines import HFBaseline, hf_causal_lm
 from paraspec.models.loader import resolve_checkpoint
 
 PROMPTS = ["def add(a, b):", "Once upon a time", "import os\n"]
+COPY = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("   # lookup finds n-grams
 EOS_AT_ONCE = "x = [1, 2, 3]\n"      # the tiny target answers this with its EOS id
 
 
@@ -17,6 +18,11 @@ def setup(bench_target, bench_draft):
         target = hf_causal_lm(sd.target, resolve_checkpoint(bench_target))
         draft = hf_causal_lm(sd.draft, resolve_checkpoint(bench_draft))
         yield ar, sd, HFBaseline("hf-ar", target), HFBaseline("hf-assisted", target, draft)
+
+
+@pytest.fixture(scope="module")
+def lookup(setup):
+    return HFBaseline("hf-prompt-lookup", setup[2].target, prompt_lookup_tokens=4)
 
 
 def test_weights_are_shared_not_copied(setup):
@@ -32,13 +38,13 @@ def test_weights_are_shared_not_copied(setup):
     assert hf_assisted.settings()["num_assistant_tokens"] == 20          # transformers' default, recorded
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_equal_ar(setup, prompt):
+@pytest.mark.parametrize("prompt", PROMPTS + [COPY])
+def test_greedy_tokens_equal_ar(setup, lookup, prompt):
     ar, sd, hf_ar, hf_assisted = setup
     params = SamplingParams(max_new_tokens=20)
     ids = ar.encode(prompt)
     expected = ar.generate(ids, params, record_margins=True)
-    for baseline in (hf_ar, hf_assisted):
+    for baseline in (hf_ar, hf_assisted, lookup):
         got = baseline.generate(ids, params, record_margins=True)
         assert got.token_ids == expected.token_ids, baseline.name
         assert len(got.token_ids) == 20 and got.finish_reason == "length"
@@ -62,6 +68,24 @@ def test_hf_assisted_stats_add_up(setup):
     assert s.total_s > s.verify_s + s.draft_s
 
 
+def test_hf_prompt_lookup_copies_candidates_and_its_stats_add_up(setup, lookup):
+    ar = setup[0]
+    ids = ar.encode(COPY)
+    result = lookup.generate(ids, SamplingParams(max_new_tokens=24))
+    s, trace = result.stats, result.trace
+    verifies = [e for e in trace.events if e.kind == "verify"]
+    assert [e.device for e in trace.events] == ["target"] * len(verifies) and s.rounds == len(verifies)
+    # the first forward holds the prompt and its candidates, every later one the last token and its candidates
+    drafted = [verifies[0].tokens - len(ids)] + [e.tokens - 1 for e in verifies[1:]]
+    assert s.drafted == sum(drafted) > 0 and max(drafted) <= 4            # prompt_lookup_num_tokens=4
+    assert s.accepted + s.rounds == s.new_tokens == 24 and 0 <= s.accepted <= s.drafted
+    assert s.draft_s == 0 and s.verify_s == pytest.approx(sum(e.duration_s for e in verifies))
+    assert lookup.settings()["prompt_lookup_num_tokens"] == 4
+    assert lookup.settings()["max_matching_ngram_size"] == 2              # transformers' default, recorded
+    with pytest.raises(ValueError, match="hf-prompt-lookup needs >= 1 candidate tokens"):
+        HFBaseline("hf-prompt-lookup", lookup.target, prompt_lookup_tokens=0)
+
+
 def test_hf_ar_trace_and_stats(setup):
     ar, _, hf_ar, _ = setup
     result = hf_ar.generate(ar.encode(PROMPTS[1]), SamplingParams(max_new_tokens=10))
@@ -71,7 +95,7 @@ def test_hf_ar_trace_and_stats(setup):
     assert result.stats.acceptance_rate is None and result.stats.new_tokens == 10
 
 
-def test_stops_at_a_stop_token_like_the_engine(setup):
+def test_stops_at_a_stop_token_like_the_engine(setup, lookup):
     ar, _, hf_ar, hf_assisted = setup
     ids = ar.encode(PROMPTS[2])
     free = ar.generate(ids, SamplingParams(max_new_tokens=20)).token_ids
@@ -80,17 +104,17 @@ def test_stops_at_a_stop_token_like_the_engine(setup):
     params = SamplingParams(max_new_tokens=20, stop_token_ids=[stop])
     expected = ar.generate(ids, params)
     assert expected.finish_reason == "stop" and len(expected.token_ids) == cut
-    for baseline in (hf_ar, hf_assisted):
+    for baseline in (hf_ar, hf_assisted, lookup):
         got = baseline.generate(ids, params)
         assert got.token_ids == expected.token_ids and got.finish_reason == "stop", baseline.name
 
 
-def test_stops_at_eos_like_the_engine(setup):
+def test_stops_at_eos_like_the_engine(setup, lookup):
     ar, _, hf_ar, hf_assisted = setup
     ids = ar.encode(EOS_AT_ONCE)
     expected = ar.generate(ids, SamplingParams(max_new_tokens=20))
     assert expected.finish_reason == "stop" and expected.token_ids[-1] in ar.target.eos_token_ids
-    for baseline in (hf_ar, hf_assisted):
+    for baseline in (hf_ar, hf_assisted, lookup):
         got = baseline.generate(ids, SamplingParams(max_new_tokens=20))
         assert got.token_ids == expected.token_ids and got.finish_reason == "stop", baseline.name
 

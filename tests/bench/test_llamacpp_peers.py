@@ -1,4 +1,5 @@
-"""The llama.cpp peers (llamacpp-ar, llamacpp-spec): llama-server on tiny GGUF files returns the greedy tokens of
+"""The llama.cpp peers (llamacpp-ar, llamacpp-spec, llamacpp-ngram): llama-server on tiny GGUF files returns the
+greedy tokens of
 the same weights, honours the token budget and the end-of-generation token, reports its draft counts, and leaves
 no process behind (after close, after an exception, after this process is killed).
 
@@ -18,7 +19,7 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.bench import llamacpp_peers
 from paraspec.bench.llamacpp_peers import (
-    LlamaCppPeer, LlamaServer, PeerError, gguf_file, parse_spec_grid, peer_binaries,
+    LlamaCppPeer, LlamaServer, PeerError, gguf_file, ngram_args, parse_ngram_grid, parse_spec_grid, peer_binaries,
 )
 from tests.tiny_gguf import _bytes_to_unicode, tiny_vocab
 
@@ -90,9 +91,12 @@ def peers(binaries, gguf_pair):
     ar = LlamaCppPeer("llamacpp-ar", gguf_pair["target"], threads=1, binaries=binaries)
     spec = LlamaCppPeer("llamacpp-spec", gguf_pair["target"], gguf_pair["draft"], threads=1, binaries=binaries,
                         spec_grid=[(4, 0.0)])
-    yield ar, spec
-    ar.close()
-    spec.close()
+    # lookups of 2 tokens drafting up to 4: short enough to match in the tiny model's short outputs
+    ngram = LlamaCppPeer("llamacpp-ngram", gguf_pair["target"], threads=1, binaries=binaries,
+                         ngram_grid=[("ngram-simple", 2, 4)])
+    yield ar, spec, ngram
+    for peer in (ar, spec, ngram):
+        peer.close()
     assert not server_pids(binaries)
 
 
@@ -139,7 +143,7 @@ def test_stops_at_the_end_of_generation_token(peers, clear_prompts):
 
 @pytest.mark.llamacpp_peer
 def test_stats_carry_llamas_draft_counts(peers):
-    ar, spec = peers
+    ar, spec, _ = peers
     ids = encode("Once upon a time")
     plain = ar.generate(ids, SamplingParams(max_new_tokens=20)).stats
     assert plain.acceptance_rate is None and plain.drafted == 0 and plain.rounds == 0
@@ -152,8 +156,21 @@ def test_stats_carry_llamas_draft_counts(peers):
 
 
 @pytest.mark.llamacpp_peer
+def test_ngram_drafts_from_the_context_without_a_draft_model(peers):
+    ngram = peers[2]
+    assert ngram.draft_gguf is None and "-md" not in ngram.server.args
+    assert " ".join(ngram.server.args).endswith(
+        "--spec-type ngram-simple --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 4")
+    stats = [ngram.generate(encode(prompt), SamplingParams(max_new_tokens=40)).stats for prompt in PROMPTS]
+    assert sum(s.drafted for s in stats) > 0                 # some outputs repeat a 2-gram of their context
+    for s in stats:
+        assert 0 <= s.accepted <= s.drafted and s.rounds == s.new_tokens - 1 - s.accepted
+        assert s.drafted <= 4 * s.rounds                     # at most m = 4 a round
+
+
+@pytest.mark.llamacpp_peer
 def test_sampling_takes_the_settings_and_the_seed(peers):
-    ar, _ = peers
+    ar = peers[0]
     ids = encode("import os")
     greedy = ar.generate(ids, SamplingParams(max_new_tokens=16)).token_ids
     params = SamplingParams(temperature=1.5, top_p=0.95, max_new_tokens=16, seed=3)
@@ -236,26 +253,35 @@ def test_bench_runs_the_peers_and_reports_the_grid(binaries, gguf_pair, tmp_path
     from paraspec.cli import main
     out, before = tmp_path / "bench", server_pids(binaries)
     code = main(["bench", "--target", str(gguf_pair["target"]), "--draft", str(gguf_pair["draft"]),
-                 "--dtype", "float32", "--backend", "native", "--strategies", "ar,llamacpp-ar,llamacpp-spec",
+                 "--dtype", "float32", "--backend", "native", "--strategies", "ar,llamacpp-ar,llamacpp-spec,llamacpp-ngram",
                  "--threads", "1", "--dataset", "humaneval", "--num-prompts", "2", "--max-new-tokens", "12",
-                 "--llamacpp-spec-grid", "2:0,4:0.5", "--out", str(out), "--no-progress"])
+                 "--llamacpp-spec-grid", "2:0,4:0.5", "--llamacpp-ngram-grid", "ngram-simple:2:4,ngram-mod:3:8",
+                 "--out", str(out), "--no-progress"])
     assert code == 0
     table = (out / "report.md").read_text()
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines()
             if line.startswith("| ") and " | " in line and not line.startswith(("| strategy", "| draft max"))
             and "@" in line.split(" | ")[0]}
-    assert list(rows) == ["ar@1t", "llamacpp-ar@1t", "llamacpp-spec@1t"]
+    assert list(rows) == ["ar@1t", "llamacpp-ar@1t", "llamacpp-spec@1t", "llamacpp-ngram@1t"]
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))           # @Nt: every core, as ar@Nt
     assert rows["llamacpp-ar@1t"][1] == f"cpu:{cores} (llama-server, 1 thread)" and rows["llamacpp-ar@1t"][2] == "1"
-    for name in ("llamacpp-ar@1t", "llamacpp-spec@1t"):
+    for name in ("llamacpp-ar@1t", "llamacpp-spec@1t", "llamacpp-ngram@1t"):
         assert rows[name][-1].strip(" |") in ("0/2", "1/2", "2/2"), name       # compared with ar, shown as is
     assert "llama.cpp F32)" in table.splitlines()[0]
     assert "llamacpp-spec@1t: llama.cpp's draft settings, timed on 1 prompt(s) × 12 new tokens" in table
     results = json.loads((out / "results.json").read_text())["datasets"]["humaneval"]
     settings = results["variants"]["llamacpp-spec@1t"]["settings"]
     assert [(g["draft_max"], g["p_min"]) for g in settings["spec_grid"]] == [(2, 0.0), (4, 0.5)]
+    ngram = results["variants"]["llamacpp-ngram@1t"]["settings"]
+    assert [(g["spec_type"], g["size_n"], g["size_m"]) for g in ngram["spec_grid"]] == [("ngram-simple", 2, 4),
+                                                                                         ("ngram-mod", 3, 8)]
+    kept = next(g for g in ngram["spec_grid"] if (g["spec_type"], g["size_n"]) == (ngram["spec_type"],
+                                                                                   ngram["size_n"]))
+    assert kept["ms_per_token"] == min(g["ms_per_token"] for g in ngram["spec_grid"])
+    assert "llamacpp-ngram@1t: llama.cpp's n-gram settings, timed on 1 prompt(s) × 12 new tokens" in table
+    assert "| type | n | m | ms/token | acceptance |" in table
     records = [r for r in results["records"] if r["strategy"].startswith("llamacpp-")]
-    assert len(records) == 4 and all(1 <= len(r["token_ids"]) <= 12 for r in records)
+    assert len(records) == 6 and all(1 <= len(r["token_ids"]) <= 12 for r in records)
     assert server_pids(binaries) == before
 
 
@@ -271,6 +297,17 @@ def test_a_missing_build_names_the_command(tmp_path, monkeypatch):
         peer_binaries(build=False)
 
 
+def test_ngram_grid_parsing_and_server_flags():
+    assert parse_ngram_grid("ngram-simple:4:16, ngram-mod:24:64") == [("ngram-simple", 4, 16), ("ngram-mod", 24, 64)]
+    for bad in ("", "ngram-simple:4", "ngram-simple:4:x", "draft-simple:4:16", "ngram-map-k:0:16", "ngram-mod:4:16:2"):
+        with pytest.raises(ValueError):
+            parse_ngram_grid(bad)
+    assert ngram_args(("ngram-map-k4v", 8, 24)) == ["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-size-n",
+                                                    "8", "--spec-ngram-map-k4v-size-m", "24"]
+    assert ngram_args(("ngram-mod", 24, 64)) == ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "24",
+                                                 "--spec-ngram-mod-n-max", "64", "--spec-ngram-mod-n-min", "48"]
+
+
 def test_spec_grid_parsing():
     assert parse_spec_grid("4:0, 8:0.5,16") == [(4, 0.0), (8, 0.5), (16, 0.0)]
     for bad in ("", "x:1", "0:0.5", "4:1.5"):
@@ -280,7 +317,7 @@ def test_spec_grid_parsing():
 
 def test_peer_names_are_bench_variants():
     from paraspec.bench.runner import parse_variants
-    names = [v.name for v in parse_variants("ar,llamacpp-ar,llamacpp-spec@2t", [1])]
-    assert names == ["ar@1t", "llamacpp-ar@1t", "llamacpp-spec@2t"]
+    names = [v.name for v in parse_variants("ar,llamacpp-ar,llamacpp-spec@2t,llamacpp-ngram", [1])]
+    assert names == ["ar@1t", "llamacpp-ar@1t", "llamacpp-spec@2t", "llamacpp-ngram@1t"]
     with pytest.raises(ValueError, match="llamacpp-spec needs a draft"):
         LlamaCppPeer("llamacpp-spec", "x.gguf")

@@ -3,7 +3,9 @@ import pytest
 
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.metrics import Variant
-from paraspec.bench.runner import BenchConfig, Contender, _run, interleave, parse_variants
+from paraspec.bench.runner import (
+    BenchConfig, Contender, _run, interleave, parse_variants, variant_drafts, variant_engine_config,
+)
 from paraspec.config import EngineConfig
 from paraspec.engine import GenerationResult
 from paraspec.sampling import SamplingParams
@@ -19,6 +21,61 @@ def test_parse_variants():
     assert [v.name for v in parse_variants("ar,hf-ar")] == ["ar", "hf-ar"]
     assert [v.strategy for v in parse_variants("all,hf-assisted")] == list(STRATEGIES) + ["hf-assisted"]
     assert [v.name for v in parse_variants("ar,ar@1t", [1])] == ["ar@1t"]          # no duplicates
+
+
+def test_drafters_in_brackets():
+    variants = parse_variants("ar,sd[ngram],sd[suffix]@2t,sd[ngram, model],dsi[ngram,model],sd[model],sd", [1])
+    assert [v.name for v in variants] == ["ar@1t", "sd[ngram]@1t", "sd[suffix]@2t", "sd[ngram,model]@1t",
+                                          "dsi[ngram,model]", "sd[model]@1t", "sd@1t"]     # the text as written
+    assert variants[3] == Variant("sd", 1, ("ngram", "model")) and variants[-1].drafts is None
+    assert [v.name for v in parse_variants("sd[ngram],sd[ngram]@1t", [1, 2])] == ["sd[ngram]@1t", "sd[ngram]@2t"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("sd[tree]", "bad drafter 'tree' in 'sd\\[tree\\]'; name drafters among ngram, suffix, model"),
+    ("sd[]", "bad drafter ''"),
+    ("sd[ngram,,model]", "bad drafter ''"),
+    ("ar[ngram]", "ar takes no drafters, so 'ar\\[ngram\\]' does not apply; brackets go with sd"),
+    ("hf-ar[ngram]", "hf-ar takes no drafters"),
+    ("sd[ngram,ngram]", "names a drafter twice"),
+    ("sd[ngram", "unbalanced brackets"),
+    ("sd[ngram]]", "unbalanced brackets"),
+    ("sd[[ngram]]", "unbalanced brackets"),
+    ("sd@2t[ngram]", "bad variant 'sd@2t\\[ngram\\]'"),
+])
+def test_drafter_errors_name_the_fix(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variants(spec)
+
+
+def test_drafters_go_to_the_engine_config_with_model_replaced_by_the_draft():
+    def drafts(spec, draft="/models/draft"):
+        return variant_drafts(parse_variants(spec)[0], draft)
+    assert drafts("sd") == "/models/draft" and drafts("sd[model]") == "/models/draft"
+    assert drafts("sd[ngram]") == "ngram" and drafts("sd[suffix]", None) == "suffix"    # one drafter: itself
+    assert drafts("sd[ngram,model]") == ["ngram", "/models/draft"]                      # order kept
+    assert drafts("dsi[model,suffix]") == ["/models/draft", "suffix"]
+    assert drafts("dsi[ngram,model]", ["/a", "/b"]) == ["ngram", "/a", "/b"]       # model: every --draft
+    with pytest.raises(ValueError, match="sd\\[ngram,model\\] names the draft model; pass --draft"):
+        drafts("sd[ngram,model]", None)
+
+
+def test_variant_engine_config_keeps_the_bench_settings(bench_target, bench_draft):
+    base = EngineConfig(bench_target, str(bench_draft), strategy="sd", dtype="float32", max_context=512,
+                        options={"lookahead": 3})
+    config = variant_engine_config(base, Variant("dsi", None, ("model", "model")))
+    assert config.strategy == "dsi" and config.draft == [str(bench_draft), str(bench_draft)]
+    assert (config.dtype, config.max_context, config.options) == ("float32", 512, {"lookahead": 3})
+    assert variant_engine_config(base, Variant("sd", 1)).draft == str(bench_draft)
+    assert base.strategy == "sd" and base.draft == str(bench_draft)                   # not modified
+
+
+def test_bracket_variants_without_draft_need_none_and_model_needs_one(bench_target):
+    from paraspec.bench.runner import build_contenders
+    config = BenchConfig(EngineConfig(bench_target, dtype="float32"), parse_variants("sd[ngram,model]"),
+                         SamplingParams(max_new_tokens=4), progress=False)
+    with pytest.raises(ValueError, match="sd\\[ngram,model\\] need a draft model; pass --draft"):
+        build_contenders(config)
 
 
 def test_worker_strategies_run_once_on_their_devices(monkeypatch):
@@ -98,3 +155,25 @@ def test_run_refuses_prompts_that_leave_no_room(bench_tokenizer):
         _run(config, prompts, bench_tokenizer, False, [fake_contender(Variant("ar"), calls, bench_tokenizer)],
              "x", 120)
     assert calls == []
+
+
+def test_bracket_variants_get_their_own_engine_on_the_shared_models(bench_target, bench_draft):
+    from paraspec.bench.runner import build_contenders
+    config = BenchConfig(EngineConfig(bench_target, str(bench_draft), strategy="sd", dtype="float32"),
+                         parse_variants("ar,sd,sd[model]", [1, 2]), SamplingParams(max_new_tokens=4), progress=False)
+    contenders, engines, _ = build_contenders(config)
+    try:
+        assert [c.variant.name for c in contenders] == ["ar@1t", "ar@2t", "sd@1t", "sd@2t", "sd[model]@1t",
+                                                        "sd[model]@2t"]
+        assert len(engines) == 3                                  # one per (strategy, drafters), not per thread
+        ar, sd, sd_model = engines
+        assert sd is not sd_model and sd.draft is sd_model.draft and sd.target is ar.target    # one copy each
+        settings = {c.variant.name: c.settings for c in contenders}
+        assert settings["sd[model]@2t"]["draft"] == [str(bench_draft)] and settings["ar@1t"]["draft"] == []
+        ids = list(range(5, 20))
+        tokens = {c.variant.name: c.generate(ids, SamplingParams(max_new_tokens=6), False).token_ids
+                  for c in contenders}
+        assert len(set(map(tuple, tokens.values()))) == 1
+    finally:
+        for engine in engines:
+            engine.close()
