@@ -4,12 +4,12 @@ Three parts (select with --part):
   sim       ar, sd, amusd and dsi with simulated latencies: measured / simulated time (1.000 = the simulator
             predicted the runtime exactly; the difference is orchestration and sleep overhead plus what the
             simulator models differently, e.g. a preempted server that cannot stop its forward here)
-  table1    the DSI paper's Table 1 configurations (<= 7 servers): measured DSI / SI speedup next to the event
-            simulator's and the paper's
+  table1    the DSI paper's Table 1, ten rows: measured DSI / SI speedup next to the event simulator's, the
+            authors' thread-pool model's (paraspec/sim/dsi_online.py) and the paper's
   overhead  orchestration overhead per generated token with zero-latency simulated models, sd / amusd / dsi
 
     .venv/bin/python benchmarks/dsi_simulated.py --part sim --runtime process
-    .venv/bin/python benchmarks/dsi_simulated.py --part table1 --scale 0.02
+    .venv/bin/python benchmarks/dsi_simulated.py --part table1 --runtime process --tokens 50 --repeats 3
     .venv/bin/python benchmarks/dsi_simulated.py --part overhead --runtime process
 """
 from __future__ import annotations
@@ -104,27 +104,28 @@ def part_sim(tokens: int, repeats: int, runtime: str) -> None:
 
 
 def part_table1(tokens: int, repeats: int, runtime: str, scale: float) -> None:
-    """The rows of sim/dsi_paper.PAPER_TABLE1 (only those whose latencies and acceptance we could source), each
-    with the lookahead and server count the paper's model picks: SI with its best lookahead on one server, DSI
-    with its best lookahead on the servers it needs (<= 7)."""
+    """The ten rows of the paper's Table 1 with the configuration the event simulator picks for each (the online
+    protocol: SI at its best lookahead of 1, 5, 10; DSI at its best lookahead and 1 or 7 target servers): measured
+    DSI / SI wall-time speedup through the real runtime, beside the event simulator's, the authors' thread-pool
+    model's (dsi_online, variant paper) and the paper's."""
+    from paraspec.sim import dsi_online as online
     from paraspec.sim import dsi_paper as paper
-    lo, hi = paper.PAPER_TABLE1_SPEEDUP_RANGE
-    print(f"DSI paper Table 1 rows with simulated devices (latencies x {scale}), {tokens} tokens, runtime={runtime}")
-    print(f"the paper reports DSI/SI in [{lo}, {hi}] over its ten rows; per-row figures are not available here")
-    print(f"{'pair':<42} {'SI k':>4} {'DSI k':>5} {'N':>2} {'measured DSI/SI':>15} {'event sim':>9} "
-          f"{'paper model':>11}")
-    for r in paper.table1(max_servers=7):
-        row = r.row
+    from paraspec.sim.table1 import events_choice, online_choice
+    print(f"DSI paper Table 1 with simulated devices (latencies x {scale}), {tokens} tokens, runtime={runtime}, "
+          f"median of {repeats}")
+    print(f"{'pair':<42} {'SI k':>4} {'DSI k':>5} {'N':>2} {'measured':>8} {'events':>7} {'online':>7} {'paper':>6}")
+    for row in paper.PAPER_TABLE1:
+        ev = events_choice(row, repeats=30, tokens=tokens)
+        on = online_choice(row, online.VARIANTS["paper"], repeats=300)
         t = ForwardCost.constant(row.target_ms / 1000 * scale)
         d = ForwardCost.constant(row.drafter_ms / 1000 * scale)
-        si = Case("sd", t, d, row.acceptance, lookahead=r.si_k)
-        dsi = Case("dsi", t, d, row.acceptance, lookahead=r.dsi_k, servers=r.dsi_servers)
+        si = Case("sd", t, d, row.acceptance, lookahead=ev.si_k)
+        dsi = Case("dsi", t, d, row.acceptance, lookahead=ev.dsi_k, servers=ev.dsi_servers)
         m_si = statistics.median(measure(si, tokens, repeats, runtime))
         m_dsi = statistics.median(measure(dsi, tokens, repeats, runtime))
-        s_ratio = predict(si, tokens) / predict(dsi, tokens)
         name = f"{row.target} / {row.drafter}, {row.dataset}"
-        print(f"{name:<42} {r.si_k:>4} {r.dsi_k:>5} {r.dsi_servers:>2} {m_si / m_dsi:>15.2f} {s_ratio:>9.2f} "
-              f"{r.speedup:>11.2f}", flush=True)
+        print(f"{name:<42} {ev.si_k:>4} {ev.dsi_k:>5} {ev.dsi_servers:>2} {m_si / m_dsi:>7.2f}x {ev.speedup:>6.2f}x "
+              f"{on.speedup:>6.2f}x {row.paper_speedup:>5.2f}x", flush=True)
 
 
 def part_overhead(tokens: int, repeats: int, runtime: str) -> None:

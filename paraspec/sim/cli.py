@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paraspec.sim import dsi_online as online
 from paraspec.sim import dsi_paper as paper
 
 
@@ -34,9 +35,19 @@ def add_commands(subparsers) -> None:
                     help="let SI use lookaheads DSI cannot (the authors drop them for both)")
     hm.set_defaults(func=_guarded(cmd_heatmap))
 
-    t1 = sim_sub.add_parser("table1", help="DSI vs SI on the paper's measured target/drafter pairs (Table 1)")
-    t1.add_argument("--max-servers", type=int, default=paper.PAPER_MAX_SERVERS)
-    t1.add_argument("--lookaheads", type=int, nargs="+", default=list(paper.TABLE1_LOOKAHEADS))
+    t1 = sim_sub.add_parser("table1", help="the paper's Table 1, ten rows: its speedup beside the offline model, the "
+                                           "authors' thread-pool model and the event simulator")
+    t1.add_argument("--variant", choices=sorted(online.VARIANTS), default="paper",
+                    help="which version of the authors' thread-pool simulation to replay (default: paper, their "
+                         "first commit 91ab8b9; main: 2024206; bonus: add_1_from_target 1fb0623)")
+    t1.add_argument("--repeats", type=int, default=1000, help="runs per configuration, thread-pool model")
+    t1.add_argument("--event-repeats", type=int, default=100, help="runs per configuration, event simulator")
+    t1.add_argument("--restart-ms", type=float, default=0.0,
+                    help="process start-up per window in the thread-pool model (theirs is not published; "
+                         "benchmarks/dsi_table1_restart.py measures the mechanism on this machine)")
+    t1.add_argument("--spread", action="store_true",
+                    help="also the 5-95%% range of the thread-pool speedup with the authors' 30 runs per "
+                         "configuration (slower)")
     t1.set_defaults(func=_guarded(cmd_table1))
 
     pt = sim_sub.add_parser("point", help="non-SI, SI and DSI costs of one configuration")
@@ -141,24 +152,43 @@ def summarize_heatmap(hm: paper.Heatmap, speedups: dict) -> str:
 # -------------------------------------------------------------------------------------------- table1
 
 def cmd_table1(args: argparse.Namespace) -> int:
-    for k in args.lookaheads:
-        paper.check_lookahead(k)
-    results = paper.table1(lookaheads=tuple(args.lookaheads), max_servers=args.max_servers)
-    print(render_table1(results, args.max_servers))
+    from paraspec.sim.table1 import online_spread, table1
+    _check_runs(online.ONLINE_TOKENS, min(args.repeats, args.event_repeats))
+    if args.restart_ms < 0:
+        raise ValueError(f"--restart-ms {args.restart_ms} must be >= 0")
+    variant = online.VARIANTS[args.variant]
+    rows = table1(variant=variant, online_repeats=args.repeats, events_repeats=args.event_repeats,
+                  restart_ms=args.restart_ms)
+    spreads = [online_spread(r.pair, variant) for r in rows] if args.spread else None
+    print(render_table1(rows, variant, args.restart_ms, spreads))
     return 0
 
 
-def render_table1(results: list[paper.Table1Result], max_servers: int) -> str:
-    lo, hi = paper.PAPER_TABLE1_SPEEDUP_RANGE
-    lines = [f"{'target':<14} {'drafter':<15} {'dataset':<10} {'target ms':>9} {'drafter ms':>10} {'c':>6} "
-             f"{'a':>5} {'SI k':>4} {'DSI k':>5} {'servers':>7} {'DSI/SI':>7} {'DSI/non-SI':>10} {'paper DSI/SI':>13}"]
-    for r in results:
-        lines.append(f"{r.row.target:<14} {r.row.drafter:<15} {r.row.dataset:<10} {r.row.target_ms:>9.1f} "
-                     f"{r.row.drafter_ms:>10.1f} {r.c:>6.3f} {r.row.acceptance:>5.2f} {r.si_k:>4} {r.dsi_k:>5} "
-                     f"{r.dsi_servers:>7} {r.speedup:>6.2f}x {r.dsi_vs_nonsi:>9.2f}x {f'{lo:.2f}-{hi:.2f}x':>13}")
-    lines.append(f"SI: one target server; DSI: up to {max_servers}. The paper reports DSI {lo:.2f}x-{hi:.2f}x faster "
-                 f"than SI over its ten rows; only these {len(results)} rows' inputs could be sourced, so the "
-                 f"paper's range (not a per-row figure) is shown.")
+def render_table1(rows, variant: online.Variant, restart_ms: float, spreads=None) -> str:
+    """One line per row: the inputs, the paper's speedup, then per model its speedup and (SI k / DSI k / N)."""
+    def used(choice) -> str:
+        return f"{choice.si_k}/{choice.dsi_k}/{choice.dsi_servers}"
+
+    head = (f"{'target':<13} {'drafter':<14} {'dataset':<9} {'t ms':>5} {'d ms':>5} {'a':>4} {'paper':>6} "
+            f"{'offline':>7} {'k/k/N':>8} {'online':>7} {'k/k/N':>8} {'gap':>6} {'events':>7} {'k/k/N':>8}")
+    if spreads:
+        head += f" {'online, 30 runs: 5-95%':>23}"
+    lines = [head]
+    for i, r in enumerate(rows):
+        p = r.pair
+        line = (f"{p.target:<13} {p.drafter:<14} {p.dataset:<9} {p.target_ms:>5.1f} {p.drafter_ms:>5.1f} "
+                f"{p.acceptance:>4.2f} {p.paper_speedup:>5.2f}x {r.offline.speedup:>6.2f}x {used(r.offline):>8} "
+                f"{r.online.speedup:>6.2f}x {used(r.online):>8} {100 * r.online_gap:>+5.0f}% "
+                f"{r.events.speedup:>6.2f}x {used(r.events):>8}")
+        if spreads:
+            lo, hi = spreads[i]
+            line += f" {f'{lo:.2f}-{hi:.2f}x':>23}"
+        lines.append(line)
+    lines.append(f"DSI/SI speedups. k/k/N: SI lookahead / DSI lookahead / DSI target servers. offline: the paper's "
+                 f"offline model (1000 tokens, DSI on <= {paper.PAPER_MAX_SERVERS} servers). online: the authors' "
+                 f"thread-pool simulation replayed (variant {variant.name}, {online.ONLINE_TOKENS} tokens, "
+                 f"TTFT = TPOT, process restart {restart_ms:g} ms per window). events: the event simulator, same "
+                 f"grid and tokens, zero message latency. gap: online / paper - 1.")
     return "\n".join(lines)
 
 

@@ -43,11 +43,16 @@ def test_point_bad_input_exits_2_naming_the_fix(parser, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_table1_prints_our_rows_next_to_the_papers_range(parser, capsys):
-    assert run(parser, "simulate", "table1") == 0
+def test_table1_prints_the_ten_rows_in_three_models(parser, capsys):
+    assert run(parser, "simulate", "table1", "--repeats", "20", "--event-repeats", "2") == 0
     out = capsys.readouterr().out
-    for word in ("Vicuna-13B", "Starcoder-15B", "Phi3-14B", "1.29-1.92x", "only these 3 rows"):
+    lines = out.splitlines()
+    assert len(lines) == 1 + 10 + 1
+    for word in ("Vicuna-7B", "Starcoder-168M", "Phi3-4B", "1.92x", "offline", "online", "events", "k/k/N",
+                 "variant paper"):
         assert word in out
+    assert run(parser, "simulate", "table1", "--restart-ms", "-1") == 2
+    assert "--restart-ms -1.0 must be >= 0" in capsys.readouterr().err
 
 
 def test_heatmap_writes_pngs_and_csv(parser, capsys, tmp_path):

@@ -143,14 +143,14 @@ def test_proposition1_gap_of_the_authors_model_is_the_charged_rejected_draft():
         assert cost - bound == pytest.approx(c * a * (1 - a) * 999, rel=0.1, abs=1.0)
 
 
-def test_table1_rows_we_could_source():
+def test_table1_all_ten_rows():
     results = paper.table1()
-    assert [r.row.target for r in results] == ["Vicuna-13B", "Starcoder-15B", "Phi3-14B"]
+    assert len(results) == 10
     for r in results:
         assert r.c == pytest.approx(r.row.drafter_ms / r.row.target_ms)
         assert r.si_k in paper.TABLE1_LOOKAHEADS and r.dsi_k in paper.TABLE1_LOOKAHEADS
         assert r.dsi_servers <= paper.PAPER_MAX_SERVERS
-        assert 1.0 < r.speedup < 2.0                  # faster than SI, and not beyond the paper's 1.92x
+        assert 1.0 < r.speedup < r.row.paper_speedup   # faster than SI; below the paper's (thread-pool) figure
     with pytest.raises(ValueError, match="allow more servers"):
         paper.table1(lookaheads=(1,), max_servers=2)   # Vicuna: c = 0.066 needs 16 servers at k = 1
 
