@@ -31,13 +31,16 @@ class Hybrid(Drafter):
         if not drafters:
             raise ValueError("Hybrid needs at least one drafter")
         self.drafters, self.cost = list(drafters), cost
-        self.acceptance = [Acceptance() for _ in self.drafters]
+        # acceptance per drafter and, for a model-free one, per length of the match behind its proposal (a
+        # 4-token match in copied text is right far more often than a 1-token one; the estimates persist)
+        self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.name = "+".join(d.name for d in self.drafters)
         self.free = all(d.free for d in self.drafters)
         self.decisions: list[dict] = []        # one per round: who drafted, k*, alpha (the trace's "plan")
-        self._used: int | None = None          # the drafter of the last proposal
+        self._used: tuple[int, int] | None = None   # the (drafter, match bucket) of the last proposal
         self._drafted = self._accepted = 0
-        self._would: tuple[int, int] | None = None   # (drafter, token) a model-free drafter had but did not draft
+        self._would: tuple[tuple[int, int], int] | None = None   # (stats key, token) a model-free drafter
+                                                                 # proposed but did not draft
         self._probing = False
 
     @property
@@ -80,9 +83,9 @@ class Hybrid(Drafter):
                     continue
                 start = time.perf_counter()
                 proposal = drafter.propose(sequence, chosen, params, generator)
-                self.acceptance[i].observe_draft_time(time.perf_counter() - start, len(proposal.tokens))
+                self.stats(i).observe_draft_time(time.perf_counter() - start, len(proposal.tokens))
             if proposal.tokens:
-                self._used, self._drafted = i, len(proposal.tokens)
+                self._used, self._drafted = self.key(i), len(proposal.tokens)
                 return proposal
         return Proposal([])
 
@@ -106,9 +109,9 @@ class Hybrid(Drafter):
                     continue
                 start = time.perf_counter()
                 tree = drafter.propose_tree(sequence, width, chosen, budget, params, generator)
-                self.acceptance[i].observe_draft_time(time.perf_counter() - start, len(tree))
+                self.stats(i).observe_draft_time(time.perf_counter() - start, len(tree))
             if len(tree):
-                self._used, self._drafted = i, tree.depth
+                self._used, self._drafted = self.key(i), tree.depth
                 return tree
         return TokenTree()
 
@@ -119,7 +122,7 @@ class Hybrid(Drafter):
     def _choose(self, i: int, pending: int, max_k: int, would: int | None = None, width: int = 1,
                 budget: int | None = None) -> int:
         """k* for drafter i (see adaptive.py); remembers a model-free drafter's first token when k* = 0."""
-        stats, drafter = self.acceptance[i], self.drafters[i]
+        stats, drafter = self.stats(i), self.drafters[i]
         nodes = (lambda k: k) if width == 1 else (lambda k: min(budget, k * width))
         k, rate = best_length(stats.alpha, stats.draft_s_per_token, lambda n: self.cost(pending + nodes(n - pending)),
                               pending, max_k)
@@ -130,16 +133,24 @@ class Hybrid(Drafter):
         if k > 0:
             stats.plain_rounds = 0
         if k == 0 and would is not None and self._would is None:
-            self._would = (i, would)
+            self._would = (self.key(i), would)
         self.decisions.append({"drafter": drafter.name, "k": k, "alpha": round(stats.alpha, 3),
                                "tokens_per_s": round(rate, 2), "probe": self._probing})
         return k
+
+    def key(self, i: int) -> tuple[int, int]:
+        """Drafter i's statistics key: (i, its last match length bucketed 0-4, 5 for 8 or more)."""
+        n = getattr(self.drafters[i], "last_match", 0)
+        return i, (n if n <= 4 else 4 if n < 8 else 5)
+
+    def stats(self, i: int) -> Acceptance:
+        return self.acceptance.setdefault(self.key(i), Acceptance())
 
     # -- after verification -----------------------------------------------------------------------------------
     def accept(self, prefix_len: int, path: list[int]) -> None:
         if self._used is not None:
             self._accepted = len(path)
-            self.drafters[self._used].accept(prefix_len, path)
+            self.drafters[self._used[0]].accept(prefix_len, path)
 
     def observe(self, verify_width: int, verify_s: float, committed: list[int]) -> None:
         """Feedback after the round: the verification's width and seconds, and the tokens it committed."""
@@ -152,8 +163,8 @@ class Hybrid(Drafter):
             if self._probing:
                 stats.probe_after = PROBE_START if self._accepted else 2 * stats.probe_after
         if self._would is not None and committed:      # what a model-free drafter would have drafted
-            i, token = self._would
-            self.acceptance[i].observe(1, int(committed[0] == token))
+            key, token = self._would
+            self.acceptance[key].observe(1, int(committed[0] == token))
 
     def report(self) -> dict:
         """Per drafter: its acceptance estimate now; the rounds by k* (the rule's decisions)."""
@@ -162,7 +173,8 @@ class Hybrid(Drafter):
             counts = by_k.setdefault(d["drafter"], {})
             counts[d["k"]] = counts.get(d["k"], 0) + 1
         return {"rule": "k* = argmax_k (1 + a + ... + a^k) / (k d + c(w + k))",
-                "alpha": {d.name: round(s.alpha, 3) for d, s in zip(self.drafters, self.acceptance)},
+                "alpha": {f"{self.drafters[i].name}/match{n}": round(s.alpha, 3)
+                          for (i, n), s in sorted(self.acceptance.items())},
                 "rounds_by_k": by_k,
                 "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self.cost.seconds.items())}}
 

@@ -165,7 +165,7 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
         ks.append(len(proposal.tokens))
         hybrid.accept(2, [])
         hybrid.observe(1 + len(proposal.tokens), 0.05, [3])      # the target's token is never 7
-    assert set(ks) == {0} and hybrid.acceptance[0].alpha < 0.1      # observed without drafting
+    assert set(ks) == {0} and hybrid.stats(0).alpha < 0.1      # observed without drafting
     right = Fixed("ngram", [7] * 8, True)
     hybrid = Hybrid([right], VerifyCost({1: 0.05, 9: 0.05}))
     for _ in range(10):
@@ -178,7 +178,7 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
 def test_adaptive_model_drafter_is_probed_after_plain_rounds():
     model = Fixed("model", [7] * 8, False)
     hybrid = Hybrid([model], VerifyCost({1: 0.05, 2: 0.1, 9: 0.45}))
-    hybrid.acceptance[0] = Acceptance(judged=100, accepted=0, draft_s_per_token=0.02)
+    hybrid.acceptance[hybrid.key(0)] = Acceptance(judged=100, accepted=0, draft_s_per_token=0.02)
     drafted = [len(hybrid.propose([1], 8, GREEDY, GEN).tokens) for _ in range(8)]
     assert drafted == [0] * 7 + [1]                          # plain rounds, then one probe
 
