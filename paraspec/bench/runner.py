@@ -11,11 +11,10 @@ each dataset before the warm-up.
 """
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,6 +88,7 @@ class BenchConfig:
     hf_confidence_threshold: float | None = None
     llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID          # llamacpp-spec's (draft max, p-min) settings to try
     progress: bool = True
+    options: dict = field(default_factory=dict)           # strategy options; each variant takes its own
 
 
 class Contender:
@@ -226,7 +226,7 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
 def _engine_contender(config: BenchConfig, strategy: str, engines: list, limits: list) -> dict:
     from paraspec.engine import Engine
     from paraspec.models.loader import parse_dtype
-    engine = Engine.from_config(dataclasses.replace(config.engine, strategy=strategy))
+    engine = Engine.from_config(config.engine.for_strategy(strategy, config.options))
     engines.append(engine)
     limits.append(engine.max_context)
     devices = f"target {' '.join(map(str, engine.target_devices))}"

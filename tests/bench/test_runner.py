@@ -76,7 +76,8 @@ def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer)
     variants = [Variant("sd"), Variant("ar"), Variant("hf-ar")]
     calls = []
     contenders = [fake_contender(v, calls, bench_tokenizer) for v in variants]
-    config = BenchConfig(EngineConfig("t", "d"), variants, SamplingParams(max_new_tokens=8), progress=False)
+    config = BenchConfig(EngineConfig("t", "d", strategy="sd"), variants, SamplingParams(max_new_tokens=8),
+                         progress=False)
     result = _run(config, prompts, bench_tokenizer, True, contenders, "two-turn", 4096)
 
     expected_ids = [encode_prompt(bench_tokenizer, prompts[0].as_input(True)),
