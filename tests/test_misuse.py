@@ -375,3 +375,36 @@ def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):
     time.sleep(0.2)
     assert all(gone(pid) for pid in workers)
     assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{cli.pid}_")]
+
+
+# -- uneven vocabularies -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def narrow_draft(tmp_path_factory, qwen2_target):
+    """The target with its embedding cut to 262 rows (the tokenizer has 260 tokens, the target 267 rows): the
+    same tokenizer and a smaller embedding, like Qwen2.5-0.5B (151,936 rows) against 7B (152,064)."""
+    import shutil
+    import torch
+    from transformers import AutoModelForCausalLM
+    folder = tmp_path_factory.mktemp("narrow") / "draft"
+    model = AutoModelForCausalLM.from_pretrained(str(qwen2_target), dtype=torch.float32)
+    model.resize_token_embeddings(262)
+    model.save_pretrained(str(folder))
+    for f in Path(qwen2_target).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json", "merges.txt"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.mark.parametrize("strategy,kwargs", [
+    ("sd", {}), ("amusd", dict(runtime="inprocess")), ("dsi", dict(runtime="inprocess", target_devices=["cpu"] * 2))])
+def test_a_draft_with_fewer_embedding_rows_decodes_exactly(qwen2_target, narrow_draft, strategy, kwargs):
+    params = SamplingParams(max_new_tokens=200)
+    with Engine(qwen2_target, strategy="ar", dtype="float32") as ar:
+        reference = ar.generate("def f(x):", params).token_ids
+    assert [t for t in reference if t >= 262], "the target never emits an id the draft lacks: the test proves nothing"
+    with Engine(qwen2_target, narrow_draft, strategy=strategy, dtype="float32", **kwargs) as engine:
+        assert engine.draft.vocab_size == 262 and engine.target.vocab_size == 267
+        assert engine.generate("def f(x):", params).token_ids == reference
+        sampled = engine.generate("def f(x):", SamplingParams(temperature=1.0, max_new_tokens=100, seed=3))
+        assert len(sampled.token_ids) > 0 and max(sampled.token_ids) < 267
