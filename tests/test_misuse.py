@@ -408,3 +408,13 @@ def test_a_draft_with_fewer_embedding_rows_decodes_exactly(qwen2_target, narrow_
         assert engine.generate("def f(x):", params).token_ids == reference
         sampled = engine.generate("def f(x):", SamplingParams(temperature=1.0, max_new_tokens=100, seed=3))
         assert len(sampled.token_ids) > 0 and max(sampled.token_ids) < 267
+
+
+def test_config_json_that_is_not_json_is_named(tmp_path, qwen2_target):
+    import shutil
+    from paraspec.models.loader import CheckpointError
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen2_target, broken)
+    (broken / "config.json").write_text('{"vocab_size": 267,')
+    with pytest.raises(CheckpointError, match=f"{broken / 'config.json'} is not valid JSON"):
+        Engine(broken, strategy="ar")
