@@ -162,8 +162,10 @@ def _beat(wire: Wire, interval: float, shutting_down: threading.Event) -> None:
 
 
 def process_main(sock: socket.socket, name: str, device: str, spec: bytes, heartbeat_s: float | None = None) -> None:
-    # Ctrl-C reaches the whole process group; the caller decides what happens to its workers.
+    # Ctrl-C reaches the whole process group; the caller decides what happens to its workers. The caller held
+    # SIGINT and SIGTERM while it started us (workers.sigint_ignored_by_children): take SIGTERM again.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     parent = multiprocessing.parent_process()
     if parent is not None:
         def exit_with_parent():

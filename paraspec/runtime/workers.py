@@ -383,17 +383,19 @@ class ProcessWorker(Worker):
 def sigint_ignored_by_children():
     """Start processes with SIGINT ignored from their first instruction: an ignored signal stays ignored across
     exec, and Python then installs no KeyboardInterrupt handler, so Ctrl-C while a worker imports or loads prints
-    no traceback from it (the caller stops its workers). Our own SIGINT is blocked meanwhile, not lost."""
+    no traceback from it (the caller stops its workers). SIGINT and SIGTERM are blocked meanwhile (delivered
+    right after, not lost): an exception raised halfway through start() would leave the child half-briefed."""
     if threading.current_thread() is not threading.main_thread():
-        yield                  # only the main thread may change handlers; Python delivers SIGINT there anyway
+        yield                  # only the main thread may change handlers; Python delivers signals there anyway
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 class ThreadWorker(Worker):
