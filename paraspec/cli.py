@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from paraspec.strategies import OPTIONS, STRATEGIES
@@ -19,12 +20,13 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
                        "drafted it (give one --draft-devices entry per draft model, or one for all)")
     else:
         p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
-    for option in OPTIONS.values():   # every strategy's options, from the registry
+    for option in OPTIONS.values():   # every strategy's options, from the registry; None: not given
         flag = "--" + option.name.replace("_", "-")
+        help = f"{option.help} (default {option.default!r})"
         if option.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=option.default, help=option.help)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            p.add_argument(flag, type=option.type, default=option.default, help=option.help)
+            p.add_argument(flag, type=option.type, default=None, help=help)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, float32 elsewhere (faster there)")
     p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
@@ -52,16 +54,21 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
-def engine_config(args, strategy: str | None = None):
-    """The EngineConfig of add_model_args' flags (validated: every error before any model loads). Every
-    strategy option goes in; the strategy takes its own."""
+def given_options(args) -> dict:
+    """The strategy options given on the command line (a flag left out is None: the strategy's default applies)."""
+    return {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
+
+
+def engine_config(args, strategy: str | None = None, options: dict | None = None):
+    """The EngineConfig of add_model_args' flags (validated: every error before any model loads). `options`
+    defaults to the options given on the command line; one the strategy does not take is an error."""
     from paraspec.config import EngineConfig
     draft = args.draft[0] if isinstance(args.draft, list) and len(args.draft) == 1 else args.draft
     return EngineConfig(target=args.target, draft=draft, strategy=strategy or args.strategy, dtype=args.dtype,
                         target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
                         max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
                         runtime=getattr(args, "runtime", "process"),
-                        options={name: getattr(args, name) for name in OPTIONS if hasattr(args, name)})
+                        options=given_options(args) if options is None else options)
 
 
 def sampling_params(args):
@@ -128,17 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(Exception):
+    """SIGTERM, raised in the main thread so that every `with Engine(...)` closes (and unlinks its segments)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
+    """Ctrl-C at any moment prints one line and exits 130 (workers ignore SIGINT: the Engine stops them);
+    SIGTERM closes the Engine the same way and exits 143."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except (ValueError, FileNotFoundError) as e:
         print(f"paraspec: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ build from it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from paraspec.drafters import is_model_free
@@ -24,7 +24,9 @@ class EngineConfig:
     max_context: int = 4096
     allow_vocab_mismatch: bool = False
     runtime: str = "process"                      # runtime.workers.BACKENDS: where workers run
-    options: dict = field(default_factory=dict)   # strategy options by OPTIONS name (others' are ignored)
+    options: dict = field(default_factory=dict)   # strategy options by OPTIONS name (only the strategy's own)
+    on_busy: str = "wait"                         # a request while another runs: "wait" its turn or "error"
+    worker_timeout: float | None = 60.0           # seconds without a worker's heartbeat -> WorkerTimeout; None: off
     model_backend: str = field(init=False, default="")   # `backend` with "auto" resolved for this strategy
 
     def __post_init__(self):
@@ -34,6 +36,10 @@ class EngineConfig:
         drafts = self.drafts
         if cls.needs_draft and not drafts:
             raise ValueError(f"strategy {self.strategy!r} needs a draft model; pass draft=... (--draft)")
+        if drafts and not cls.needs_draft:
+            raise ValueError(f"strategy {self.strategy!r} decodes the target alone and takes no draft, got "
+                             f"{self.draft!r}; drop draft=... (--draft) or pick a speculative strategy "
+                             f"({', '.join(n for n, s in STRATEGIES.items() if s.needs_draft)})")
         if len(drafts) > 1 and not cls.several_drafts:
             takes = [name for name, s in STRATEGIES.items() if s.several_drafts]
             raise ValueError(f"strategy {self.strategy!r} takes one draft model, got {len(drafts)}; only "
@@ -49,7 +55,16 @@ class EngineConfig:
         unknown = sorted(set(self.options) - set(OPTIONS))
         if unknown:
             raise TypeError(f"unknown Engine option(s) {unknown}; strategy options are {sorted(OPTIONS)}")
+        check_strategy_takes(self.strategy, self.options)
         self.options = {name: OPTIONS[name].check(value) for name, value in self.options.items()}
+        if self.on_busy not in ("wait", "error"):
+            raise ValueError(f"on_busy must be 'wait' (a request waits for the running one) or 'error' (it "
+                             f"raises EngineBusy), got {self.on_busy!r}")
+        if self.worker_timeout is not None and not (isinstance(self.worker_timeout, (int, float))
+                                                    and not isinstance(self.worker_timeout, bool)
+                                                    and self.worker_timeout > 0):
+            raise ValueError(f"worker_timeout must be a number of seconds > 0, or None (no watchdog), got "
+                             f"{self.worker_timeout!r}")
         parse_dtype(self.dtype)
         if self.backend not in MODEL_BACKENDS + ("auto",):
             raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
@@ -95,6 +110,14 @@ class EngineConfig:
                              f"quantized weights); leave dtype='auto' or use backend='native'")
         return backend
 
+    def for_strategy(self, strategy: str, options: dict | None = None) -> "EngineConfig":
+        """This configuration for another strategy: the given `options` (default: this one's) that it takes,
+        and the draft only if it uses one. The bench builds each variant's Engine this way."""
+        cls = get_strategy(strategy)
+        options = self.options if options is None else options
+        return replace(self, strategy=strategy, draft=self.draft if cls.needs_draft else None,
+                       options={name: value for name, value in options.items() if name in cls.options})
+
     @property
     def drafts(self) -> list:
         """The draft models as a list (empty, one, or several)."""
@@ -120,3 +143,14 @@ class EngineConfig:
     def used_draft_devices(self) -> list:
         """The parsed draft devices, or none for a strategy without a draft model."""
         return list(self.draft_devices) if self.strategy_class.needs_draft and self.model_drafts else []
+
+
+def check_strategy_takes(strategy: str, options: dict) -> None:
+    """Reject options that `strategy` does not take (they would be ignored), naming the strategies that take them."""
+    cls = get_strategy(strategy)
+    foreign = [name for name in options if name in OPTIONS and name not in cls.options]
+    if foreign:
+        takers = {name: [n for n, s in STRATEGIES.items() if name in s.options] for name in foreign}
+        taken = "; ".join(f"{name} is taken by {', '.join(t) or 'no strategy'}" for name, t in takers.items())
+        raise ValueError(f"strategy {strategy!r} does not take option(s) {', '.join(foreign)} ({taken}); its options "
+                         f"are {', '.join(cls.options) or 'none'}")

@@ -3,17 +3,32 @@
 Everything a user can get wrong is checked before the first forward: strategy, options and devices in
 EngineConfig (config.py), before anything loads; checkpoints and tokenizer compatibility here, before and right
 after the strategy's setup(); sampling values and prompt length per request. The strategy object owns the models,
-its workers and channels (strategies/base.py: setup, decode, close).
+its workers and channels (strategies/base.py: setup, decode, cancel, close).
+
+Requests (what the server relies on):
+- One generation at a time per Engine. A second generate()/stream() from another thread waits its turn
+  (`on_busy="wait"`, the default) or raises EngineBusy (`on_busy="error"`). A new request from the thread that
+  left a stream open cancels that stream first (it ends with finish_reason "cancelled").
+- A stream's close() (or its garbage collection) and Engine.cancel() (from any thread) stop the generation in
+  every worker within one round; the request ends with finish_reason "cancelled" and the Engine is ready for
+  the next one.
+- A worker that dies or stops answering (WorkerDied, WorkerTimeout) leaves the Engine unusable until
+  restart_workers(); every request until then raises that error again, saying so.
+- close() is idempotent and retryable; an interrupted close is finished by the next close(), by garbage
+  collection or at interpreter exit. Any request after it raises EngineClosed.
 """
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from paraspec.config import EngineConfig
 from paraspec.drafters import is_model_free
 from paraspec.models.loader import load_tokenizer, parse_dtype, resolve_checkpoint
+from paraspec.runtime.errors import RemoteError, WorkerError
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
 from paraspec.strategies.base import Placement, Run
@@ -22,6 +37,22 @@ from paraspec.trace import Trace
 
 class IncompatibleModelsError(ValueError):
     pass
+
+
+class EngineBusy(RuntimeError):
+    """Another generation is running on this Engine (raised with on_busy="error")."""
+
+
+class EngineClosed(RuntimeError):
+    """The Engine was closed; create a new one."""
+
+
+@dataclass(eq=False)
+class _Request:
+    """The generation in progress: who started it, and whether it was asked to stop."""
+    thread: int                                   # threading.get_ident() of the caller that started it
+    stream: weakref.ref | None = None             # the stream's generator (weak: dropping it cancels it)
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -39,15 +70,20 @@ class GenerationResult:
 class Engine:
     def __init__(self, target, draft=None, strategy: str = "ar", dtype="auto", target_devices=("cpu",),
                  draft_devices=("cpu",), backend: str = "auto", max_context: int = 4096,
-                 allow_vocab_mismatch: bool = False, runtime: str = "process", **options):
+                 allow_vocab_mismatch: bool = False, runtime: str = "process", on_busy: str = "wait",
+                 worker_timeout: float | None = 60.0, **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
         (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `runtimes`).
         `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU where the strategy allows
-        them, else the native decoder), "native", "hf" or "llamacpp" (README "Backends")."""
+        them, else the native decoder), "native", "hf" or "llamacpp" (README "Backends").
+        `on_busy`: what a request does while another is running: "wait" its turn or raise EngineBusy ("error").
+        `worker_timeout`: seconds a worker may go without a sign of life (heartbeats, also while it loads)
+        before WorkerTimeout is raised and the worker killed; None disables the watchdog."""
         self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
-                                 max_context, allow_vocab_mismatch, runtime, options))
+                                 max_context, allow_vocab_mismatch, runtime, options, on_busy=on_busy,
+                                 worker_timeout=worker_timeout))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -60,8 +96,14 @@ class Engine:
         self.last_result: GenerationResult | None = None
         self.target_devices = list(config.target_devices)
         self.draft_devices = config.used_draft_devices
+        self._busy = threading.Condition()        # guards _active, _closed, _failure
+        self._active: _Request | None = None
+        self._closed = False
+        self._failure: WorkerError | None = None  # a dead or stuck worker: requests refused until restart_workers()
         self.strategy = config.strategy_class(config.strategy_options)
         self.options = self.strategy.options
+        # close() runs on garbage collection and at interpreter exit too (and retries what an interrupted close left)
+        self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
         # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
         dtype_of = lambda devices: parse_dtype(config.dtype, devices[0].torch_device)
         self.backend = config.model_backend        # "auto" resolved by the config
@@ -72,17 +114,31 @@ class Engine:
         draft_specs = [d if is_model_free(d) else next(drafts) for d in config.drafts] if self.draft_devices \
             else [d for d in config.drafts if is_model_free(d)]
         self.tokenizer = self._maybe_tokenizer(target_dir)
-        placement = Placement(target_dir, draft_specs, self.target_devices, self.draft_devices,
-                              dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),
-                              config.runtime)
+        self._placement = Placement(target_dir, draft_specs, self.target_devices, self.draft_devices,
+                                    dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),
+                                    config.runtime, config.worker_timeout)
         try:
-            self.strategy.setup(placement)
+            self.strategy.setup(self._placement)
             if not config.allow_vocab_mismatch:
                 for model, folder in zip(self.drafts, draft_dirs):
                     check_compatible(self.target, model, self.tokenizer, self._maybe_tokenizer(folder))
         except BaseException:
             self.close()
             raise
+
+    def restart_workers(self) -> None:
+        """Stop the strategy's workers and start new ones (models reloaded), e.g. after WorkerDied or
+        WorkerTimeout; waits for (or, with on_busy="error", refuses during) a running generation."""
+        request = self._acquire(failed_ok=True)
+        try:
+            self.strategy.close()
+            self._finalizer.detach()
+            self.strategy = self.config.strategy_class(self.config.strategy_options)
+            self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
+            self.strategy.setup(self._placement)
+            self._failure = None
+        finally:
+            self._release(request)
 
     # the models and workers are the strategy's; these name them for callers and tests
     @property
@@ -161,6 +217,7 @@ class Engine:
 
     # -- generation ----------------------------------------------------------------------------------------
     def _new_run(self, prompt, params: SamplingParams | None, record_margins: bool = False) -> Run:
+        self._check_usable()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
@@ -170,19 +227,32 @@ class Engine:
                    margins={} if record_margins else None)
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`."""
+        """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`.
+        The request starts at the first next(); close() on the generator (or dropping it) cancels it."""
         run = self._new_run(prompt, params)
-        start = time.perf_counter()
-        run.trace.t0 = start
-        text = ""
-        for _ in self.strategy.decode(run):
-            now_text = self.decode_text(self._text_tokens(run))
-            if now_text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for the next token
-                continue
-            if len(now_text) > len(text) and now_text.startswith(text):
-                yield now_text[len(text):]
-            text = now_text
-        result = self._finish(run, start)
+        request = _Request(threading.get_ident())
+        deltas = self._stream(run, request)
+        request.stream = weakref.ref(deltas)
+        return deltas
+
+    def _stream(self, run: Run, request: _Request) -> Iterator[str]:
+        self._acquire(request)
+        batches = self._decode(run, request)
+        try:
+            start = time.perf_counter()
+            run.trace.t0 = start
+            text = ""
+            for _ in batches:
+                now_text = self.decode_text(self._text_tokens(run))
+                if now_text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for the next token
+                    continue
+                if len(now_text) > len(text) and now_text.startswith(text):
+                    yield now_text[len(text):]
+                text = now_text
+            result = self._finish(run, start)
+        finally:
+            batches.close()
+            self._release(request)
         if result.text != text and result.text.startswith(text):
             yield result.text[len(text):]
 
@@ -195,11 +265,87 @@ class Engine:
         """Generate a completion. record_margins keeps, for each output index, the target's top-1 minus top-2
         logit as this strategy computed it: where two strategies differ in bf16, it shows a near-tie."""
         run = self._new_run(prompt, params, record_margins)
-        start = time.perf_counter()
-        run.trace.t0 = start
-        for _ in self.strategy.decode(run):
-            pass
-        return self._finish(run, start)
+        request = self._acquire()
+        batches = self._decode(run, request)
+        try:
+            start = time.perf_counter()
+            run.trace.t0 = start
+            for _ in batches:
+                pass
+            return self._finish(run, start)
+        finally:
+            batches.close()
+            self._release(request)
+
+    def _decode(self, run: Run, request: _Request) -> Iterator[list[int]]:
+        """The strategy's batches until the run is done or the request is cancelled (checked after every
+        batch; Engine.cancel() also wakes a strategy blocked on its workers). A dead or stuck worker marks the
+        Engine failed until restart_workers()."""
+        batches = self.strategy.decode(run)
+        try:
+            for batch in batches:
+                if request.cancelled.is_set():
+                    break
+                yield batch
+                if request.cancelled.is_set():
+                    break
+        except WorkerError as e:
+            if not isinstance(e, RemoteError):
+                self._failure = e
+                e.args = (f"{e}; the Engine's workers must be restarted: call engine.restart_workers() (or "
+                          f"create a new Engine)",)
+            raise
+        finally:
+            batches.close()       # a strategy's own cleanup: stop its loops, collect its workers' reports
+            if request.cancelled.is_set() and not run.done:
+                run.finish_reason = "cancelled"
+
+    def cancel(self) -> bool:
+        """Stop the generation in progress (from any thread) within one round; it ends with finish_reason
+        "cancelled" (a stream stops yielding). False if nothing was running."""
+        with self._busy:
+            request = self._active
+            if request is None:
+                return False
+            request.cancelled.set()
+            self.strategy.cancel()
+            return True
+
+    # -- one request at a time -------------------------------------------------------------------------------
+    def _acquire(self, request: _Request | None = None, failed_ok: bool = False) -> _Request:
+        """Make `request` the one in progress: wait for (or refuse, with on_busy="error") another thread's;
+        cancel a stream the calling thread left open."""
+        request = request or _Request(threading.get_ident())
+        while True:
+            with self._busy:
+                self._check_usable(failed_ok)
+                active = self._active
+                if active is None:
+                    self._active = request
+                    return request
+                open_stream = active.stream() if active.thread == request.thread and active.stream else None
+                if open_stream is None:
+                    if self.config.on_busy == "error":
+                        raise EngineBusy("another generation is running on this Engine; wait for it, cancel it "
+                                         "(engine.cancel()), or create the Engine with on_busy='wait'")
+                    self._busy.wait()
+                    continue
+            open_stream.close()       # this thread left a stream open: it ends as cancelled, outside the lock
+            with self._busy:          # (a stream that never started holds nothing: drop it as the active one)
+                if self._active is active:
+                    self._active = None
+
+    def _release(self, request: _Request) -> None:
+        with self._busy:
+            if self._active is request:
+                self._active = None
+                self._busy.notify_all()
+
+    def _check_usable(self, failed_ok: bool = False) -> None:
+        if self._closed:
+            raise EngineClosed("this Engine is closed; create a new Engine to generate again")
+        if self._failure is not None and not failed_ok:
+            raise self._failure
 
     def _finish(self, run: Run, start: float) -> GenerationResult:
         total = time.perf_counter() - start
@@ -209,16 +355,36 @@ class Engine:
         return self.last_result
 
     # -- lifetime ------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop every worker and unlink every shared-memory segment (idempotent)."""
-        if getattr(self, "strategy", None) is not None:
-            self.strategy.close()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker and unlink every shared-memory segment. Idempotent and retryable: a close that was
+        interrupted (Ctrl-C) is finished by the next one, by garbage collection or at interpreter exit.
+        A generation running in another thread is cancelled first (given `timeout` seconds to end); one this
+        thread left open as a stream is closed. Any request afterwards raises EngineClosed."""
+        if getattr(self, "strategy", None) is None:   # __init__ failed before the strategy existed
+            return
+        with self._busy:
+            self._closed = True
+            active = self._active
+        if active is not None:
+            if active.thread == threading.get_ident() and active.stream and active.stream() is not None:
+                active.stream().close()
+            else:
+                self.cancel()
+                with self._busy:
+                    self._busy.wait_for(lambda: self._active is None, timeout)
+        self.strategy.close()
+        self._finalizer.detach()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_strategy(strategy) -> None:
+    """The Engine's finalizer (garbage collection, interpreter exit): holds the strategy, not the Engine."""
+    strategy.close()
 
 
 def _resolve(spec, dtype, backend: str = "native"):

@@ -11,14 +11,16 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """How to sample one request; checked when built and immutable after (dataclasses.replace() builds a new,
+    checked one), so a value cannot change between the check and its use."""
     temperature: float = 0.0        # 0 = greedy
     top_k: int = 0                  # 0 = off
     top_p: float = 1.0              # 1 = off
     max_new_tokens: int = 128
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None   # in addition to the model's EOS ids
+    seed: int | None = None         # 0 .. 2**64 - 1 (torch.Generator's range); None: a fresh seed per request
+    stop_token_ids: tuple[int, ...] | None = None   # in addition to the model's EOS ids (a list is taken too)
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -30,13 +32,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                          and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in 0 .. 2**64 - 1 or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, int):
-                self.stop_token_ids = [self.stop_token_ids]
-            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            stop = self.stop_token_ids
+            stop = (stop,) if isinstance(stop, int) else tuple(stop) if isinstance(stop, (list, tuple)) else None
+            if stop is None or not all(isinstance(t, int) and t >= 0 for t in stop):
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+            object.__setattr__(self, "stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:
@@ -80,5 +84,5 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else torch.seed())
+    g.manual_seed(seed % 2**64 if seed is not None else torch.seed())   # derived seeds (seed + 1) wrap around
     return g

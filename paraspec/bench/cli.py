@@ -126,12 +126,20 @@ def cmd_bench(args) -> int:
     from paraspec.bench.runner import BenchConfig, parse_variants, run_benchmark
     from paraspec.cli import sampling_params
     from paraspec.models.loader import load_tokenizer
-    from paraspec.cli import engine_config
+    from paraspec.cli import engine_config, given_options
+    from paraspec.strategies import OPTIONS
     variants = parse_variants(args.strategies, args.threads)
     if args.warmup_tokens < 1:
         raise ValueError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
+    given = given_options(args)
+    takers = {option for v in variants if v.strategy in STRATEGIES for option in STRATEGIES[v.strategy].options}
+    unused = [name for name in given if name not in takers]
+    if unused:
+        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in unused)}: no strategy benchmarked here "
+                         f"takes it ({args.strategies}); drop it or add a strategy that does")
     config = BenchConfig(
-        engine=engine_config(args, strategy="sd" if args.draft else "ar"),   # each variant sets its own
+        engine=engine_config(args, strategy="sd" if args.draft else "ar", options={}),   # each variant sets its own
+        options={name: given.get(name, option.default) for name, option in OPTIONS.items()},
         variants=variants, params=sampling_params(args), chat=args.chat,
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
         hf_confidence_threshold=args.hf_confidence_threshold, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens,

@@ -117,7 +117,7 @@ def _options_text(result: BenchResult) -> str:
     """`; sd: lookahead=5; amusd: max_ahead=16, verify_chunk=8` (the options each strategy ran with)."""
     parts = {}
     for info in result.contenders.values():
-        options = {k: v for k, v in info["settings"].items() if k in result.config.engine.options}
+        options = {k: v for k, v in info["settings"].items() if k in result.config.options}
         if options:
             parts[info["strategy"]] = ", ".join(f"{k}={v}" for k, v in options.items())
     return "".join(f"; {name}: {text}" for name, text in parts.items())
@@ -162,7 +162,7 @@ def _meta(result: BenchResult) -> dict:
     import torch
     import transformers
     cfg = result.config
-    return {"target": cfg.engine.target, "draft": cfg.engine.draft, "dtype": cfg.engine.dtype, "options": cfg.engine.options,
+    return {"target": cfg.engine.target, "draft": cfg.engine.draft, "dtype": cfg.engine.dtype, "options": cfg.options,
             "target_devices": list(map(str, cfg.engine.target_devices)),
             "draft_devices": list(map(str, cfg.engine.draft_devices)), "backend": cfg.engine.backend,
             "max_context": cfg.engine.max_context, "sampling": dict(cfg.params.__dict__),

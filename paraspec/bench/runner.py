@@ -16,7 +16,7 @@ import re
 import statistics
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -146,6 +146,7 @@ class BenchConfig:
     llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID          # llamacpp-spec's (draft max, p-min) settings to try
     llamacpp_ngram_grid: tuple = DEFAULT_NGRAM_GRID        # llamacpp-ngram's (spec type, n, m) settings to try
     progress: bool = True
+    options: dict = field(default_factory=dict)           # strategy options; each variant takes its own
 
 
 class Contender:
@@ -227,7 +228,7 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
     # one engine per (strategy, drafters), shared by that variant's thread counts; every config is checked
     # before any model loads
-    engine_configs = {engine_key(v): variant_engine_config(config.engine, v) for v in config.variants
+    engine_configs = {engine_key(v): variant_engine_config(config, v) for v in config.variants
                       if v.strategy in STRATEGIES}
     start_affinity, start_threads = current_pinning()
     engines, built, limits = [], {}, [config.engine.max_context]
@@ -290,9 +291,13 @@ def engine_key(variant: Variant) -> tuple:
     return variant.strategy, variant.drafts
 
 
-def variant_engine_config(engine: EngineConfig, variant: Variant) -> EngineConfig:
-    """The bench's EngineConfig with the variant's strategy and drafters (validated here, before loading)."""
-    return dataclasses.replace(engine, strategy=variant.strategy, draft=variant_drafts(variant, engine.draft))
+def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConfig:
+    """The bench's EngineConfig for the variant's strategy (with the options it takes) and drafters (validated
+    here, before loading)."""
+    engine = config.engine.for_strategy(variant.strategy, config.options)
+    if not engine.strategy_class.needs_draft:
+        return engine
+    return dataclasses.replace(engine, draft=variant_drafts(variant, config.engine.draft))
 
 
 def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.tree import DraftTreeCache, TokenTree, draft_tree
+from paraspec.models.base import embeddable, widen
 from paraspec.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -39,7 +40,7 @@ class ModelDrafter(Drafter):
         tokens, probs = [], []
         if k <= 0:
             return Proposal(tokens)
-        logits = self.model.forward(sequence[self.model.length:], last_n=1)[-1, :self.vocab_size]
+        logits = self.logits(sequence[self.model.length:])
         for i in range(k):
             if params.greedy:
                 token = int(logits.argmax())
@@ -51,7 +52,7 @@ class ModelDrafter(Drafter):
             if self.min_confidence > 0 and float(logits.softmax(-1)[token]) < self.min_confidence:
                 break
             if i < k - 1:
-                logits = self.model.forward([token])[-1, :self.vocab_size]
+                logits = self.logits([token])
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
@@ -68,10 +69,16 @@ class ModelDrafter(Drafter):
         else:                                            # a chain: its accepted drafts are already in place
             self.rollback(min(self.length, prefix_len + len(path)))
 
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed token_ids; the draft's logits after the last one, over exactly the target's vocab_size ids (a
+        draft with fewer embedding rows than the target: models.base.embeddable / widen)."""
+        logits = self.model.forward(embeddable(token_ids, self.model.vocab_size), last_n=1)[-1]
+        return widen(logits, self.vocab_size)[:self.vocab_size]
+
     # -- hooks of the tree drafting (easyspec overrides them) ----------------------------------------------------
     def root(self, pending: list[int]) -> torch.Tensor:
         """Run the committed tokens the draft has not cached; the draft logits after the last one."""
-        return self.model.forward(pending, last_n=1)[-1]
+        return self.logits(pending)
 
     def expand(self, token_ids, positions, mask) -> torch.Tensor:
         """Logits of tree nodes fed with explicit positions and a mask over the whole cache."""

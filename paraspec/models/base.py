@@ -64,3 +64,19 @@ def check_rollback(length: int, cached: int) -> None:
     """The one rule of `rollback`: a cache can only be cut back to a length it holds."""
     if not 0 <= length <= cached:
         raise ValueError(f"cannot roll back to {length}: the cache holds {cached} tokens")
+
+
+# -- a draft whose vocabulary is narrower than the target's (same tokenizer, fewer embedding rows) ---------------
+
+def embeddable(token_ids: list[int], rows: int) -> list[int]:
+    """`token_ids` as a model with `rows` embedding rows can take them: an id past its rows (a target's padding
+    row, which a smaller draft lacks) is fed as id 0. Only draft inputs go through here: the draft's guesses
+    after such an id are worse, but the target judges every draft, so the output stays exact."""
+    return [t if t < rows else 0 for t in token_ids]
+
+
+def widen(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits over the target's `vocab_size` ids: columns the draft lacks are -inf (probability 0), so
+    q and the target's p have one shape and the draft never proposes an id it has no row for."""
+    missing = vocab_size - logits.shape[-1]
+    return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits

@@ -156,6 +156,7 @@ def resolve_checkpoint(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloa
         if not (path / "config.json").exists():
             raise CheckpointError(f"{path} has no config.json; pass a Hugging Face checkpoint folder "
                                   f"(config.json + *.safetensors) or a .gguf file")
+        read_config(path)        # a damaged config.json is named here, before a tokenizer or model reads it
         return path
     if not _is_hub_id(spec_str):
         raise CheckpointError(f"no checkpoint at {spec_str!r}: not an existing folder or .gguf file, "
@@ -169,8 +170,9 @@ def resolve_checkpoint(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloa
 def read_config(folder: Path) -> dict:
     try:
         return json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({e}); re-download the checkpoint")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({e}); re-download the checkpoint") \
+            from None
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Process-per-device execution: devices, workers, shared-memory channels, fault propagation.
 
     devices.py   device strings (cpu, cpu:N, cpu:A-B, cuda:N); pinning a process to one, and undoing it
-    errors.py    WorkerError and its kinds (RemoteError, WorkerDied, WorkerClosed); errors over the wire
+    errors.py    WorkerError and its kinds (RemoteError, WorkerDied, WorkerTimeout, WorkerClosed); errors over the wire
     serve.py     the worker side: serve() (every backend's entry point), WorkerInfo, LoopContext
     workers.py   the caller side: Worker, Handle; backends (process, inprocess) and their registry BACKENDS
     ray_backend.py  the Ray backend (optional extra), registered by name
@@ -15,7 +15,7 @@
 from paraspec.runtime.channels import (ChannelFull, ChannelState, ChannelStopped, CommitResult, DraftSnapshot,
                                        StaleVersion, StopSignal, TokenChannel)
 from paraspec.runtime.devices import Device, DeviceError, parse_device, parse_devices
-from paraspec.runtime.errors import RemoteError, WorkerClosed, WorkerDied, WorkerError
+from paraspec.runtime.errors import RemoteError, WorkerClosed, WorkerDied, WorkerError, WorkerTimeout
 from paraspec.runtime.runtime import Runtime
 from paraspec.runtime.serve import LoopContext, WorkerInfo
 from paraspec.runtime.workers import BACKENDS, Handle, ProcessWorker, ThreadWorker, Worker
@@ -23,4 +23,4 @@ from paraspec.runtime.workers import BACKENDS, Handle, ProcessWorker, ThreadWork
 __all__ = ["BACKENDS", "ChannelFull", "ChannelState", "ChannelStopped", "CommitResult", "Device", "DeviceError",
            "DraftSnapshot", "Handle", "LoopContext", "ProcessWorker", "RemoteError", "Runtime", "StaleVersion",
            "StopSignal", "ThreadWorker", "TokenChannel", "Worker", "WorkerClosed", "WorkerDied", "WorkerError",
-           "WorkerInfo", "parse_device", "parse_devices"]
+           "WorkerInfo", "WorkerTimeout", "parse_device", "parse_devices"]

@@ -189,8 +189,9 @@ class _SharedBlock:
         return self._read_reason()
 
     def close(self) -> None:
-        """Unmap; the owner also unlinks the segment (after waking every waiter with a stop)."""
+        """Unmap; the owner also unlinks the segment (after waking every waiter with a stop). Repeatable."""
         if self._segment.fd < 0:
+            self._segment.close()    # finishes the unlink of a close that was interrupted
             return
         if self._segment.owner and not self.stopped:
             self._stop("channel closed")

@@ -3,6 +3,7 @@
     WorkerError     base of every failure that comes from a worker
     ├── RemoteError the worker raised (its traceback, and the exception itself when it unpickles here)
     ├── WorkerDied  the worker's process exited while a request was outstanding
+    │   └── WorkerTimeout  it sent no sign of life for `worker_timeout` seconds (stopped or stuck): killed
     └── WorkerClosed the worker (or its runtime) was closed
 """
 from __future__ import annotations
@@ -36,6 +37,11 @@ class WorkerDied(WorkerError):
     def __init__(self, message: str, worker: str, exitcode: int | None):
         super().__init__(message, worker)
         self.exitcode = exitcode
+
+
+class WorkerTimeout(WorkerDied):
+    """The worker sent no heartbeat for the runtime's `worker_timeout` seconds (stopped, or stuck holding the
+    interpreter); it is treated as dead, and its process is killed."""
 
 
 class WorkerClosed(WorkerError):

@@ -49,10 +49,11 @@ class _WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, address: tuple[str, int], name: str, device: str, spec: bytes) -> None:
+    def serve(self, address: tuple[str, int], name: str, device: str, spec: bytes,
+              heartbeat_s: float | None = None) -> None:
         from paraspec.runtime.devices import parse_device
         sock = socket.create_connection(address)
-        serve(sock, name, parse_device(device), spec, in_process=False)
+        serve(sock, name, parse_device(device), spec, in_process=False, heartbeat_s=heartbeat_s)
 
 
 class RayWorker(Worker):
@@ -70,7 +71,7 @@ class RayWorker(Worker):
             self._actor = actor_class.options(name=None, max_concurrency=1).remote()
             self._pid = ray.get(self._actor.pid.remote(), timeout=self.connect_timeout)
             self._serving = self._actor.serve.remote(listener.getsockname(), self.name, str(self.device),
-                                                     self._spec)
+                                                     self._spec, self.heartbeat_s)
             listener.settimeout(self.connect_timeout)
             conn, _ = listener.accept()
         except BaseException:
@@ -100,6 +101,12 @@ class RayWorker(Worker):
 
     def _exitcode(self) -> int | None:
         return None                         # a Ray worker process is not our child: no exit status
+
+    def _kill(self) -> None:
+        try:
+            ray.kill(self._actor)
+        except Exception:
+            pass
 
     def _stop_worker(self, deadline: float) -> None:
         try:

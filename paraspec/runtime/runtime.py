@@ -35,9 +35,12 @@ class _RuntimeState:
     channels: dict[str, TokenChannel] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closing: bool = False
+    workers_stopped: bool = False
+    closed: bool = False
     wake_r: int = -1
     wake_w: int = -1
     monitor: threading.Thread | None = None
+    worker_timeout: float | None = None      # the watchdog: seconds a worker may stay silent
 
     def stop_all(self, reason: str) -> None:
         self.stop.set(reason)
@@ -52,15 +55,20 @@ class _RuntimeState:
 
 
 def _monitor(state: _RuntimeState) -> None:
-    """Stop every channel as soon as a worker process dies, so loops blocked on them wake up."""
+    """Stop every channel as soon as a worker process dies, so loops blocked on them wake up. With a
+    worker_timeout, also the watchdog: read the workers' heartbeats, and fail (kill) one that stays silent."""
     noted: set[str] = set()
+    tick = None if state.worker_timeout is None else heartbeat_interval(state.worker_timeout)
     while not state.closing:
         with state.lock:
-            watched = {w._sentinel: w for w in state.workers.values()
-                       if w._sentinel is not None and w.name not in noted}
-        ready = multiprocessing.connection.wait([state.wake_r, *watched])
+            workers = list(state.workers.values())
+        watched = {w._sentinel: w for w in workers if w._sentinel is not None and w.name not in noted}
+        ready = multiprocessing.connection.wait([state.wake_r, *watched], tick)
         if state.wake_r in ready:
-            os.read(state.wake_r, 4096)
+            try:
+                os.read(state.wake_r, 4096)
+            except OSError:
+                return
         for sentinel in ready:
             worker = watched.get(sentinel)
             if worker is None:
@@ -69,36 +77,54 @@ def _monitor(state: _RuntimeState) -> None:
             if not state.closing and not worker._closed:
                 code = worker._exitcode()
                 state.stop_all(f"worker {worker.name!r} ({worker.device}) died with exit code {code}")
+        if tick is not None and not state.closing:
+            for worker in workers:
+                if worker.name not in noted and worker._check_heartbeat(state.worker_timeout):
+                    noted.add(worker.name)
+                    state.stop_all(str(worker._death))
+
+
+def heartbeat_interval(worker_timeout: float) -> float:
+    """How often a worker says it is alive, for a watchdog of `worker_timeout` seconds."""
+    return min(1.0, worker_timeout / 4)
 
 
 def _shutdown(state: _RuntimeState, timeout: float) -> None:
-    if state.closing:
+    """Stop every worker and unlink every segment. Each step can be repeated, so a shutdown interrupted by
+    Ctrl-C (or an exception) is finished by the next call."""
+    if state.closed:
         return
     state.closing = True
     state.poke_monitor()
     if state.monitor is not None and state.monitor is not threading.current_thread():
         state.monitor.join(1.0)
-    workers = list(state.workers.values())
-    deadline = time.monotonic() + timeout
-    for worker in workers:   # ask them all first, so they exit in parallel
-        if not worker._closed:
-            worker._request_shutdown(deadline)
-    state.stop_all("runtime closed")   # now wake their loops
-    for worker in workers:
-        worker._closed = True
-        try:
-            worker._stop_worker(deadline)
-        finally:
-            worker._wire.close()
-    for channel in list(state.channels.values()):
-        channel.close()
-    state.channels.clear()
+    if not state.workers_stopped:
+        workers = list(state.workers.values())
+        deadline = time.monotonic() + timeout
+        for worker in workers:   # ask them all first, so they exit in parallel
+            if not worker._closed:
+                worker._request_shutdown(deadline)
+                worker._closed = True
+        state.stop_all("runtime closed")   # now wake their loops
+        for worker in workers:
+            try:
+                worker._stop_worker(deadline)
+            finally:
+                worker._wire.close()
+        state.workers_stopped = True
+    for name in list(state.channels):
+        state.channels[name].close()
+        del state.channels[name]
     state.stop.close()
-    for fd in (state.wake_r, state.wake_w):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    for attr in ("wake_r", "wake_w"):
+        fd = getattr(state, attr)
+        if fd >= 0:
+            setattr(state, attr, -1)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    state.closed = True
 
 
 class Runtime:
@@ -110,13 +136,19 @@ class Runtime:
             channel = rt.channel("tokens", capacity=4096, vocab_size=151936)   # q ring for sampling
             ...
     close() stops every worker and unlinks every shared-memory segment; it also runs when the Runtime is
-    garbage-collected unclosed, and at interpreter exit (including after Ctrl-C).
+    garbage-collected unclosed, and at interpreter exit (including after Ctrl-C); a close() that was interrupted
+    is finished by the next one.
+
+    worker_timeout (seconds, or None): the watchdog. Workers send heartbeats (also while their model loads); one
+    silent for that long (stopped, or stuck holding the interpreter) fails every request to it with
+    WorkerTimeout, its channels are stopped and its process killed.
     """
 
-    def __init__(self, backend: str = "process", close_timeout: float = 3.0):
+    def __init__(self, backend: str = "process", close_timeout: float = 3.0, worker_timeout: float | None = None):
         worker_class(backend)                # an unknown name fails here, before anything starts
         self.backend = backend
-        state = _RuntimeState(stop=StopSignal("stop"))
+        self.close_timeout = close_timeout
+        state = _RuntimeState(stop=StopSignal("stop"), worker_timeout=worker_timeout)
         state.wake_r, state.wake_w = os.pipe()
         self._state = state
         self._finalizer = weakref.finalize(self, _shutdown, state, close_timeout)
@@ -131,7 +163,9 @@ class Runtime:
         state = self._state
         if name in state.workers:
             raise ValueError(f"a worker named {name!r} already exists in this runtime")
-        worker = worker_class(self.backend)(name, device, factory, factory_args, state.stop, state.channels)
+        heartbeat = None if state.worker_timeout is None else heartbeat_interval(state.worker_timeout)
+        worker = worker_class(self.backend)(name, device, factory, factory_args, state.stop, state.channels,
+                                            heartbeat_s=heartbeat)
         with state.lock:
             state.workers[name] = worker
         state.poke_monitor()
@@ -220,11 +254,12 @@ class Runtime:
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def close(self) -> None:
-        self._finalizer()
+        _shutdown(self._state, self.close_timeout)
+        self._finalizer.detach()
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._state.closing
 
     def _check_open(self) -> None:
         if self.closed:

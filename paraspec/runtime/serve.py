@@ -60,11 +60,17 @@ class LoopContext:
 
 # --- the worker side ---------------------------------------------------------------------------------------
 
-def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_process: bool) -> None:
-    """A worker's life: build the model, then answer requests until shutdown or the caller goes away."""
+def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_process: bool,
+          heartbeat_s: float | None = None) -> None:
+    """A worker's life: build the model, then answer requests until shutdown or the caller goes away.
+    With heartbeat_s, a thread sends a heartbeat that often from the start (model loading included): the
+    caller's watchdog tells a slow worker from a stopped or stuck one."""
     wire = Wire(sock)
     requests: queue.SimpleQueue = queue.SimpleQueue()
     shutting_down = threading.Event()
+    if heartbeat_s is not None:
+        threading.Thread(target=_beat, args=(wire, heartbeat_s, shutting_down), name=f"paraspec-{name}-heartbeat",
+                         daemon=True).start()
 
     def read_requests():
         # Reading on its own thread keeps the socket drained while the main thread computes, so a caller
@@ -147,16 +153,26 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
         wire.close()
 
 
-def process_main(sock: socket.socket, name: str, device: str, spec: bytes) -> None:
-    # Ctrl-C reaches the whole process group; the caller decides what happens to its workers.
+def _beat(wire: Wire, interval: float, shutting_down: threading.Event) -> None:
+    while not shutting_down.wait(interval):
+        try:
+            wire.send(("heartbeat",))
+        except OSError:
+            return
+
+
+def process_main(sock: socket.socket, name: str, device: str, spec: bytes, heartbeat_s: float | None = None) -> None:
+    # Ctrl-C reaches the whole process group; the caller decides what happens to its workers. The caller held
+    # SIGINT and SIGTERM while it started us (workers.sigint_ignored_by_children): take SIGTERM again.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     parent = multiprocessing.parent_process()
     if parent is not None:
         def exit_with_parent():
             multiprocessing.connection.wait([parent.sentinel])
             os._exit(1)   # the parent died without closing us (e.g. SIGKILL): nobody will read our results
         threading.Thread(target=exit_with_parent, name="paraspec-parent-watch", daemon=True).start()
-    serve(sock, name, parse_device(device), spec, in_process=False)
+    serve(sock, name, parse_device(device), spec, in_process=False, heartbeat_s=heartbeat_s)
     # Everything this process shared is released by now; skip the interpreter's teardown (with torch loaded
     # it takes ~0.5 s), which is most of a close().
     for stream in (sys.stdout, sys.stderr):

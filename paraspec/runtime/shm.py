@@ -86,27 +86,26 @@ class Segment:
 
     def close(self) -> None:
         """Unmap (views into `buf` must be gone) and, for the owner, unlink the name."""
-        if self.fd < 0:
-            return
-        try:
-            self.buf.release()
-            self._mmap.close()
-        except BufferError:  # someone still holds a numpy view; the mapping goes when that view does
-            pass
-        os.close(self.fd)
-        self.fd = -1
+        if self.fd >= 0:
+            try:
+                self.buf.release()
+                self._mmap.close()
+            except BufferError:  # someone still holds a numpy view; the mapping goes when that view does
+                pass
+            fd, self.fd = self.fd, -1
+            os.close(fd)
         if self.owner:
-            self.unlink()
+            self.unlink()    # also when a close interrupted after the unmap is repeated
 
     def unlink(self) -> None:
         if self._unlinked:
             return
-        self._unlinked = True
         from multiprocessing import resource_tracker
         try:
             _posixshmem.shm_unlink("/" + self.name)
         except FileNotFoundError:
             pass
+        self._unlinked = True
         resource_tracker.unregister("/" + self.name, "shared_memory")
 
 

@@ -26,11 +26,12 @@ import pickle
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
 from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device, parse_device
-from paraspec.runtime.errors import WorkerClosed, WorkerDied, WorkerError, remote_error
+from paraspec.runtime.errors import WorkerClosed, WorkerDied, WorkerError, WorkerTimeout, remote_error
 from paraspec.runtime.serve import WorkerInfo, process_main, serve
 from paraspec.runtime.wire import wire_pair
 from paraspec.trace import Trace, TraceEvent
@@ -99,8 +100,10 @@ class Worker(abc.ABC):
     backend = ""
 
     def __init__(self, name: str, device: Device | str, factory: Callable[..., Any], factory_args: dict | None,
-                 stop: StopSignal, channels: dict[str, TokenChannel]):
+                 stop: StopSignal, channels: dict[str, TokenChannel], heartbeat_s: float | None = None):
+        """heartbeat_s: the worker sends a heartbeat this often (None: never), for the Runtime's watchdog."""
         self.name = name
+        self.heartbeat_s = heartbeat_s
         self.device = parse_device(device)
         try:
             self._spec = pickle.dumps((factory, dict(factory_args or {})))
@@ -119,6 +122,8 @@ class Worker(abc.ABC):
         self._closed = False
         self._closing_acked = False
         self._t_start = time.perf_counter()
+        self._last_heard = time.monotonic()    # the last message from the worker (heartbeats included)
+        self._heard = False                    # any message yet: before it, the process is starting up
         self._start()
 
     # -- backend hooks ------------------------------------------------------------------------------------
@@ -269,6 +274,9 @@ class Worker(abc.ABC):
 
     def _dispatch(self, envelope: tuple, load_body: Callable[[], Any]) -> None:
         kind = envelope[0]
+        self._last_heard, self._heard = time.monotonic(), True
+        if kind == "heartbeat":
+            return
         if kind == "ready":
             self._info = dataclasses.replace(load_body(), startup_s=time.perf_counter() - self._t_start)
         elif kind == "ready_error":
@@ -279,6 +287,26 @@ class Worker(abc.ABC):
             self._abandoned.discard(envelope[1])
         else:
             self._replies[envelope[1]] = (envelope, load_body)
+
+    def _check_heartbeat(self, timeout: float) -> bool:
+        """The watchdog (the Runtime's monitor thread): read what the worker sent if nobody else is reading; if
+        it has been silent for `timeout` s, fail every request to it with WorkerTimeout and kill it. True then."""
+        if self._closed or self._death is not None or self.heartbeat_s is None:
+            return False
+        self._pump(0.0)
+        silent = time.monotonic() - self._last_heard
+        if not self._heard:        # spawning and importing (torch) come before the first heartbeat
+            timeout = max(timeout, STARTUP_TIMEOUT_S)
+        if silent < timeout or self._closed or self._death is not None:
+            return False
+        self._death = WorkerTimeout(f"worker {self.name!r} ({self.device}, pid {self.pid}) sent no sign of life for "
+                                    f"{silent:.1f} s (worker_timeout={timeout:g}): stopped or stuck; it was killed",
+                                    self.name, None)
+        self._kill()
+        return True
+
+    def _kill(self) -> None:
+        """Force the worker to stop now, if the backend can (the watchdog)."""
 
     def _note_death(self) -> None:
         if self._death is not None:
@@ -298,6 +326,10 @@ class Worker(abc.ABC):
         self._death = WorkerDied(f"worker {self.name!r} ({self.device}, pid {self.pid}) {how}", self.name, code)
 
 
+# The watchdog's limit before a worker's first heartbeat: a fresh interpreter importing torch on a busy machine.
+STARTUP_TIMEOUT_S = 120.0
+
+
 def remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -314,8 +346,10 @@ class ProcessWorker(Worker):
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
         self._process = context.Process(target=process_main, name=f"paraspec-{self.name}", daemon=True,
-                                        args=(self._their_sock, self.name, str(self.device), self._spec))
-        self._process.start()
+                                        args=(self._their_sock, self.name, str(self.device), self._spec,
+                                              self.heartbeat_s))
+        with sigint_ignored_by_children():
+            self._process.start()
         self._their_sock.close()
         self._sentinel = self._process.sentinel
 
@@ -330,8 +364,16 @@ class ProcessWorker(Worker):
         self._process.join(0.5)   # the sentinel fired: the exit status is a waitpid away
         return self._process.exitcode
 
+    def _kill(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+
     def _stop_worker(self, deadline: float) -> None:
         process = self._process
+        if self._info is None and process.is_alive():
+            # still starting (Python's spawn bootstrap, imports, loading): it cannot read the shutdown request,
+            # SIGTERM is blocked in it until serve() runs, and it holds nothing to clean up: kill it now
+            process.kill()
         process.join(remaining(deadline))
         if process.is_alive():
             process.terminate()
@@ -339,6 +381,25 @@ class ProcessWorker(Worker):
         if process.is_alive():
             process.kill()
             process.join(1.0)
+
+
+@contextmanager
+def sigint_ignored_by_children():
+    """Start processes with SIGINT ignored from their first instruction: an ignored signal stays ignored across
+    exec, and Python then installs no KeyboardInterrupt handler, so Ctrl-C while a worker imports or loads prints
+    no traceback from it (the caller stops its workers). SIGINT and SIGTERM are blocked meanwhile (delivered
+    right after, not lost): an exception raised halfway through start() would leave the child half-briefed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                  # only the main thread may change handlers; Python delivers signals there anyway
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 class ThreadWorker(Worker):
@@ -350,7 +411,8 @@ class ThreadWorker(Worker):
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=serve, name=f"paraspec-{self.name}", daemon=True,
-                                        args=(self._their_sock, self.name, self.device, self._spec, True))
+                                        args=(self._their_sock, self.name, self.device, self._spec, True,
+                                              self.heartbeat_s))
         self._thread.start()
 
     @property

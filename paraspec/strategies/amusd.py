@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from paraspec.models.base import embeddable, widen
 from paraspec.runtime.channels import ChannelFull, ChannelStopped
 from paraspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from paraspec.strategies import register
@@ -97,7 +98,7 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
             elif channel.wait_for_room(position + 1, version=version, timeout=None).version != version:
                 continue
             start = trace.now()
-            logits = draft.forward(feed, last_n=1)[-1, :vocab_size]
+            logits = widen(draft.forward(embeddable(feed, draft.vocab_size), last_n=1)[-1], vocab_size)[:vocab_size]
             cached.extend(feed)
             fed += len(feed)
             if params.greedy:
@@ -107,8 +108,6 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
                 token = sample(q, generator)
             trace.add(device, "draft", start, trace.now(), len(feed))
             drafted += 1
-            if q is not None and q.shape[0] < vocab_size:    # a narrower draft head: pad q with zeros
-                q = torch.nn.functional.pad(q, (0, vocab_size - q.shape[0]))
             try:
                 published += channel.publish_draft(position, [token], q=q, version=version)
             except ChannelFull:               # the context is full: the verifier is about to finish
@@ -226,7 +225,8 @@ def decode(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 
 
 
 def merge_reports(run: Run, verify_report: dict, draft_report: dict) -> None:
-    if verify_report["tokens"] != run.tokens:
+    # a cancelled verifier may have counted a batch that its stopped channel then refused: the stream is the record
+    if verify_report["tokens"] != run.tokens and verify_report["finish_reason"] != "cancelled":
         raise RuntimeError("amusd: the streamed tokens differ from the verifier's record")
     for key in ("drafted", "accepted", "rounds", "verified_tokens", "rollbacks", "verify_s"):
         setattr(run, key, verify_report[key])

@@ -3,7 +3,8 @@ request in flight (`Run`) and the rules for committing tokens.
 
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
     Strategy.decode(run)       a generator yielding each batch of newly committed token ids
-    Strategy.close()           stop its workers, unlink its segments, undo its pinning (idempotent)
+    Strategy.cancel()          (any thread) wake a decode() blocked on its workers so it ends soon
+    Strategy.close()           stop its workers, unlink its segments, undo its pinning (idempotent, retryable)
 
 The Engine turns the batches into streamed text and, at the end, into stats. Committing goes through
 `Run.commit`, the one place that enforces stop tokens and `max_new_tokens`, so no strategy can overshoot.
@@ -135,6 +136,7 @@ class Placement:
     draft_devices: list[Device]
     load: dict                         # load_model's keyword arguments: dtype, backend, max_context
     runtime: str                       # the worker backend (runtime/workers.BACKENDS)
+    worker_timeout: float | None = None   # the workers' watchdog (Runtime's worker_timeout)
 
     @property
     def model_drafts(self) -> list:
@@ -195,6 +197,10 @@ class Strategy(abc.ABC):
     def decode(self, run: "Run") -> Iterator[list[int]]:
         """Decode one request; yield each batch of committed tokens (Run.commit's return value)."""
 
+    def cancel(self) -> None:
+        """Called from another thread to stop the decode() in progress: the Engine stops pulling its batches
+        after the current one; a strategy that waits on its workers also wakes that wait here."""
+
     def close(self) -> None:
         if self.runtime is not None:
             self.runtime.close()
@@ -241,7 +247,7 @@ class WorkerStrategy(Strategy):
     def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]]) -> None:
         """Start one worker per (name, checkpoint, device) and wait until every model is built."""
         from paraspec.runtime import RemoteError, Runtime
-        self.runtime = Runtime(backend=placement.runtime)
+        self.runtime = Runtime(backend=placement.runtime, worker_timeout=placement.worker_timeout)
         for name, spec, device in workers:
             self.runtime.add_worker(name, device, placement.loader(spec), placement.worker_args(spec, device))
         try:
@@ -252,3 +258,9 @@ class WorkerStrategy(Strategy):
     def remote(self, name: str):
         from paraspec.runtime.remote import RemoteModel
         return RemoteModel(self.runtime[name])
+
+    def cancel(self) -> None:
+        """Stop every channel: the loops in the workers and the caller waiting on them end at once."""
+        if self.runtime is not None and not self.runtime.closed:
+            for channel in self.runtime.channels.values():
+                channel.stop("cancelled by the caller")

@@ -21,7 +21,8 @@ def test_table_rows_references_and_divergences():
                             "dtype": "float32", "settings": {}},
                   "amusd": {"strategy": "amusd", "devices": "target cpu:1, draft cpu:0", "threads": "2 (workers)",
                             "cores": 2, "dtype": "float32", "settings": {"max_ahead": 16}}}
-    config = BenchConfig(EngineConfig("T", "D", options={"max_ahead": 16}), variants, SamplingParams(max_new_tokens=10))
+    config = BenchConfig(EngineConfig("T", "D", strategy="sd"), variants, SamplingParams(max_new_tokens=10),
+                         options={"max_ahead": 16})
     result = BenchResult("demo", config, [BenchPrompt("p0", ())], [[0]], True, records, contenders)
     rows = summarize(records, variants, True, {v: contenders[v.name]["cores"] for v in variants})
     table = markdown_table(result, rows)
@@ -44,7 +45,7 @@ def test_a_reference_on_other_cores_is_named():
                             "settings": {}},
                   "sd@2t": {"strategy": "sd", "devices": "cpu", "threads": "2", "cores": 2, "dtype": "float32",
                             "settings": {}}}
-    config = BenchConfig(EngineConfig("T", "D"), [ar1, sd2], SamplingParams(max_new_tokens=10))
+    config = BenchConfig(EngineConfig("T", "D", strategy="sd"), [ar1, sd2], SamplingParams(max_new_tokens=10))
     result = BenchResult("demo", config, [BenchPrompt("p0", ())], [[0]], False, records, contenders)
     table = markdown_table(result, summarize(records, [ar1, sd2], True, {ar1: 1, sd2: 2}))
     sd_row = next(line for line in table.splitlines() if line.startswith("| sd@2t |")).split(" | ")

@@ -61,12 +61,13 @@ def test_drafters_go_to_the_engine_config_with_model_replaced_by_the_draft():
 
 
 def test_variant_engine_config_keeps_the_bench_settings(bench_target, bench_draft):
-    base = EngineConfig(bench_target, str(bench_draft), strategy="sd", dtype="float32", max_context=512,
-                        options={"lookahead": 3})
-    config = variant_engine_config(base, Variant("dsi", None, ("model", "model")))
+    base = EngineConfig(bench_target, str(bench_draft), strategy="sd", dtype="float32", max_context=512)
+    bench = BenchConfig(base, [], SamplingParams(max_new_tokens=4), options={"lookahead": 3, "verify_chunk": 2})
+    config = variant_engine_config(bench, Variant("dsi", None, ("model", "model")))
     assert config.strategy == "dsi" and config.draft == [str(bench_draft), str(bench_draft)]
-    assert (config.dtype, config.max_context, config.options) == ("float32", 512, {"lookahead": 3})
-    assert variant_engine_config(base, Variant("sd", 1)).draft == str(bench_draft)
+    assert (config.dtype, config.max_context, config.options) == ("float32", 512, {"lookahead": 3})  # dsi's own
+    assert variant_engine_config(bench, Variant("sd", 1)).draft == str(bench_draft)
+    assert variant_engine_config(bench, Variant("ar", 1)).draft is None
     assert base.strategy == "sd" and base.draft == str(bench_draft)                   # not modified
 
 
@@ -133,7 +134,8 @@ def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer)
     variants = [Variant("sd"), Variant("ar"), Variant("hf-ar")]
     calls = []
     contenders = [fake_contender(v, calls, bench_tokenizer) for v in variants]
-    config = BenchConfig(EngineConfig("t", "d"), variants, SamplingParams(max_new_tokens=8), progress=False)
+    config = BenchConfig(EngineConfig("t", "d", strategy="sd"), variants, SamplingParams(max_new_tokens=8),
+                         progress=False)
     result = _run(config, prompts, bench_tokenizer, True, contenders, "two-turn", 4096)
 
     expected_ids = [encode_prompt(bench_tokenizer, prompts[0].as_input(True)),

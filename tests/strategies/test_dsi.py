@@ -165,9 +165,9 @@ def test_the_first_drafter_that_is_ahead_supplies_the_chunks(fast):
 def test_several_drafts_are_checked():
     target = SimulatedSpec(seed=1)
     drafts = [SimulatedSpec(role="draft", seed=1), SimulatedSpec(role="draft", seed=1, draft_seed=2)]
-    with pytest.raises(ValueError, match="takes one draft model, got 2; only dsi takes several"):
+    with pytest.raises(ValueError, match="takes one draft model, got 2; only .*dsi.* takes several"):
         Engine(target, drafts, strategy="amusd")
-    with pytest.raises(ValueError, match="one per draft, got 3"):
+    with pytest.raises(ValueError, match="one per model, got 3"):
         Engine(target, drafts, strategy="dsi", draft_devices=["cpu", "cpu", "cpu"])
     with pytest.raises(ValueError, match="needs a draft model"):
         Engine(target, [], strategy="dsi")
