@@ -97,6 +97,12 @@ LLAMACPP_STRATEGIES = {
     "sd": dict(strategy="sd", lookahead=5),
     "amusd": dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
     "dsi": dict(strategy="dsi", lookahead=4, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
+    # model-free drafters, the hybrid and the adaptive length (draft= replaces the draft model)
+    "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8),
+    "sd-suffix-adaptive": dict(strategy="sd", draft="suffix", lookahead=12, adaptive=True),
+    "sd-ngram+model-adaptive": dict(strategy="sd", draft=["ngram", DRAFT], lookahead=8, adaptive=True),
+    "dsi-ngram+model": dict(strategy="dsi", draft=["ngram", DRAFT], lookahead=4, target_devices=["cpu:1"],
+                            draft_devices=["cpu:0"]),
 }
 
 
@@ -108,10 +114,15 @@ def llamacpp_reference() -> list:
 
 @pytest.mark.parametrize("name", list(LLAMACPP_STRATEGIES))
 def test_llamacpp_strategy_equals_ar_exactly(llamacpp_reference, name):
-    with Engine(TARGET, DRAFT, backend="llamacpp", **LLAMACPP_STRATEGIES[name]) as engine:
+    options = dict(LLAMACPP_STRATEGIES[name])
+    draft = options.pop("draft", DRAFT)
+    with Engine(TARGET, draft, backend="llamacpp", **options) as engine:
+        drafted = 0
         for prompt, expected in zip(PROMPTS, llamacpp_reference, strict=True):
             result = engine.generate(prompt, PARAMS)
-            assert result.stats.accepted > 0
+            drafted += result.stats.drafted
+            assert options.get("adaptive") or result.stats.accepted > 0   # (adaptive: may rightly not draft)
             assert result.token_ids == expected.token_ids, (
                 f"{name} on llamacpp differs from ar at output token "
                 f"{next((i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b), '(end)')}")
+    assert drafted > 0

@@ -181,11 +181,15 @@ class LlamaCppModel:
         _lib.llama_memory_clear(self._mem, True)
         self._length = 0
         self._check_room(len(token_ids))
+        return self._prefill_chunks(token_ids)[-1]
+
+    def _prefill_chunks(self, token_ids: list[int]) -> torch.Tensor:
+        """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token."""
         for start in range(0, len(token_ids), self.n_batch):
             chunk = token_ids[start:start + self.n_batch]
             last = start + len(chunk) == len(token_ids)
             logits = self._decode(chunk, outputs=1 if last else 0)
-        return logits[-1]
+        return logits
 
     def forward(self, token_ids: list[int], positions: list[int] | None = None,
                 tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
@@ -203,8 +207,14 @@ class LlamaCppModel:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")
         want = n if last_n is None else min(last_n, n)
-        pieces = []
-        for start in range(0, n, self.exact_width):
+        pieces, start = [], 0
+        if self._length == 0 and n - want + 1 > 1:
+            # into an empty cache: the tokens up to the first wanted row are a prompt, decoded in n_batch chunks
+            # exactly as prefill() decodes one (same chunks, same output row), so every strategy's prompt KV and
+            # first logits are ar's, without paying exact-width pieces for hundreds of prompt tokens
+            pieces.append(self._prefill_chunks(token_ids[:n - want + 1]))
+            start = n - want + 1
+        for start in range(start, n, self.exact_width):
             chunk = token_ids[start:start + self.exact_width]
             self.forward_widths[len(chunk)] = self.forward_widths.get(len(chunk), 0) + 1
             keep = max(0, len(chunk) - max(0, (n - want) - start))

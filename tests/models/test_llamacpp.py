@@ -88,6 +88,18 @@ def test_wide_forwards_are_split_to_the_exact_width(gguf_pair, monkeypatch):
     assert torch.equal(model.forward(ids[20:], last_n=4), reference[-4:])
 
 
+def test_a_first_forward_decodes_its_prompt_as_prefill_does(gguf_pair):
+    """sd's first round feeds prompt + drafts into the empty cache: the prompt goes in n_batch chunks exactly as
+    ar's prefill (not exact-width pieces), the drafts after it as ar decodes them: the same logits bitwise."""
+    model = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
+    prompt, drafts = list(range(3, 40)), [50, 51, 52]
+    reference = torch.cat([model.prefill(prompt)[None]] + [model.forward([t]) for t in drafts])
+    model.rollback(0)
+    model.forward_widths = {}
+    assert torch.equal(model.forward(prompt + drafts, last_n=4), reference)
+    assert model.forward_widths == {3: 1}                 # only the drafts went through the exact-width split
+
+
 def test_probe_measures_and_is_cached(gguf_pair, monkeypatch, tmp_path):
     monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
     first = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2)
