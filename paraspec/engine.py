@@ -331,6 +331,22 @@ class Engine:
             self.strategy.cancel()
             return True
 
+    def health(self) -> str | None:
+        """Why a request would fail now (closed, a worker failed or is not alive), or None when it would run."""
+        with self._busy:
+            if self._closed:
+                return "the Engine is closed"
+            if self._failure is not None:
+                return str(self._failure)
+        runtime = self.strategy.runtime
+        if runtime is not None:
+            if runtime.closed:
+                return "the Engine's workers are stopped"
+            dead = [name for name, worker in runtime.workers.items() if not worker.alive]
+            if dead:
+                return f"worker(s) {', '.join(map(repr, dead))} not alive; restart_workers() starts new ones"
+        return None
+
     # -- one request at a time -------------------------------------------------------------------------------
     def _acquire(self, request: _Request | None = None, failed_ok: bool = False) -> _Request:
         """Make `request` the one in progress: wait for (or refuse, with on_busy="error") another thread's;
