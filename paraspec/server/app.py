@@ -122,15 +122,16 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
         ids = (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}", int(time.time()))
         if body.stream:
             return EventStream(stream_events(job, body, ids, chat), on_close=lambda: job.cancel("disconnect"))
+        ended = False
         try:
-            while not job.finished.is_set():          # a client that leaves cancels its generation
+            while not ended:                          # a client that leaves cancels its generation
                 try:
-                    await asyncio.wait_for(job.finished.wait(), 0.5)
+                    ended = (await asyncio.wait_for(job.events.get(), 0.5))[0] == "end"
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         job.cancel("disconnect")
         finally:
-            if not job.finished.is_set():
+            if not ended:
                 job.cancel("disconnect")
         failure = job_failure(job)
         if failure is not None:
@@ -146,7 +147,6 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
                 break
             if delta:
                 yield sse(chunk(ids, {"content": delta} if chat else delta, None, chat))
-        await job.finished.wait()
         failure = job_failure(job)
         if failure is not None:
             yield sse(failure.body())

@@ -34,7 +34,8 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("delta", text) ... then ("end", None)
+    # ("delta", text) ... then ("end", None) once result or error is set (a worker restart may follow)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     reason: str | None = None          # why it was cancelled: "disconnect" | "timeout" | "shutdown"
     result: object = None              # the GenerationResult (also for a cancelled generation)

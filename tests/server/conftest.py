@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from paraspec import Engine
-from tests.tiny import make_checkpoint
+from tests.tiny import EOS_ID, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -33,7 +32,19 @@ def long_pair(tiny_dir):
     runs for seconds, long enough to disconnect from, time out or kill a worker under."""
     target = make_checkpoint(tiny_dir / "long-target", "qwen2", seed=1, scale=20, max_position_embeddings=4096)
     draft = make_checkpoint(tiny_dir / "long-draft", "qwen2", seed=3, base=target, noise=0.05)
+    for folder in (target, draft):
+        never_end(folder)
     return target, draft
+
+
+def never_end(folder: Path) -> None:
+    """Zero the EOS row of the (tied) embedding: its logit is 0 while the top logit of these peaked random models
+    is far above, so greedy decoding never stops early and a long generation really runs long."""
+    from safetensors.torch import load_file, save_file
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    weights["model.embed_tokens.weight"][EOS_ID] = 0
+    save_file(weights, path, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="session")
@@ -121,12 +132,3 @@ def start_server(long_pair):
             code, err = server.stop()
             assert code == 0, err
 
-
-def wait_for(predicate, timeout: float = 120.0, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
