@@ -1,4 +1,4 @@
-"""The `paraspec` command line: generate (and the subcommands other modules register)."""
+"""The `paraspec` command line: generate, serve (and the subcommands other modules register)."""
 from __future__ import annotations
 
 import argparse
@@ -108,6 +108,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from paraspec.engine import Engine
+    from paraspec.server import serve
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0 (requests that may wait for the running one), got "
+                         f"{args.max_queue}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in 0 .. 65535 (0: any free port), got {args.port}")
+    config = engine_config(args)
+    with Engine.from_config(config) as engine:
+        return serve(engine, host=args.host, port=args.port, model_name=args.served_model_name or str(args.target),
+                     api_key=args.api_key, max_queue=args.max_queue, request_timeout=args.request_timeout,
+                     log_level=args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paraspec", description="Lossless speculative decoding on several "
                                      "devices at once (AMUSD, DSI, EasySpec) and its baselines.")
@@ -123,6 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve one strategy over an OpenAI-compatible HTTP API (/v1/completions, "
+                         "/v1/chat/completions, /health, /metrics)")
+    add_model_args(srv, several_drafts=True)
+    srv.add_argument("--strategy", default="ar", choices=list(STRATEGIES))
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000, help="0: any free port (the printed URL names it)")
+    srv.add_argument("--served-model-name", help="the model name clients send (default: --target as given)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait while one generates (one at a time per engine); more get 429")
+    srv.add_argument("--request-timeout", type=float,
+                     help="seconds a generation may run; then it is stopped with an error (default: no limit)")
+    srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's log level (info: one line per request)")
+    srv.set_defaults(func=cmd_serve)
 
     for module in ("paraspec.bench.cli", "paraspec.sim.cli", "paraspec.study.cli"):
         try:

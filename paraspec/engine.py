@@ -61,7 +61,7 @@ class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
     trace: Trace = field(repr=False)
-    finish_reason: str = "length"     # "stop" | "length" | "context"
+    finish_reason: str = "length"     # "stop" (a stop token or string) | "length" | "context" | "cancelled"
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     margins: dict[int, float] | None = field(default=None, repr=False)   # see generate(record_margins=...)
     worker_reports: dict = field(default_factory=dict, repr=False)      # raw counters of worker loops
@@ -222,9 +222,22 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
         stop = set(self.target.eos_token_ids) | set(params.stop_token_ids or ())
+        if params.stop:
+            self._tokenizer_for("stop strings")
         return Run(prompt_ids=self.encode(prompt), params=params, stop_ids=frozenset(stop),
                    generator=make_generator(params.seed), max_context=self.max_context,
-                   margins={} if record_margins else None)
+                   margins={} if record_margins else None,
+                   stop_check=self._stop_check(params.stop) if params.stop else None)
+
+    def _stop_check(self, stop: tuple[str, ...]):
+        """Run.commit's test for stop strings: decode only the last tokens (enough for the longest stop string
+        even at one byte per token), so that the check per committed token stays short."""
+        window = 4 * max(map(len, stop)) + 4
+
+        def check(tokens: list[int]) -> str | None:
+            tail = self.decode_text(tokens[-window:])
+            return next((s for s in stop if s in tail), None)
+        return check
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`.
@@ -242,13 +255,17 @@ class Engine:
             start = time.perf_counter()
             run.trace.t0 = start
             text = ""
+            # text that a stop string may still claim is held back: its longest proper prefix
+            hold = max(map(len, run.params.stop)) - 1 if run.params.stop else 0
             for _ in batches:
-                now_text = self.decode_text(self._text_tokens(run))
+                now_text = self._text(run)
+                if hold and not run.done:
+                    now_text = now_text[:len(now_text) - hold]
                 if now_text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for the next token
                     continue
                 if len(now_text) > len(text) and now_text.startswith(text):
                     yield now_text[len(text):]
-                text = now_text
+                    text = now_text           # `text` is what was yielded: deltas always add up
             result = self._finish(run, start)
         finally:
             batches.close()
@@ -256,9 +273,12 @@ class Engine:
         if result.text != text and result.text.startswith(text):
             yield result.text[len(text):]
 
-    @staticmethod
-    def _text_tokens(run: Run) -> list[int]:
-        return run.tokens[:-1] if run.finish_reason == "stop" else run.tokens
+    def _text(self, run: Run) -> str:
+        """The output text: without a final stop token, and cut before a stop string."""
+        if run.stop_string is not None:
+            text = self.decode_text(run.tokens)
+            return text[:min((i for s in run.params.stop if (i := text.find(s)) >= 0), default=len(text))]
+        return self.decode_text(run.tokens[:-1] if run.finish_reason == "stop" else run.tokens)
 
     def generate(self, prompt, params: SamplingParams | None = None,
                  record_margins: bool = False) -> GenerationResult:
@@ -311,6 +331,22 @@ class Engine:
             self.strategy.cancel()
             return True
 
+    def health(self) -> str | None:
+        """Why a request would fail now (closed, a worker failed or is not alive), or None when it would run."""
+        with self._busy:
+            if self._closed:
+                return "the Engine is closed"
+            if self._failure is not None:
+                return str(self._failure)
+        runtime = self.strategy.runtime
+        if runtime is not None:
+            if runtime.closed:
+                return "the Engine's workers are stopped"
+            dead = [name for name, worker in runtime.workers.items() if not worker.alive]
+            if dead:
+                return f"worker(s) {', '.join(map(repr, dead))} not alive; restart_workers() starts new ones"
+        return None
+
     # -- one request at a time -------------------------------------------------------------------------------
     def _acquire(self, request: _Request | None = None, failed_ok: bool = False) -> _Request:
         """Make `request` the one in progress: wait for (or refuse, with on_busy="error") another thread's;
@@ -350,7 +386,7 @@ class Engine:
     def _finish(self, run: Run, start: float) -> GenerationResult:
         total = time.perf_counter() - start
         self.last_result = GenerationResult(
-            self.decode_text(self._text_tokens(run)), list(run.tokens), compute_stats(run, self.strategy.name, total),
+            self._text(run), list(run.tokens), compute_stats(run, self.strategy.name, total),
             run.trace, run.finish_reason or "length", run.prompt_ids, run.margins, run.worker_reports)
         return self.last_result
 

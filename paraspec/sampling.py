@@ -21,6 +21,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     seed: int | None = None         # 0 .. 2**64 - 1 (torch.Generator's range); None: a fresh seed per request
     stop_token_ids: tuple[int, ...] | None = None   # in addition to the model's EOS ids (a list is taken too)
+    stop: tuple[str, ...] | None = None   # stop strings: the text ends before the first one (a str is taken too)
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -41,6 +42,12 @@ class SamplingParams:
             if stop is None or not all(isinstance(t, int) and t >= 0 for t in stop):
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", stop)
+        if self.stop is not None:
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop) \
+                if isinstance(self.stop, (list, tuple)) else None
+            if stop is None or not all(isinstance(s, str) and s for s in stop):
+                raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            object.__setattr__(self, "stop", stop or None)
 
     @property
     def greedy(self) -> bool:

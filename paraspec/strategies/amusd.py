@@ -216,6 +216,9 @@ def decode(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 
             new = [int(t) for t in channel.tokens(seen, state.committed)]
             seen = state.committed
             yield run.commit(new)
+            if run.stop_string is not None:     # a stop string (the caller's tokenizer): end the workers' loops
+                channel.stop("stop string")
+                break
         finished = True
     finally:
         if not finished:                    # the consumer stopped early (or failed): end both loops first
@@ -226,7 +229,9 @@ def decode(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 
 
 def merge_reports(run: Run, verify_report: dict, draft_report: dict) -> None:
     # a cancelled verifier may have counted a batch that its stopped channel then refused: the stream is the record
-    if verify_report["tokens"] != run.tokens and verify_report["finish_reason"] != "cancelled":
+    # a stop string ends the stream early: the verifier's record then only starts with it
+    record = verify_report["tokens"][:len(run.tokens)] if run.stop_string is not None else verify_report["tokens"]
+    if record != run.tokens and verify_report["finish_reason"] != "cancelled":
         raise RuntimeError("amusd: the streamed tokens differ from the verifier's record")
     for key in ("drafted", "accepted", "rounds", "verified_tokens", "rollbacks", "verify_s"):
         setattr(run, key, verify_report[key])

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ class Run:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None       # "stop" | "length" | "context"
     first_token_s: float | None = None
+    # stop strings (the caller's tokenizer): tokens -> the stop string their text now contains, or None
+    stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
+    stop_string: str | None = None         # the stop string that ended the run (finish_reason "stop")
     # counters for the stats (names as in ARCHITECTURE.md)
     drafted: int = 0
     accepted: int = 0
@@ -85,6 +88,8 @@ class Run:
             self.tokens.append(token)
             if token in self.stop_ids:
                 self.finish_reason = "stop"
+            elif self.stop_check is not None and (matched := self.stop_check(self.tokens)) is not None:
+                self.finish_reason, self.stop_string = "stop", matched
             elif len(self.tokens) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
             elif len(self.sequence) >= self.max_context:

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP API over one Engine (FastAPI), and `serve()`, which runs it with uvicorn.
+
+    GET  /v1/models              the one served model
+    POST /v1/completions         prompt: a string or token ids (raw text, no template)
+    POST /v1/chat/completions    messages, through the tokenizer's chat template
+    GET  /health                 200 when the engine and every worker are alive, else 503 saying why
+    GET  /metrics                Prometheus text (metrics.py)
+
+Responses follow the OpenAI wire format; each also carries `paraspec`: the request's speculation figures
+(strategy, acceptance_rate, mean_accepted_length, ttft_s, tpot_ms, draft_s, verify_s, ...), in the last streamed
+chunk too. Streams are server-sent events (`data: {json}` ... `data: [DONE]`); an error after the stream started is
+one `data: {"error": {...}}` event, as vLLM and OpenAI send it. One generation runs at a time (queue.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from paraspec.runtime.errors import WorkerError
+from paraspec.sampling import SamplingParams
+from paraspec.server.metrics import ServerMetrics
+from paraspec.server.queue import GenerationQueue, Job, QueueFull, ShuttingDown
+from paraspec.server.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedParameter, error_body
+
+log = logging.getLogger("paraspec.server")
+DEFAULT_COMPLETION_TOKENS = 16      # /v1/completions without max_tokens (OpenAI's and vLLM's default)
+STATS = ("strategy", "acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_ms", "ms_per_token",
+         "tokens_per_s", "draft_s", "verify_s", "drafted", "accepted", "rounds", "rollbacks")
+
+
+class APIError(Exception):
+    """Answered as an OpenAI error body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def create_app(engine, model_name: str, api_key: str | None = None, max_queue: int = 64,
+               request_timeout: float | None = None) -> FastAPI:
+    app = FastAPI(title="paraspec", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(model_name, engine.strategy.name)
+    queue = GenerationQueue(engine, metrics, max_queue, request_timeout)
+    app.state.queue, app.state.metrics = queue, metrics
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def authorize_and_count(request: Request, call_next):
+        path = request.url.path
+        if api_key is not None and path.startswith("/v1/") \
+                and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            response = JSONResponse(error_body(
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the --api-key the "
+                "server was started with", code="invalid_api_key"), status_code=401)
+        else:
+            response = await call_next(request)
+        if path.startswith("/v1/"):
+            metrics.request(path, response.status_code)
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        message, param = describe_validation_error(exc.errors()[0])
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        problem = queue.health()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "paraspec", "max_model_len": engine.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt_ids = encode(engine, body.prompt, "prompt")
+        return await respond(body, request, prompt_ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prompt_ids = encode(engine, [m.as_template_message() for m in body.messages], "messages")
+        return await respond(body, request, prompt_ids, chat=True)
+
+    async def respond(body, request: Request, prompt_ids: list[int], chat: bool):
+        if body.model != model_name:
+            raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r} "
+                                f"(GET /v1/models)", param="model", code="model_not_found")
+        job = Job(prompt_ids, sampling_params(body, prompt_ids, engine.max_context, chat), body.stream)
+        try:
+            await queue.start(job)
+        except QueueFull:
+            raise APIError(429, f"the server's queue is full ({queue.max_queue} requests waiting for the one "
+                                f"running); retry later or start the server with a larger --max-queue",
+                           type="rate_limit_error", code="queue_full") from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down", type="server_error") from None
+        ids = (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}", int(time.time()))
+        if body.stream:
+            return EventStream(stream_events(job, body, ids, chat), on_close=lambda: job.cancel("disconnect"))
+        ended = False
+        try:
+            while not ended:                          # a client that leaves cancels its generation
+                try:
+                    ended = (await asyncio.wait_for(job.events.get(), 0.5))[0] == "end"
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel("disconnect")
+        finally:
+            if not ended:
+                job.cancel("disconnect")
+        failure = job_failure(job)
+        if failure is not None:
+            raise failure
+        return whole_response(job, body, ids, chat)
+
+    async def stream_events(job: Job, body, ids, chat: bool):
+        if chat:
+            yield sse(chunk(ids, {"role": "assistant", "content": ""}, None, chat))
+        while True:
+            kind, delta = await job.events.get()
+            if kind == "end":
+                break
+            if delta:
+                yield sse(chunk(ids, {"content": delta} if chat else delta, None, chat))
+        failure = job_failure(job)
+        if failure is not None:
+            yield sse(failure.body())
+        else:
+            result = job.result
+            last = chunk(ids, {} if chat else "", finish_reason(result), chat)
+            last["paraspec"] = extension(job)
+            if body.return_token_ids:
+                last["choices"][0]["token_ids"] = result.token_ids
+            yield sse(last)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield sse({**chunk(ids, None, None, chat), "choices": [], "usage": usage(job),
+                           "paraspec": extension(job)})
+        yield "data: [DONE]\n\n"
+
+    def chunk(ids, delta, reason, chat: bool) -> dict:
+        if chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+        return {"id": ids[0], "object": "chat.completion.chunk" if chat else "text_completion", "created": ids[1],
+                "model": model_name, "choices": [choice]}
+
+    def whole_response(job: Job, body, ids, chat: bool) -> dict:
+        result = job.result
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": finish_reason(result)}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}
+        if body.return_token_ids:
+            choice["token_ids"] = result.token_ids
+        return {"id": ids[0], "object": "chat.completion" if chat else "text_completion", "created": ids[1],
+                "model": model_name, "choices": [choice], "usage": usage(job), "paraspec": extension(job)}
+
+    return app
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose end, for any reason (sent, client gone, server stopping), calls on_close."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def encode(engine, prompt, param: str) -> list[int]:
+    try:
+        return engine.encode(prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
+def sampling_params(body, prompt_ids: list[int], max_context: int, chat: bool) -> SamplingParams:
+    limit = body.new_token_limit()
+    if limit is None:      # chat: until the context is full; completions: OpenAI's 16
+        limit = max(1, max_context - len(prompt_ids)) if chat else DEFAULT_COMPLETION_TOKENS
+    try:
+        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p,
+                              top_k=max(0, body.top_k or 0), max_new_tokens=limit, seed=body.seed,
+                              stop_token_ids=body.stop_ids() or None, stop=body.stop_strings() or None)
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def finish_reason(result) -> str:
+    return "stop" if result.finish_reason == "stop" else "length"
+
+
+def job_failure(job: Job) -> APIError | None:
+    """The error a job ended with (as its HTTP status and OpenAI body), or None when it has a result."""
+    if job.error is not None:
+        e = job.error
+        kind = "worker fault" if isinstance(e, WorkerError) else type(e).__name__
+        return APIError(500, f"{kind}: {e}", type="server_error", code=500)
+    if job.reason == "timeout":
+        return APIError(504, f"the generation ran longer than the server's --request-timeout and was stopped "
+                             f"after {len(job.result.token_ids)} tokens; ask for fewer tokens (max_tokens)",
+                        type="timeout_error", code=504)
+    if job.reason == "shutdown":
+        return APIError(503, "the server is shutting down; the generation was stopped", type="server_error",
+                        code=503)
+    if job.result is None or job.result.finish_reason == "cancelled":
+        return APIError(499, "the request was cancelled", type="cancelled", code=499)
+    return None
+
+
+def usage(job: Job) -> dict:
+    prompt, completion = len(job.prompt_ids), len(job.result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def extension(job: Job) -> dict:
+    stats = job.result.stats.to_dict()
+    return {**{name: stats[name] for name in STATS}, "queue_s": job.queue_s}
+
+
+def describe_validation_error(error: dict) -> tuple[str, str | None]:
+    """One pydantic error as (message naming the field and the fix, the OpenAI `param`)."""
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedParameter):
+        return str(cause), cause.param
+    if error["type"] == "json_invalid":
+        return (f"the request body is not valid JSON ({(error.get('ctx') or {}).get('error', 'parse error')}); "
+                f"send a JSON object with Content-Type: application/json"), None
+    path = []
+    for part in error["loc"][1:]:          # loc starts with "body"; union branches add type names: stop there
+        if isinstance(part, int):
+            path.append(f"[{part}]")
+        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict"):
+            break
+        else:
+            path.append(("." if path else "") + part)
+    param = "".join(path) or None
+    if param is None:
+        return "the request body must be a JSON object with the request's parameters", None
+    if error["type"] == "missing":
+        return f"'{param}' is required", param
+    message = error["msg"].removeprefix("Value error, ")
+    return f"invalid '{param}': {message} (got {json.dumps(error.get('input'), default=str)[:80]})", param
+
+
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str = "paraspec",
+          api_key: str | None = None, max_queue: int = 64, request_timeout: float | None = None,
+          log_level: str = "warning") -> int:
+    """Serve `engine` until SIGINT/SIGTERM: then refuse new requests, end the running one with an error, and
+    return 0 (the caller closes the Engine: workers stopped, segments unlinked). Prints the URL when ready
+    (port 0: a free port, the printed one)."""
+    app = create_app(engine, model_name, api_key, max_queue, request_timeout)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                                    access_log=log_level in ("info", "debug", "trace")),
+                     app.state.queue, f"{engine.strategy.name} serving {model_name!r}")
+    server.run()
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that also ends the running generation on a signal, and does not re-raise the signal
+    after shutting down (uvicorn does, so that a caller's handler runs): the command exits 0."""
+
+    def __init__(self, config, queue: GenerationQueue, what: str):
+        super().__init__(config)
+        self._queue, self._what, self._loop = queue, what, None
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        self._loop = asyncio.get_running_loop()
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"paraspec serve: {self._what} at http://{host}:{port}/v1", flush=True)
+
+    def handle_exit(self, sig, frame):
+        if self._loop is not None and not self.should_exit:
+            self._loop.call_soon_threadsafe(self._queue.shutdown)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True

@@ -1,0 +1,157 @@
+"""The FIFO in front of one Engine: one generation at a time, a bounded number waiting, cancellation.
+
+Each admitted request runs in a thread of its own (the Engine is synchronous); its text deltas reach the event
+loop through an asyncio queue. A job is cancelled (client gone, --request-timeout, shutdown) with Engine.cancel(),
+which stops every strategy, workers included, within one round; the engine's slot is handed to the next request
+only when the thread has ended, so a cancel can never reach the wrong request. A worker fault (WorkerError) is
+reported to its request first; then, still holding the slot, the workers are restarted (/health says 503 until
+they are back) and the next request in line runs on the new ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from paraspec.runtime.errors import WorkerError
+from paraspec.sampling import SamplingParams
+
+log = logging.getLogger("paraspec.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    # ("delta", text) ... then ("end", None) once result or error is set (a worker restart may follow)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    reason: str | None = None          # why it was cancelled: "disconnect" | "timeout" | "shutdown"
+    result: object = None              # the GenerationResult (also for a cancelled generation)
+    error: BaseException | None = None
+    queue_s: float = 0.0
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    _queue: "GenerationQueue | None" = None
+
+    def cancel(self, reason: str) -> None:
+        """(event loop) Stop this job's generation: it ends with what it has, `reason` says why."""
+        if self.finished.is_set() or self.cancelled.is_set():
+            return
+        self.reason = reason
+        self.cancelled.set()
+        if self._queue is not None and self._queue.current is self:
+            self._queue.engine.cancel()
+
+
+class GenerationQueue:
+    def __init__(self, engine, metrics, max_queue: int, request_timeout: float | None):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
+        self.current: Job | None = None
+        self.waiting = 0
+        self.restarting = False
+        self.closing = False
+        self._slot = asyncio.Lock()            # FIFO: waiters acquire in arrival order
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, job: Job) -> None:
+        """Wait for the engine (FIFO) and start `job`; QueueFull when max_queue requests already wait."""
+        if self.closing:
+            raise ShuttingDown()
+        if self._slot.locked() and self.waiting >= self.max_queue:
+            raise QueueFull()
+        self._loop = asyncio.get_running_loop()
+        self.waiting += 1
+        self.metrics.waiting.set(self.waiting)
+        queued = time.perf_counter()
+        try:
+            await self._slot.acquire()
+        finally:
+            self.waiting -= 1
+            self.metrics.waiting.set(self.waiting)
+        job.queue_s = time.perf_counter() - queued
+        self.metrics.queue_time.observe(job.queue_s)
+        if self.closing:
+            self._slot.release()
+            raise ShuttingDown()
+        job._queue, self.current = self, job
+        self.metrics.running.set(1)
+        timer = self._loop.call_later(self.request_timeout, job.cancel, "timeout") \
+            if self.request_timeout else None
+        threading.Thread(target=self._run, args=(job, timer), daemon=True, name="paraspec-request").start()
+
+    def _emit(self, job: Job, kind: str, value=None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(job.events.put_nowait, (kind, value))
+        except RuntimeError:           # the event loop is gone (the server stopped): nobody is listening
+            pass
+
+    def _run(self, job: Job, timer) -> None:
+        """(request thread) Run the generation, then hand the engine to the next request."""
+        fault = False
+        try:
+            for delta in self.engine.stream(job.prompt_ids, job.params):
+                if job.stream:
+                    self._emit(job, "delta", delta)
+                if job.cancelled.is_set():      # cancelled before the engine had the request: stop it now
+                    self.engine.cancel()
+            job.result = self.engine.last_result
+        except Exception as e:  # noqa: BLE001 -- reported to the client; a worker fault restarts the workers
+            job.error = e
+            fault = isinstance(e, WorkerError) and self.engine.health() is not None and not self.closing
+            self.restarting = fault
+            log.error("request failed: %s", e)
+        finally:
+            self._emit(job, "end")
+        if fault:
+            try:
+                self.engine.restart_workers()
+                self.metrics.restarts.inc()
+            except Exception as e:  # noqa: BLE001 -- /health keeps saying why
+                log.error("restarting the workers failed: %s", e)
+            finally:
+                self.restarting = False
+        try:
+            self._loop.call_soon_threadsafe(self._finished, job, timer)
+        except RuntimeError:
+            pass
+
+    def _finished(self, job: Job, timer) -> None:
+        """(event loop) Count the generation, release the engine to the next request."""
+        if timer is not None:
+            timer.cancel()
+        if job.result is not None:
+            reason = job.result.finish_reason
+            self.metrics.generation(job.result, job.reason if reason == "cancelled" and job.reason else
+                                    "length" if reason == "context" else reason)
+            self.metrics.e2e.observe(job.queue_s + job.result.stats.total_s)
+        self.current = None
+        self.metrics.running.set(0)
+        job.finished.set()
+        self._slot.release()
+
+    def shutdown(self) -> None:
+        """(event loop) Refuse new requests and end the running one with an error."""
+        self.closing = True
+        if self.current is not None:
+            self.current.cancel("shutdown")
+
+    def health(self) -> str | None:
+        if self.closing:
+            return "the server is shutting down"
+        if self.restarting:
+            return "the workers are restarting after a fault"
+        return self.engine.health()
