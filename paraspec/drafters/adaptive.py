@@ -70,8 +70,20 @@ class VerifyCost:
         return max(self.seconds[lo] + slope * (width - lo), 1e-6)
 
     def observe(self, width: int, seconds: float) -> None:
+        """A measured forward of `width` tokens. Its own estimate moves toward it, and every other width's by the
+        same factor (the shape measured at start-up, the level of now): a long context makes every width
+        slower, and a rule that saw only 1-token rounds at 2,000 tokens of context must not price a 5-token
+        verification at its start-up (32-token context) cost."""
+        if width > 64:                          # a prompt round: its cost says nothing about verification widths
+            return
+        predicted = self(width)
         old = self.seconds.get(width)
         self.seconds[width] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        if predicted > 0 and self.seconds:
+            level = 1 + COST_EMA * (seconds / predicted - 1)
+            for w in self.seconds:
+                if w != width:
+                    self.seconds[w] *= level
 
     @classmethod
     def measure(cls, target, widths, context: int = 32, repeats: int = 2) -> "VerifyCost":

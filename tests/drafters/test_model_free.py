@@ -154,6 +154,15 @@ def test_adaptive_rule_compute_bound_verification():
     assert cost(3) == pytest.approx((0.116 + 0.165) / 2) and cost(32) > cost(16)
 
 
+def test_verify_cost_follows_the_level_keeps_the_shape():
+    cost = VerifyCost({1: 0.05, 5: 0.15})
+    for _ in range(40):
+        cost.observe(1, 0.10)                  # a long context: the 1-token forward now costs twice as much
+    assert cost(1) == pytest.approx(0.10, rel=0.01) and cost(5) == pytest.approx(0.30, rel=0.05)
+    cost.observe(500, 9.0)                     # a prompt round changes nothing
+    assert cost(1) == pytest.approx(0.10, rel=0.01)
+
+
 def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
     """A free drafter that is always wrong ends up drafting nothing, but keeps being observed; one that is always
     right drafts the most under a flat cost."""
