@@ -99,7 +99,7 @@ LLAMACPP_STRATEGIES = {
     "dsi": dict(strategy="dsi", lookahead=4, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
     # model-free drafters, the hybrid and the adaptive length (draft= replaces the draft model)
     "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8),
-    "sd-suffix-adaptive": dict(strategy="sd", draft="suffix", lookahead=12, adaptive=True),
+    "sd-suffix": dict(strategy="sd", draft="suffix", lookahead=8),
     "sd-ngram+model-adaptive": dict(strategy="sd", draft=["ngram", DRAFT], lookahead=8, adaptive=True),
     "dsi-ngram+model": dict(strategy="dsi", draft=["ngram", DRAFT], lookahead=4, target_devices=["cpu:1"],
                             draft_devices=["cpu:0"]),
