@@ -17,7 +17,9 @@ k* = 0 means speculation does not pay: the round decodes plainly (a forward of w
 still proposes its token for free, and whether the target's token equals it is one more observation of alpha
 (under sampling too: the probability that the target samples x is p(x), exactly the probability that a point-mass
 draft of x is accepted). A model drafter is not run while k* = 0; it is probed with one draft after 8, 16, 32, ...
-plain rounds (doubling while the probes keep failing), so a change of text can bring it back.
+plain rounds (doubling while the probes keep failing), so a change of text can bring it back. The estimates are
+kept across requests but faded to a quarter at each new request. In the prompt round (many pending tokens) the
+drafts must save time at the margin instead (best_length).
 
 The choice depends only on rounds already verified and on timings, never on the draft being judged, so the
 output is exactly as lossless as with a fixed length.
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 DECAY = 0.9                  # weight of a round's observation after each later round (about the last 10 rounds)
 COST_EMA = 0.2               # weight of a new measurement of a verification width
 PROBE_START = 8              # plain rounds before a model drafter is probed again
+FADE = 0.25                  # evidence kept from earlier requests
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -40,11 +43,20 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 def best_length(alpha: float, draft_s: float, verify_s, pending: int, max_k: int) -> tuple[int, float]:
     """k in 0..max_k maximising expected_tokens(alpha, k) / (k * draft_s + verify_s(pending + k)); (k, its
-    tokens per second). Ties go to the shorter draft."""
-    best, best_rate = 0, -1.0
+    tokens per second). Ties go to the shorter draft.
+
+    A round with many pending tokens (the prompt round) would make any draft look free next to its prefill, so
+    there the drafts must pay for themselves at the margin: k maximises the seconds saved, (E(k) - 1) * c(1) -
+    (c(pending + k) - c(pending)) - k * draft_s, against decoding those tokens one by one."""
+    best, best_rate, best_saved = 0, -1.0, 0.0
     for k in range(max(0, max_k) + 1):
         rate = expected_tokens(alpha, k) / max(k * draft_s + verify_s(pending + k), 1e-9)
-        if rate > best_rate * (1 + 1e-9):
+        if pending > 1:
+            saved = (expected_tokens(alpha, k) - 1) * verify_s(1) - (verify_s(pending + k) - verify_s(pending)) \
+                - k * draft_s
+            if saved > best_saved + 1e-12:
+                best, best_rate, best_saved = k, rate, saved
+        elif rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best, best_rate
 
@@ -129,6 +141,12 @@ class Acceptance:
         judged = accepted + (1 if accepted < drafted else 0)
         self.judged = DECAY * self.judged + judged
         self.accepted = DECAY * self.accepted + accepted
+
+    def fade(self) -> None:
+        """A new request: keep a quarter of the evidence, so what held for the last text (copying) must be seen
+        again in this one before it drives long drafts (it comes back within a few rounds if it still holds)."""
+        self.judged *= FADE
+        self.accepted *= FADE
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         if tokens > 0:

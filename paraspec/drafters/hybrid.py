@@ -49,6 +49,8 @@ class Hybrid(Drafter):
 
     def reset(self) -> None:
         self.decisions = []
+        for stats in self.acceptance.values():
+            stats.fade()
         for d in self.drafters:
             d.reset()
 

@@ -145,6 +145,14 @@ def test_adaptive_rule_full_acceptance_flat_cost_drafts_the_most():
     assert best_length(0.999, 0.0, flat, 1, 12)[0] == 12
 
 
+def test_adaptive_rule_prompt_round_pays_at_the_margin():
+    """With 400 pending prompt tokens the ratio would favour any draft; the margin rule drafts only when the
+    expected extra tokens are worth their extra verification."""
+    cost = VerifyCost({1: 0.05, 2: 0.1, 8: 0.25, 16: 0.45})
+    assert best_length(0.5, 0.0, cost, 400, 12)[0] == 0
+    assert best_length(0.99, 0.0, cost, 400, 12)[0] == 12
+
+
 def test_adaptive_rule_compute_bound_verification():
     """This CPU's llama.cpp profile (ms by width 1/2/4/6/8/16: 57/116/165/223/270/482, interpolated): a draft model
     at 23 ms a token pays only with high acceptance; a free drafter pays earlier."""
