@@ -111,8 +111,7 @@ class Engine:
         draft_dirs = ([_resolve(d, dtype_of(self.draft_devices), self.backend) for d in config.model_drafts]
                       if self.draft_devices else [])
         drafts = iter(draft_dirs)         # the specs in order: model-free drafters ("ngram") stay names
-        draft_specs = [d if is_model_free(d) else next(drafts) for d in config.drafts] if self.draft_devices \
-            else [d for d in config.drafts if is_model_free(d)]
+        draft_specs = [d if is_model_free(d) else next(drafts) for d in config.drafts]
         self.tokenizer = self._maybe_tokenizer(target_dir)
         self._placement = Placement(target_dir, draft_specs, self.target_devices, self.draft_devices,
                                     dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),

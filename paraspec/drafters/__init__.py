@@ -28,12 +28,11 @@ def is_model_free(spec) -> bool:
 
 
 def model_free(spec: str, vocab_size: int, options: dict) -> Drafter:
-    """Build a model-free drafter from its name and the strategy options (defaults where absent)."""
-    from paraspec.strategies import OPTIONS
-    get = lambda name: options.get(name, OPTIONS[name].default)
+    """Build a model-free drafter from its name and the strategy's options (every strategy that takes model-free
+    drafters takes DRAFTER_OPTIONS, so they are all there, defaults included)."""
     if spec == "ngram":
-        return NGramDrafter(vocab_size, get("ngram_min"), get("ngram_max"))
-    return SuffixDrafter(vocab_size, get("suffix_depth"), get("suffix_cache"))
+        return NGramDrafter(vocab_size, options["ngram_min"], options["ngram_max"])
+    return SuffixDrafter(vocab_size, options["suffix_depth"], options["suffix_cache"])
 
 
 __all__ = ["Drafter", "Hybrid", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",

@@ -34,8 +34,6 @@ class Hybrid(Drafter):
         # acceptance per drafter and, for a model-free one, per length of the match behind its proposal (a
         # 4-token match in copied text is right far more often than a 1-token one; the estimates persist)
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
-        self.name = "+".join(d.name for d in self.drafters)
-        self.free = all(d.free for d in self.drafters)
         self.decisions: list[dict] = []        # one per round: who drafted, k*, alpha (the trace's "plan")
         self._used: tuple[int, int] | None = None   # the (drafter, match bucket) of the last proposal
         self._drafted = self._accepted = 0

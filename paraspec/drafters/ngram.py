@@ -25,15 +25,14 @@ class SequenceIndex:
     def __init__(self):
         self.tokens: list[int] = []
 
-    def sync(self, sequence: list[int]) -> int:
-        """Make `tokens` equal `sequence`; return how many leading tokens were already there (0: restarted)."""
+    def sync(self, sequence: list[int]) -> None:
+        """Make `tokens` equal `sequence`: append what it adds, or restart if it is not an extension."""
         n = len(self.tokens)
         if len(sequence) < n or sequence[:n] != self.tokens:
             self.restart()
             n = 0
         for token in sequence[n:]:
             self.append(int(token))
-        return n
 
     def restart(self) -> None:
         self.tokens = []

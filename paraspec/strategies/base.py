@@ -218,6 +218,8 @@ class LocalStrategy(Strategy):
 
     runtimes = ("process", "inprocess")    # it starts no workers: there is nothing for Ray to place
     _pinning = None
+    hybrid = None                          # the kept drafters (sd, tree): the suffix cache and the learned costs
+                                           # persist across requests
 
     def setup(self, placement: Placement) -> None:
         devices = placement.target_devices + (placement.draft_devices if placement.model_drafts else [])
@@ -229,6 +231,14 @@ class LocalStrategy(Strategy):
         self.draft_specs = list(placement.drafts)
         self.drafts = [placement.load_here(d, placement.draft_devices[0]) for d in placement.model_drafts]
 
+    def make_hybrid(self, for_model, widest: int) -> None:
+        """Build the kept drafters (`make_drafters`) in order; with the `adaptive` option, time the target's
+        verification widths up to `widest` + 1 now, at start-up, not in the first request."""
+        from paraspec.drafters import Hybrid
+        from paraspec.drafters.adaptive import VerifyCost, calibration_widths
+        cost = VerifyCost.measure(self.target, calibration_widths(widest)) if self.options["adaptive"] else None
+        self.hybrid = Hybrid(self.make_drafters(for_model), cost)
+
     def make_drafters(self, for_model) -> list:
         """One Drafter per draft spec, in order: `for_model(model)` for a draft model, else the model-free one."""
         from paraspec.drafters import is_model_free, model_free
@@ -238,6 +248,7 @@ class LocalStrategy(Strategy):
 
     def close(self) -> None:
         super().close()
+        self.hybrid = None
         if self._pinning is not None:
             set_pinning(*self._pinning)
             self._pinning = None

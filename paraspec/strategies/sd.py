@@ -11,7 +11,6 @@ round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does 
 from __future__ import annotations
 
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter
-from paraspec.drafters.adaptive import VerifyCost, calibration_widths
 from paraspec.strategies import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import LocalStrategy, Placement, Run
 from paraspec.verify import verify_chain
@@ -27,27 +26,11 @@ class SD(LocalStrategy):
 
     def setup(self, placement: Placement) -> None:
         super().setup(placement)
-        self.hybrid = None             # built on first use, kept: the suffix cache and the learned costs persist
-
-    def drafter(self) -> Hybrid:
-        if self.hybrid is None:
-            self.hybrid = Hybrid(self.make_drafters(lambda m: ModelDrafter(m, self.target.vocab_size,
-                                                                           self.options["draft_confidence"])),
-                                 measure_cost(self.target, self.options["lookahead"]) if self.options["adaptive"]
-                                 else None)
-        return self.hybrid
+        confidence = self.options["draft_confidence"]
+        self.make_hybrid(lambda m: ModelDrafter(m, self.target.vocab_size, confidence), self.options["lookahead"])
 
     def decode(self, run: Run):
-        yield from chain_rounds(run, self.target, self.drafter(), self.options["lookahead"])
-
-    def close(self) -> None:
-        self.hybrid = None
-        super().close()
-
-
-def measure_cost(target, max_k: int) -> VerifyCost:
-    """The target's verification cost at the widths a round with up to max_k drafts uses (adaptive length)."""
-    return VerifyCost.measure(target, calibration_widths(max_k))
+        yield from chain_rounds(run, self.target, self.hybrid, self.options["lookahead"])
 
 
 def chain_rounds(run: Run, target, drafter: Drafter, lookahead: int):

@@ -21,7 +21,7 @@ import torch
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter, TokenTree
 from paraspec.strategies import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import LocalStrategy, Run
-from paraspec.strategies.sd import measure_cost, record_plan
+from paraspec.strategies.sd import record_plan
 from paraspec.verify import verify_tree
 
 
@@ -125,7 +125,8 @@ class TreeStrategy(LocalStrategy):
     backends = ("native",)
 
     def drafter(self) -> Drafter:
-        return ModelDrafter(self.drafts[0], self.target.vocab_size)
+        """The round loop's drafter: tree's kept Hybrid, easyspec's fuzzy drafter."""
+        raise NotImplementedError
 
     def decode(self, run: Run):
         o = self.options
@@ -143,16 +144,9 @@ class Tree(TreeStrategy):
 
     def setup(self, placement) -> None:
         super().setup(placement)
-        self.hybrid = None
+        o = self.options
+        self.make_hybrid(lambda m: ModelDrafter(m, self.target.vocab_size),
+                         min(o["tree_budget"], o["tree_width"] * o["tree_depth"]))
 
     def drafter(self) -> Hybrid:
-        if self.hybrid is None:
-            o = self.options
-            widest = min(o["tree_budget"], o["tree_width"] * o["tree_depth"])
-            self.hybrid = Hybrid(self.make_drafters(lambda m: ModelDrafter(m, self.target.vocab_size)),
-                                 measure_cost(self.target, widest) if o["adaptive"] else None)
         return self.hybrid
-
-    def close(self) -> None:
-        self.hybrid = None
-        super().close()

@@ -203,6 +203,7 @@ def test_adaptive_model_drafter_is_probed_after_plain_rounds():
 def test_prune_keeps_parents_and_remaps():
     tree = SuffixDrafter(100, depth=6, cache_requests=0).propose_tree(
         [7, 1, 2, 0, 7, 1, 3, 0, 7], 2, 3, 10, GREEDY, GEN)
+    assert tree.depth == 3                                 # something to cut
     cut = prune(tree, 1)
     assert cut.depth == 1 and cut.tokens == [t for t, d in zip(tree.tokens, tree.depths) if d == 1]
 
