@@ -56,28 +56,29 @@ def part_sim(tokens: int, repeats: int, scale: float) -> None:
               f"{paper * scale:>14.2f} {AMUSD_PAPER['ar'] / paper:>5.2f}x", flush=True)
 
 
-# Each setting: (label, extra flags). One thread per model, draft on core 0, target on core 1; `ar` and `sd`
-# run on the target's device (cpu:1) only, so "x AR" compares on one core; the 2-thread AR of `make demo` is the
-# other comparison (both cores for AR alone).
+# Each setting: (label, strategies, extra flags). One thread per model, draft on core 0, target on core 1; `ar`
+# and `sd` run on the target's device (cpu:1) only, so "x AR" compares on one core. The first setting also runs
+# what a user would run instead on both cores: our `ar` at 2 threads and llama.cpp's own llama-server (the peer).
 REAL_GRID = [
-    ("defaults: lookahead 5, max_ahead 16, verify_chunk 8", []),
-    ("short chunks: lookahead 3, max_ahead 6, verify_chunk 2", ["--lookahead", "3", "--max-ahead", "6",
-                                                                "--verify-chunk", "2"]),
-    ("medium: lookahead 4, max_ahead 8, verify_chunk 4", ["--lookahead", "4", "--max-ahead", "8",
-                                                          "--verify-chunk", "4"]),
+    ("defaults: lookahead 5, max_ahead 16, verify_chunk 8", "ar,sd,amusd,ar@2t,llamacpp-ar", []),
+    ("short chunks: lookahead 3, max_ahead 6, verify_chunk 2", "ar,sd,amusd",
+     ["--lookahead", "3", "--max-ahead", "6", "--verify-chunk", "2"]),
+    ("medium: lookahead 4, max_ahead 8, verify_chunk 4", "ar,sd,amusd",
+     ["--lookahead", "4", "--max-ahead", "8", "--verify-chunk", "4"]),
 ]
 
 
 def real_commands(python: str, out: str) -> list[list[str]]:
     base = [python, "-m", "paraspec", "bench", "--target", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
-            "--draft", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "--backend", "llamacpp", "--strategies", "ar,sd,amusd",
+            "--draft", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "--backend", "llamacpp",
             "--threads", "1", "--target-devices", "cpu:1", "--draft-devices", "cpu:0",
             "--dataset", "humaneval", "--num-prompts", "2", "--max-new-tokens", "64", "--no-progress"]
-    return [base + flags + ["--out", f"{out}/{i}"] for i, (_, flags) in enumerate(REAL_GRID)]
+    return [base + ["--strategies", strategies] + flags + ["--out", f"{out}/{i}"]
+            for i, (_, strategies, flags) in enumerate(REAL_GRID)]
 
 
 def part_real(run: bool, out: str) -> None:
-    for (label, _), cmd in zip(REAL_GRID, real_commands(sys.executable, out)):
+    for (label, _, _), cmd in zip(REAL_GRID, real_commands(sys.executable, out)):
         print(f"# {label}")
         print(shlex.join(cmd), flush=True)
         if run:

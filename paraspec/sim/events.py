@@ -62,6 +62,8 @@ class Setup:
     target_prefill_s: float = 0.0       # 0: the prompt is already in every cache
     draft_prefill_s: float = 0.0
     target_only_thread: bool = True     # dsi: a spare server runs the target alone from the committed text
+    preempt_draft: bool = True          # a rollback cuts the drafter's forward in flight short (the papers' model);
+                                        # False: it runs to its end first, as paraspec's draft workers do
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -441,12 +443,14 @@ class _Concurrent:
             server.cache = min(server.cache, pos)             # `pos` held the wrong draft
         # the drafter hears of it one message later; a forward it has in flight is wasted
         self.draft_gen += 1
-        if self.draft_event is not None:
-            start, end, width = self.draft_event
-            self.trace.add("draft", "draft", start, min(end, self.t + self.setup.comm_s), width)
-            self.draft_event = None
         self.draft_busy = True
         self.draft_free_at = self.t + self.setup.comm_s
+        if self.draft_event is not None:
+            start, end, width = self.draft_event
+            if not self.setup.preempt_draft:
+                self.draft_free_at = max(end, self.draft_free_at)
+            self.trace.add("draft", "draft", start, min(end, self.draft_free_at), width)
+            self.draft_event = None
         self._at(self.draft_free_at, self._drafter_wake, self.draft_gen)
         self.draft_cache = min(self.draft_cache, pos)
         self.chain_end = self.chunk_start = pos + 1

@@ -8,7 +8,8 @@ speculation slower than the target alone is the paper's motivating case, Timor e
 says so and picks `ar`.
 
 Assumptions (printed with the plan): every target server runs at the profiled target device's speed, each
-device holds one model, and each draft is accepted with the profiled rate independently of the others.
+device holds one model, each draft is accepted with the profiled rate independently of the others, and a rollback
+lets the drafter's forward in flight finish (the workers cannot cut a forward short).
 """
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     target_dev = profile.target.device or devices[-1]
     draft_dev = profile.draft.device or (devices[0] if devices[0] != target_dev else devices[-1])
     target, draft = profile.target.cost(), profile.draft.cost()
-    base = dict(target=target, draft=draft, acceptance_rate=profile.acceptance_rate,
+    # paraspec's draft workers finish a forward in flight before they hear of a rollback: no preemption
+    base = dict(target=target, draft=draft, acceptance_rate=profile.acceptance_rate, preempt_draft=False,
                 target_prefill_s=profile.target.ttft_ms / 1000, draft_prefill_s=profile.draft.ttft_ms / 1000)
 
     def run(strategy: str, **kw) -> tuple[float, float]:
@@ -139,5 +141,6 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     if choices["dsi"] is None:
         notes.append("amusd and dsi need the draft and the target on different devices; pass more devices")
     notes.append(f"assumes {comm_ms:g} ms per message, every target server as fast as {target_dev}, "
-                 f"and draft tokens accepted independently at rate {profile.acceptance_rate:.2f}")
+                 f"draft tokens accepted independently at rate {profile.acceptance_rate:.2f}, "
+                 f"and a draft forward in flight at a rollback run to its end (as the draft workers do)")
     return Plan(profile, choices, fastest, notes)
