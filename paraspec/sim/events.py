@@ -62,8 +62,8 @@ class Setup:
     target_prefill_s: float = 0.0       # 0: the prompt is already in every cache
     draft_prefill_s: float = 0.0
     target_only_thread: bool = True     # dsi: a spare server runs the target alone from the committed text
-    preempt_draft: bool = True          # a rollback cuts the drafter's forward in flight short (the papers' model);
-                                        # False: it runs to its end first, as paraspec's draft workers do
+    preempt: bool = True                # a rollback cuts every forward in flight short (the papers' model); False:
+                                        # the drafter and the target servers first finish it, as paraspec's workers do
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -229,6 +229,7 @@ class _Task:
     server: int
     first: int                          # chunk: first drafted position; solo: the position it generates
     last: int                           # chunk: one past the last drafted position; solo: == first
+    trim: int | None = None             # preempt=False: rolled back to here while running; its result is void
 
 
 @dataclass
@@ -363,7 +364,7 @@ class _Concurrent:
         if not (s.strategy == "dsi" and s.target_only_thread and idle >= 2) and not nothing_to_draft:
             return
         # One at a time, and only where no verification in flight will deliver this position sooner.
-        if any(t.kind == "solo" or t.first <= self.known <= t.last for t in self.tasks.values()):
+        if any(t.trim is None and (t.kind == "solo" or t.first <= self.known <= t.last) for t in self.tasks.values()):
             return
         server = self.servers[i]
         width = self.known - server.cache
@@ -388,6 +389,10 @@ class _Concurrent:
         if tid not in self.tasks:
             return                                            # cancelled by a rollback
         task = self._finish(tid)
+        if task.trim is not None:                             # overtaken by a rollback while it ran: drop it
+            self.servers[task.server].cache = min(self.servers[task.server].cache, task.trim)
+            self._schedule()
+            return
         self.result.verifications += 1
         if task.kind == "solo":
             if task.first >= self.known:
@@ -437,8 +442,11 @@ class _Concurrent:
         self.trace.add("draft", "rollback", self.t, self.t + self.setup.comm_s, len(dropped) + 1)
         self.truth = {p for p in self.truth if p <= pos}
         self.queue.clear()
-        for tid in list(self.tasks):
-            self._cancel(tid)
+        for tid, task in list(self.tasks.items()):
+            if self.setup.preempt:
+                self._cancel(tid)
+            else:                                             # the server finishes this forward, then rolls back
+                task.trim = pos if task.trim is None else min(task.trim, pos)
         for server in self.servers:
             server.cache = min(server.cache, pos)             # `pos` held the wrong draft
         # the drafter hears of it one message later; a forward it has in flight is wasted
@@ -447,7 +455,7 @@ class _Concurrent:
         self.draft_free_at = self.t + self.setup.comm_s
         if self.draft_event is not None:
             start, end, width = self.draft_event
-            if not self.setup.preempt_draft:
+            if not self.setup.preempt:
                 self.draft_free_at = max(end, self.draft_free_at)
             self.trace.add("draft", "draft", start, min(end, self.draft_free_at), width)
             self.draft_event = None

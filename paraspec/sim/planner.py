@@ -98,7 +98,7 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     draft_dev = profile.draft.device or (devices[0] if devices[0] != target_dev else devices[-1])
     target, draft = profile.target.cost(), profile.draft.cost()
     # paraspec's draft workers finish a forward in flight before they hear of a rollback: no preemption
-    base = dict(target=target, draft=draft, acceptance_rate=profile.acceptance_rate, preempt_draft=False,
+    base = dict(target=target, draft=draft, acceptance_rate=profile.acceptance_rate, preempt=False,
                 target_prefill_s=profile.target.ttft_ms / 1000, draft_prefill_s=profile.draft.ttft_ms / 1000)
 
     def run(strategy: str, **kw) -> tuple[float, float]:

@@ -111,7 +111,7 @@ def test_amusd_rollback_with_and_without_preempting_the_drafter(preempt, per_tok
     rollback cuts the drafter's forward short; without preemption the drafter, 2.5 forwards into the 1.0 s
     verification, first finishes the forward in flight (0.2 more): 1.6 per token, as paraspec's draft workers."""
     setup = Setup("amusd", ForwardCost.constant(1.0), ForwardCost.constant(0.4), 0.0, max_ahead=50,
-                  preempt_draft=preempt)
+                  preempt=preempt)
     short, long = simulate(setup, 10), simulate(setup, 200)
     assert long.rollbacks == 199
     assert (long.total_s - short.total_s) / 190 == pytest.approx(per_token)
@@ -165,6 +165,21 @@ def test_trace_is_the_engines_format(strategy, kw):
         assert all(s2 >= e1 - 1e-12 for (_, e1), (s2, _) in zip(spans, spans[1:]))
 
 
+def test_dsi_servers_without_preemption_finish_their_forward_first():
+    """preempt=False (paraspec's workers): a rollback leaves a server busy until its forward ends. Without
+    rollbacks (a = 1) nothing changes; with them it costs time, and every cut-off forward runs its full length."""
+    kw = dict(lookahead=2, servers=3, target_only_thread=False)
+    assert simulate(unit_setup("dsi", 0.2, 1.0, **kw), 100).total_s == \
+        simulate(unit_setup("dsi", 0.2, 1.0, preempt=False, **kw), 100).total_s
+    cut = totals(unit_setup("dsi", 0.2, 0.5, **kw), 100, runs=20)
+    whole = totals(unit_setup("dsi", 0.2, 0.5, preempt=False, **kw), 100, runs=20)
+    assert whole.mean() > 1.02 * cut.mean()
+    r = simulate(unit_setup("dsi", 0.2, 0.5, preempt=False, **kw), 100)
+    assert all(e.end_s - e.start_s >= 1.0 - 1e-9 for e in r.trace.events if e.kind == "verify")
+    assert any(e.end_s - e.start_s < 1.0 - 1e-9
+               for e in simulate(unit_setup("dsi", 0.2, 0.5, **kw), 100).trace.events if e.kind == "verify")
+
+
 def test_random_setups_always_finish_and_never_double_book_a_device():
     rng = np.random.default_rng(0)
     for i in range(60):
@@ -174,7 +189,8 @@ def test_random_setups_always_finish_and_never_double_book_a_device():
                       ForwardCost.linear(float(rng.uniform(0.01, 1.0)), 0.02), float(rng.choice([0, 1, rng.random()])),
                       lookahead=k, servers=int(rng.integers(1, 5)), max_ahead=int(rng.integers(k, 10)),
                       verify_min=int(rng.integers(1, 4)), comm_s=float(rng.choice([0, 0.05])),
-                      target_prefill_s=float(rng.choice([0, 2.0])), target_only_thread=bool(rng.random() < 0.7))
+                      target_prefill_s=float(rng.choice([0, 2.0])), target_only_thread=bool(rng.random() < 0.7),
+                      preempt=bool(rng.random() < 0.5))
         tokens = int(rng.integers(1, 60))
         r = simulate(setup, tokens, seed=i)
         assert r.trace.progress[-1][1] == tokens
