@@ -6,13 +6,14 @@ HumanEval) -- with simulated latencies at the paper's GPU ratios, and on the ref
         section IV); on a GPU a verification of a few tokens costs about one forward, so the target's cost is
         constant in the width. Acceptance: SD "accepts 5.35 draft tokens per verify step" (section IV, Fig. 4),
         so a / (1 - a) = 5.35, a = 0.84. SD lookahead 5 and AMUSD max_ahead 16 are paraspec's defaults (the paper
-        gives none); AMUSD verifies up to max_ahead drafts per forward (free on a GPU). Prints measured ms/token and the event simulator's prediction.
-  real  the grid of `paraspec bench` runs on the reference pair (llamacpp backend, draft on cpu:0, target on
-        cpu:1, one thread each, as AMUSD puts each model on its own device), printed; --run executes it.
-        About 10 minutes on a quiet 2-core machine. Do not run it while other jobs load the cores: llama.cpp
-        slows ~10x under contention.
+        gives none); AMUSD verifies up to max_ahead drafts per forward (free on a GPU). Prints measured ms/token
+        and the event simulator's prediction (`preempt=False`: a forward in flight is finished, as the workers do).
+  real  the grid of `paraspec bench` runs on the reference pair (llamacpp and native backends, draft on cpu:0,
+        target on cpu:1, one thread each, as AMUSD puts each model on its own device), printed; --run executes
+        it. About 15 minutes on a quiet 2-core machine (`--only 3`: just the native backend). Do not run it while
+        other jobs load the cores: llama.cpp slows ~10x under contention.
 
-    .venv/bin/python benchmarks/amusd_pattern.py sim --tokens 64 --repeats 3
+    .venv/bin/python benchmarks/amusd_pattern.py sim --tokens 256 --repeats 5
     .venv/bin/python benchmarks/amusd_pattern.py real            # print the commands
     .venv/bin/python benchmarks/amusd_pattern.py real --run      # run them (quiet machine only)
 """
@@ -59,26 +60,32 @@ def part_sim(tokens: int, repeats: int, scale: float) -> None:
 # Each setting: (label, strategies, extra flags). One thread per model, draft on core 0, target on core 1; `ar`
 # and `sd` run on the target's device (cpu:1) only, so "x AR" compares on one core. The first setting also runs
 # what a user would run instead on both cores: our `ar` at 2 threads and llama.cpp's own llama-server (the peer).
+# The last uses the native PyTorch backend: slower, but where bf16 matmuls are fast (AVX512_BF16) a forward of a few
+# tokens costs about what one token costs, the GPU-like regime AMUSD was designed for.
+LLAMACPP = ["--backend", "llamacpp"]
 REAL_GRID = [
-    ("defaults: lookahead 5, max_ahead 16, verify_chunk 8", "ar,sd,amusd,ar@2t,llamacpp-ar", []),
-    ("short chunks: lookahead 3, max_ahead 6, verify_chunk 2", "ar,sd,amusd",
-     ["--lookahead", "3", "--max-ahead", "6", "--verify-chunk", "2"]),
-    ("medium: lookahead 4, max_ahead 8, verify_chunk 4", "ar,sd,amusd",
-     ["--lookahead", "4", "--max-ahead", "8", "--verify-chunk", "4"]),
+    ("llamacpp, defaults: lookahead 5, max_ahead 16, verify_chunk 8", "ar,sd,amusd,ar@2t,llamacpp-ar", LLAMACPP),
+    ("llamacpp, short chunks: lookahead 3, max_ahead 6, verify_chunk 2", "ar,sd,amusd",
+     LLAMACPP + ["--lookahead", "3", "--max-ahead", "6", "--verify-chunk", "2"]),
+    ("llamacpp, medium: lookahead 4, max_ahead 8, verify_chunk 4", "ar,sd,amusd",
+     LLAMACPP + ["--lookahead", "4", "--max-ahead", "8", "--verify-chunk", "4"]),
+    ("native, dtype auto, defaults", "ar,sd,amusd", ["--backend", "native"]),
 ]
 
 
 def real_commands(python: str, out: str) -> list[list[str]]:
     base = [python, "-m", "paraspec", "bench", "--target", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
-            "--draft", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "--backend", "llamacpp",
+            "--draft", "Qwen/Qwen2.5-Coder-0.5B-Instruct",
             "--threads", "1", "--target-devices", "cpu:1", "--draft-devices", "cpu:0",
             "--dataset", "humaneval", "--num-prompts", "2", "--max-new-tokens", "64", "--no-progress"]
     return [base + ["--strategies", strategies] + flags + ["--out", f"{out}/{i}"]
             for i, (_, strategies, flags) in enumerate(REAL_GRID)]
 
 
-def part_real(run: bool, out: str) -> None:
-    for (label, _, _), cmd in zip(REAL_GRID, real_commands(sys.executable, out)):
+def part_real(run: bool, out: str, only: list[int] | None = None) -> None:
+    for i, ((label, _, _), cmd) in enumerate(zip(REAL_GRID, real_commands(sys.executable, out))):
+        if only is not None and i not in only:
+            continue
         print(f"# {label}")
         print(shlex.join(cmd), flush=True)
         if run:
@@ -93,13 +100,14 @@ def main() -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--scale", type=float, default=1.0, help="multiply the paper's latencies")
     r = sub.add_parser("real")
-    r.add_argument("--run", action="store_true", help="run the grid (quiet machine only; ~10 minutes)")
+    r.add_argument("--run", action="store_true", help="run the grid (quiet machine only; ~15 minutes)")
+    r.add_argument("--only", type=int, nargs="+", help="run only these settings (0-based)")
     r.add_argument("--out", default="out/amusd_pattern")
     args = p.parse_args()
     if args.part == "sim":
         part_sim(args.tokens, args.repeats, args.scale)
     else:
-        part_real(args.run, args.out)
+        part_real(args.run, args.out, args.only)
 
 
 if __name__ == "__main__":
