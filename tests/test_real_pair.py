@@ -10,6 +10,7 @@ the pair take ~10 GB).
 import math
 
 import pytest
+import torch
 
 from paraspec import Engine, SamplingParams
 from paraspec.models.loader import cache_dir
@@ -126,3 +127,23 @@ def test_llamacpp_strategy_equals_ar_exactly(llamacpp_reference, name):
                 f"{name} on llamacpp differs from ar at output token "
                 f"{next((i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b), '(end)')}")
     assert drafted > 0
+
+
+def test_llamacpp_fast_prefill_and_the_re_fed_last_prompt_token():
+    """The prompt is decoded on repacked weights (other kernels: other logits), all but its last token; that one
+    is decoded exactly, so a strategy that rolls back to it and feeds it again (dsi's servers do) gets ar's KV and
+    logits bitwise. Decoding the whole prompt on the repacked copy broke dsi on this pair: this checks why not."""
+    from paraspec.models.llamacpp import LlamaCppModel
+    from paraspec.models.loader import gguf_source, resolve_checkpoint
+    path = gguf_source(resolve_checkpoint(TARGET, backend="llamacpp"))
+    prompt = list(range(1000, 1120))
+    fast = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, fast_prefill=True)
+    first = fast.prefill(prompt)
+    assert fast.fast_prefills == 1
+    after = fast.forward([17, 18])
+    fast.rollback(len(prompt) - 1)
+    assert torch.equal(fast.forward([prompt[-1], 17, 18]), torch.cat([first[None], after]))
+    fast.close()
+    exact = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, fast_prefill=False)
+    assert not torch.equal(exact.prefill(prompt), first)   # the repacked kernels do differ on this model
+    exact.close()

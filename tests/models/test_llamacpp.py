@@ -246,3 +246,39 @@ def test_gguf_file_gets_a_tokenizer_folder_without_weights(gguf_pair):
     folder = resolve_checkpoint(gguf_pair["target"], backend="llamacpp")
     assert not list(folder.glob("*.safetensors")) and (folder / "tokenizer.json").exists()
     assert gguf_source(folder) == gguf_pair["target"].resolve()
+
+
+@pytest.mark.parametrize("kind", ["target", "target_q8"])
+def test_fast_prefill_hands_its_kv_cache_to_the_exact_context(gguf_pair, kind):
+    """The prompt is decoded on a repacked copy of the weights and its KV cache copied into the exact context.
+    On the f32 file repacking changes no kernel, so prompt logits and every token decoded after the copy must be
+    bitwise those of the exact context alone: a cache copied to the wrong cells or positions would not be."""
+    prompt, rest = list(range(3, 90)), [50, 51, 52, 7, 9]
+    runs = {}
+    for fast in (True, False):
+        model = LlamaCppModel(gguf_pair[kind], 2048, (), n_threads=1, fast_prefill=fast)
+        runs[fast] = torch.cat([model.prefill(prompt)[None]] + [model.forward([t]) for t in rest]
+                               + [model.forward(rest, last_n=len(rest))])
+        assert model.fast_prefills == (1 if fast else 0)
+        assert model.length == len(prompt) + 2 * len(rest)
+        model.close()
+    if kind == "target":
+        assert torch.equal(runs[True], runs[False])
+    else:                                  # Q8_0 may be repacked: close, and the same greedy tokens
+        assert float((runs[True] - runs[False]).abs().max()) < 0.2
+        assert torch.equal(runs[True].argmax(-1), runs[False].argmax(-1))
+
+
+def test_fast_prefill_is_one_and_the_same_for_every_strategy(gguf_pair, monkeypatch):
+    """A prompt reaches the cache through prefill() (ar) or through a first forward (sd's prompt + drafts): both
+    take the fast path, so both leave the same cache; and the environment switch turns it off."""
+    model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2)
+    prompt, drafts = list(range(3, 60)), [50, 51, 52]
+    reference = torch.cat([model.prefill(prompt)[None]] + [model.forward([t]) for t in drafts])
+    model.rollback(0)
+    assert torch.equal(model.forward(prompt + drafts, last_n=4), reference)
+    assert model.fast_prefills == 2
+    monkeypatch.setenv("PARASPEC_LLAMACPP_FAST_PREFILL", "0")
+    off = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2)
+    off.prefill(prompt)
+    assert off.fast_prefills == 0 and off._fast is None
