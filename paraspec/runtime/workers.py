@@ -348,8 +348,14 @@ class ProcessWorker(Worker):
         self._process = context.Process(target=process_main, name=f"paraspec-{self.name}", daemon=True,
                                         args=(self._their_sock, self.name, str(self.device), self._spec,
                                               self.heartbeat_s))
-        with sigint_ignored_by_children():
-            self._process.start()
+        try:
+            with sigint_ignored_by_children():
+                self._process.start()
+        except BaseException:                 # e.g. SIGTERM, raised once the child is fully briefed: no orphan
+            if self._process.pid is not None:
+                self._process.kill()
+                self._process.join(1.0)
+            raise
         self._their_sock.close()
         self._sentinel = self._process.sentinel
 
@@ -387,19 +393,29 @@ class ProcessWorker(Worker):
 def sigint_ignored_by_children():
     """Start processes with SIGINT ignored from their first instruction: an ignored signal stays ignored across
     exec, and Python then installs no KeyboardInterrupt handler, so Ctrl-C while a worker imports or loads prints
-    no traceback from it (the caller stops its workers). SIGINT and SIGTERM are blocked meanwhile (delivered
-    right after, not lost): an exception raised halfway through start() would leave the child half-briefed."""
+    no traceback from it (the caller stops its workers). SIGINT and SIGTERM are blocked meanwhile in this thread,
+    and a SIGTERM that another thread of this process takes is only recorded (Python would otherwise run its
+    handler here, mid-start) and raised again right after: an exception raised halfway through start() would
+    leave the child half-briefed (it dies reading its bootstrap data, with a traceback)."""
     if threading.current_thread() is not threading.main_thread():
         yield                  # only the main thread may change handlers; Python delivers signals there anyway
         return
     held = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    caught: list[int] = []
+    previous_term = signal.getsignal(signal.SIGTERM)
+    if previous_term is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if previous_term is not signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, previous_term if previous_term is not None else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        if caught:
+            signal.raise_signal(signal.SIGTERM)
 
 
 class ThreadWorker(Worker):
