@@ -3,7 +3,11 @@
 Ownership: only the creating process unlinks a segment (and registers it with multiprocessing's
 resource_tracker, the backstop if that process is SIGKILLed). Other processes attach *without* registering,
 so a worker that exits or is killed never unlinks, or warns about, a segment it did not create. Names start
-with `paraspec_<owner pid>_` so a leak is one `ls /dev/shm/paraspec_*` away.
+with `paraspec_<owner pid>_` so a leak is one `ls /dev/shm/paraspec_*` away. When the owner and its resource
+tracker are SIGKILLed together (a killed process group, a container stopped) nobody is left to unlink: the
+first segment a process creates first removes every paraspec segment of this user whose owner pid is gone
+(`reap_stale`). (The pid is checked in this pid namespace: a /dev/shm shared between namespaces is not
+supported.)
 
 Waiting: every segment starts with a 32-bit sequence word. Writers bump it under the lock and wake all
 waiters with a Linux futex; waiters sleep in the kernel until the word differs from the value they saw under
@@ -34,6 +38,38 @@ PREFIX = "paraspec_"
 _counter = itertools.count()
 
 
+SHM_DIR = "/dev/shm"
+_reaped = False
+
+
+def reap_stale(directory: str = SHM_DIR) -> list[str]:
+    """Unlink this user's paraspec segments whose owner process no longer exists; the names removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        parts = entry.name.split("_")
+        if not entry.name.startswith(PREFIX) or len(parts) < 3 or not parts[1].isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+            continue                                   # the owner is alive (or someone else's: EPERM)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(entry.name)
+        except OSError:
+            pass
+    return removed
+
+
 def segment_name(tag: str) -> str:
     """A fresh segment name: paraspec_<pid>_<n>_<tag>; the pid says which process owns (unlinks) it."""
     tag = "".join(c if c.isalnum() else "_" for c in tag)[:40]
@@ -52,7 +88,11 @@ class Segment:
 
     @classmethod
     def create(cls, tag: str, size: int) -> "Segment":
+        global _reaped
         _require_posix()
+        if not _reaped:
+            _reaped = True
+            reap_stale()
         name = segment_name(tag)
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:

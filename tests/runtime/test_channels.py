@@ -27,6 +27,28 @@ def test_segment_name_and_unlink():
     assert f"/dev/shm/{ch.name}" not in segments_of(os.getpid())
 
 
+def test_segments_of_a_killed_owner_are_reaped():
+    """A SIGKILLed owner whose resource tracker died with it unlinks nothing: the next process to create a
+    segment removes this user's paraspec segments whose owner pid is gone, and only those."""
+    import subprocess
+    from paraspec.runtime import shm
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                   # an exited, reaped pid
+    names = {"stale": f"paraspec_{dead.pid}_3_stop", "live": f"paraspec_{os.getpid()}_9999_stop",
+             "other": "someone_else_1_x", "odd": "paraspec_notapid_1_x"}
+    fds = [shm._posixshmem.shm_open("/" + n, os.O_CREAT | os.O_RDWR, mode=0o600) for n in names.values()]
+    try:
+        removed = shm.reap_stale()                # (other dead owners' leftovers may go too)
+        assert names["stale"] in removed and not os.path.exists(f"/dev/shm/{names['stale']}")
+        kept = {n for k, n in names.items() if k != "stale"}
+        assert kept <= set(os.listdir("/dev/shm")) and not kept & set(removed)
+    finally:
+        for fd, n in zip(fds, names.values()):
+            os.close(fd)
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")
+
+
 def test_reset_publish_commit_accept_all(channel):
     v = channel.reset([5, 6, 7])
     assert channel.state() == (v, 3, 3, False)
