@@ -10,7 +10,7 @@ HumanEval) -- with simulated latencies at the paper's GPU ratios, and on the ref
         and the event simulator's prediction (`preempt=False`: a forward in flight is finished, as the workers do).
   real  the grid of `paraspec bench` runs on the reference pair (llamacpp and native backends, draft on cpu:0,
         target on cpu:1, one thread each, as AMUSD puts each model on its own device), printed; --run executes
-        it. About 15 minutes on a quiet 2-core machine (`--only 3`: just the native backend). Do not run it while
+        it. About 10 minutes on a quiet 2-core machine (`--only 3`: just the native backend). Do not run it while
         other jobs load the cores: llama.cpp slows ~10x under contention.
 
     .venv/bin/python benchmarks/amusd_pattern.py sim --tokens 256 --repeats 5
@@ -100,7 +100,7 @@ def main() -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--scale", type=float, default=1.0, help="multiply the paper's latencies")
     r = sub.add_parser("real")
-    r.add_argument("--run", action="store_true", help="run the grid (quiet machine only; ~15 minutes)")
+    r.add_argument("--run", action="store_true", help="run the grid (quiet machine only; ~10 minutes)")
     r.add_argument("--only", type=int, nargs="+", help="run only these settings (0-based)")
     r.add_argument("--out", default="out/amusd_pattern")
     args = p.parse_args()

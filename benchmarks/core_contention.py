@@ -4,9 +4,9 @@ host), memory bandwidth and the L3, so a one-thread forward can be slower while 
 
     python benchmarks/core_contention.py [--seconds 12]
 
-Runs the draft on cpu:0 and the target on cpu:1 (llamacpp backend, one thread each, `ar` decoding, one worker
-process each), first each alone, then both at once, and prints each model's TPOT (ms per decoded token) alone,
-together, and the slowdown. Quiet machine only.
+Runs the draft on cpu:0 and the target on cpu:1 (llamacpp backend, one thread each, `ar` decoding, one process
+each), first each alone, then both at once, and prints each model's TPOT (ms per decoded token) alone, together,
+and the slowdown. Quiet machine only.
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def predict(case: Case, tokens: int, repeats: int = 20) -> float:
     setup = Setup(case.strategy, target=case.target, draft=case.draft, acceptance_rate=case.acceptance_rate,
                   lookahead=case.lookahead, servers=case.servers, max_ahead=case.ahead if case.strategy in
                   ("amusd", "dsi") else None, target_only_thread=False,
-                  preempt=False,      # the real draft worker finishes its forward in flight first
+                  preempt=False,      # the real workers finish a forward in flight first
                   target_prefill_s=case.target(len(PROMPT)),
                   draft_prefill_s=case.draft(len(PROMPT)) if case.draft is not None else 0.0)
     return statistics.mean(simulate(setup, tokens, seed=s).total_s for s in range(repeats))

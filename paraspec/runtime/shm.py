@@ -38,15 +38,14 @@ PREFIX = "paraspec_"
 _counter = itertools.count()
 
 
-SHM_DIR = "/dev/shm"
 _reaped = False
 
 
-def reap_stale(directory: str = SHM_DIR) -> list[str]:
+def reap_stale() -> list[str]:
     """Unlink this user's paraspec segments whose owner process no longer exists; the names removed."""
     removed = []
     try:
-        entries = list(os.scandir(directory))
+        entries = list(os.scandir("/dev/shm"))
     except OSError:
         return removed
     for entry in entries:

@@ -104,7 +104,6 @@ def test_amusd_overlaps_drafting_with_verification():
     assert amusd < 0.9 * sd
 
 
-
 @pytest.mark.parametrize("preempt,per_token", [(True, 1.4), (False, 1.6)])
 def test_amusd_rollback_with_and_without_preempting_the_drafter(preempt, per_token):
     """a = 0: every draft is wrong. Each token then costs one draft (0.4) and one verification (1.0) when the
@@ -115,6 +114,8 @@ def test_amusd_rollback_with_and_without_preempting_the_drafter(preempt, per_tok
     short, long = simulate(setup, 10), simulate(setup, 200)
     assert long.rollbacks == 199
     assert (long.total_s - short.total_s) / 190 == pytest.approx(per_token)
+
+
 def test_forward_width_and_catch_up_cost_time():
     """A DSI server that last verified an older chunk re-reads every token since: forwards get wider with more
     servers, and with a per-token cost that makes the run slower than under the paper's constant cost."""
