@@ -27,7 +27,7 @@ import sys
 
 from dsi_simulated import Case, measure, predict      # noqa: E402 (benchmarks/ is the script's folder)
 
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 AMUSD_DRAFT_S = 0.010          # AMUSD paper, section IV: "the draft model takes ~10 ms/token"
 AMUSD_TARGET_S = 0.025         # "... and the verify model takes ~25 ms/token"

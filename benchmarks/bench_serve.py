@@ -97,7 +97,7 @@ def bench_server(args, strategy: str, prompts: list) -> dict:
 
 def bench_engine(args, strategy: str, prompts: list) -> list[dict]:
     from paraspec import Engine, SamplingParams
-    from paraspec.cli import add_model_args, engine_config
+    from paraspec.cli.main import add_model_args, engine_config
     parser = argparse.ArgumentParser()
     add_model_args(parser, several_drafts=True)
     drafts = [] if strategy == "ar" else [a for d in args.draft for a in ("--draft", d)]

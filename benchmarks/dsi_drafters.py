@@ -14,7 +14,7 @@ import statistics
 
 from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
 from paraspec.sim.events import Setup, simulate
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 PROMPT = [5, 6, 7]
 

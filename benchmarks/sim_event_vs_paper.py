@@ -15,7 +15,7 @@ import numpy as np
 
 from paraspec.sim import dsi_paper as paper
 from paraspec.sim.events import Setup, mean_result
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 
 def idealised(tokens: int, repeats: int) -> None:

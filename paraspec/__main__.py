@@ -1,5 +1,5 @@
 import sys
 
-from paraspec.cli import main
+from paraspec.cli.main import main
 
 sys.exit(main())

@@ -31,7 +31,8 @@ from paraspec.models.loader import load_tokenizer, parse_dtype, resolve_checkpoi
 from paraspec.runtime.errors import RemoteError, WorkerError
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
-from paraspec.strategies.base import Placement, Run
+from paraspec.strategies.base import Placement
+from paraspec.run import Run
 from paraspec.trace import Trace
 
 

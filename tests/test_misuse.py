@@ -203,7 +203,7 @@ def test_ar_refuses_a_draft(qwen2_target, qwen2_partial, tmp_path, draft):
 
 
 def test_cli_passes_only_the_options_given(qwen2_target):
-    from paraspec.cli import build_parser, engine_config
+    from paraspec.cli.main import build_parser, engine_config
     parser = build_parser()
     base = ["generate", "--target", str(qwen2_target), "--prompt", "x"]
     assert engine_config(parser.parse_args(base + ["--strategy", "ar"])).options == {}
@@ -223,7 +223,7 @@ def test_bench_gives_each_strategy_its_own_options(qwen2_target, qwen2_partial):
 
 
 def test_bench_refuses_an_option_no_strategy_takes(tmp_path, qwen2_target):
-    from paraspec.cli import main
+    from paraspec.cli.main import main
     assert main(["bench", "--target", str(qwen2_target), "--strategies", "ar", "--lookahead", "3",
                  "--out", str(tmp_path)]) == 2
 

@@ -20,7 +20,7 @@ import torch
 from paraspec.engine import GenerationResult
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
-from paraspec.strategies.base import Run
+from paraspec.run import Run
 from paraspec.trace import Trace
 
 HF_STRATEGIES = {

@@ -40,7 +40,7 @@ from pathlib import Path
 from paraspec.engine import GenerationResult
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
-from paraspec.strategies.base import Run
+from paraspec.run import Run
 from paraspec.trace import Trace
 
 LLAMACPP_STRATEGIES = {

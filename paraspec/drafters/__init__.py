@@ -1,7 +1,7 @@
 """Drafters: where the chain (`sd`), tree (`tree`, `easyspec`) and `dsi` strategies get their draft tokens.
 
     base.py      the Drafter interface, Proposal, and the q contract (stated once, there)
-    tree.py      TokenTree and draft_tree: growing a token tree from a drafter's logits
+    token_tree.py  TokenTree and draft_tree: growing a token tree from a drafter's logits
     model.py     ModelDrafter: a draft model (chains and trees; easyspec's fuzzy drafters subclass it)
     ngram.py     NGramDrafter: prompt lookup, the longest matching n-gram's continuation (model-free)
     suffix.py    SuffixDrafter: the most frequent continuation in suffix tries of the request and of earlier
@@ -17,7 +17,7 @@ from paraspec.drafters.hybrid import Hybrid
 from paraspec.drafters.model import ModelDrafter
 from paraspec.drafters.ngram import NGramDrafter
 from paraspec.drafters.suffix import SuffixDrafter
-from paraspec.drafters.tree import TokenTree
+from paraspec.drafters.token_tree import TokenTree
 
 MODEL_FREE = {"ngram": NGramDrafter, "suffix": SuffixDrafter}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paraspec.drafters.tree import TokenTree
+from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
 

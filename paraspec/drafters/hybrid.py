@@ -21,7 +21,7 @@ import torch
 
 from paraspec.drafters.adaptive import PROBE_START, Acceptance, VerifyCost, best_length
 from paraspec.drafters.base import Drafter, Proposal
-from paraspec.drafters.tree import TokenTree
+from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
 

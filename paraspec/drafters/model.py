@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from paraspec.drafters.base import Drafter, Proposal
-from paraspec.drafters.tree import DraftTreeCache, TokenTree, draft_tree
+from paraspec.drafters.token_tree import DraftTreeCache, TokenTree, draft_tree
 from paraspec.models.base import embeddable, widen
 from paraspec.sampling import SamplingParams, logits_to_probs, sample
 

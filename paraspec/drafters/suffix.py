@@ -27,7 +27,7 @@ import torch
 
 from paraspec.drafters.base import Drafter, Proposal, point_mass
 from paraspec.drafters.ngram import SequenceIndex
-from paraspec.drafters.tree import TokenTree
+from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
 MIN_PATH_PROB = 0.1

@@ -26,7 +26,7 @@ import torch
 
 from paraspec.models.base import check_rollback
 
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 
 @dataclass(frozen=True)

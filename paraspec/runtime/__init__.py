@@ -2,7 +2,7 @@
 
     devices.py   device strings (cpu, cpu:N, cpu:A-B, cuda:N); pinning a process to one, and undoing it
     errors.py    WorkerError and its kinds (RemoteError, WorkerDied, WorkerTimeout, WorkerClosed); errors over the wire
-    serve.py     the worker side: serve() (every backend's entry point), WorkerInfo, LoopContext
+    worker_main.py  the worker side: serve() (every backend's entry point), WorkerInfo, LoopContext
     workers.py   the caller side: Worker, Handle; backends (process, inprocess) and their registry BACKENDS
     ray_backend.py  the Ray backend (optional extra), registered by name
     runtime.py   Runtime: owns workers and channels, stops every channel when a worker dies, closes it all
@@ -17,7 +17,7 @@ from paraspec.runtime.channels import (ChannelFull, ChannelState, ChannelStopped
 from paraspec.runtime.devices import Device, DeviceError, parse_device, parse_devices
 from paraspec.runtime.errors import RemoteError, WorkerClosed, WorkerDied, WorkerError, WorkerTimeout
 from paraspec.runtime.runtime import Runtime
-from paraspec.runtime.serve import LoopContext, WorkerInfo
+from paraspec.runtime.worker_main import LoopContext, WorkerInfo
 from paraspec.runtime.workers import BACKENDS, Handle, ProcessWorker, ThreadWorker, Worker
 
 __all__ = ["BACKENDS", "ChannelFull", "ChannelState", "ChannelStopped", "CommitResult", "Device", "DeviceError",

@@ -28,7 +28,7 @@ import time
 
 from paraspec.runtime.wire import Wire
 from paraspec.runtime.errors import WorkerError
-from paraspec.runtime.serve import serve
+from paraspec.runtime.worker_main import serve
 from paraspec.runtime.workers import Worker, remaining
 
 try:

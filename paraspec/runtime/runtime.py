@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device
 from paraspec.runtime.errors import WorkerClosed
-from paraspec.runtime.serve import WorkerInfo
+from paraspec.runtime.worker_main import WorkerInfo
 from paraspec.runtime.workers import Handle, Worker, expired, remaining, worker_class
 
 

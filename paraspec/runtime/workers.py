@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device, parse_device
 from paraspec.runtime.errors import WorkerClosed, WorkerDied, WorkerError, WorkerTimeout, remote_error
-from paraspec.runtime.serve import WorkerInfo, process_main, serve
+from paraspec.runtime.worker_main import WorkerInfo, process_main, serve
 from paraspec.runtime.wire import wire_pair
 from paraspec.trace import Trace, TraceEvent
 

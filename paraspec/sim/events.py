@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 from paraspec.trace import Trace
 
 STRATEGIES = ("ar", "sd", "amusd", "dsi")

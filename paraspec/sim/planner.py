@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from paraspec.sim.events import Setup, mean_result
-from paraspec.sim.profile import Profile
+from paraspec.sim.costs import Profile
 
 DEFAULT_COMM_MS = 0.5        # one message between local worker processes (shared memory + a pipe wake-up)
 DEFAULT_MIN_GAIN = 0.03      # speculation must predict >= 3% lower TPOT than ar: below that, model error dominates

@@ -18,7 +18,7 @@ import numpy as np
 from paraspec.sim import dsi_online as online
 from paraspec.sim import dsi_paper as paper
 from paraspec.sim.events import Setup, simulate
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from paraspec.sampling import next_token
 from paraspec.strategies import register
-from paraspec.strategies.base import LocalStrategy, Run
+from paraspec.strategies.base import LocalStrategy
+from paraspec.run import Run
 
 
 @register

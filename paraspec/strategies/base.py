@@ -1,5 +1,5 @@
-"""What every strategy shares: the Strategy interface the Engine calls, what setup() gets (`Placement`), the
-request in flight (`Run`) and the rules for committing tokens.
+"""What every strategy shares: the Strategy interface the Engine calls and what setup() gets (`Placement`); the
+request in flight (`Run`) and the rules for committing tokens are in paraspec/run.py.
 
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
     Strategy.decode(run)       a generator yielding each batch of newly committed token ids
@@ -15,119 +15,11 @@ from __future__ import annotations
 
 import abc
 import os
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any, Callable, ClassVar, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
 
-import numpy as np
-import torch
-
+from paraspec.run import Run
 from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
-
-from paraspec.sampling import SamplingParams
-from paraspec.trace import Trace
-
-
-@dataclass
-class Run:
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    generator: torch.Generator
-    max_context: int                       # the smallest cache among the models in use
-    trace: Trace = field(default_factory=Trace)
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None       # "stop" | "length" | "context"
-    first_token_s: float | None = None
-    # stop strings (the caller's tokenizer): tokens -> the stop string their text now contains, or None
-    stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
-    stop_string: str | None = None         # the stop string that ended the run (finish_reason "stop")
-    # counters for the stats (names as in ARCHITECTURE.md)
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0                        # verification forwards
-    verified_tokens: int = 0               # tokens committed by verification rounds (bonus included)
-    rollbacks: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    # optional: the target's top-1 minus top-2 logit for each output index it scored (to tell near-ties
-    # from real divergences when comparing strategies in bf16)
-    margins: dict[int, float] | None = None
-    worker_reports: dict = field(default_factory=dict)   # raw reports of worker loops (amusd, dsi)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def sequence(self) -> list[int]:
-        return self.prompt_ids + self.tokens
-
-    @property
-    def remaining(self) -> int:
-        """Tokens still allowed: by max_new_tokens and by the room left in the KV caches."""
-        return min(self.params.max_new_tokens - len(self.tokens), self.max_context - len(self.sequence))
-
-    def observe_target(self, first_index: int, logits) -> None:
-        """Record the target's top-2 margins for output indices first_index, first_index + 1, ..."""
-        if self.margins is None:
-            return
-        top2 = logits.topk(2, dim=-1).values
-        for i, gap in enumerate((top2[..., 0] - top2[..., 1]).reshape(-1).tolist()):
-            self.margins[first_index + i] = gap   # the last observation is the one on the committed prefix
-
-    def commit(self, new_tokens: list[int]) -> list[int]:
-        """Append verified tokens, cut at the first stop token or the token budget; return what was kept."""
-        kept = []
-        for token in new_tokens:
-            if self.done:
-                break
-            kept.append(token)
-            self.tokens.append(token)
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-            elif self.stop_check is not None and (matched := self.stop_check(self.tokens)) is not None:
-                self.finish_reason, self.stop_string = "stop", matched
-            elif len(self.tokens) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
-            elif len(self.sequence) >= self.max_context:
-                self.finish_reason = "context"
-        if kept:
-            now = self.trace.now()
-            if self.first_token_s is None:
-                self.first_token_s = now
-            self.trace.commit(len(self.tokens), now)
-        return kept
-
-    @contextmanager
-    def timed(self, device: str, kind: str, tokens: int = 0):
-        """Record a trace event around a block and add its duration to draft_s / verify_s. The block may set
-        `event.tokens` when it learns the count only at its end."""
-        event = SimpleNamespace(tokens=tokens, seconds=0.0)
-        start = self.trace.now()
-        try:
-            yield event
-        finally:
-            end = self.trace.now()
-            event.seconds = end - start
-            self.trace.add(device, kind, start, end, event.tokens)
-            if kind == "draft":
-                self.draft_s += end - start
-            elif kind == "verify":
-                self.verify_s += end - start
-
-
-def wall_clock() -> float:
-    return time.perf_counter()
-
-
-def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two token sequences (lists or arrays)."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
 
 
 # -- the Strategy interface -------------------------------------------------------------------------------------

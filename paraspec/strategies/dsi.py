@@ -56,7 +56,8 @@ import torch
 
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.strategies import DRAFTER_OPTIONS, amusd, register
-from paraspec.strategies.base import Placement, Run, WorkerStrategy, common_prefix
+from paraspec.strategies.base import Placement, WorkerStrategy
+from paraspec.run import Run, common_prefix
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import greedy_match, judge_in_hand, verify_chain
 

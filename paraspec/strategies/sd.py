@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter
 from paraspec.strategies import DRAFTER_OPTIONS, register
-from paraspec.strategies.base import LocalStrategy, Placement, Run
+from paraspec.strategies.base import LocalStrategy, Placement
+from paraspec.run import Run
 from paraspec.verify import verify_chain
 
 

@@ -11,7 +11,7 @@ Each round:
     4. verify.verify_tree accepts a path (greedy: argmax matches; sampling: multi-step speculative sampling)
        and yields the correction or bonus token; the path's KV entries are moved next to the prefix.
 
-The drafter grows the tree (drafters/tree.py, drafters/model.py); this module verifies it. Trees need the native
+The drafter grows the tree (drafters/token_tree.py, drafters/model.py); this module verifies it. Trees need the native
 backend (explicit positions and a tree attention mask).
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter, TokenTree
 from paraspec.strategies import DRAFTER_OPTIONS, register
-from paraspec.strategies.base import LocalStrategy, Run
+from paraspec.strategies.base import LocalStrategy
+from paraspec.run import Run
 from paraspec.strategies.sd import record_plan
 from paraspec.verify import verify_tree
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from paraspec.cli import build_parser, main
+from paraspec.cli.main import build_parser, main
 from paraspec.runtime.devices import available_cores
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

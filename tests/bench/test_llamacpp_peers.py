@@ -250,7 +250,7 @@ def test_server_dies_with_the_process_that_started_it(binaries, gguf_pair):
 
 @pytest.mark.llamacpp_peer
 def test_bench_runs_the_peers_and_reports_the_grid(binaries, gguf_pair, tmp_path):
-    from paraspec.cli import main
+    from paraspec.cli.main import main
     out, before = tmp_path / "bench", server_pids(binaries)
     code = main(["bench", "--target", str(gguf_pair["target"]), "--draft", str(gguf_pair["draft"]),
                  "--dtype", "float32", "--backend", "native", "--strategies", "ar,llamacpp-ar,llamacpp-spec,llamacpp-ngram",

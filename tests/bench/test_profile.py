@@ -2,10 +2,10 @@
 import pytest
 
 from paraspec import Engine
-from paraspec.bench.profile import (acceptance_from_windows, draft_hits, greedy_tokens, match_windows,
+from paraspec.bench.pair_profile import (acceptance_from_windows, draft_hits, greedy_tokens, match_windows,
                                     profile_pair, time_forwards)
 from paraspec.runtime.devices import Device, available_cores
-from paraspec.sim.profile import Profile
+from paraspec.sim.costs import Profile
 
 
 def test_match_windows_and_acceptance():

@@ -7,7 +7,7 @@ import pytest
 from benchmarks.dsi_simulated import Case, measure, predict
 from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 
 def test_target_predicts_the_truth_by_position():

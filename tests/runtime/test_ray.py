@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray", reason="the Ray backend is optional (pip instal
 from paraspec import Engine, SamplingParams  # noqa: E402
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec  # noqa: E402
 from paraspec.runtime import WorkerError  # noqa: E402
-from paraspec.sim.profile import ForwardCost  # noqa: E402
+from paraspec.sim.costs import ForwardCost  # noqa: E402
 from tests.strategies.test_sd import PROMPT  # noqa: E402
 
 

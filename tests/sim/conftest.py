@@ -3,7 +3,7 @@ import pytest
 
 @pytest.fixture
 def profile_dict():
-    """A profile as `paraspec profile` writes it (the schema documented in paraspec/sim/profile.py)."""
+    """A profile as `paraspec profile` writes it (the schema documented in paraspec/sim/costs.py)."""
     return {
         "target": {"model": "t", "device": "cpu:1", "ttft_ms": 900.0, "tpot_ms": 376.0,
                    "forward_ms": {"1": 376.0, "4": 390.0, "8": 410.0}},

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from paraspec.sim.cli import add_commands
+from paraspec.cli.simulate import add_commands
 
 
 @pytest.fixture

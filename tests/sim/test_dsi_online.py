@@ -5,7 +5,7 @@ import pytest
 
 from paraspec.sim import dsi_online as online
 from paraspec.sim.events import Setup, simulate
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 
 PAPER = online.VARIANTS["paper"]
 BONUS = online.VARIANTS["bonus"]

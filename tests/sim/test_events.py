@@ -7,7 +7,7 @@ import pytest
 
 from paraspec.sim import dsi_paper as paper
 from paraspec.sim.events import Setup, simulate
-from paraspec.sim.profile import ForwardCost
+from paraspec.sim.costs import ForwardCost
 from paraspec.trace import Trace
 
 

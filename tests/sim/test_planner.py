@@ -3,7 +3,7 @@ import json
 import pytest
 
 from paraspec.sim.planner import plan
-from paraspec.sim.profile import Profile
+from paraspec.sim.costs import Profile
 
 ENGINE_STRATEGIES = {"ar", "sd", "amusd", "dsi"}
 

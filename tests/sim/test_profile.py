@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from paraspec.sim.profile import ForwardCost, Profile
+from paraspec.sim.costs import ForwardCost, Profile
 
 def test_forward_cost_interpolates_and_extends_the_measured_points():
     cost = ForwardCost.from_ms(376.0, {"1": 376.0, "4": 390.0, "8": 410.0})

@@ -90,7 +90,7 @@ def test_dsi_greedy_equals_ar(ar_engine, dsi, max_new_tokens):
 def test_dsi_servers_work_in_parallel():
     """A draft that is always right and much faster than the target: several chunks are in flight at once on
     different servers (simulated latencies, so the overlap does not hinge on the machine's load)."""
-    from paraspec.sim.profile import ForwardCost
+    from paraspec.sim.costs import ForwardCost
     target = SimulatedSpec(seed=3, cost=ForwardCost((1,), (0.03,)))
     draft = SimulatedSpec(role="draft", seed=3, acceptance_rate=1.0, cost=ForwardCost((1,), (0.002,)))
     with Engine(target, draft, strategy="dsi", lookahead=2, max_ahead=8, target_devices=["cpu"] * 3,
@@ -112,7 +112,7 @@ def test_preempted_chunks_never_leak(seed):
     and acceptance: the output must be the target's truth exactly, so no token of a preempted chunk got through.
     The draft is 20x faster than a verification (simulated latencies), so later chunks are always in flight when
     one is rejected -- without latencies, whether any chunk was preempted hinged on the machine's load."""
-    from paraspec.sim.profile import ForwardCost
+    from paraspec.sim.costs import ForwardCost
     rng = np.random.default_rng(seed)
     a, lookahead, servers = float(rng.uniform(0.2, 0.95)), int(rng.integers(1, 5)), int(rng.integers(2, 9))
     target = SimulatedSpec(seed=seed, cost=ForwardCost.constant(0.01))
@@ -146,7 +146,7 @@ def test_first_agreeing_takes_the_lowest_index_that_reached_the_end_and_agrees()
 def test_the_first_drafter_that_is_ahead_supplies_the_chunks(fast):
     """Two simulated drafters, one 100x slower than the other: the output is the target's truth, and the fast
     one supplies (nearly) every chunk whether it comes first or second."""
-    from paraspec.sim.profile import ForwardCost
+    from paraspec.sim.costs import ForwardCost
     target = SimulatedSpec(seed=1, cost=ForwardCost.constant(0.01))
     costs = [0.05, 0.05]
     costs[fast] = 0.0005
@@ -174,7 +174,7 @@ def test_several_drafts_are_checked():
 
 
 def test_cli_takes_draft_several_times():
-    from paraspec.cli import build_parser, engine_config
+    from paraspec.cli.main import build_parser, engine_config
     parser = build_parser()
     base = ["generate", "--target", "t", "--strategy", "dsi", "--prompt", "x"]
     assert engine_config(parser.parse_args(base + ["--draft", "a"])).draft == "a"

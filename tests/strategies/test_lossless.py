@@ -162,7 +162,7 @@ def toy_registered():
 
 
 def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, ar_engine, qwen2_target):
-    from paraspec.cli import build_parser, engine_config
+    from paraspec.cli.main import build_parser, engine_config
     params = SamplingParams(max_new_tokens=12)
     with Engine(qwen2_target, strategy=toy_registered, dtype="float32") as e:
         assert e.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids

@@ -13,8 +13,8 @@ from paraspec import verify
 from paraspec.models.fuzzy import exact_forward
 from paraspec.models.loader import load_native
 from paraspec.sampling import make_generator
-from paraspec.strategies.base import Run
-from paraspec.drafters.tree import DraftTreeCache, TokenTree, draft_tree
+from paraspec.run import Run
+from paraspec.drafters.token_tree import DraftTreeCache, TokenTree, draft_tree
 from paraspec.strategies.tree import tree_mask, verification_inputs
 from paraspec.verify import multi_step_accept, residual, verify_tree
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint, small_vocab_pair  # noqa: F401

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.cli import main
+from paraspec.cli.main import main
 from paraspec.models.loader import load_native
-from paraspec.study.easyspec import ablation, plot_ablation, similarity, similarity_table
+from paraspec.study.fuzzy_drafting import ablation, plot_ablation, similarity, similarity_table
 
 
 

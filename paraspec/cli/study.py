@@ -36,7 +36,7 @@ def _prompts(args, tokenizer) -> list:
 
 
 def cmd_easyspec(args) -> int:
-    from paraspec.study import easyspec as study
+    from paraspec.study import fuzzy_drafting as study
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part in ("similarity", "both"):

@@ -1,4 +1,4 @@
-"""Command line of the benchmarks: `paraspec bench` and `paraspec profile` (registered by paraspec/cli.py)."""
+"""Command line of the benchmarks: `paraspec bench` and `paraspec profile` (registered by paraspec/cli/main.py)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from paraspec.strategies import STRATEGIES
 
 
 def add_commands(subparsers) -> None:
-    from paraspec.cli import add_model_args, add_sampling_args
+    from paraspec.cli.main import add_model_args, add_sampling_args
     bench = subparsers.add_parser(
         "bench", help="benchmark strategies side by side (and against transformers) on a dataset",
         description="Runs every strategy on the same prompts, interleaved, after a warm-up; prints a markdown "
@@ -124,9 +124,9 @@ def cmd_bench(args) -> int:
     from paraspec.bench.datasets import load_prompts
     from paraspec.bench.report import write_report
     from paraspec.bench.runner import BenchConfig, parse_variants, run_benchmark
-    from paraspec.cli import sampling_params
+    from paraspec.cli.main import sampling_params
     from paraspec.models.loader import load_tokenizer
-    from paraspec.cli import engine_config, given_options
+    from paraspec.cli.main import engine_config, given_options
     from paraspec.strategies import OPTIONS
     variants = parse_variants(args.strategies, args.threads)
     if args.warmup_tokens < 1:
@@ -158,10 +158,10 @@ def cmd_bench(args) -> int:
 
 def cmd_profile(args) -> int:
     from paraspec.bench.datasets import encode_prompt, load_prompts, resolve_chat
-    from paraspec.bench.profile import profile_pair
+    from paraspec.bench.pair_profile import profile_pair
     from paraspec.engine import Engine
     prompts = load_prompts(args.dataset, args.num_prompts)
-    from paraspec.cli import engine_config
+    from paraspec.cli.main import engine_config
     with Engine.from_config(engine_config(args, strategy="sd")) as engine:
         if engine.tokenizer is None:
             raise ValueError("profile needs the target's tokenizer to build prompts; the checkpoint has none")

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="uvicorn's log level (info: one line per request)")
     srv.set_defaults(func=cmd_serve)
 
-    for module in ("paraspec.bench.cli", "paraspec.sim.cli", "paraspec.study.cli"):
+    for module in ("paraspec.cli.bench", "paraspec.cli.simulate", "paraspec.cli.study"):
         try:
             mod = __import__(module, fromlist=["add_commands"])
         except ModuleNotFoundError as e:

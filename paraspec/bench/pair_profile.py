@@ -7,7 +7,7 @@
   them from the target's prefix, and n̄ is the mean number of consecutive draft hits before a miss (the
   DSI code's windows, dsi/offline/acceptance/experiment.py).
 
-The schema (all times in ms) is read by `paraspec.sim.profile.Profile`:
+The schema (all times in ms) is read by `paraspec.sim.costs.Profile`:
     {"target": {"model", "device", "ttft_ms", "tpot_ms", "forward_ms": {"1": ..., "8": ...}},
      "draft": {...same...}, "acceptance_rate", "mean_match_length", "devices"}
 """

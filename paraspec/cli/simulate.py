@@ -210,7 +210,7 @@ def cmd_point(args: argparse.Namespace) -> int:
           f"{' (more than the paper allows: ' + str(paper.PAPER_MAX_SERVERS) + ')' if servers > paper.PAPER_MAX_SERVERS else ''}")
     if args.events:
         from paraspec.sim.events import Setup, mean_result
-        from paraspec.sim.profile import ForwardCost
+        from paraspec.sim.costs import ForwardCost
         base = dict(target=ForwardCost.constant(1.0), draft=ForwardCost.constant(args.c),
                     acceptance_rate=args.a, lookahead=args.k)
         print("event simulator, zero overheads (same units):")
@@ -227,7 +227,7 @@ def cmd_point(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- plan
 
 def profile_from_args(args: argparse.Namespace):
-    from paraspec.sim.profile import Profile
+    from paraspec.sim.costs import Profile
     flags = {"--target-tpot-ms": args.target_tpot_ms, "--draft-tpot-ms": args.draft_tpot_ms,
              "--acceptance-rate": args.acceptance_rate, "--devices": args.devices}
     if args.profile:
@@ -263,7 +263,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    """Run these commands alone (`python -m paraspec.sim.cli ...`), before they are wired into `paraspec`."""
+    """Run these commands alone (`python -m paraspec.cli.simulate ...`), before they are wired into `paraspec`."""
     parser = argparse.ArgumentParser(prog="paraspec")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -1,0 +1,127 @@
+"""The request in flight (`Run`): its prompt, sampling parameters, committed tokens, counters and trace.
+
+The Engine makes one per request; a strategy's decode() commits tokens through `Run.commit` (the one place that
+enforces stop tokens, stop strings, `max_new_tokens` and the context) and counts each verification round through
+`Run.count_round`; stats (stats.py) and the benchmarks read the finished Run. Worker loops (amusd's verifier)
+keep a Run of their own and send its counters back.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from paraspec.sampling import SamplingParams
+from paraspec.trace import Trace
+
+
+@dataclass
+class Run:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    max_context: int                       # the smallest cache among the models in use
+    trace: Trace = field(default_factory=Trace)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None       # "stop" | "length" | "context"
+    first_token_s: float | None = None
+    # stop strings (the caller's tokenizer): tokens -> the stop string their text now contains, or None
+    stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
+    stop_string: str | None = None         # the stop string that ended the run (finish_reason "stop")
+    # counters for the stats (names as in ARCHITECTURE.md)
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0                        # verification forwards
+    verified_tokens: int = 0               # tokens committed by verification rounds (bonus included)
+    rollbacks: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    # optional: the target's top-1 minus top-2 logit for each output index it scored (to tell near-ties
+    # from real divergences when comparing strategies in bf16)
+    margins: dict[int, float] | None = None
+    worker_reports: dict = field(default_factory=dict)   # raw reports of worker loops (amusd, dsi)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed: by max_new_tokens and by the room left in the KV caches."""
+        return min(self.params.max_new_tokens - len(self.tokens), self.max_context - len(self.sequence))
+
+    def observe_target(self, first_index: int, logits) -> None:
+        """Record the target's top-2 margins for output indices first_index, first_index + 1, ..."""
+        if self.margins is None:
+            return
+        top2 = logits.topk(2, dim=-1).values
+        for i, gap in enumerate((top2[..., 0] - top2[..., 1]).reshape(-1).tolist()):
+            self.margins[first_index + i] = gap   # the last observation is the one on the committed prefix
+
+    def commit(self, new_tokens: list[int]) -> list[int]:
+        """Append verified tokens, cut at the first stop token or the token budget; return what was kept."""
+        kept = []
+        for token in new_tokens:
+            if self.done:
+                break
+            kept.append(token)
+            self.tokens.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.stop_check is not None and (matched := self.stop_check(self.tokens)) is not None:
+                self.finish_reason, self.stop_string = "stop", matched
+            elif len(self.tokens) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+            elif len(self.sequence) >= self.max_context:
+                self.finish_reason = "context"
+        if kept:
+            now = self.trace.now()
+            if self.first_token_s is None:
+                self.first_token_s = now
+            self.trace.commit(len(self.tokens), now)
+        return kept
+
+    def count_round(self, drafted: int, accepted: int, verified: bool = True) -> None:
+        """The one place a verification round is counted: `drafted` tokens judged, `accepted` of them kept, a
+        rollback when some were rejected. `verified=False` for a judgement that ran no verification forward of
+        its own (a draft judged from a distribution already in hand, a chunk verified inside the prefill): its
+        drafts count toward the acceptance rate, not as a round."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rollbacks += accepted < drafted
+        if verified:
+            self.rounds += 1
+            self.verified_tokens += accepted + 1
+
+    @contextmanager
+    def timed(self, device: str, kind: str, tokens: int = 0):
+        """Record a trace event around a block and add its duration to draft_s / verify_s. The block may set
+        `event.tokens` when it learns the count only at its end."""
+        event = SimpleNamespace(tokens=tokens, seconds=0.0)
+        start = self.trace.now()
+        try:
+            yield event
+        finally:
+            end = self.trace.now()
+            event.seconds = end - start
+            self.trace.add(device, kind, start, end, event.tokens)
+            if kind == "draft":
+                self.draft_s += end - start
+            elif kind == "verify":
+                self.verify_s += end - start
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or arrays)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
