@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from paraspec.models import gguf as gguf_conv
+    from paraspec.models import cache, gguf as gguf_conv
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from paraspec.models import gguf as gguf_conv
+    from paraspec.models import cache, gguf as gguf_conv
 
 from tqdm.auto import tqdm
 
@@ -137,7 +137,7 @@ def folder_state(folder: Path, spec: ModelSpec) -> tuple[str, str]:
     """('done' | 'foreign' | 'stale' | 'missing', description)."""
     if not folder.exists():
         return "missing", "not there"
-    marker = gguf_conv.read_marker(folder)
+    marker = cache.read_marker(folder)
     if marker is not None:
         src = marker.get("source")
         if src == "gguf" and marker.get("gguf_sha256") == spec.sha256 and marker.get("dtype") == DTYPE:
@@ -169,16 +169,16 @@ def fetch_from_hub(spec: ModelSpec, folder: Path) -> Path:
     from huggingface_hub import HfApi, snapshot_download
 
     revision = HfApi().model_info(spec.repo_id, timeout=10).sha
-    tmp = gguf_conv.make_partial_dir(folder)
+    tmp = cache.make_partial_dir(folder)
     try:
         snapshot_download(spec.repo_id, revision=revision, local_dir=str(tmp), allow_patterns=HUB_PATTERNS,
                           etag_timeout=10)
         shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping for local_dir
         if not (tmp / "config.json").exists() or not any(tmp.glob("*.safetensors")):
             raise FetchError(f"the hub snapshot of {spec.repo_id} has no config.json / *.safetensors")
-        gguf_conv.write_marker(tmp, {"source": "hub", "repo_id": spec.repo_id, "revision": revision,
+        cache.write_marker(tmp, {"source": "hub", "repo_id": spec.repo_id, "revision": revision,
                                      "dtype": "as published"})
-        gguf_conv.publish_dir(tmp, folder)
+        cache.publish_dir(tmp, folder)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -318,7 +318,7 @@ def gguf_ok(path: Path, spec: ModelSpec) -> bool:
         log(f"{path} has the wrong size ({path.stat().st_size:,}, expected {spec.size:,}); redoing it")
         return False
     t0 = time.time()
-    digest = gguf_conv.file_sha256(path, progress=True)
+    digest = cache.file_sha256(path, progress=True)
     if digest != spec.sha256:
         log(f"{path} has the wrong sha256 ({digest}); redoing it")
         return False

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.models.loader import cache_dir
+from paraspec.models.cache import cache_dir
 
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 NEAR_TIE = 0.05

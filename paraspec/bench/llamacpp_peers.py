@@ -93,7 +93,7 @@ def peer_binaries(build: bool = True) -> Path:
 def gguf_file(spec: str | os.PathLike, role: str = "target") -> Path:
     """The GGUF file behind a model argument: a .gguf path, or a checkpoint folder or hub id that paraspec
     converted from a GGUF (its paraspec_source.json records gguf_path; the reference pair's does)."""
-    from paraspec.models.gguf import read_marker
+    from paraspec.models.cache import read_marker
     from paraspec.models.loader import resolve_checkpoint
     path = Path(str(spec)).expanduser()
     if path.is_file() and path.suffix == ".gguf":

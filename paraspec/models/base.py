@@ -1,4 +1,5 @@
-"""The Model protocol every strategy talks to, and the EOS-id normalisation every loader uses.
+"""The Model protocol every strategy talks to, and the EOS ids every loader uses (normalised; a checkpoint's
+generation_config.json).
 
 Implemented by the native decoder (`models/llama.py`), the Hugging Face fallback (`models/hf.py`), a remote
 worker proxy (`runtime/remote.py`) and the simulated model (`models/simulated.py`); a new backend implements
@@ -7,6 +8,8 @@ caller's device.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -80,3 +83,12 @@ def widen(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     q and the target's p have one shape and the draft never proposes an id it has no row for."""
     missing = vocab_size - logits.shape[-1]
     return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits
+
+
+def generation_eos_ids(folder: Path, default: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (chat models stop on several ids), else the config's."""
+    gen = folder / "generation_config.json"
+    ids = set(default)
+    if gen.exists():
+        ids |= set(eos_ids(json.loads(gen.read_text()).get("eos_token_id")))
+    return tuple(sorted(ids))

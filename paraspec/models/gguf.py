@@ -17,13 +17,12 @@ permutation of llama-family files is undone. The tokenizer is rebuilt by transfo
 Dequantizing is lossy in the sense that the result is exactly the quantized model, not the original
 full-precision one: a Q4_K_M file gives a Q4_K_M-quality model in bf16 weights.
 
-The folder is written atomically: everything goes into a hidden temporary folder next to `out_dir`, which is
-renamed into place only when complete, so an interrupted conversion never leaves a folder that looks done.
+The folder is written atomically (models/cache.py): everything goes into a hidden temporary folder next to
+`out_dir`, which is renamed into place only when complete, so an interrupted conversion never leaves a folder
+that looks done.
 """
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
 import inspect
 import json
 import logging
@@ -31,17 +30,17 @@ import math
 import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from paraspec.models.cache import (file_sha256, made_by_paraspec, make_partial_dir, publish_dir, read_marker,
+                                  write_marker)
+
 logger = logging.getLogger(__name__)
 
-MARKER = "paraspec_source.json"
-MARKER_FORMAT = 1
 GGUF_MAGIC = b"GGUF"
 
 #: GGUF `general.architecture` values this converter handles, and the HF model they become.
@@ -105,53 +104,6 @@ def normalize_dtype(dtype: Any) -> str:
         return _DTYPE_NAMES[name]
     except KeyError:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of bfloat16, float16, float32") from None
-
-
-def file_sha256(path: str | os.PathLike, progress: bool = False, chunk: int = 1 << 22) -> str:
-    """The sha256 hex digest of a file, read in chunks (optionally with a tqdm bar)."""
-    path = Path(path)
-    h = hashlib.sha256()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"sha256 {path.name}", leave=False)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            if bar is not None:
-                bar.update(len(block))
-    if bar is not None:
-        bar.close()
-    return h.hexdigest()
-
-
-def read_marker(folder: str | os.PathLike) -> dict | None:
-    """The `paraspec_source.json` record of a folder made by this module (or scripts/fetch_models.py), if it is
-    there and every file it lists exists with the recorded size; otherwise None."""
-    folder = Path(folder)
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict):
-        return None
-    for name, size in (marker.get("files") or {}).items():
-        p = folder / name
-        try:
-            if p.stat().st_size != size:
-                return None
-        except OSError:
-            return None
-    return marker
-
-
-def _made_here(folder: Path) -> bool:
-    """Whether `folder` carries a paraspec_source.json (complete or not): then it is ours to replace."""
-    try:
-        return "paraspec_format" in json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def is_converted(folder: str | os.PathLike, sha256: str | None = None, dtype: Any = None) -> bool:
@@ -565,82 +517,6 @@ def _write_tokenizer(gf: GGUFFile, out: Path, model_max_length: int) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
-# --------------------------------------------------------------------------------------------- folder
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _partial_prefix(out_dir: Path) -> str:
-    return f".{out_dir.name}.partial-"
-
-
-def clean_stale_partials(out_dir: str | os.PathLike) -> None:
-    """Remove temporary folders left next to `out_dir` by conversions whose process is gone."""
-    out_dir = Path(out_dir)
-    if not out_dir.parent.exists():
-        return
-    prefix = _partial_prefix(out_dir)
-    for p in out_dir.parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def make_partial_dir(out_dir: str | os.PathLike) -> Path:
-    """A fresh hidden folder next to `out_dir` to build it in (same filesystem, so the final rename is atomic)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_partials(out_dir)
-    tmp = out_dir.parent / f"{_partial_prefix(out_dir)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
-
-
-def publish_dir(tmp: Path, out_dir: str | os.PathLike) -> Path:
-    """Move the finished `tmp` folder to `out_dir`, replacing what is there (the caller decided it may)."""
-    out_dir = Path(out_dir)
-    old = None
-    if out_dir.exists() or out_dir.is_symlink():
-        if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
-            out_dir.rmdir()
-        else:
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-    return out_dir
-
-
-def write_marker(folder: Path, record: dict) -> None:
-    """Write `paraspec_source.json` last, listing every file in the folder with its size."""
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MARKER}
-    record = {"paraspec_format": MARKER_FORMAT, **record, "files": files,
-              "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n")
-    _fix_modes(folder)
-
-
-def _fix_modes(folder: Path) -> None:
-    """Files as the umask allows (safetensors creates its files 0600), so a shared cache stays readable."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in folder.iterdir():
-        if p.is_file():
-            os.chmod(p, 0o666 & ~umask)
-
-
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
     out = {}
@@ -717,7 +593,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not _made_here(out_dir) and not overwrite:
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not made_by_paraspec(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} exists, is not empty and was not made by convert_gguf; choose another "
                               f"folder or pass overwrite=True to replace it")
 
@@ -778,6 +654,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     return out_dir
 
 
-__all__ = ["convert_gguf", "read_gguf", "gguf_to_hf_config", "is_converted", "read_marker", "file_sha256",
-           "normalize_dtype", "GGUFConversionError", "UnsupportedGGUFError", "SUPPORTED_ARCHITECTURES", "MARKER"]
+__all__ = ["convert_gguf", "read_gguf", "gguf_to_hf_config", "is_converted", "normalize_dtype", "GGUFConversionError",
+           "UnsupportedGGUFError", "SUPPORTED_ARCHITECTURES"]
 

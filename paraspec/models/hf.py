@@ -26,8 +26,7 @@ class HFModel:
     @classmethod
     def load(cls, folder: Path, dtype: torch.dtype, max_context: int | None = None, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
-        from paraspec.models.base import eos_ids
-        from paraspec.models.loader import generation_eos_ids
+        from paraspec.models.base import eos_ids, generation_eos_ids
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
         cfg = model.config
         limit = getattr(cfg, "max_position_embeddings", None) or 4096

@@ -357,8 +357,8 @@ def _architecture(path: Path) -> str:
 
 # -- batch invariance, measured ---------------------------------------------------------------------------
 def _probe_cache(model: LlamaCppModel) -> Path:
-    from paraspec.models.loader import _sha256_prefix, cache_dir
-    key = hashlib.sha256("\n".join([build_fingerprint(), _sha256_prefix(model.path), str(model.n_threads),
+    from paraspec.models.cache import cache_dir, sha256_prefix
+    key = hashlib.sha256("\n".join([build_fingerprint(), sha256_prefix(model.path), str(model.n_threads),
                                     str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]).encode())
     return cache_dir() / "llamacpp" / "exactness" / f"{key.hexdigest()[:24]}.json"
 
@@ -421,7 +421,7 @@ def load_llamacpp(gguf_path: Path, folder: Path | None, max_context: int | None 
                   device: str = "cpu") -> LlamaCppModel:
     """A LlamaCppModel with torch's thread count: the Engine (or a worker) has set it to its device group's cores
     and pinned the process there before loading."""
-    from paraspec.models.loader import generation_eos_ids
+    from paraspec.models.base import generation_eos_ids
     if str(device) != "cpu" and not str(device).startswith("cpu"):
         raise ValueError(f"the llamacpp backend runs on CPU cores only, got device {device!r}; use backend='native' "
                          f"for {device}")

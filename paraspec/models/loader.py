@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from paraspec.models.base import eos_ids
+from paraspec.models.base import generation_eos_ids
+from paraspec.models.cache import cache_dir, sha256_prefix
 from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -24,10 +25,6 @@ BACKENDS = ("native", "hf", "llamacpp")   # and "auto" (choose_backend)
 
 class CheckpointError(ValueError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PARASPEC_CACHE", Path.home() / ".cache" / "paraspec"))
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -61,20 +58,10 @@ def _is_hub_id(spec: str) -> bool:
     return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith(".gguf")
 
 
-def _sha256_prefix(path: Path, chunk: int = 1 << 24) -> str:
-    """Hash of the size and the first and last 16 MiB: enough to key a conversion cache, fast on GBs."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(chunk))
-        f.seek(max(0, path.stat().st_size - chunk))
-        h.update(f.read(chunk))
-    return h.hexdigest()[:16]
-
-
 def _converted_gguf(path: Path, dtype: torch.dtype) -> Path:
     from paraspec.models.gguf import convert_gguf
     name = str(dtype).removeprefix("torch.")
-    out = cache_dir() / "converted" / f"{path.stem}-{_sha256_prefix(path)}-{name}"
+    out = cache_dir() / "converted" / f"{path.stem}-{sha256_prefix(path)}-{name}"
     if (out / "config.json").exists():
         return out
     return Path(convert_gguf(path, out, dtype=name))
@@ -84,7 +71,7 @@ def _gguf_companion(path: Path) -> Path:
     """For the llamacpp backend: a folder with the GGUF's config, tokenizer and chat template, no weights."""
     from paraspec.models.gguf import GGUFConversionError, convert_gguf
     where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]   # the folder names this very file
-    out = cache_dir() / "converted" / f"{path.stem}-{_sha256_prefix(path)}-{where}-gguf"
+    out = cache_dir() / "converted" / f"{path.stem}-{sha256_prefix(path)}-{where}-gguf"
     if (out / "config.json").exists() and gguf_source(out) is not None:
         return out
     try:
@@ -96,7 +83,7 @@ def _gguf_companion(path: Path) -> Path:
 
 def gguf_source(folder: Path) -> Path | None:
     """The GGUF file a checkpoint folder was made from, when it is still there (the reference pair's are)."""
-    from paraspec.models.gguf import read_marker
+    from paraspec.models.cache import read_marker
     marker = read_marker(folder) or {}
     path = marker.get("gguf_path")
     return Path(path) if path and Path(path).is_file() else None
@@ -225,15 +212,6 @@ def load_native(folder: Path, dtype: torch.dtype, max_context: int | None = None
     decoder.eval().requires_grad_(False)
     ctx = min(max_context or 4096, cfg.max_position_embeddings)
     return NativeModel(decoder, ctx, eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids))
-
-
-def generation_eos_ids(folder: Path, default: tuple[int, ...]) -> tuple[int, ...]:
-    """EOS ids from generation_config.json when present (chat models stop on several ids), else the config's."""
-    gen = folder / "generation_config.json"
-    ids = set(default)
-    if gen.exists():
-        ids |= set(eos_ids(json.loads(gen.read_text()).get("eos_token_id")))
-    return tuple(sorted(ids))
 
 
 def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int | None = None,

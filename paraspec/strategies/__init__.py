@@ -1,87 +1,11 @@
-"""The registry of decoding strategies (name -> Strategy class) and of their options (name -> Option).
+"""The decoding strategies, one module per paper, each registering itself in `registry` (names, options).
 
-Each strategy module registers its class with `register`; this package imports the modules once, below. A
-strategy that is not implemented is absent here, and therefore absent from the CLI choices.
+    registry.py  OPTIONS (every strategy option), STRATEGIES, register / get_strategy
+    base.py      the Strategy interface, LocalStrategy, WorkerStrategy, Placement
+    ar.py sd.py tree.py amusd.py dsi.py easyspec.py   the strategies
 """
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
-
-from paraspec.strategies.base import Strategy
-
-
-@dataclass(frozen=True)
-class Option:
-    """A strategy option: an Engine keyword argument and a CLI flag (`lp_size` <-> `--lp-size`)."""
-    name: str
-    type: type
-    default: Any
-    help: str
-    minimum: int | None = 1           # ints and floats: the smallest valid value
-
-    def check(self, value):
-        if self.type is int and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"{self.name} must be an integer, got {value!r}")
-        if self.type is float and not isinstance(value, (int, float)):
-            raise ValueError(f"{self.name} must be a number, got {value!r}")
-        if self.type is bool and not isinstance(value, bool):
-            raise ValueError(f"{self.name} must be True or False, got {value!r}")
-        if self.minimum is not None and self.type in (int, float) and value < self.minimum:
-            raise ValueError(f"{self.name} must be >= {self.minimum}, got {value!r}")
-        return value
-
-
-OPTIONS: dict[str, Option] = {o.name: o for o in (
-    Option("lookahead", int, 5, "sd: drafted tokens per verification; dsi: drafted tokens per chunk"),
-    Option("max_ahead", int, 16, "amusd, dsi: how far the draft may run past the verified prefix "
-                                  "(dsi: servers x lookahead keeps every server busy)"),
-    Option("verify_chunk", int, 8, "amusd: most drafts verified in one forward"),
-    Option("draft_confidence", float, 0.0, "sd: stop a round's drafting early once the draft's probability "
-           "of its token falls below this (0 = always draft --lookahead tokens; HF assisted uses 0.4)",
-           minimum=0),
-    Option("tree_width", int, 4, "tree, easyspec: most nodes per tree level (1 = a chain)"),
-    Option("tree_depth", int, 5, "tree, easyspec: levels of the draft tree (tokens one round can accept)"),
-    Option("tree_budget", int, 64, "tree, easyspec: most tree nodes verified in one target forward"),
-    Option("lp_size", int, 2, "easyspec: layers per parallel group (first and last layer alone; 1 = exact)"),
-    Option("layer_groups", str, "", "easyspec: explicit layer groups such as '0,1-3,4-7,...,23' "
-                                    "(overrides --lp-size)", minimum=None),
-    Option("calibration", bool, True, "easyspec: recompute the draft's KV exactly after each verification"),
-    Option("ngram_min", int, 2, "sd, tree, dsi with --draft ngram: shortest n-gram matched (prompt lookup)"),
-    Option("ngram_max", int, 4, "sd, tree, dsi with --draft ngram: longest n-gram matched (the longest match wins)"),
-    Option("suffix_depth", int, 32, "sd, tree, dsi with --draft suffix: longest substring the suffix tries keep "
-                                    "(matched context up to half of it, then the proposal)", minimum=2),
-    Option("suffix_cache", int, 128, "sd, tree, dsi with --draft suffix: earlier outputs kept in the shared "
-                                     "suffix cache (0: this request only)", minimum=0),
-    Option("adaptive", bool, False, "sd, tree: choose each round's draft length (tree: depth) maximising expected "
-                                    "tokens per second from measured verification costs and acceptance; 0 drafts "
-                                    "when speculation does not pay (lookahead / tree_depth is the most)"),
-)}
-
-DRAFTER_OPTIONS = ("ngram_min", "ngram_max", "suffix_depth", "suffix_cache")
-
-
-STRATEGIES: dict[str, type[Strategy]] = {}
-
-
-def register(cls: type[Strategy]) -> type[Strategy]:
-    """Add a Strategy class under its `name` (a class decorator). Its options must be in OPTIONS."""
-    unknown = [o for o in cls.options if o not in OPTIONS]
-    if unknown:
-        raise ValueError(f"strategy {cls.name!r} takes unknown options {unknown}; add them to OPTIONS")
-    STRATEGIES[cls.name] = cls
-    return cls
-
-
-def unregister(name: str) -> None:
-    STRATEGIES.pop(name, None)
-
-
-def get_strategy(name: str) -> type[Strategy]:
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
-
-
+from paraspec.strategies.registry import (DRAFTER_OPTIONS, OPTIONS, STRATEGIES, Option, get_strategy, register,
+                                          unregister)
 from paraspec.strategies import ar, sd, amusd, dsi, tree, easyspec  # noqa: E402,F401  (each registers itself)
+
+__all__ = ["DRAFTER_OPTIONS", "OPTIONS", "STRATEGIES", "Option", "get_strategy", "register", "unregister"]

@@ -24,7 +24,7 @@ import torch
 from paraspec.models.base import embeddable, widen
 from paraspec.runtime.channels import ChannelFull, ChannelStopped
 from paraspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from paraspec.strategies import register
+from paraspec.strategies.registry import register
 from paraspec.strategies.base import Placement, WorkerStrategy
 from paraspec.run import Run, common_prefix
 from paraspec.trace import Trace

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from paraspec.sampling import next_token
-from paraspec.strategies import register
+from paraspec.strategies.registry import register
 from paraspec.strategies.base import LocalStrategy
 from paraspec.run import Run
 

@@ -55,7 +55,8 @@ import numpy as np
 import torch
 
 from paraspec.runtime.channels import ChannelStopped
-from paraspec.strategies import DRAFTER_OPTIONS, amusd, register
+from paraspec.strategies import amusd
+from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import Placement, WorkerStrategy
 from paraspec.run import Run, common_prefix
 from paraspec.trace import Trace, TraceEvent

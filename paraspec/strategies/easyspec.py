@@ -33,7 +33,7 @@ from paraspec.models.loader import load_model     # bound at import: a replica n
 from paraspec.models.fuzzy import exact_forward, fuzzy_forward, lp_groups, parse_layer_groups
 from paraspec.runtime.devices import pinned
 from paraspec.runtime.exchange import ShmExchange
-from paraspec.strategies import register
+from paraspec.strategies.registry import register
 from paraspec.strategies.base import Placement
 from paraspec.strategies.tree import TreeStrategy
 

@@ -11,7 +11,7 @@ round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does 
 from __future__ import annotations
 
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter
-from paraspec.strategies import DRAFTER_OPTIONS, register
+from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import LocalStrategy, Placement
 from paraspec.run import Run
 from paraspec.verify import verify_chain

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter, TokenTree
-from paraspec.strategies import DRAFTER_OPTIONS, register
+from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import LocalStrategy
 from paraspec.run import Run
 from paraspec.strategies.sd import record_plan

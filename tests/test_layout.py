@@ -1,0 +1,107 @@
+"""The package's import graph: the layers of ARCHITECTURE.md, top to bottom, and no import circle anywhere.
+
+Every `import` statement counts, including those inside functions (a lazy import is still a dependency)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "paraspec"
+
+# a module may import its own layer and the layers below it, never one above (the most specific name wins)
+LAYERS = {
+    "paraspec.cli": 7,
+    "paraspec.server": 6, "paraspec.bench": 6, "paraspec.study": 6, "paraspec.sim": 6,
+    "paraspec.engine": 5, "paraspec.config": 5, "paraspec.prompts": 5, "paraspec.text_stream": 5,
+    "paraspec.strategies": 4,
+    "paraspec.drafters": 3,
+    "paraspec.run": 2, "paraspec.verify": 2, "paraspec.sampling": 2, "paraspec.stats": 2,
+    "paraspec.runtime": 1, "paraspec.trace": 1,
+    "paraspec.models": 0, "paraspec.sim.costs": 0,    # the simulated models' latencies: a leaf the simulators share
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph = {name: set() for name in mods}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paraspec"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    graph[name].add(sub if sub in mods else node.module)
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name.startswith("paraspec")}
+    return graph
+
+
+def layer(module: str) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return LAYERS[".".join(parts[:n])]
+    return None
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in modules() if m != "paraspec" and m != "paraspec.__main__" and layer(m) is None] == []
+
+
+def test_no_import_circle():
+    assert cycles(import_graph()) == []
+
+
+def test_no_upward_import():
+    upward = [f"{m} -> {d}" for m, deps in import_graph().items() for d in deps
+              if layer(m) is not None and layer(d) is not None and layer(d) > layer(m)]
+    assert upward == []
+
+
+def test_the_checks_can_fail():
+    """The graph and the checks see what they claim to: a made-up circle and an upward import are caught."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = import_graph()
+    assert "paraspec.models.cache" in graph["paraspec.models.loader"]          # a module-level import
+    assert "paraspec.models.llamacpp" in graph["paraspec.models.loader"]       # one inside a function
+    assert layer("paraspec.sim.costs") == 0 and layer("paraspec.sim.events") == 6
