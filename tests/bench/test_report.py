@@ -5,7 +5,7 @@ from paraspec.bench.report import markdown_table
 from paraspec.bench.runner import BenchConfig, BenchResult
 from paraspec.config import EngineConfig
 from paraspec.sampling import SamplingParams
-from tests.bench.test_metrics import record, stats
+from tests.bench.conftest import record, stats
 
 
 def test_table_rows_references_and_divergences():
