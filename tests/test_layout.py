@@ -1,4 +1,4 @@
-"""The package's import graph: the layers of ARCHITECTURE.md, top to bottom, and no import circle anywhere.
+"""The package's import graph: the layers of docs/ARCHITECTURE.md, top to bottom, and no import circle anywhere.
 
 Every `import` statement counts, including those inside functions (a lazy import is still a dependency)."""
 from __future__ import annotations

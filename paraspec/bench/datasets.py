@@ -21,7 +21,7 @@ from pathlib import Path
 
 DATASETS = ("humaneval", "mt-bench", "code-edit", "summarize", "cnn-dailymail", "alpaca", "mbpp")
 
-# BENCHMARKS.md: the instruct models get the problem in a code block after this instruction.
+# docs/BENCHMARKS.md: the instruct models get the problem in a code block after this instruction.
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:"
 
 # code-edit: HumanEval problem i (its prompt + canonical solution, the whole function) with edit i mod 3.

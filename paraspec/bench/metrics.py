@@ -1,7 +1,7 @@
 """The arithmetic of a benchmark report: per-variant medians, paired speedups, pooled acceptance, token checks.
 
 Pure functions over `Record`s (one generation of one prompt by one variant), so every figure in the table can be
-checked by hand on a few built records. Conventions (BENCHMARKS.md, EasySpec Table 2):
+checked by hand on a few built records. Conventions (docs/BENCHMARKS.md, EasySpec Table 2):
 - times are medians over prompts; a speedup is the median over prompts of the per-prompt ratio of ms/token
   (both runs of a prompt are adjacent in time, so the ratio cancels most machine drift);
 - acceptance rate and mean accepted length are pooled over prompts (sums of counts, not a mean of ratios);
@@ -170,7 +170,7 @@ def summarize(records: list[Record], variants: list[Variant], greedy: bool,
             "busy_fraction": _median_busy(runs),
         }
         if smallest_ar is not None and smallest_ar.threads is not None and len({budget(x) for x in variants}) > 1:
-            # the one-device comparison next to the same-budget one (BENCHMARKS.md: both matter)
+            # the one-device comparison next to the same-budget one (docs/BENCHMARKS.md: both matter)
             row[f"speedup_vs_{smallest_ar.name}"] = paired_speedup(by_variant[smallest_ar], runs)
         # identical-to-ar: ar variants are checked against the first ar (do thread counts change tokens?)
         reference = first_ar if v.strategy == "ar" else ar

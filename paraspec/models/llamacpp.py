@@ -6,7 +6,7 @@ attention's KV split), so by default the logits of a token computed in a forward
 same token's logits computed one token at a time, by up to ~0.5 — enough to flip a greedy choice. A speculative
 strategy on such a backend would not return `ar`'s tokens. So this backend:
 
-1. runs the configuration found batch-invariant (BENCHMARKS.md "llama.cpp exactness"): a build without
+1. runs the configuration found batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): a build without
    llamafile (`scripts/build_llamacpp.py wheel`; refused otherwise), weight repacking off
    (`use_extra_bufts=False`), flash attention off, `GGML_CPU_TILED_MM=0` (set before the library loads);
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build and

@@ -298,7 +298,7 @@ class PairRow:
     paper_speedup: float        # the paper's "Speedup DSI vs. SI" (thread-pool simulation; see dsi_online.py)
 
 
-# The DSI paper's Table 1 (Timor et al. 2024, arXiv 2405.14105 v1, section 4; ../shared/papers/dsi.txt), all ten
+# The DSI paper's Table 1 (Timor et al. 2024, arXiv 2405.14105 v1, section 4), all ten
 # rows as printed: measured on one A100 80GB, 50 prompts x 20 tokens per model/dataset, TPOT in ms; acceptance
 # rate = 1 - 1 / (1 + mean longest exact-match prefix over 256 drafted tokens). The models are named in the
 # authors' `dsi/configs/table.py` (lmsys/vicuna-13b-v1.3, lmsys/vicuna-7b-v1.3, double7/vicuna-68m,

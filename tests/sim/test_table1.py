@@ -7,7 +7,7 @@ from paraspec.sim import dsi_online as online
 from paraspec.sim import dsi_paper as paper
 from paraspec.sim.table1 import events_choice, online_choice
 
-# Table 1 of arXiv 2405.14105 v1 as the extracted text prints it (../shared/papers/dsi.txt), tab-separated.
+# Table 1 of arXiv 2405.14105 v1 as its text (pdftotext) prints it, tab-separated.
 PAPER_TEXT = """\
 Vicuna-13B	Vicuna-68M	CNN-DM	37.7	2.5	6.5	63	1.47x
 Vicuna-13B	Vicuna-68M	Alpaca	33.3	2.5	7.4	58	1.41x
