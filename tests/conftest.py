@@ -72,3 +72,22 @@ def _one_thread():
     """Tiny models on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
     import torch
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A Ray cluster on this machine (`ray.cluster_utils.Cluster`): a head and two worker nodes, each with a
+    custom resource that names it (head-box, box-a, box-b), joined by this process. paraspec places workers on
+    them by name as on separate machines; tests force the network transport, since the nodes share a host."""
+    ray = pytest.importorskip("ray", reason="multi-node tests need Ray (pip install 'paraspec[ray]')")
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head-box": 1}})
+    try:
+        for name in ("box-a", "box-b"):
+            cluster.add_node(num_cpus=1, resources={name: 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -507,3 +507,19 @@ class TokenChannel(_SharedBlock):
         capacity, window = self.capacity, self.q_window
         return self.wait_until(lambda s: s.version != version or
                                end <= (min(capacity, s.committed + window) if window else capacity), timeout)
+
+    # -- for a remote proxy (net_channel.py), whose predicates run on its own side ------------------------------
+    def geometry(self) -> tuple[int, int | None, int]:
+        return self.capacity, self.vocab_size, self.q_window
+
+    def seq_state(self) -> tuple[int, ChannelState]:
+        """The change counter and the state, read together."""
+        with self._lock:
+            return int(self._seq[0]), self._state()
+
+    def wait_for_change(self, seen: int, timeout: float | None = None) -> bool:
+        """Block until the change counter moves past `seen` (any write, a stop included); False on timeout."""
+        try:
+            return self._wait(lambda: True if int(self._seq[0]) != seen else None, timeout) is not None
+        except ChannelStopped:
+            return True

@@ -1,7 +1,10 @@
-"""Device strings: `cpu` (all cores), `cpu:N`, `cpu:A-B`, `cpu:A,B` (a pinned core set), `cuda:N`.
+"""Device strings: `cpu` (all cores), `cpu:N`, `cpu:A-B`, `cpu:A,B` (a pinned core set), `cuda:N`, each optionally
+on a named node of a Ray cluster: `NODE/cpu:0-3`, `NODE/cuda:1` (runtime="ray"; NODE is a Ray node's name, id
+prefix or custom resource, or `head`: runtime/ray_backend.py resolves it).
 
 On a CPU-only machine each core set is one "device"; on a GPU node each GPU is. Parsing happens at the
-boundary (Engine arguments, CLI flags), before any process starts, so a typo never costs a model load.
+boundary (Engine arguments, CLI flags), before any process starts, so a typo never costs a model load. A device
+on another node is checked against that node when its worker starts there (its cores, its GPUs).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ class Device:
     kind: str                       # "cpu" or "cuda"
     cores: tuple[int, ...] = ()     # cpu: the pinned core set (empty = all cores, unpinned)
     index: int = 0                  # cuda: the GPU index
+    node: str | None = None         # a Ray node (runtime="ray"); None: wherever the backend puts the worker
 
     @property
     def torch_device(self) -> str:
@@ -28,10 +32,16 @@ class Device:
     def num_threads(self) -> int:
         return len(self.cores) if self.cores else len(available_cores())
 
+    @property
+    def local(self) -> "Device":
+        """The device as the node it is on sees it (without the node's name)."""
+        return Device(self.kind, self.cores, self.index)
+
     def __str__(self) -> str:
+        where = f"{self.node}/" if self.node else ""
         if self.kind == "cuda":
-            return f"cuda:{self.index}"
-        return "cpu" if not self.cores else "cpu:" + ",".join(map(str, self.cores))
+            return f"{where}cuda:{self.index}"
+        return where + ("cpu" if not self.cores else "cpu:" + ",".join(map(str, self.cores)))
 
 
 def _affinity() -> set[int]:
@@ -71,6 +81,11 @@ def parse_device(text: str) -> Device:
     """Parse and check a device string against this machine; raise DeviceError naming the fix."""
     if isinstance(text, Device):
         return text
+    if "/" in str(text):
+        node, _, rest = str(text).strip().partition("/")
+        if not node or "/" in rest:
+            raise DeviceError(f"bad device {text!r}: expected NODE/cpu:N, NODE/cpu:A-B or NODE/cuda:N")
+        return parse_remote_device(node, rest, text)
     s = str(text).strip().lower()
     if s == "cpu":
         return Device("cpu")
@@ -94,6 +109,37 @@ def parse_device(text: str) -> Device:
                               f"use cpu or cpu:N")
         return Device("cuda", index=index)
     raise DeviceError(f"unknown device {text!r}: expected cpu, cpu:N, cpu:A-B, cpu:A,B or cuda:N")
+
+
+def parse_remote_device(node: str, text: str, given: str) -> Device:
+    """A device on a named node: its syntax is checked here, its cores and GPUs on the node itself."""
+    s = text.strip().lower()
+    if s == "cpu":
+        return Device("cpu", node=node)
+    if s.startswith("cpu:"):
+        return Device("cpu", cores=_parse_core_list(s[4:], given), node=node)
+    if s == "cuda" or s.startswith("cuda:"):
+        try:
+            return Device("cuda", index=int(s[5:]) if ":" in s else 0, node=node)
+        except ValueError:
+            raise DeviceError(f"bad device {given!r}: expected NODE/cuda:N") from None
+    raise DeviceError(f"unknown device {given!r}: expected NODE/cpu, NODE/cpu:N, NODE/cpu:A-B or NODE/cuda:N")
+
+
+def check_on_this_node(device: Device, node: str) -> None:
+    """In a worker that has just started on `node`: the device's cores and GPU exist here, else DeviceError
+    naming the node and what it has."""
+    if device.kind == "cpu":
+        have = available_cores()
+        missing = [c for c in device.cores if c not in have]
+        if missing:
+            raise DeviceError(f"device {device} names core(s) {missing} but node {node!r} has cores "
+                              f"{have[0]}-{have[-1]}; use cores it has")
+    else:
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= n:
+            raise DeviceError(f"device {device} is not available: node {node!r} has {n} CUDA device(s)")
 
 
 def parse_devices(texts) -> list[Device]:

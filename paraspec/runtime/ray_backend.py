@@ -1,33 +1,39 @@
-"""The Ray backend: the same workers, each served from a Ray actor (`Runtime(backend="ray")`,
-`Engine(..., runtime="ray")`; install `paraspec[ray]` and call `ray.init()` first).
+"""The Ray backend: the same workers, each served from a Ray actor, on this host or on any node of a Ray cluster
+(`Runtime(backend="ray")`, `Engine(..., runtime="ray")`; install `paraspec[ray]`).
 
 Only where the worker runs changes. The actor connects back to the caller over TCP and runs the very request
-loop the process backend runs (`serve.serve`), so requests, loops, traces, errors and the token protocol are
-unchanged: loops still exchange tokens through the Runtime's shared-memory TokenChannels, attached by name.
+loop the process backend runs (`worker_main.serve`), so requests, loops, traces, errors and the token protocol
+are unchanged.
 
-    caller (driver)                             actor (a Ray worker process)
-    RayWorker._start: listen on 127.0.0.1  -->  _WorkerActor.serve: connect, pin to the device, build the model,
-    Wire over the accepted socket         <-->  answer requests (serve.serve) until shutdown or EOF
-    death: the actor's pidfd (the process       a killed actor closes its socket too, so a waiter also sees EOF
-    sentinel of the other backends)
+    caller (driver)                              actor (a Ray worker process, on the device's node)
+    RayWorker._start: listen on the driver's --> _WorkerActor.serve: connect, check the device on its node, pin,
+    node address; Wire over the accepted         build the model, answer requests until shutdown or EOF
+    socket
+    channels: shared memory when the actor is on this host; otherwise the Runtime's ChannelServer over TCP
+    (net_channel.py); the Runtime decides with `same_host` and its `transport`
+    death: on this host the actor's pidfd; elsewhere a thread blocked in ray.wait on the actor's serve task
+    (it returns when the actor or its node dies), both as the sentinel the Runtime's monitor watches
 
-Single host only, like the channels. A multi-node deployment would need: (1) the wire on a routable address (the
-driver listens on its node IP, or the roles reverse and the actor listens); (2) TokenChannels that are not
-/dev/shm segments -- e.g. a channel actor holding the state, or the verifier's commits and the drafts streamed
-over the wire -- with the same versioned semantics; (3) death detection without pidfds: socket EOF already works,
-and the Runtime's monitor would watch the actors' `serve` object refs (ray.wait raises RayActorError when an
-actor dies) to stop the channels; (4) GPU placement through Ray resources (num_gpus=1 per actor: Ray then sets
-CUDA_VISIBLE_DEVICES, so the worker's device would be "cuda:0" inside the actor).
+Ray itself: a running Ray is used as it is; otherwise the first worker joins the cluster at `address` (the
+`ray_address` Engine option / `--ray-address`), else at RAY_ADDRESS, else starts a local Ray.
+
+Placing a worker: a device `NODE/cpu:0-3` (or `NODE/cuda:1`) runs on the node NODE names: `head` (the head node),
+a node's name (`ray start --node-name`), a prefix of its node id (6+ hex digits), or a custom resource only that
+node has (`ray start --resources='{"gpu-box": 1}'`). Anything else is an error before the worker starts, listing
+the cluster's nodes. A device without a node goes wherever Ray schedules it (num_cpus=0: on the driver's node
+when it can).
 """
 from __future__ import annotations
 
 import os
 import select
 import socket
+import threading
 import time
 
-from paraspec.runtime.wire import Wire
+from paraspec.runtime.devices import DeviceError
 from paraspec.runtime.errors import WorkerError
+from paraspec.runtime.wire import Wire
 from paraspec.runtime.worker_main import serve
 from paraspec.runtime.workers import Worker, remaining
 
@@ -37,17 +43,62 @@ except ImportError:     # the backend is optional: `pip install paraspec[ray]`
     ray = None
 
 
-def _require_ray() -> None:
+def ensure_ray(address: str | None = None) -> None:
+    """Join (or start) Ray unless this process already has: `address`, else RAY_ADDRESS, else a local Ray."""
     if ray is None:
         raise WorkerError("the ray backend needs Ray: pip install 'paraspec[ray]' (or pip install ray)")
-    if not ray.is_initialized():
-        raise WorkerError("the ray backend needs a running Ray: call ray.init() (local) or "
-                          "ray.init(address=...) before starting workers")
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise WorkerError(f"cannot join the Ray cluster at {address!r}: {exc}; start it with `ray start --head` "
+                          f"(and `ray start --address=HEAD:6379` on the other nodes) or pass the right "
+                          f"--ray-address") from None
+
+
+def host_identity() -> tuple[str, str]:
+    """(hostname, boot id): two processes can share memory segments only if both are equal."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+def describe_nodes() -> str:
+    rows = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        custom = sorted(k for k in n.get("Resources", {}) if not k.startswith(("node:", "CPU", "GPU", "memory",
+                                                                                "object_store_memory")))
+        head = " (head)" if "node:__internal_head__" in n.get("Resources", {}) else ""
+        rows.append(f"{n['NodeID'][:8]} name={n.get('NodeName', '?')}{head}"
+                    f"{' resources=' + ','.join(custom) if custom else ''}")
+    return "; ".join(rows) or "none alive"
+
+
+def resolve_node(name: str) -> str:
+    """The node id of the one alive node that `name` designates (see the module docstring)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if name == "head":
+        found = [n for n in alive if "node:__internal_head__" in n.get("Resources", {})]
+    else:
+        found = [n for n in alive if n.get("NodeName") == name or name in n.get("Resources", {})
+                 or (len(name) >= 6 and n["NodeID"].startswith(name))]
+    if len(found) == 1:
+        return found[0]["NodeID"]
+    what = "no alive Ray node" if not found else f"{len(found)} Ray nodes"
+    raise DeviceError(f"{what} matches {name!r} (a node name, a node id prefix of 6+ digits, a custom resource only "
+                      f"one node has, or head); the cluster has: {describe_nodes()}")
 
 
 class _WorkerActor:
-    def pid(self) -> int:
-        return os.getpid()
+    def whereabouts(self) -> tuple[int, tuple[str, str], str]:
+        return os.getpid(), host_identity(), ray.get_runtime_context().get_node_id()
 
     def serve(self, address: tuple[str, int], name: str, device: str, spec: bytes,
               heartbeat_s: float | None = None) -> None:
@@ -57,37 +108,78 @@ class _WorkerActor:
 
 
 class RayWorker(Worker):
-    """A worker served from a Ray actor on this host."""
+    """A worker served from a Ray actor, on this host or on the node its device names."""
 
     backend = "ray"
+    options_taken = ("address",)
     connect_timeout = 120.0
 
     def _start(self) -> None:
-        _require_ray()
+        ensure_ray(self.options.get("address"))
         self._their_sock.close()            # the actor connects over TCP instead of inheriting a socket
-        listener = socket.create_server(("127.0.0.1", 0))
+        self._pidfd = None
+        self._node_id = resolve_node(self.device.node) if self.device.node else None
+        options = dict(name=None, max_concurrency=1)
+        if self._node_id is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._node_id, soft=False)
+        self._actor = ray.remote(num_cpus=0)(_WorkerActor).options(**options).remote()
+        listener = None
         try:
-            actor_class = ray.remote(num_cpus=0)(_WorkerActor)
-            self._actor = actor_class.options(name=None, max_concurrency=1).remote()
-            self._pid = ray.get(self._actor.pid.remote(), timeout=self.connect_timeout)
+            self._pid, host, self._node_id = ray.get(self._actor.whereabouts.remote(), timeout=self.connect_timeout)
+            self._same_host = host == host_identity()
+            listener = socket.create_server((self.caller_address(), 0))
             self._serving = self._actor.serve.remote(listener.getsockname(), self.name, str(self.device),
                                                      self._spec, self.heartbeat_s)
             listener.settimeout(self.connect_timeout)
             conn, _ = listener.accept()
-        except BaseException:
-            if getattr(self, "_actor", None) is not None:
-                ray.kill(self._actor)
+        except BaseException as exc:
+            ray.kill(self._actor)
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise WorkerError(f"worker {self.name!r}: no Ray actor started on {self.device.node or 'the cluster'} "
+                                  f"within {self.connect_timeout:.0f} s (does the node have the resources?)") from None
             raise
         finally:
-            listener.close()
+            if listener is not None:
+                listener.close()
         conn.settimeout(None)
         self._wire.close()
         self._wire = Wire(conn)
-        try:                                # the actor's process as a sentinel, like a child process's
-            self._pidfd = os.pidfd_open(self._pid)
-            self._sentinel = self._pidfd
-        except (AttributeError, OSError):   # no pidfds: death is still seen as EOF on the socket
-            self._pidfd = None
+        if self._same_host:
+            try:                            # the actor's process as a sentinel, like a child process's
+                self._pidfd = os.pidfd_open(self._pid)
+                self._sentinel = self._pidfd
+                return
+            except (AttributeError, OSError):
+                pass
+        # another host (or no pidfds): a thread waits on the actor's task; its pipe is the sentinel
+        read_end, write_end = os.pipe()
+        self._sentinel = self._watch_fd = read_end
+        threading.Thread(target=self._watch, args=(write_end,), name=f"paraspec-{self.name}-ray-watch",
+                         daemon=True).start()
+
+    def _watch(self, write_end: int) -> None:
+        try:
+            ray.wait([self._serving], timeout=None)
+        except Exception:
+            pass
+        try:
+            os.write(write_end, b"x")
+        except OSError:
+            pass
+        finally:
+            os.close(write_end)             # the thread's own end: closed only here, never reused under it
+
+    @property
+    def same_host(self) -> bool:
+        return self._same_host
+
+    def caller_address(self) -> str:
+        return "127.0.0.1" if getattr(self, "_same_host", True) else ray.util.get_node_ip_address()
+
+    @property
+    def node_id(self) -> str | None:
+        return self._node_id
 
     @property
     def pid(self) -> int | None:
@@ -124,3 +216,7 @@ class RayWorker(Worker):
             self._sentinel = None
             os.close(self._pidfd)
             self._pidfd = None
+        if getattr(self, "_watch_fd", None) is not None:
+            self._sentinel = None
+            os.close(self._watch_fd)
+            self._watch_fd = None

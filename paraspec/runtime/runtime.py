@@ -41,6 +41,7 @@ class _RuntimeState:
     wake_w: int = -1
     monitor: threading.Thread | None = None
     worker_timeout: float | None = None      # the watchdog: seconds a worker may stay silent
+    server: Any = None                       # the ChannelServer of workers on the network transport, once needed
 
     def stop_all(self, reason: str) -> None:
         self.stop.set(reason)
@@ -112,6 +113,8 @@ def _shutdown(state: _RuntimeState, timeout: float) -> None:
             finally:
                 worker._wire.close()
         state.workers_stopped = True
+    if state.server is not None:
+        state.server.close()
     for name in list(state.channels):
         state.channels[name].close()
         del state.channels[name]
@@ -142,11 +145,24 @@ class Runtime:
     worker_timeout (seconds, or None): the watchdog. Workers send heartbeats (also while their model loads); one
     silent for that long (stopped, or stuck holding the interpreter) fails every request to it with
     WorkerTimeout, its channels are stopped and its process killed.
+
+    transport: how workers' loops reach the channels. "auto": shared memory for a worker on this host, TCP
+    (net_channel.py) for one on another host; "shm" refuses a worker on another host; "tcp" uses the network
+    for every worker (tests and benchmarks of the network path on one host). link_latency_s delays every
+    network message by that much (tests and benchmarks only). `options` go to the backend (Ray: address).
     """
 
-    def __init__(self, backend: str = "process", close_timeout: float = 3.0, worker_timeout: float | None = None):
+    TRANSPORTS = ("auto", "shm", "tcp")
+
+    def __init__(self, backend: str = "process", close_timeout: float = 3.0, worker_timeout: float | None = None,
+                 transport: str = "auto", link_latency_s: float = 0.0, **options):
         worker_class(backend)                # an unknown name fails here, before anything starts
+        if transport not in self.TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; use one of {', '.join(self.TRANSPORTS)}")
+        if not link_latency_s >= 0:
+            raise ValueError(f"link latency must be >= 0 seconds, got {link_latency_s!r}")
         self.backend = backend
+        self.transport, self.link_latency_s, self.options = transport, float(link_latency_s), options
         self.close_timeout = close_timeout
         state = _RuntimeState(stop=StopSignal("stop"), worker_timeout=worker_timeout)
         state.wake_r, state.wake_w = os.pipe()
@@ -165,11 +181,24 @@ class Runtime:
             raise ValueError(f"a worker named {name!r} already exists in this runtime")
         heartbeat = None if state.worker_timeout is None else heartbeat_interval(state.worker_timeout)
         worker = worker_class(self.backend)(name, device, factory, factory_args, state.stop, state.channels,
-                                            heartbeat_s=heartbeat)
+                                            heartbeat_s=heartbeat, **self.options)
         with state.lock:
             state.workers[name] = worker
         state.poke_monitor()
+        if self.transport == "tcp" or not worker.same_host:
+            if self.transport == "shm":
+                raise ValueError(f"worker {name!r} runs on another host ({worker.device}), where the shared-memory "
+                                 f"channels cannot reach; use transport='auto' or 'tcp'")
+            worker.use_network(self._channel_server(worker).address, self.link_latency_s)
         return worker
+
+    def _channel_server(self, worker: Worker):
+        """The ChannelServer, started on first need, on an address the worker's host can reach."""
+        state = self._state
+        if state.server is None:
+            from paraspec.runtime.net_channel import ChannelServer
+            state.server = ChannelServer(state.channels, state.stop, host=worker.caller_address())
+        return state.server
 
     @property
     def workers(self) -> dict[str, Worker]:

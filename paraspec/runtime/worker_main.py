@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from paraspec.runtime.channels import StopSignal, TokenChannel, release_attached
-from paraspec.runtime.devices import Device, apply_device, parse_device
+from paraspec.runtime.devices import Device, apply_device, check_on_this_node, parse_device
 from paraspec.runtime.errors import error_payload
 from paraspec.runtime.wire import Wire
 from paraspec.trace import Trace
@@ -95,10 +95,17 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
     label = f"{name}:{device}"
     try:
         t_build = time.perf_counter()
+        if device.node:           # a device on a named node: its cores and GPUs are checked here, on it
+            check_on_this_node(device, device.node)
         if not in_process or device.kind == "cuda":
             apply_device(device)   # CPU pinning is per process: the in-process backend leaves it alone
         factory, factory_args = pickle.loads(spec)
-        model = factory(**factory_args)
+        try:
+            model = factory(**factory_args)
+        except (OSError, ValueError) as exc:
+            if device.node:       # a checkpoint missing on that node, say: name the node
+                exc.args = (f"on node {device.node!r}: {exc}",)
+            raise
         import torch
         info = WorkerInfo(
             name=name, device=str(device), pid=os.getpid(),

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
 from paraspec.runtime.channels import StopSignal, TokenChannel
-from paraspec.runtime.devices import Device, parse_device
+from paraspec.runtime.devices import Device, DeviceError, parse_device
 from paraspec.runtime.errors import WorkerClosed, WorkerDied, WorkerError, WorkerTimeout, remote_error
 from paraspec.runtime.worker_main import WorkerInfo, process_main, serve
 from paraspec.runtime.wire import wire_pair
@@ -98,13 +98,24 @@ class Worker(abc.ABC):
     _exitcode() and _stop_worker()."""
 
     backend = ""
+    options_taken: tuple[str, ...] = ()
 
     def __init__(self, name: str, device: Device | str, factory: Callable[..., Any], factory_args: dict | None,
-                 stop: StopSignal, channels: dict[str, TokenChannel], heartbeat_s: float | None = None):
-        """heartbeat_s: the worker sends a heartbeat this often (None: never), for the Runtime's watchdog."""
+                 stop: StopSignal, channels: dict[str, TokenChannel], heartbeat_s: float | None = None,
+                 **options):
+        """heartbeat_s: the worker sends a heartbeat this often (None: never), for the Runtime's watchdog.
+        options: the backend's own (Ray: `address`); a backend that takes none refuses them."""
+        unknown = set(options) - set(self.options_taken)
+        if unknown:
+            raise TypeError(f"the {self.backend} backend takes no option(s) {sorted(unknown)}"
+                            f"{' (it takes ' + ', '.join(self.options_taken) + ')' if self.options_taken else ''}")
+        self.options = options
         self.name = name
         self.heartbeat_s = heartbeat_s
         self.device = parse_device(device)
+        if self.device.node and self.backend != "ray":
+            raise DeviceError(f"device {self.device} names a node: only runtime='ray' places workers on nodes "
+                              f"(--runtime ray), the {self.backend} backend runs them on this host")
         try:
             self._spec = pickle.dumps((factory, dict(factory_args or {})))
         except Exception as exc:
@@ -184,13 +195,44 @@ class Worker(abc.ABC):
 
     def start_loop(self, loop_fn: Callable[..., Any], *, trace: Trace | None = None, **kwargs) -> Handle:
         """Run loop_fn(model, ctx, **kwargs) inside the worker; the handle yields its return value.
-        loop_fn must be picklable (module level); kwargs may hold TokenChannels and arrays."""
-        return self._request("loop", trace, loop_fn, kwargs, dict(self._channels), self._stop_signal)
+        loop_fn must be picklable (module level); kwargs may hold arrays. The loop reaches the Runtime's
+        channels as ctx.channels[name]: shared memory, or over TCP for a worker linked by use_network()."""
+        if self._link is None:
+            return self._request("loop", trace, loop_fn, kwargs, dict(self._channels), self._stop_signal)
+        from paraspec.runtime.net_channel import RemoteChannel, RemoteStopSignal
+        address, latency_s = self._link
+        channels = {name: RemoteChannel(address, name, latency_s) for name in self._channels}
+        by_identity = {id(channel): channels[name] for name, channel in self._channels.items()}
+        kwargs = {key: by_identity.get(id(value), value) if isinstance(value, TokenChannel) else value
+                  for key, value in kwargs.items()}       # a channel passed as an argument travels as a proxy too
+        return self._request("loop", trace, loop_fn, kwargs, channels, RemoteStopSignal(address, latency_s=latency_s))
+
+    # -- how its loops reach the channels ----------------------------------------------------------------------
+    _link: tuple[tuple[str, int], float] | None = None   # (channel server address, link latency in s)
+
+    def use_network(self, address: tuple[str, int], latency_s: float = 0.0) -> None:
+        """Its loops reach the channels through the Runtime's ChannelServer at `address` (a worker on another
+        host, or the network transport forced), each message delayed by `latency_s` (tests, benchmarks)."""
+        self._link = (tuple(address), float(latency_s))
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self._link is None else "tcp"
+
+    @property
+    def same_host(self) -> bool:
+        """Whether the worker runs on the caller's host (its loops can map shared memory)."""
+        return True
+
+    def caller_address(self) -> str:
+        """An address of the caller that this worker's host can reach (where the channel server listens)."""
+        return "127.0.0.1"
 
     def release_channels(self, names: Iterable[str]) -> None:
         """Have the worker unmap channels it attached, once it gets to it (queued behind earlier requests;
-        nobody waits for the reply)."""
-        self._request("release", None, list(names), abandon=True)
+        nobody waits for the reply). A worker on the network transport attached none."""
+        if self._link is None:
+            self._request("release", None, list(names), abandon=True)
 
     def close(self, timeout: float = 3.0) -> None:
         """Ask the worker to exit; terminate (then kill) it if it has not after `timeout` seconds."""

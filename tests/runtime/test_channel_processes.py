@@ -1,11 +1,36 @@
-"""Channels between processes: a randomized drafter/verifier stress test and cross-process wake-ups."""
+"""Channels between processes: a randomized drafter/verifier stress test and cross-process wake-ups, with the
+workers as local processes (shared memory) and as Ray actors on two nodes of a cluster (the network transport:
+every channel call over TCP to this process)."""
 import time
 
 import numpy as np
+import pytest
 
-from paraspec.runtime import ChannelStopped
+from paraspec.runtime import ChannelStopped, Runtime
 from paraspec.trace import Trace
 from tests.runtime import loops
+from tests.runtime.toy_model import make_toy
+
+
+@pytest.fixture(scope="module")
+def across_nodes(request):
+    """w0 on node box-a, w1 on node box-b, reached over TCP (started on first use)."""
+    request.getfixturevalue("ray_cluster")
+    rt = Runtime("ray", transport="tcp")
+    rt.add_worker("w0", "box-a/cpu:0", make_toy, {"vocab_size": 64})
+    rt.add_worker("w1", "box-b/cpu:1", make_toy, {"vocab_size": 64})
+    rt.wait_ready(timeout=120)
+    assert {w.transport for w in rt.workers.values()} == {"tcp"}
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(params=["processes", "ray-nodes"])
+def rt(request):
+    runtime = request.getfixturevalue("pair" if request.param == "processes" else "across_nodes")
+    runtime.clear_stop()
+    yield runtime
+    runtime.clear_stop()
 
 
 def test_randomized_drafter_verifier_stress(rt):

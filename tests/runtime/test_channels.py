@@ -9,13 +9,25 @@ import numpy as np
 import pytest
 
 from paraspec.runtime.channels import ChannelFull, ChannelStopped, StaleVersion, StopSignal, TokenChannel
+from paraspec.runtime.net_channel import ChannelServer, RemoteChannel, RemoteStopSignal
 from tests.runtime.conftest import segments_of
 
 
-@pytest.fixture
-def channel():
+@pytest.fixture(params=["shm", "tcp"])
+def channel(request):
+    """The channel as a local worker sees it (shared memory) and as a worker on another host does (net_channel:
+    every call over TCP to the owner's channel): every test below holds for both."""
     ch = TokenChannel(32, vocab_size=8, q_window=4, tag="test")
-    yield ch
+    if request.param == "shm":
+        yield ch
+    else:
+        stop = StopSignal("test-stop")
+        server = ChannelServer({"test": ch}, stop)
+        remote = RemoteChannel(server.address, "test")
+        yield remote
+        remote.close()
+        server.close()
+        stop.close()
     ch.close()
 
 
@@ -236,16 +248,75 @@ def test_timeout_returns_none_on_time(channel):
 
 
 def test_pickle_in_same_process_is_the_same_object(channel):
+    if isinstance(channel, RemoteChannel):
+        pytest.skip("a remote proxy pickles as its address: a copy that opens its own connection")
     assert pickle.loads(pickle.dumps(channel)) is channel
 
 
-def test_stop_signal():
-    stop = StopSignal("t")
+@pytest.mark.parametrize("where", ["shm", "tcp"])
+def test_stop_signal(where):
+    owned = StopSignal("t")
+    server = ChannelServer({}, owned) if where == "tcp" else None
+    stop = owned if server is None else RemoteStopSignal(server.address)
     try:
         assert not stop.is_set() and stop.wait(0.01) is False
         threading.Timer(0.05, stop.set, args=("bye",)).start()
         assert stop.wait(5) is True and stop.reason == "bye"
-        stop.clear()
+        owned.clear()
         assert not stop.is_set()
     finally:
+        if server is not None:
+            stop.close()
+            server.close()
+        owned.close()
+
+
+def test_a_remote_channel_whose_server_is_gone_reads_as_stopped():
+    """A worker on another host whose caller went away: its next call raises ChannelStopped, it never hangs."""
+    ch, stop = TokenChannel(8, tag="gone"), StopSignal("gone-stop")
+    server = ChannelServer({"gone": ch}, stop)
+    remote = RemoteChannel(server.address, "gone")
+    try:
+        v = remote.reset([1, 2])
+        errors = []
+
+        def waiter():
+            try:
+                remote.wait_for_draft(5, version=v)
+            except ChannelStopped as e:
+                errors.append(e.reason)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.2)
+        server.close()                       # the caller's end disappears while the worker waits
+        t.join(5)
+        assert not t.is_alive() and errors and "lost" in errors[0]
+        with pytest.raises(ChannelStopped):
+            remote.state()
+        with pytest.raises(KeyError, match="no channel named"):
+            RemoteChannel(ChannelServer({}, stop).address, "nope").state()
+    finally:
+        remote.close()
+        server.close()
+        ch.close()
+        stop.close()
+
+
+def test_link_latency_is_paid_per_message():
+    ch, stop = TokenChannel(8, tag="slow"), StopSignal("slow-stop")
+    server = ChannelServer({"slow": ch}, stop)
+    fast, slow = RemoteChannel(server.address, "slow"), RemoteChannel(server.address, "slow", latency_s=0.05)
+    try:
+        fast.reset([1])
+        slow.state()                         # connected
+        start = time.perf_counter()
+        for _ in range(4):
+            slow.state()
+        assert time.perf_counter() - start >= 4 * 2 * 0.05     # a request and its reply: two messages per call
+    finally:
+        fast.close()
+        slow.close()
+        server.close()
+        ch.close()
         stop.close()

@@ -1,0 +1,256 @@
+"""Token channels across machines: the caller's TokenChannels, reached over TCP by workers on other hosts.
+
+A TokenChannel lives in the caller's shared memory; a worker on the same host maps it (channels.py). A worker on
+another host cannot, so the caller's Runtime also serves its channels over TCP (`ChannelServer`) and such a
+worker gets a `RemoteChannel` instead: a proxy with the same methods, each one call answered by running the very
+same TokenChannel method in the caller. The semantics are therefore the shared-memory channel's by construction:
+versioned positions (a rollback bumps the version; a stale draft is refused), one lock around every read and
+write, stop and ChannelStopped, waits that return on any change. Only the cost differs: one round trip per call.
+
+    worker (another host)                      caller (owns the segments)
+    RemoteChannel.publish_draft(...)  ---->    ChannelServer thread: channel.publish_draft(...)
+                                      <----    the result, or the exception it raised (re-raised here)
+    RemoteChannel.wait_for_draft(...) ---->    blocks in the channel's futex wait until it holds, or stops
+
+Messages carry token ids, positions, versions and, under sampling, the q rows a verifier needs; never logits.
+`wait_until(predicate)` runs its predicate here (a closure cannot travel): it reads the state and waits for the
+next change until the predicate holds. The Runtime's stop signal is served the same way (`RemoteStopSignal`).
+
+`latency_s` (tests and benchmarks only) adds that much delay to every message, both ways, to study a link.
+A worker whose connection breaks (the caller is gone) sees ChannelStopped, as a local worker would see its
+channel stopped.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Callable
+
+from paraspec.runtime.channels import ChannelState, ChannelStopped, StopSignal, TokenChannel
+from paraspec.runtime.wire import Wire
+
+STOP = "__stop__"        # the name the Runtime's stop signal is served under
+
+# what a remote end may call: every public TokenChannel / StopSignal operation, nothing else
+_CHANNEL_CALLS = {"state", "snapshot", "tokens", "read_q", "reset", "publish_draft", "commit", "discard_drafts",
+                  "stop", "wait_for_draft", "wait_for_version_change", "wait_for_commit", "wait_for_room",
+                  "seq_state", "wait_for_change", "geometry", "stopped", "reason", "version", "committed", "length"}
+_STOP_CALLS = {"set", "clear", "is_set", "wait", "stopped", "reason"}
+
+
+class ChannelServer:
+    """Serves a Runtime's channels (a live dict: channels created later are served too) and its stop signal on
+    one TCP port. One thread per connection; a connection is one remote proxy of one channel."""
+
+    def __init__(self, channels: dict[str, TokenChannel], stop: StopSignal, host: str = "127.0.0.1"):
+        self._channels, self._stop = channels, stop
+        self._listener = socket.create_server((host, 0))
+        self.address = (host, self._listener.getsockname()[1])
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="paraspec-channel-server", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="paraspec-channel-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        wire = Wire(conn)
+        try:
+            (kind, name, latency_s), _ = wire.recv()
+            target = self._stop if name == STOP else self._channels.get(name)
+            allowed = _STOP_CALLS if name == STOP else _CHANNEL_CALLS
+            if target is None:
+                wire.send(("error",), KeyError(f"no channel named {name!r} in this runtime"))
+                return
+            wire.send(("ok",))
+            while True:
+                (kind, method), load = wire.recv()
+                args, kwargs = load()
+                try:
+                    if method not in allowed:
+                        raise AttributeError(f"{method!r} cannot be called on a remote channel")
+                    attr = getattr(target, method)
+                    result = attr(*args, **kwargs) if callable(attr) else attr
+                except BaseException as exc:      # sent back and raised in the worker, as a local call would
+                    _delay(latency_s)
+                    wire.send(("error",), exc)
+                else:
+                    _delay(latency_s)
+                    wire.send(("ok",), result)
+        except (EOFError, OSError):
+            pass
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            wire.close()
+
+    def close(self) -> None:
+        """Stop accepting and drop every connection (their workers see ChannelStopped). Repeatable."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+# the proxies this process unpickled, by (class, address, name, latency): a worker that runs a loop per request
+# keeps one connection per channel and thread instead of opening new ones each time
+_proxies: dict[tuple, "_Proxy"] = {}
+_proxies_lock = threading.Lock()
+
+
+def _proxy(cls, address, name: str, latency_s: float) -> "_Proxy":
+    key = (cls, tuple(address), name, latency_s)
+    with _proxies_lock:
+        proxy = _proxies.get(key)
+        if proxy is None:
+            proxy = _proxies[key] = cls(address, name, latency_s)
+        return proxy
+
+
+def _delay(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class _Proxy:
+    """Connections to a ChannelServer, one per thread that uses the proxy (a thread blocked in a wait must not
+    hold up another's publish), opened on first use; pickles as its address and name, like a shared-memory
+    channel pickles as its segment name."""
+
+    def __init__(self, address: tuple[str, int], name: str, latency_s: float = 0.0):
+        self.address, self.channel_name, self.latency_s = tuple(address), name, float(latency_s)
+        self._local = threading.local()
+        self._wires: list[Wire] = []
+
+    def __reduce__(self):
+        return _proxy, (type(self), self.address, self.channel_name, self.latency_s)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.channel_name} at {self.address[0]}:{self.address[1]}>"
+
+    @property
+    def name(self) -> str:
+        return self.channel_name
+
+    def _connect(self) -> Wire:
+        try:
+            sock = socket.create_connection(self.address, timeout=30.0)
+        except OSError as exc:
+            raise ChannelStopped(f"cannot reach the caller's channel server at {self.address}: {exc}") from None
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wire = Wire(sock)
+        wire.send(("open", self.channel_name, self.latency_s))
+        (status,), load = wire.recv()
+        if status != "ok":
+            raise load()
+        return wire
+
+    def _call(self, method: str, *args, **kwargs):
+        wire = getattr(self._local, "wire", None)
+        try:
+            if wire is None:
+                wire = self._local.wire = self._connect()
+                self._wires.append(wire)
+            _delay(self.latency_s)
+            wire.send(("call", method), (args, kwargs))
+            (status,), load = wire.recv()
+        except (EOFError, OSError) as exc:
+            self._local.wire = None
+            if wire is not None:
+                wire.close()
+            raise ChannelStopped(f"the connection to the caller's channel {self.channel_name!r} was lost "
+                                 f"({type(exc).__name__}): the caller stopped or is gone") from None
+        result = load()
+        if status != "ok":
+            raise result
+        return result
+
+    def close(self) -> None:
+        """Close every connection this proxy opened (each thread reconnects on its next call)."""
+        for wire in self._wires:
+            wire.close()
+        self._wires.clear()
+        self._local = threading.local()
+
+
+class RemoteChannel(_Proxy):
+    """A TokenChannel of the caller, over TCP: the same methods, the same results and exceptions."""
+
+    _geometry: tuple[int, int | None, int] | None = None
+
+    def _fixed(self) -> tuple[int, int | None, int]:
+        if self._geometry is None:
+            self._geometry = self._call("geometry")
+        return self._geometry
+
+    capacity = property(lambda self: self._fixed()[0])
+    vocab_size = property(lambda self: self._fixed()[1])
+    q_window = property(lambda self: self._fixed()[2])
+    version = property(lambda self: self._call("version"))
+    committed = property(lambda self: self._call("committed"))
+    length = property(lambda self: self._call("length"))
+    stopped = property(lambda self: self._call("stopped"))
+    reason = property(lambda self: self._call("reason"))
+
+    def __getattr__(self, method: str):
+        if method in _CHANNEL_CALLS:
+            return lambda *args, **kwargs: self._call(method, *args, **kwargs)
+        raise AttributeError(method)
+
+    def wait_until(self, predicate: Callable[[ChannelState], bool],
+                   timeout: float | None = None) -> ChannelState | None:
+        """Block until predicate(state) holds, checked here at every change of the channel; return that state.
+        Like the local wait: a stopped channel whose state still satisfies the predicate returns it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            seq, state = self._call("seq_state")
+            if predicate(state):
+                return state
+            if state.stopped:
+                raise ChannelStopped(self._call("reason"))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            self._call("wait_for_change", seq, left)
+
+
+class RemoteStopSignal(_Proxy):
+    """The caller's Runtime stop signal over TCP (`ctx.stop` of a loop in a remote worker)."""
+
+    def __init__(self, address: tuple[str, int], name: str = STOP, latency_s: float = 0.0):
+        super().__init__(address, name, latency_s)
+
+    def is_set(self) -> bool:
+        return self._call("is_set")
+
+    def set(self, reason: str = "stopped") -> None:
+        self._call("set", reason)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._call("wait", timeout)
+
+    stopped = property(lambda self: self._call("stopped"))
+    reason = property(lambda self: self._call("reason"))
