@@ -66,10 +66,12 @@ def add_commands(subparsers) -> None:
     pl.add_argument("--draft-tpot-ms", type=float, help="draft ms per token")
     pl.add_argument("--acceptance-rate", type=float, help="fraction of drafted tokens the target accepts")
     pl.add_argument("--devices", nargs="+", help="devices available, e.g. cpu:0 cpu:1 (draft on the first, "
-                                                  "target on the second)")
+                                                  "target on the second); NODE/cpu:0 is a device on another node")
     pl.add_argument("--target-ttft-ms", type=float, default=0.0)
     pl.add_argument("--draft-ttft-ms", type=float, default=0.0)
     pl.add_argument("--comm-ms", type=float, default=None, help="latency of one message between devices")
+    pl.add_argument("--link-ms", type=float, default=None, help="latency added to a message to another node "
+                                                                "(devices written NODE/...; default 1)")
     pl.add_argument("--tokens", type=int, default=128, help="tokens per simulated run")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_guarded(cmd_plan))
@@ -255,9 +257,10 @@ def profile_from_args(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from paraspec.sim.planner import DEFAULT_COMM_MS, plan
+    from paraspec.sim.planner import DEFAULT_COMM_MS, DEFAULT_LINK_MS, plan
     profile = profile_from_args(args)
-    result = plan(profile, tokens=args.tokens, comm_ms=DEFAULT_COMM_MS if args.comm_ms is None else args.comm_ms)
+    result = plan(profile, tokens=args.tokens, comm_ms=DEFAULT_COMM_MS if args.comm_ms is None else args.comm_ms,
+                  link_ms=DEFAULT_LINK_MS if args.link_ms is None else args.link_ms)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     return 0
 

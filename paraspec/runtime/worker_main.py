@@ -120,6 +120,7 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
         return
     wire.send(("ready",), info)
 
+    link_latency_s = 0.0      # a simulated link (tests, benchmarks): each reply is delayed this much
     try:
         while True:
             envelope, load_body = requests.get()
@@ -145,11 +146,16 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
                 elif kind == "release":
                     release_attached(body[0])
                     result = None
+                elif kind == "link":
+                    link_latency_s = float(body[0])
+                    result = None
                 else:
                     raise ValueError(f"unknown request {kind!r}")
                 status = "ok"
             except BaseException as exc:
                 status, result = "error", error_payload(exc)
+            if link_latency_s > 0:
+                time.sleep(link_latency_s)
             try:
                 wire.send((status, request_id, recorder.event_tuples(), recorder.progress), result)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:   # an unpicklable result

@@ -214,6 +214,8 @@ class Worker(abc.ABC):
         """Its loops reach the channels through the Runtime's ChannelServer at `address` (a worker on another
         host, or the network transport forced), each message delayed by `latency_s` (tests, benchmarks)."""
         self._link = (tuple(address), float(latency_s))
+        if latency_s > 0:          # requests and their replies cross the same link
+            self._request("link", None, float(latency_s), abandon=True)
 
     @property
     def transport(self) -> str:
@@ -269,6 +271,8 @@ class Worker(abc.ABC):
         if abandon:
             self._abandoned.add(request_id)
         t0 = trace.t0 if trace is not None else time.perf_counter()
+        if self._link is not None and self._link[1] > 0 and kind != "link":
+            time.sleep(self._link[1])          # the simulated link's latency on the request
         try:
             self._wire.send((kind, request_id, t0), body)
         except (BrokenPipeError, ConnectionResetError):

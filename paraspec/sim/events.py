@@ -5,7 +5,8 @@ are free, there is no prefill, and target servers never queue. Here a drafter an
 each with a KV cache, so the simulator can charge:
 - a forward by its width (a `ForwardCost`): verifying k drafts is a forward of k + 1 tokens, and a DSI server that
   last verified chunk j - N must first catch up on every token since, in the same forward;
-- a communication latency per message (drafts to a server, a verdict back, a rollback to the drafter);
+- a communication latency per message (drafts to a server, a verdict back, a rollback to the drafter), and a
+  link latency for a drafter or target servers on other nodes (the messages paraspec's workers send per step);
 - prefill on every replica (each DSI server holds its own copy of the prompt);
 - queueing, when chunks are drafted faster than the servers verify them.
 
@@ -47,6 +48,13 @@ from paraspec.trace import Trace
 
 STRATEGIES = ("ar", "sd", "amusd", "dsi")
 
+# Messages across the link per step, as paraspec's workers exchange them on the network transport (each channel
+# call is a request and its reply; runtime/net_channel.py): a draft token is a snapshot and a publish; a dsi
+# chunk is a request to the server and its reply; an amusd verification waits for the drafts and commits.
+DRAFT_MESSAGES = 4
+CHUNK_MESSAGES = 2
+AMUSD_VERIFY_MESSAGES = 4
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -64,6 +72,9 @@ class Setup:
     target_only_thread: bool = True     # dsi: a spare server runs the target alone from the committed text
     preempt: bool = True                # a rollback cuts every forward in flight short (the papers' model); False:
                                         # the drafter and the target servers first finish it, as paraspec's workers do
+    link_s: float = 0.0                 # one message across nodes, on top of comm_s (the network transport)
+    remote_draft: bool = False          # amusd, dsi: the drafter on another node than the caller
+    remote_servers: int = 0             # amusd, dsi: the last N target servers (amusd: its target) on other nodes
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -83,8 +94,24 @@ class Setup:
         if self.strategy == "dsi" and self.max_ahead is not None and self.max_ahead < self.lookahead:
             raise ValueError(f"max_ahead {self.max_ahead} < lookahead {self.lookahead}: a DSI chunk would never "
                              f"fill; allow at least one chunk ahead")
-        if min(self.comm_s, self.target_prefill_s, self.draft_prefill_s) < 0:
+        if min(self.comm_s, self.target_prefill_s, self.draft_prefill_s, self.link_s) < 0:
             raise ValueError("latencies must be >= 0")
+        if not 0 <= self.remote_servers <= (self.servers if self.strategy == "dsi" else 1):
+            raise ValueError(f"remote_servers {self.remote_servers} must be between 0 and the number of target "
+                             f"servers ({self.servers if self.strategy == 'dsi' else 1})")
+        if (self.remote_draft or self.remote_servers) and self.strategy not in ("amusd", "dsi"):
+            raise ValueError(f"{self.strategy} runs in the caller's process: it has no remote drafter or server")
+
+    def server_link_s(self, i: int, servers: int) -> float:
+        """What crossing the link adds to one verification by target server i (of `servers`)."""
+        if i < servers - self.remote_servers:
+            return 0.0
+        return (AMUSD_VERIFY_MESSAGES if self.strategy == "amusd" else CHUNK_MESSAGES) * self.link_s
+
+    @property
+    def draft_link_s(self) -> float:
+        """What crossing the link adds to one draft token of a remote drafter."""
+        return DRAFT_MESSAGES * self.link_s if self.remote_draft else 0.0
 
     @property
     def ahead_limit(self) -> int:
@@ -293,7 +320,7 @@ class _Concurrent:
         if pos >= self.end - 1 or pos - self.known >= self.setup.ahead_limit:
             return                                            # nothing left worth drafting, or far enough ahead
         width = pos - self.draft_cache
-        dt = self.setup.draft(width)
+        dt = self.setup.draft(width) + self.setup.draft_link_s
         self.draft_busy = True
         self.draft_event = (self.t, self.t + dt, width)
         self._at(self.t + dt, self._draft_done, self.draft_gen, pos)
@@ -350,7 +377,8 @@ class _Concurrent:
 
     def _start_chunk(self, i: int, first: int, last: int) -> None:
         width = last - self.servers[i].cache               # catch-up tokens + the token before the chunk + drafts
-        dt = self.setup.comm_s + self.setup.target(width) + self.setup.comm_s
+        dt = self.setup.comm_s + self.setup.target(width) + self.setup.comm_s + \
+            self.setup.server_link_s(i, len(self.servers))
         self._run(i, _Task("chunk", i, first, last), width, dt)
 
     def _start_solo(self, i: int, idle: int) -> None:
@@ -368,7 +396,8 @@ class _Concurrent:
             return
         server = self.servers[i]
         width = self.known - server.cache
-        self._run(i, _Task("solo", i, self.known, self.known), width, s.target(width) + s.comm_s)
+        self._run(i, _Task("solo", i, self.known, self.known), width,
+                  s.target(width) + s.comm_s + s.server_link_s(i, len(self.servers)))
 
     def _run(self, i: int, task: _Task, width: int, dt: float) -> None:
         tid = next(self.ids)

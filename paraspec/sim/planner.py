@@ -10,6 +10,11 @@ says so and picks `ar`.
 Assumptions (printed with the plan): every target server runs at the profiled target device's speed, each
 device holds one model, each draft is accepted with the profiled rate independently of the others, and a rollback
 lets the drafter's forward in flight finish (the workers cannot cut a forward short).
+
+Devices on other nodes: a device written `NODE/cpu:0` is on another node than the caller (a device without a
+node is on the caller's); every message a worker there sends or receives also pays `link_ms`. DSI's servers are
+taken on the caller's node first; when remote devices are available, the plan also says up to which link latency
+a remote target server still pays (`remote_break_even_ms`).
 """
 from __future__ import annotations
 
@@ -20,6 +25,13 @@ from paraspec.sim.costs import Profile
 
 DEFAULT_COMM_MS = 0.5        # one message between local worker processes (shared memory + a pipe wake-up)
 DEFAULT_MIN_GAIN = 0.03      # speculation must predict >= 3% lower TPOT than ar: below that, model error dominates
+DEFAULT_LINK_MS = 1.0        # one message to another node (a LAN round trip is two)
+LINK_GRID_MS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+def is_remote(device: str | None) -> bool:
+    """A device on another node than the caller's (written NODE/...)."""
+    return device is not None and "/" in device
 
 
 @dataclass(frozen=True)
@@ -56,11 +68,13 @@ class Plan:
     choices: dict[str, Choice | None]   # best setting per strategy; None when the devices do not allow it
     recommended: Choice
     notes: list[str] = field(default_factory=list)
+    remote_break_even_ms: float | None = None   # dsi: the largest link latency at which its remote servers still
+                                                # beat dsi on the caller's node alone (None: no remote device)
 
     def to_dict(self) -> dict:
         return {"recommended": asdict(self.recommended),
                 "strategies": {k: (asdict(v) if v else None) for k, v in self.choices.items()},
-                "notes": list(self.notes)}
+                "remote_break_even_ms": self.remote_break_even_ms, "notes": list(self.notes)}
 
     def render(self) -> str:
         p = self.profile
@@ -85,11 +99,12 @@ class Plan:
 
 
 def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range(1, 11),
-         comm_ms: float = DEFAULT_COMM_MS, min_gain: float = DEFAULT_MIN_GAIN, seed: int = 0) -> Plan:
+         comm_ms: float = DEFAULT_COMM_MS, min_gain: float = DEFAULT_MIN_GAIN, seed: int = 0,
+         link_ms: float = DEFAULT_LINK_MS) -> Plan:
     if tokens < 2:
         raise ValueError(f"tokens={tokens}: simulate at least 2 tokens (TPOT is measured after the first)")
-    if comm_ms < 0:
-        raise ValueError(f"comm_ms={comm_ms} must be >= 0")
+    if comm_ms < 0 or link_ms < 0:
+        raise ValueError(f"comm_ms={comm_ms} and link_ms={link_ms} must be >= 0")
     lookaheads = list(lookaheads)
     if not lookaheads or min(lookaheads) < 1:
         raise ValueError(f"lookaheads {lookaheads} must be integers >= 1")
@@ -99,7 +114,11 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     target, draft = profile.target.cost(), profile.draft.cost()
     # paraspec's draft workers finish a forward in flight before they hear of a rollback: no preemption
     base = dict(target=target, draft=draft, acceptance_rate=profile.acceptance_rate, preempt=False,
-                target_prefill_s=profile.target.ttft_ms / 1000, draft_prefill_s=profile.draft.ttft_ms / 1000)
+                target_prefill_s=profile.target.ttft_ms / 1000, draft_prefill_s=profile.draft.ttft_ms / 1000,
+                link_s=link_ms / 1000)
+    if is_remote(draft_dev):
+        raise ValueError(f"the draft device {draft_dev} is on another node: the planner places the drafter on the "
+                         f"caller's node; list a device without a node first")
 
     def run(strategy: str, **kw) -> tuple[float, float]:
         total_s, tpot_ms = mean_result(Setup(strategy, **{**base, **kw}), tokens, repeats, seed)
@@ -109,7 +128,7 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     choices: dict[str, Choice | None] = {"ar": Choice("ar", tpot, mpt, None, (target_dev,))}
 
     # sd alternates draft and target, so it gains nothing from two devices; co-located it pays no messages
-    sd_comm = 0.0 if draft_dev == target_dev else comm_ms / 1000
+    sd_comm = 0.0 if draft_dev == target_dev else comm_ms / 1000 + (link_ms / 1000 if is_remote(target_dev) else 0)
     choices["sd"] = min((Choice("sd", *run("sd", lookahead=k, comm_s=sd_comm), draft_dev, (target_dev,), lookahead=k)
                          for k in lookaheads), key=lambda c: c.tpot_ms)
 
@@ -117,13 +136,18 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     if draft_dev == target_dev or not others:
         choices["amusd"] = choices["dsi"] = None
     else:
-        choices["amusd"] = min((Choice("amusd", *run("amusd", max_ahead=m, verify_min=v, comm_s=comm_ms / 1000),
+        choices["amusd"] = min((Choice("amusd", *run("amusd", max_ahead=m, verify_min=v, comm_s=comm_ms / 1000,
+                                                     remote_servers=int(is_remote(target_dev))),
                                        draft_dev, (target_dev,), max_ahead=m, verify_min=v)
                                 for m in lookaheads for v in sorted({1, m})), key=lambda c: c.tpot_ms)
-        servers_order = [target_dev] + [d for d in others if d != target_dev]
-        choices["dsi"] = min((Choice("dsi", *run("dsi", lookahead=k, servers=n, comm_s=comm_ms / 1000),
-                                     draft_dev, tuple(servers_order[:n]), lookahead=k, servers=n)
-                              for k in lookaheads for n in range(1, len(servers_order) + 1)),
+        # servers on the caller's node first, then the remote ones (in the simulator, the last servers)
+        servers_order = sorted([target_dev] + [d for d in others if d != target_dev], key=is_remote)
+
+        def dsi(k: int, n: int, **kw) -> Choice:
+            remote = sum(map(is_remote, servers_order[:n]))
+            return Choice("dsi", *run("dsi", lookahead=k, servers=n, comm_s=comm_ms / 1000, remote_servers=remote,
+                                      **kw), draft_dev, tuple(servers_order[:n]), lookahead=k, servers=n)
+        choices["dsi"] = min((dsi(k, n) for k in lookaheads for n in range(1, len(servers_order) + 1)),
                              key=lambda c: c.tpot_ms)
 
     ar = choices["ar"]
@@ -140,7 +164,36 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
         notes.append("speculation does not pay here: no strategy beats ar; run ar")
     if choices["dsi"] is None:
         notes.append("amusd and dsi need the draft and the target on different devices; pass more devices")
-    notes.append(f"assumes {comm_ms:g} ms per message, every target server as fast as {target_dev}, "
+    break_even = None
+    local_servers = sum(not is_remote(d) for d in servers_order) if choices["dsi"] else 0
+    if choices["dsi"] is not None and local_servers < len(servers_order):
+        break_even = remote_break_even(dsi, lookaheads, local_servers, len(servers_order))
+        if local_servers == 0:
+            notes.append("every target device is on another node: dsi pays the link on every verification")
+        elif break_even is None:
+            notes.append(f"remote target servers do not pay even over a free link: dsi on the caller's node "
+                         f"({local_servers} server{'s' * (local_servers > 1)}) is as fast")
+        else:
+            notes.append(f"remote target servers pay while a message to their node takes up to ~{break_even:g} ms "
+                         f"(planned at {link_ms:g} ms); above that run dsi on the caller's node alone")
+    notes.append(f"assumes {comm_ms:g} ms per message, {link_ms:g} ms more across nodes, every target server as "
+                 f"fast as {target_dev}, "
                  f"draft tokens accepted independently at rate {profile.acceptance_rate:.2f}, "
                  f"and a draft forward in flight at a rollback run to its end (as the draft workers do)")
-    return Plan(profile, choices, fastest, notes)
+    return Plan(profile, choices, fastest, notes, break_even)
+
+
+def remote_break_even(dsi, lookaheads, local_servers: int, all_servers: int) -> float | None:
+    """The largest link latency (ms, on LINK_GRID_MS) at which dsi with the remote servers is still faster than
+    dsi with the caller's node's servers alone; None if it is not faster even at 0 ms."""
+    if local_servers == 0:
+        return None
+    local = min((dsi(k, n) for k in lookaheads for n in range(1, local_servers + 1)), key=lambda c: c.tpot_ms)
+    best = None
+    for link_ms in LINK_GRID_MS:
+        remote = min((dsi(k, n, link_s=link_ms / 1000) for k in lookaheads
+                      for n in range(local_servers + 1, all_servers + 1)), key=lambda c: c.tpot_ms)
+        if remote.tpot_ms >= local.tpot_ms:
+            break
+        best = link_ms
+    return best

@@ -1,12 +1,13 @@
 """The event-driven simulator: agreement with the paper's model where that model is exact, Proposition 1, the
 AMUSD limit, and the costs the paper leaves out (width, catch-up, messages, prefill, queueing)."""
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from paraspec.sim import dsi_paper as paper
-from paraspec.sim.events import Setup, simulate
+from paraspec.sim.events import CHUNK_MESSAGES, DRAFT_MESSAGES, Setup, simulate
 from paraspec.sim.costs import ForwardCost
 from paraspec.trace import Trace
 
@@ -220,3 +221,47 @@ def test_deterministic_for_a_seed():
 def test_bad_setup(kw, match):
     with pytest.raises(ValueError, match=match):
         Setup(**kw)
+
+
+# -- workers on other nodes: the link latency ------------------------------------------------------------------
+
+def _remote_dsi(a: float, link_s: float, remote: int = 1, **kw) -> "Setup":
+    return Setup("dsi", target=ForwardCost.constant(0.1), draft=ForwardCost.constant(0.001), acceptance_rate=a,
+                 lookahead=4, servers=1, preempt=False, link_s=link_s, remote_servers=remote,
+                 target_only_thread=False, **kw)
+
+
+@pytest.mark.parametrize("a", [0.0, 1.0])
+def test_a_remote_server_pays_a_request_and_a_reply_per_verification(a):
+    """One server, the bottleneck (the drafter is 100x faster): every verification takes 2 link latencies longer,
+    by hand: CHUNK_MESSAGES x link_s."""
+    near, far = simulate(_remote_dsi(a, 0.0), 50, seed=0), simulate(_remote_dsi(a, 0.01), 50, seed=0)
+    assert near.verifications == far.verifications
+    assert far.total_s - near.total_s == pytest.approx(far.verifications * CHUNK_MESSAGES * 0.01)
+
+
+def test_a_link_costs_nothing_where_nothing_crosses_it():
+    for strategy in ("amusd", "dsi"):
+        base = Setup(strategy, target=ForwardCost.constant(0.05), draft=ForwardCost.constant(0.01),
+                     acceptance_rate=0.7, lookahead=3, servers=2 if strategy == "dsi" else 1, preempt=False)
+        linked = dataclasses.replace(base, link_s=0.02)
+        assert simulate(base, 60, seed=3).total_s == simulate(linked, 60, seed=3).total_s
+
+
+def test_a_remote_drafter_pays_its_messages_per_token():
+    """Every draft forward of a remote drafter lasts DRAFT_MESSAGES links longer; a local one pays nothing."""
+    setup = Setup("amusd", target=ForwardCost.constant(0.001), draft=ForwardCost.constant(0.05), acceptance_rate=1.0,
+                  preempt=False, link_s=0.002)
+    for remote, extra in ((False, 0.0), (True, DRAFT_MESSAGES * 0.002)):
+        trace = simulate(dataclasses.replace(setup, remote_draft=remote), 40, seed=0).trace
+        drafts = [e.end_s - e.start_s for e in trace.events if e.kind == "draft"]
+        assert drafts and all(d == pytest.approx(0.05 + extra) for d in drafts)
+
+
+def test_remote_placement_is_checked():
+    with pytest.raises(ValueError, match="remote_servers"):
+        _remote_dsi(0.5, 0.01, remote=2)
+    with pytest.raises(ValueError, match="no remote drafter or server"):
+        Setup("sd", target=ForwardCost.constant(0.1), draft=ForwardCost.constant(0.01), remote_draft=True)
+    with pytest.raises(ValueError, match=">= 0"):
+        _remote_dsi(0.5, -0.001)

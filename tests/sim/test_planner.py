@@ -67,3 +67,28 @@ def test_plan_rejects_bad_settings():
         plan(make_profile(), tokens=1)
     with pytest.raises(ValueError, match="comm_ms"):
         plan(make_profile(), comm_ms=-1)
+
+
+def test_remote_servers_come_after_local_ones_and_the_break_even_is_stated():
+    devices = ("cpu:0", "cpu:1", "nodeB/cpu:0", "nodeC/cpu:0")
+    p = quick(make_profile(target_ms=60.0, draft_ms=6.0, a=0.8, devices=devices), link_ms=1.0)
+    dsi = p.choices["dsi"]
+    assert dsi.target_devices[0] == "cpu:1"                       # the caller's node first
+    assert p.remote_break_even_ms is not None and p.remote_break_even_ms >= 1.0
+    assert any("remote target servers pay while" in n for n in p.notes)
+    assert json.loads(json.dumps(p.to_dict()))["remote_break_even_ms"] == p.remote_break_even_ms
+
+
+def test_a_slow_link_makes_remote_servers_useless():
+    devices = ("cpu:0", "cpu:1", "nodeB/cpu:0", "nodeC/cpu:0")
+    fast = quick(make_profile(target_ms=60.0, draft_ms=6.0, a=0.8, devices=devices), link_ms=0.0)
+    slow = quick(make_profile(target_ms=60.0, draft_ms=6.0, a=0.8, devices=devices), link_ms=200.0)
+    # at 0 ms remote servers are as good as local ones; at 200 ms per message dsi keeps to the caller's node
+    assert fast.choices["dsi"].servers >= 2
+    assert all("/" not in d for d in slow.choices["dsi"].target_devices)
+    assert slow.remote_break_even_ms == fast.remote_break_even_ms       # a property of the profile, not of link_ms
+
+
+def test_a_drafter_on_another_node_is_refused():
+    with pytest.raises(ValueError, match="caller's node"):
+        quick(make_profile(devices=("nodeB/cpu:0", "cpu:1")))
