@@ -99,12 +99,12 @@ def cmd_generate(args) -> int:
             print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
         else:
-            for delta in engine.stream(prompt, params):
+            stream = engine.stream(prompt, params)
+            for delta in stream:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            result = engine.last_result
-            print(result.stats.summary(), file=sys.stderr)
+            print(stream.result.stats.summary(), file=sys.stderr)
     return 0
 
 
