@@ -410,16 +410,17 @@ def test_worker_timeout_is_checked(qwen2_target):
 
 # -- signals to the command line -------------------------------------------------------------------------------
 
-def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int) -> subprocess.Popen:
+def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int, merged: bool = False) -> subprocess.Popen:
     """`paraspec generate` with amusd workers, in a session of its own (a terminal's Ctrl-C signals the whole
-    process group)."""
+    process group); `merged`: stderr into stdout, in the order written."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     return subprocess.Popen(
         [sys.executable, "-m", "paraspec", "generate", "--target", str(qwen2_target), "--draft", str(qwen2_partial),
          "--strategy", "amusd", "--dtype", "float32", "--target-devices", "cpu:1", "--draft-devices", "cpu:0",
          "--prompt", "hello", "--max-new-tokens", str(max_new_tokens), "--max-context", "256"],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+        text=True, start_new_session=True)
 
 
 def spawned_workers(pid: int) -> list[int]:
@@ -449,12 +450,56 @@ def test_ctrl_c_while_workers_start_prints_one_line(qwen2_target, qwen2_partial)
     finally:
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
-    assert cli.returncode == 130, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert lines[-1] == "interrupted" and "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    time.sleep(0.2)
-    assert all(gone(pid) for pid in workers)
-    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{cli.pid}_")]
+    assert_interrupted(cli, err, workers)
+
+
+def assert_interrupted(cli: subprocess.Popen, output: str, processes) -> None:
+    """Exit 130 with `interrupted` as the last line and no traceback; no process and no segment left behind."""
+    assert cli.returncode == 130, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert lines[-1] == "interrupted" and "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert "leaked" not in output and "Exception ignored" not in output, output
+    wait_for(lambda: all(gone(pid) for pid in processes), 10)
+    owners = {str(pid) for pid in (cli.pid, *processes)}
+    assert not [p for p in Path("/dev/shm").iterdir()
+                if p.name.startswith("paraspec_") and p.name.split("_")[1] in owners]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (children, their children, ...)."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                children = {int(c) for c in (task / "children").read_text().split()}
+                todo += children - found
+                found |= children
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.0, 3.0])
+def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(qwen2_target, qwen2_partial, delay):
+    """Ctrl-C while Python imports torch, parses, loads or starts workers: one line, exit 130, nothing left."""
+    cli = start_cli(qwen2_target, qwen2_partial, 200, merged=True)
+    seen = set()
+    try:
+        end = time.monotonic() + delay
+        while time.monotonic() < end:
+            seen |= descendants(cli.pid)
+            time.sleep(0.01)
+        os.killpg(cli.pid, signal.SIGINT)             # Ctrl-C reaches the whole group
+        deadline = time.monotonic() + 60
+        while cli.poll() is None and time.monotonic() < deadline:
+            seen |= descendants(cli.pid)
+            time.sleep(0.02)
+        out, _ = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    assert_interrupted(cli, out, seen)
 
 
 def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):
