@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     (`_exit_interrupted`); from then on it raises KeyboardInterrupt, so that every `with Engine(...)` closes."""
     in_main = threading.current_thread() is threading.main_thread()    # (signals are the main thread's)
     previous_int = signal.signal(signal.SIGINT, _exit_interrupted) if in_main else None
+    if previous_int is None:                   # a handler set outside Python (embedding): Python's default after us
+        previous_int = signal.default_int_handler
     previous_term = None
     try:
         parser = build_parser()                # imports torch and the strategies
