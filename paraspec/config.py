@@ -12,6 +12,13 @@ from paraspec.runtime.devices import parse_devices
 from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 
 
+@dataclass(frozen=True)
+class DraftSpec:
+    """One draft as given, in order: a model-free drafter's name ("ngram", "suffix") or a model's checkpoint."""
+    spec: Any                                     # the name, or a checkpoint folder / .gguf / hub id / SimulatedSpec
+    model_free: bool
+
+
 @dataclass
 class EngineConfig:
     target: Any                                   # checkpoint folder, .gguf file, hub id (or a SimulatedSpec)
@@ -27,6 +34,8 @@ class EngineConfig:
     options: dict = field(default_factory=dict)   # strategy options by OPTIONS name (only the strategy's own)
     on_busy: str = "wait"                         # a request while another runs: "wait" its turn or "error"
     worker_timeout: float | None = 60.0           # seconds without a worker's heartbeat -> WorkerTimeout; None: off
+    wait_timeout: float | None = None             # on_busy="wait": seconds a request waits, then EngineBusy; None: no limit
+    draft_specs: tuple[DraftSpec, ...] = field(init=False, default=())   # `draft` in order, each marked (below)
     model_backend: str = field(init=False, default="")   # `backend` with "auto" resolved for this strategy
 
     def __post_init__(self):
@@ -34,6 +43,7 @@ class EngineConfig:
         from paraspec.runtime.workers import BACKENDS as RUNTIMES
         cls = get_strategy(self.strategy)
         drafts = self.drafts
+        self.draft_specs = tuple(DraftSpec(d, is_model_free(d)) for d in drafts)
         if cls.needs_draft and not drafts:
             raise ValueError(f"strategy {self.strategy!r} needs a draft model; pass draft=... (--draft)")
         if drafts and not cls.needs_draft:
@@ -44,7 +54,7 @@ class EngineConfig:
             takes = [name for name, s in STRATEGIES.items() if s.several_drafts]
             raise ValueError(f"strategy {self.strategy!r} takes one draft model, got {len(drafts)}; only "
                              f"{', '.join(takes)} takes several (pass --draft once)")
-        free = [d for d in drafts if is_model_free(d)]
+        free = [d.spec for d in self.draft_specs if d.model_free]
         if free and not cls.model_free_drafts:
             takes = [name for name, s in STRATEGIES.items() if s.model_free_drafts]
             raise ValueError(f"strategy {self.strategy!r} needs a draft model, not {free[0]!r}"
@@ -60,11 +70,8 @@ class EngineConfig:
         if self.on_busy not in ("wait", "error"):
             raise ValueError(f"on_busy must be 'wait' (a request waits for the running one) or 'error' (it "
                              f"raises EngineBusy), got {self.on_busy!r}")
-        if self.worker_timeout is not None and not (isinstance(self.worker_timeout, (int, float))
-                                                    and not isinstance(self.worker_timeout, bool)
-                                                    and self.worker_timeout > 0):
-            raise ValueError(f"worker_timeout must be a number of seconds > 0, or None (no watchdog), got "
-                             f"{self.worker_timeout!r}")
+        _check_seconds("worker_timeout", self.worker_timeout, "no watchdog")
+        _check_seconds("wait_timeout", self.wait_timeout, "wait as long as it takes")
         parse_dtype(self.dtype)
         if self.backend not in MODEL_BACKENDS + ("auto",):
             raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
@@ -128,7 +135,7 @@ class EngineConfig:
     @property
     def model_drafts(self) -> list:
         """The drafts that are models (checkpoints), without the model-free drafters ("ngram", "suffix")."""
-        return [d for d in self.drafts if not is_model_free(d)]
+        return [d.spec for d in self.draft_specs if not d.model_free]
 
     @property
     def strategy_class(self):
@@ -143,6 +150,11 @@ class EngineConfig:
     def used_draft_devices(self) -> list:
         """The parsed draft devices, or none for a strategy without a draft model."""
         return list(self.draft_devices) if self.strategy_class.needs_draft and self.model_drafts else []
+
+
+def _check_seconds(name: str, value, none_means: str) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"{name} must be a number of seconds > 0, or None ({none_means}), got {value!r}")
 
 
 def check_strategy_takes(strategy: str, options: dict) -> None:

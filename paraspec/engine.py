@@ -1,17 +1,24 @@
-"""Engine: one (target, drafts, strategy) setup, serving generate() / stream().
+"""Engine: one (target, drafts, strategy) setup, serving generate() / stream() one request at a time.
 
-Everything a user can get wrong is checked before the first forward: strategy, options and devices in
-EngineConfig (config.py), before anything loads; checkpoints and tokenizer compatibility here, before and right
-after the strategy's setup(); sampling values and prompt length per request. The strategy object owns the models,
-its workers and channels (strategies/base.py: setup, decode, cancel, close).
+The Engine arbitrates requests and delegates the rest: options, devices and the draft list are checked once in
+EngineConfig (config.py) before anything loads; checkpoints are resolved (once each) and tokenizers found by the
+loader (models/loader.py); prompts, stop strings and output text are prompts.py's, streamed text text_stream.py's;
+the strategy (strategies/base.py) owns the models, its workers and channels, and says whether they are healthy.
 
 Requests (what the server relies on):
 - One generation at a time per Engine. A second generate()/stream() from another thread waits its turn
-  (`on_busy="wait"`, the default) or raises EngineBusy (`on_busy="error"`). A new request from the thread that
-  left a stream open cancels that stream first (it ends with finish_reason "cancelled").
-- A stream's close() (or its garbage collection) and Engine.cancel() (from any thread) stop the generation in
-  every worker within one round; the request ends with finish_reason "cancelled" and the Engine is ready for
-  the next one.
+  (`on_busy="wait"`, the default; at most `wait_timeout` seconds if set, default no limit) or raises EngineBusy
+  (`on_busy="error"`). EngineBusy names the request holding the Engine (a stream left open: which thread opened it,
+  when) and how to end it: read it to its end, stream.close() in its thread, or engine.cancel() from any thread.
+- engine.stream() returns a Stream: iterate it for text deltas; `stream.result` is its GenerationResult once it
+  has ended. The request starts at the first next(), so a stream never iterated holds nothing.
+- How a stream ends early, and what its reader sees:
+    stream.close() (or dropping it)      it just ends; result.finish_reason "cancelled"
+    engine.cancel() (any thread)         it ends within one round; result.finish_reason "cancelled"
+    a newer request from the thread that left it open, or engine.close()
+                                         its next iteration raises StreamCancelled naming what ended it: text is
+                                         never cut short silently
+  In every case the workers stop within one round and the Engine is ready for the next request.
 - A worker that dies or stops answering (WorkerDied, WorkerTimeout) leaves the Engine unusable until
   restart_workers(); every request until then raises that error again, saying so.
 - close() is idempotent and retryable; an interrupted close is finished by the next close(), by garbage
@@ -19,20 +26,22 @@ Requests (what the server relies on):
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from paraspec.config import EngineConfig
-from paraspec.drafters import is_model_free
-from paraspec.models.loader import load_tokenizer, parse_dtype, resolve_checkpoint
+from paraspec.models.loader import load_tokenizer_if_any, parse_dtype, resolve_spec
+from paraspec.prompts import decode_text, encode_prompt, output_text, stop_string_check
+from paraspec.run import Run
 from paraspec.runtime.errors import RemoteError, WorkerError
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
 from paraspec.strategies.base import Placement
-from paraspec.run import Run
+from paraspec.text_stream import TextDeltas
 from paraspec.trace import Trace
 
 
@@ -41,19 +50,44 @@ class IncompatibleModelsError(ValueError):
 
 
 class EngineBusy(RuntimeError):
-    """Another generation is running on this Engine (raised with on_busy="error")."""
+    """Another request holds this Engine: raised with on_busy="error", or after `wait_timeout` seconds of waiting."""
 
 
 class EngineClosed(RuntimeError):
     """The Engine was closed; create a new one."""
 
 
+class StreamCancelled(RuntimeError):
+    """A stream was ended by someone other than its reader (a newer request from the thread that left it open, or
+    engine.close()): raised at its next iteration, so that its text is never cut short without a word."""
+
+
+_numbers = itertools.count(1)
+
+
 @dataclass(eq=False)
 class _Request:
-    """The generation in progress: who started it, and whether it was asked to stop."""
-    thread: int                                   # threading.get_ident() of the caller that started it
-    stream: weakref.ref | None = None             # the stream's generator (weak: dropping it cancels it)
+    """A generation: who opened it and when, whether it was asked to stop, and its result once it has ended."""
+    kind: str                                     # "generate()" | "stream"
+    number: int = field(default_factory=lambda: next(_numbers))
+    thread: int = field(default_factory=threading.get_ident)
+    thread_name: str = field(default_factory=lambda: threading.current_thread().name)
+    opened: float = field(default_factory=time.time)
+    stream: weakref.ref | None = None             # the Stream (weak: dropping it cancels the generation)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ended_by: str | None = None                   # why another thread ended it, if not by cancel()
+    result: "GenerationResult | None" = None
+
+    def __str__(self) -> str:
+        opened = time.strftime("%H:%M:%S", time.localtime(self.opened))
+        return (f"{self.kind} #{self.number} (opened by thread {self.thread_name!r} at {opened}, "
+                f"{time.time() - self.opened:.1f} s ago)")
+
+    def how_to_end(self) -> str:
+        if self.kind == "stream":
+            return ("read that stream to its end or close it (stream.close(), in its thread), or cancel it from any "
+                    "thread (engine.cancel())")
+        return "wait for it, or cancel it from any thread (engine.cancel())"
 
 
 @dataclass
@@ -68,11 +102,50 @@ class GenerationResult:
     worker_reports: dict = field(default_factory=dict, repr=False)      # raw counters of worker loops
 
 
+class Stream:
+    """A generation streamed as text deltas (Engine.stream): iterate it; `result` is its GenerationResult once it
+    has ended; close() (also `with engine.stream(...) as s:`) cancels it. The request starts at the first next()."""
+
+    def __init__(self, deltas: Iterator[str], request: _Request):
+        self._deltas, self._request = deltas, request
+        self._ended_by: str | None = None      # why it was ended by its own thread, not by its reader
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> str:
+        if self._ended_by is not None:
+            raise StreamCancelled(f"{self._request} was cancelled: {self._ended_by}")
+        return next(self._deltas)
+
+    @property
+    def result(self) -> GenerationResult | None:
+        """The GenerationResult once the stream has ended (read to its end, closed or cancelled), else None."""
+        return self._request.result
+
+    def close(self) -> None:
+        """Cancel the generation (in the thread that reads the stream); the stream ends, its result says
+        "cancelled". Closing a stream that has ended does nothing."""
+        self._request.cancelled.set()
+        self._deltas.close()
+
+    def _end(self, why: str) -> None:
+        """Its thread ends it, not its reader: its next iteration raises StreamCancelled saying `why`."""
+        self._ended_by = why
+        self.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class Engine:
     def __init__(self, target, draft=None, strategy: str = "ar", dtype="auto", target_devices=("cpu",),
                  draft_devices=("cpu",), backend: str = "auto", max_context: int = 4096,
                  allow_vocab_mismatch: bool = False, runtime: str = "process", on_busy: str = "wait",
-                 worker_timeout: float | None = 60.0, **options):
+                 worker_timeout: float | None = 60.0, wait_timeout: float | None = None, **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
@@ -80,11 +153,12 @@ class Engine:
         `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU where the strategy allows
         them, else the native decoder), "native", "hf" or "llamacpp" (README "Backends").
         `on_busy`: what a request does while another is running: "wait" its turn or raise EngineBusy ("error").
+        `wait_timeout`: with on_busy="wait", seconds a request waits before EngineBusy (None: no limit).
         `worker_timeout`: seconds a worker may go without a sign of life (heartbeats, also while it loads)
         before WorkerTimeout is raised and the worker killed; None disables the watchdog."""
         self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
                                  max_context, allow_vocab_mismatch, runtime, options, on_busy=on_busy,
-                                 worker_timeout=worker_timeout))
+                                 worker_timeout=worker_timeout, wait_timeout=wait_timeout))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -94,7 +168,7 @@ class Engine:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
-        self.last_result: GenerationResult | None = None
+        self.last_result: GenerationResult | None = None   # the latest request's (read a Stream's own .result)
         self.target_devices = list(config.target_devices)
         self.draft_devices = config.used_draft_devices
         self._busy = threading.Condition()        # guards _active, _closed, _failure
@@ -105,23 +179,24 @@ class Engine:
         self.options = self.strategy.options
         # close() runs on garbage collection and at interpreter exit too (and retries what an interrupted close left)
         self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
-        # resolve (and convert, for .gguf) in this process first: bad paths fail before any worker starts
-        dtype_of = lambda devices: parse_dtype(config.dtype, devices[0].torch_device)
+        # resolve (and convert, for .gguf) in this process first, each checkpoint once: bad paths fail before any
+        # worker starts
         self.backend = config.model_backend        # "auto" resolved by the config
-        target_dir = _resolve(config.target, dtype_of(self.target_devices), self.backend)
-        draft_dirs = ([_resolve(d, dtype_of(self.draft_devices), self.backend) for d in config.model_drafts]
-                      if self.draft_devices else [])
-        drafts = iter(draft_dirs)         # the specs in order: model-free drafters ("ngram") stay names
-        draft_specs = [d if is_model_free(d) else next(drafts) for d in config.drafts]
-        self.tokenizer = self._maybe_tokenizer(target_dir)
-        self._placement = Placement(target_dir, draft_specs, self.target_devices, self.draft_devices,
+        target_dir = resolve_spec(config.target, parse_dtype(config.dtype, self.target_devices[0].torch_device),
+                                  self.backend)
+        draft_dtype = parse_dtype(config.dtype, self.draft_devices[0].torch_device) if self.draft_devices else None
+        drafts = [d.spec if d.model_free else resolve_spec(d.spec, draft_dtype, self.backend)
+                  for d in config.draft_specs]          # in order; model-free drafters ("ngram") stay names
+        draft_dirs = [folder for folder, d in zip(drafts, config.draft_specs) if not d.model_free]
+        self.tokenizer = load_tokenizer_if_any(target_dir)
+        self._placement = Placement(target_dir, drafts, self.target_devices, self.draft_devices,
                                     dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),
                                     config.runtime, config.worker_timeout)
         try:
             self.strategy.setup(self._placement)
             if not config.allow_vocab_mismatch:
                 for model, folder in zip(self.drafts, draft_dirs):
-                    check_compatible(self.target, model, self.tokenizer, self._maybe_tokenizer(folder))
+                    check_compatible(self.target, model, self.tokenizer, load_tokenizer_if_any(folder))
         except BaseException:
             self.close()
             raise
@@ -129,16 +204,29 @@ class Engine:
     def restart_workers(self) -> None:
         """Stop the strategy's workers and start new ones (models reloaded), e.g. after WorkerDied or
         WorkerTimeout; waits for (or, with on_busy="error", refuses during) a running generation."""
-        request = self._acquire(failed_ok=True)
+        request = self._acquire(_Request("restart_workers()"), failed_ok=True)
         try:
             self.strategy.close()
             self._finalizer.detach()
             self.strategy = self.config.strategy_class(self.config.strategy_options)
+            self.options = self.strategy.options
             self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
             self.strategy.setup(self._placement)
             self._failure = None
         finally:
             self._release(request)
+
+    def set_options(self, **options) -> None:
+        """Change strategy options between requests (the models stay loaded), checked like the Engine's own
+        arguments (EngineConfig); EngineBusy while a request runs. The strategy reads them at its next decode()."""
+        config = replace(self.config, options={**self.config.options, **options})
+        with self._busy:
+            self._check_usable(failed_ok=True)
+            if self._active is not None:
+                raise EngineBusy(f"options cannot change while {self._active} runs; "
+                                 f"{self._active.how_to_end()}")
+            self.config = config
+            self.options.update(config.strategy_options)
 
     # the models and workers are the strategy's; these name them for callers and tests
     @property
@@ -157,63 +245,17 @@ class Engine:
     def runtime(self):
         return self.strategy.runtime
 
-    @staticmethod
-    def _maybe_tokenizer(folder):
-        """The checkpoint's tokenizer, or None for a weights-only checkpoint (token-id prompts still work)."""
-        from paraspec.models.simulated import SimulatedSpec
-        if isinstance(folder, SimulatedSpec) or not any((folder / f).exists() for f in (
-                "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-            return None
-        return load_tokenizer(folder)
-
-    # -- prompts -------------------------------------------------------------------------------------------
+    # -- prompts (prompts.py) ------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """A str (raw text, no template), a list of token ids, or chat messages (chat template applied)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            ids = self._tokenizer_for("a text prompt").encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            tok = self._tokenizer_for("chat messages")
-            if not getattr(tok, "chat_template", None):
-                raise ValueError("this tokenizer has no chat template; pass a plain string prompt (no --chat)")
-            for m in prompt:
-                if "role" not in m or "content" not in m:
-                    raise ValueError(f"chat message {m!r} needs 'role' and 'content'")
-            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            ids = list(ids)
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
-        else:
-            raise ValueError("prompt must be a non-empty str, list of token ids, or list of chat messages "
-                             "({'role': ..., 'content': ...})")
-        if not ids:
-            raise ValueError("the prompt encodes to zero tokens")
-        limit = self.max_context
-        if len(ids) >= limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {limit}; shorten the "
-                             f"prompt or create the engine with a larger max_context")
-        return ids
+        return encode_prompt(prompt, self.tokenizer, self.target.vocab_size, self.max_context)
 
-    def _tokenizer_for(self, what: str):
-        if self.tokenizer is None:
-            raise ValueError(f"the target checkpoint has no tokenizer, so {what} cannot be encoded; "
-                             f"pass a list of token ids")
-        return self.tokenizer
+    def decode_text(self, token_ids: list[int]) -> str:
+        return decode_text(self.tokenizer, token_ids)
 
     @property
     def max_context(self) -> int:
         return min(m.max_context for m in (self.target, *self.drafts))
-
-    def decode_text(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- generation ----------------------------------------------------------------------------------------
     def _new_run(self, prompt, params: SamplingParams | None, record_margins: bool = False) -> Run:
@@ -222,77 +264,56 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
         stop = set(self.target.eos_token_ids) | set(params.stop_token_ids or ())
-        if params.stop:
-            self._tokenizer_for("stop strings")
         return Run(prompt_ids=self.encode(prompt), params=params, stop_ids=frozenset(stop),
                    generator=make_generator(params.seed), max_context=self.max_context,
                    margins={} if record_margins else None,
-                   stop_check=self._stop_check(params.stop) if params.stop else None)
+                   stop_check=stop_string_check(self.tokenizer, params.stop) if params.stop else None)
 
-    def _stop_check(self, stop: tuple[str, ...]):
-        """Run.commit's test for stop strings: decode only the last tokens (enough for the longest stop string
-        even at one byte per token), so that the check per committed token stays short."""
-        window = 4 * max(map(len, stop)) + 4
-
-        def check(tokens: list[int]) -> str | None:
-            tail = self.decode_text(tokens[-window:])
-            return next((s for s in stop if s in tail), None)
-        return check
-
-    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas as tokens are committed; the full result is then in `engine.last_result`.
-        The request starts at the first next(); close() on the generator (or dropping it) cancels it."""
+    def stream(self, prompt, params: SamplingParams | None = None) -> Stream:
+        """A Stream of text deltas as tokens are committed; its `result` once it has ended. The request starts at
+        the first next(); close() (or dropping the stream) cancels it. See the module docstring for the ways a
+        stream can end early."""
         run = self._new_run(prompt, params)
-        request = _Request(threading.get_ident())
-        deltas = self._stream(run, request)
-        request.stream = weakref.ref(deltas)
-        return deltas
+        request = _Request("stream")
+        stream = Stream(self._stream(run, request), request)
+        request.stream = weakref.ref(stream)
+        return stream
 
     def _stream(self, run: Run, request: _Request) -> Iterator[str]:
         self._acquire(request)
         batches = self._decode(run, request)
+        text = TextDeltas(run.params.stop)
+        start = run.trace.t0 = time.perf_counter()
         try:
-            start = time.perf_counter()
-            run.trace.t0 = start
-            text = ""
-            # text that a stop string may still claim is held back: its longest proper prefix
-            hold = max(map(len, run.params.stop)) - 1 if run.params.stop else 0
             for _ in batches:
-                now_text = self._text(run)
-                if hold and not run.done:
-                    now_text = now_text[:len(now_text) - hold]
-                if now_text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for the next token
-                    continue
-                if len(now_text) > len(text) and now_text.startswith(text):
-                    yield now_text[len(text):]
-                    text = now_text           # `text` is what was yielded: deltas always add up
-            result = self._finish(run, start)
+                delta = text.update(output_text(self.tokenizer, run), final=run.done)
+                if delta:
+                    yield delta
         finally:
             batches.close()
-            self._release(request)
-        if result.text != text and result.text.startswith(text):
-            yield result.text[len(text):]
-
-    def _text(self, run: Run) -> str:
-        """The output text: without a final stop token, and cut before a stop string."""
-        if run.stop_string is not None:
-            text = self.decode_text(run.tokens)
-            return text[:min((i for s in run.params.stop if (i := text.find(s)) >= 0), default=len(text))]
-        return self.decode_text(run.tokens[:-1] if run.finish_reason == "stop" else run.tokens)
+            try:
+                request.result = self._finish(run, start)   # closed or cancelled too: the text it had
+            finally:
+                self._release(request)
+        if request.ended_by is not None and run.finish_reason == "cancelled":   # engine.close(), another thread
+            raise StreamCancelled(f"{request} was cancelled: {request.ended_by}")
+        delta = text.update(request.result.text, final=True)
+        if delta:
+            yield delta
 
     def generate(self, prompt, params: SamplingParams | None = None,
                  record_margins: bool = False) -> GenerationResult:
         """Generate a completion. record_margins keeps, for each output index, the target's top-1 minus top-2
         logit as this strategy computed it: where two strategies differ in bf16, it shows a near-tie."""
         run = self._new_run(prompt, params, record_margins)
-        request = self._acquire()
+        request = self._acquire(_Request("generate()"))
         batches = self._decode(run, request)
         try:
-            start = time.perf_counter()
-            run.trace.t0 = start
+            start = run.trace.t0 = time.perf_counter()
             for _ in batches:
                 pass
-            return self._finish(run, start)
+            request.result = self._finish(run, start)
+            return request.result
         finally:
             batches.close()
             self._release(request)
@@ -338,20 +359,14 @@ class Engine:
                 return "the Engine is closed"
             if self._failure is not None:
                 return str(self._failure)
-        runtime = self.strategy.runtime
-        if runtime is not None:
-            if runtime.closed:
-                return "the Engine's workers are stopped"
-            dead = [name for name, worker in runtime.workers.items() if not worker.alive]
-            if dead:
-                return f"worker(s) {', '.join(map(repr, dead))} not alive; restart_workers() starts new ones"
-        return None
+        return self.strategy.health()
 
     # -- one request at a time -------------------------------------------------------------------------------
-    def _acquire(self, request: _Request | None = None, failed_ok: bool = False) -> _Request:
-        """Make `request` the one in progress: wait for (or refuse, with on_busy="error") another thread's;
-        cancel a stream the calling thread left open."""
-        request = request or _Request(threading.get_ident())
+    def _acquire(self, request: _Request, failed_ok: bool = False) -> _Request:
+        """Make `request` the one in progress: wait for (at most wait_timeout), or refuse with on_busy="error",
+        another thread's; end a stream the calling thread left open (its reader gets StreamCancelled)."""
+        timeout = self.config.wait_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._busy:
                 self._check_usable(failed_ok)
@@ -362,12 +377,19 @@ class Engine:
                 open_stream = active.stream() if active.thread == request.thread and active.stream else None
                 if open_stream is None:
                     if self.config.on_busy == "error":
-                        raise EngineBusy("another generation is running on this Engine; wait for it, cancel it "
-                                         "(engine.cancel()), or create the Engine with on_busy='wait'")
-                    self._busy.wait()
+                        raise EngineBusy(f"{active} is running on this Engine; {active.how_to_end()}, or create "
+                                         f"the Engine with on_busy='wait'")
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise EngineBusy(f"waited {timeout:g} s (wait_timeout) for {active}, which still holds "
+                                         f"this Engine; {active.how_to_end()}")
+                    self._busy.wait(left)
                     continue
-            open_stream.close()       # this thread left a stream open: it ends as cancelled, outside the lock
-            with self._busy:          # (a stream that never started holds nothing: drop it as the active one)
+            # this thread left a stream open: it ends (its reader is told), outside the lock; a stream that never
+            # started holds nothing: drop it as the active one
+            open_stream._end(f"{request} was started on the same thread before this stream ended; read a stream "
+                             f"to its end or close() it before starting another request")
+            with self._busy:
                 if self._active is active:
                     self._active = None
 
@@ -386,7 +408,7 @@ class Engine:
     def _finish(self, run: Run, start: float) -> GenerationResult:
         total = time.perf_counter() - start
         self.last_result = GenerationResult(
-            self._text(run), list(run.tokens), compute_stats(run, self.strategy.name, total),
+            output_text(self.tokenizer, run), list(run.tokens), compute_stats(run, self.strategy.name, total),
             run.trace, run.finish_reason or "length", run.prompt_ids, run.margins, run.worker_reports)
         return self.last_result
 
@@ -398,12 +420,15 @@ class Engine:
         thread left open as a stream is closed. Any request afterwards raises EngineClosed."""
         if getattr(self, "strategy", None) is None:   # __init__ failed before the strategy existed
             return
+        why = "the Engine was closed (engine.close())"
         with self._busy:
             self._closed = True
             active = self._active
+            if active is not None:
+                active.ended_by = why
         if active is not None:
             if active.thread == threading.get_ident() and active.stream and active.stream() is not None:
-                active.stream().close()
+                active.stream()._end(why)
             else:
                 self.cancel()
                 with self._busy:
@@ -421,12 +446,6 @@ class Engine:
 def _close_strategy(strategy) -> None:
     """The Engine's finalizer (garbage collection, interpreter exit): holds the strategy, not the Engine."""
     strategy.close()
-
-
-def _resolve(spec, dtype, backend: str = "native"):
-    """A checkpoint folder (resolved and converted here), or a simulated model's spec as it is."""
-    from paraspec.models.simulated import SimulatedSpec
-    return spec if isinstance(spec, SimulatedSpec) else resolve_checkpoint(spec, dtype, backend)
 
 
 def check_compatible(target, draft, target_tok, draft_tok) -> None:

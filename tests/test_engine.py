@@ -30,9 +30,12 @@ def test_prompt_kinds(engine):
 
 def test_stream_deltas_add_up_to_the_text(engine):
     params = SamplingParams(max_new_tokens=24)
-    deltas = list(engine.stream("def f(x):", params))
+    stream = engine.stream("def f(x):", params)
+    assert stream.result is None                     # not started: the request begins at the first next()
+    deltas = list(stream)
     assert len(deltas) > 1
-    assert "".join(deltas) == engine.last_result.text == engine.generate("def f(x):", params).text
+    assert stream.result is engine.last_result       # last_result kept for older callers
+    assert "".join(deltas) == stream.result.text == engine.generate("def f(x):", params).text
 
 
 def test_stats_and_trace(engine):
@@ -190,3 +193,22 @@ def test_in_process_pinning_is_undone_by_close(qwen2_target):
         e.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
     assert os.sched_getaffinity(0) == before
     Engine(qwen2_target, target_devices=["cpu:1"]).close()   # cpu:1 still counts as available
+
+
+def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target, qwen2_partial, monkeypatch):
+    import paraspec.engine as engine_module
+    from paraspec.config import DraftSpec
+    resolved, resolve_spec = [], engine_module.resolve_spec
+
+    def counting(spec, dtype, backend="native"):
+        resolved.append(str(spec))
+        return resolve_spec(spec, dtype, backend)
+    monkeypatch.setattr(engine_module, "resolve_spec", counting)
+    with Engine(qwen2_target, ["ngram", qwen2_partial], strategy="sd", dtype="float32") as engine:
+        assert engine.config.draft_specs == (DraftSpec("ngram", True), DraftSpec(qwen2_partial, False))
+        assert sorted(resolved) == sorted([str(qwen2_target), str(qwen2_partial)])
+        placement = engine._placement
+        assert placement.drafts == ["ngram", qwen2_partial] and placement.model_drafts == [qwen2_partial]
+        assert engine.strategy.draft_specs == ["ngram", qwen2_partial] and len(engine.drafts) == 1
+        assert engine.health() is None
+    assert engine.health() == "the Engine is closed"

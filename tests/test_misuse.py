@@ -5,6 +5,7 @@ exact tokens or in a named error, with no process and no shared-memory segment l
 import dataclasses
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from paraspec import Engine, SamplingParams
-from paraspec.engine import EngineBusy, EngineClosed
+from paraspec.engine import EngineBusy, EngineClosed, StreamCancelled
 from paraspec.runtime import WorkerDied, WorkerTimeout
 from tests.strategies.test_sd import PROMPT
 
@@ -49,6 +50,13 @@ def sd(qwen2_target, qwen2_partial):
 @pytest.fixture(scope="module")
 def amusd(qwen2_target, qwen2_partial):
     with Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **PROCESS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def dsi(qwen2_target, qwen2_partial):
+    with Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="inprocess",
+                target_devices=["cpu"] * 2) as engine:
         yield engine
 
 
@@ -101,24 +109,112 @@ def test_on_busy_is_checked(qwen2_target):
         Engine(qwen2_target, strategy="ar", on_busy="queue")
 
 
-@pytest.mark.parametrize("name", ["sd", "amusd"])
-def test_interleaved_streams_cancel_the_older_one(request, name, expected):
+@pytest.mark.parametrize("name", ["sd", "amusd", "dsi"])
+def test_interleaved_streams_the_older_one_says_it_was_cancelled(request, name, expected):
     engine = request.getfixturevalue(name)
-    a = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
-    next(a)
-    b = engine.stream(PROMPT, PARAMS)
-    text_b = "".join(b)                               # starting b ended a (same thread: a is not being read)
-    assert list(a) == []
-    assert engine.last_result.token_ids == expected and text_b == engine.last_result.text
+    a, b = engine.stream(PROMPT, SamplingParams(max_new_tokens=200)), engine.stream(PROMPT, PARAMS)
+    first_a = next(a)
+    text_b = next(b)                                  # b starts while a is open (same thread): a is cancelled
+    with pytest.raises(StreamCancelled, match=r"was cancelled: stream #\d+ \(opened by thread 'MainThread' at "
+                                              r".* was started on the same thread") as raised:
+        next(a)                                       # ... and says so instead of ending short
+    with pytest.raises(StreamCancelled):
+        next(a)                                       # every time it is read
+    assert a.result.finish_reason == "cancelled" and a.result.text.startswith(first_a)
+    text_b += "".join(b)
+    assert b.result.token_ids == expected and text_b == b.result.text
+    # it names itself, then the request that took over
+    assert re.findall(r"stream #(\d+)", str(raised.value)) == [str(a._request.number), str(b._request.number)]
     assert engine.generate(PROMPT, PARAMS).token_ids == expected
+
+
+@pytest.mark.parametrize("name", ["sd", "amusd", "dsi"])
+def test_streams_read_in_turns_raise_at_the_first_overtaken_read(request, name, expected):
+    engine = request.getfixturevalue(name)
+    a, b = engine.stream(PROMPT, SamplingParams(max_new_tokens=200)), engine.stream(PROMPT, PARAMS)
+    with pytest.raises(StreamCancelled, match="started on the same thread"):
+        for _ in zip(a, b):                           # a, b, a: the second read of a raises
+            pass
+    assert b.result is None or b.result.finish_reason != "cancelled"
+    assert "".join(b) and b.result.token_ids == expected
+
+
+def test_closing_the_engine_under_an_open_stream_says_so(qwen2_target, qwen2_partial):
+    engine = Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32")
+    stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
+    next(stream)
+    engine.close()
+    with pytest.raises(StreamCancelled, match=r"was cancelled: the Engine was closed"):
+        next(stream)
+    assert stream.result.finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("name", ["sd", "amusd"])
+def test_a_caller_waits_for_an_open_stream_until_it_is_closed(request, name, expected):
+    engine = request.getfixturevalue(name)            # wait_timeout None: waits as long as it takes
+    stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
+    next(stream)
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(engine.generate(PROMPT, PARAMS).token_ids))
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive() and not results          # still waiting: the stream holds the Engine
+    stream.close()
+    waiter.join(120)
+    assert not waiter.is_alive() and results == [expected]
+
+
+@pytest.mark.parametrize("strategy,kwargs", [("sd", {}), ("amusd", dict(runtime="inprocess"))])
+def test_wait_timeout_names_the_open_stream(qwen2_target, qwen2_partial, expected, strategy, kwargs):
+    with Engine(qwen2_target, qwen2_partial, strategy=strategy, dtype="float32", wait_timeout=1.5,
+                **kwargs) as engine:
+        stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
+        next(stream)
+        start = time.monotonic()
+        [error] = in_threads(lambda: engine.generate(PROMPT, PARAMS), 1)
+        waited = time.monotonic() - start
+        assert isinstance(error, EngineBusy), error
+        assert 1.5 <= waited < 60
+        message = str(error)
+        assert message.startswith("waited 1.5 s (wait_timeout) for stream #")
+        assert "opened by thread 'MainThread' at " in message
+        assert "stream.close()" in message and "engine.cancel()" in message
+        stream.close()
+        assert engine.generate(PROMPT, PARAMS).token_ids == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", True])
+def test_wait_timeout_is_checked(qwen2_target, value):
+    with pytest.raises(ValueError, match="wait_timeout must be a number of seconds > 0, or None"):
+        Engine(qwen2_target, strategy="ar", wait_timeout=value)
+
+
+def test_set_options_is_checked_and_waits_for_no_request(qwen2_target, qwen2_partial, expected):
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32") as engine:
+        with pytest.raises(ValueError, match="lookahead must be >= 1"):
+            engine.set_options(lookahead=0)
+        with pytest.raises(ValueError, match="does not take option\\(s\\) max_ahead"):
+            engine.set_options(max_ahead=4)
+        assert engine.options["lookahead"] == 5 and engine.config.options == {}
+        stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
+        next(stream)
+        with pytest.raises(EngineBusy, match="options cannot change while stream #"):
+            engine.set_options(lookahead=2)
+        stream.close()
+        engine.set_options(lookahead=2)
+        assert engine.options["lookahead"] == 2 and engine.config.options == {"lookahead": 2}
+        result = engine.generate(PROMPT, PARAMS)
+        assert result.token_ids == expected and result.stats.drafted <= 2 * result.stats.rounds
 
 
 @pytest.mark.parametrize("name", ["sd", "amusd"])
 def test_stream_closed_or_dropped_early_leaves_the_engine_exact(request, name, expected, capfd):
     engine = request.getfixturevalue(name)
     stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
-    next(stream)
-    stream.close()
+    first = next(stream)
+    stream.close()                                    # closed by its reader: it just ends
+    assert list(stream) == [] and stream.result.finish_reason == "cancelled"
+    assert stream.result.text.startswith(first)
     assert engine.generate(PROMPT, PARAMS).token_ids == expected
     stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
     next(stream)
@@ -137,11 +233,12 @@ def test_cancel_from_another_thread(request, name, expected):
 
     def slow_consumer():
         deltas = []
-        for delta in engine.stream(PROMPT, SamplingParams(max_new_tokens=2000)):
+        stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
+        for delta in stream:                          # engine.cancel() ends it: no error, the result says so
             deltas.append(delta)
             started.set()
             time.sleep(0.05)
-        outcome["deltas"], outcome["result"] = deltas, engine.last_result
+        outcome["deltas"], outcome["result"] = deltas, stream.result
     thread = threading.Thread(target=slow_consumer)
     thread.start()
     assert started.wait(60)
@@ -313,16 +410,17 @@ def test_worker_timeout_is_checked(qwen2_target):
 
 # -- signals to the command line -------------------------------------------------------------------------------
 
-def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int) -> subprocess.Popen:
+def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int, merged: bool = False) -> subprocess.Popen:
     """`paraspec generate` with amusd workers, in a session of its own (a terminal's Ctrl-C signals the whole
-    process group)."""
+    process group); `merged`: stderr into stdout, in the order written."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     return subprocess.Popen(
         [sys.executable, "-m", "paraspec", "generate", "--target", str(qwen2_target), "--draft", str(qwen2_partial),
          "--strategy", "amusd", "--dtype", "float32", "--target-devices", "cpu:1", "--draft-devices", "cpu:0",
          "--prompt", "hello", "--max-new-tokens", str(max_new_tokens), "--max-context", "256"],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+        text=True, start_new_session=True)
 
 
 def spawned_workers(pid: int) -> list[int]:
@@ -352,12 +450,56 @@ def test_ctrl_c_while_workers_start_prints_one_line(qwen2_target, qwen2_partial)
     finally:
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
-    assert cli.returncode == 130, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert lines[-1] == "interrupted" and "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    time.sleep(0.2)
-    assert all(gone(pid) for pid in workers)
-    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{cli.pid}_")]
+    assert_interrupted(cli, err, workers)
+
+
+def assert_interrupted(cli: subprocess.Popen, output: str, processes) -> None:
+    """Exit 130 with `interrupted` as the last line and no traceback; no process and no segment left behind."""
+    assert cli.returncode == 130, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert lines[-1] == "interrupted" and "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert "leaked" not in output and "Exception ignored" not in output, output
+    wait_for(lambda: all(gone(pid) for pid in processes), 10)
+    owners = {str(pid) for pid in (cli.pid, *processes)}
+    assert not [p for p in Path("/dev/shm").iterdir()
+                if p.name.startswith("paraspec_") and p.name.split("_")[1] in owners]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (children, their children, ...)."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                children = {int(c) for c in (task / "children").read_text().split()}
+                todo += children - found
+                found |= children
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.0, 3.0])
+def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(qwen2_target, qwen2_partial, delay):
+    """Ctrl-C while Python imports torch, parses, loads or starts workers: one line, exit 130, nothing left."""
+    cli = start_cli(qwen2_target, qwen2_partial, 200, merged=True)
+    seen = set()
+    try:
+        end = time.monotonic() + delay
+        while time.monotonic() < end:
+            seen |= descendants(cli.pid)
+            time.sleep(0.01)
+        os.killpg(cli.pid, signal.SIGINT)             # Ctrl-C reaches the whole group
+        deadline = time.monotonic() + 60
+        while cli.poll() is None and time.monotonic() < deadline:
+            seen |= descendants(cli.pid)
+            time.sleep(0.02)
+        out, _ = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    assert_interrupted(cli, out, seen)
 
 
 def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):

@@ -39,8 +39,8 @@ def test_stop_string_cuts_like_ar(engine, reference):
     result = engine.generate(PROMPT, params)
     assert (result.text, result.finish_reason) == (full.text[:cut], "stop")
     assert result.token_ids == full.token_ids[:end] and result.stats.new_tokens == end
-    deltas = list(engine.stream(PROMPT, params))
-    assert "".join(deltas) == full.text[:cut] and engine.last_result.token_ids == full.token_ids[:end]
+    stream = engine.stream(PROMPT, params)
+    assert "".join(stream) == full.text[:cut] and stream.result.token_ids == full.token_ids[:end]
     after = engine.generate(PROMPT, FULL)        # the engine is exact for the next request
     assert after.token_ids == full.token_ids
 

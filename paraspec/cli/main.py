@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+import threading
 
-from paraspec.strategies import OPTIONS, STRATEGIES
+# nothing heavy (torch) at module level: main() protects Ctrl-C first, then imports
 
 
 def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> None:
     """Flags shared by every command that builds an Engine (named like the Engine keyword arguments)."""
+    from paraspec.strategies import OPTIONS
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
     if several_drafts:
         p.add_argument("--draft", action="append", help="draft model (needed by every speculative strategy), or "
@@ -56,6 +59,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def given_options(args) -> dict:
     """The strategy options given on the command line (a flag left out is None: the strategy's default applies)."""
+    from paraspec.strategies import OPTIONS
     return {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
 
 
@@ -99,12 +103,15 @@ def cmd_generate(args) -> int:
             print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
         else:
-            for delta in engine.stream(prompt, params):
-                sys.stdout.write(delta)
+            stream = engine.stream(prompt, params)
+            try:
+                for delta in stream:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+            finally:
+                sys.stdout.write("\n")          # also when interrupted: "interrupted" gets a line of its own
                 sys.stdout.flush()
-            sys.stdout.write("\n")
-            result = engine.last_result
-            print(result.stats.summary(), file=sys.stderr)
+            print(stream.result.stats.summary(), file=sys.stderr)
     return 0
 
 
@@ -126,6 +133,7 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from paraspec.strategies import STRATEGIES
     parser = argparse.ArgumentParser(prog="paraspec", description="Lossless speculative decoding on several "
                                      "devices at once (AMUSD, DSI, EasySpec) and its baselines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,13 +184,29 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def _exit_interrupted(signum, frame):
+    """Ctrl-C while paraspec starts (imports, parsing, checks): nothing to clean up yet (no worker, no segment),
+    so end at once, without a KeyboardInterrupt raised somewhere inside an import."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
 def main(argv=None) -> int:
     """Ctrl-C at any moment prints one line and exits 130 (workers ignore SIGINT: the Engine stops them);
-    SIGTERM closes the Engine the same way and exits 143."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    SIGTERM closes the Engine the same way and exits 143. Until the command runs, Ctrl-C exits at once
+    (`_exit_interrupted`); from then on it raises KeyboardInterrupt, so that every `with Engine(...)` closes."""
+    in_main = threading.current_thread() is threading.main_thread()    # (signals are the main thread's)
+    previous_int = signal.signal(signal.SIGINT, _exit_interrupted) if in_main else None
+    if previous_int is None:                   # a handler set outside Python (embedding): Python's default after us
+        previous_int = signal.default_int_handler
+    previous_term = None
     try:
+        parser = build_parser()                # imports torch and the strategies
+        args = parser.parse_args(argv)
+        import paraspec.engine  # noqa: F401  -- the rest of what a command loads before it starts workers
+        if in_main:
+            previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
+            signal.signal(signal.SIGINT, previous_int)
         return args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -194,7 +218,10 @@ def main(argv=None) -> int:
         print(f"paraspec: error: {e}", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main:
+            signal.signal(signal.SIGINT, previous_int)
+            if previous_term is not None:
+                signal.signal(signal.SIGTERM, previous_term)
 
 
 if __name__ == "__main__":

@@ -243,3 +243,21 @@ def load_tokenizer(spec, dtype="bfloat16"):
     except Exception as e:
         raise CheckpointError(f"cannot load a tokenizer from {folder} ({type(e).__name__}: {e}); the folder "
                               f"needs tokenizer.json or the tokenizer files of its model family") from None
+
+
+def resolve_spec(spec, dtype, backend: str = "native"):
+    """What a model spec loads from: a checkpoint folder (resolved, and converted for a .gguf on the native
+    backend), or a simulated model's spec as it is. The Engine calls it once per model, before any worker starts,
+    so that a bad path fails first."""
+    from paraspec.models.simulated import SimulatedSpec
+    return spec if isinstance(spec, SimulatedSpec) else resolve_checkpoint(spec, dtype, backend)
+
+
+def load_tokenizer_if_any(folder):
+    """The checkpoint's tokenizer, or None for a weights-only checkpoint or a simulated model (token-id prompts
+    still work)."""
+    from paraspec.models.simulated import SimulatedSpec
+    if isinstance(folder, SimulatedSpec) or not any((Path(folder) / f).exists() for f in (
+            "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return None
+    return load_tokenizer(folder)

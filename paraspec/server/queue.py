@@ -103,12 +103,13 @@ class GenerationQueue:
         """(request thread) Run the generation, then hand the engine to the next request."""
         fault = False
         try:
-            for delta in self.engine.stream(job.prompt_ids, job.params):
+            stream = self.engine.stream(job.prompt_ids, job.params)
+            for delta in stream:
                 if job.stream:
                     self._emit(job, "delta", delta)
                 if job.cancelled.is_set():      # cancelled before the engine had the request: stop it now
                     self.engine.cancel()
-            job.result = self.engine.last_result
+            job.result = stream.result
         except Exception as e:  # noqa: BLE001 -- reported to the client; a worker fault restarts the workers
             job.error = e
             fault = isinstance(e, WorkerError) and self.engine.health() is not None and not self.closing

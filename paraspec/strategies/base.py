@@ -4,6 +4,7 @@ request in flight (`Run`) and the rules for committing tokens are in paraspec/ru
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
     Strategy.decode(run)       a generator yielding each batch of newly committed token ids
     Strategy.cancel()          (any thread) wake a decode() blocked on its workers so it ends soon
+    Strategy.health()          why a request would fail now because of its workers, or None
     Strategy.close()           stop its workers, unlink its segments, undo its pinning (idempotent, retryable)
 
 The Engine turns the batches into streamed text and, at the end, into stats. Committing goes through
@@ -97,6 +98,18 @@ class Strategy(abc.ABC):
     def cancel(self) -> None:
         """Called from another thread to stop the decode() in progress: the Engine stops pulling its batches
         after the current one; a strategy that waits on its workers also wakes that wait here."""
+
+    def health(self) -> str | None:
+        """Why a request would fail now because of this strategy's workers (stopped, or one not alive), or None;
+        the Engine's health() and the server's /health say it."""
+        if self.runtime is None:
+            return None
+        if self.runtime.closed:
+            return "the Engine's workers are stopped"
+        dead = [name for name, worker in self.runtime.workers.items() if not worker.alive]
+        if dead:
+            return f"worker(s) {', '.join(map(repr, dead))} not alive; restart_workers() starts new ones"
+        return None
 
     def close(self) -> None:
         if self.runtime is not None:

@@ -60,7 +60,8 @@ def ablation(engine_factory, prompts, params, widths=(1, 4, 8, 12), lp_sizes=(1,
              calibrations=(True, False), tree_depth: int = 5, progress=None) -> list[dict]:
     """Run easyspec for every (width, LP size, calibration); engine_factory(**options) returns an Engine.
 
-    One engine is reused (its options are updated between configurations) so models load once."""
+    One engine is reused (Engine.set_options between configurations, checked like the Engine's arguments) so
+    models load once."""
     rows = []
     engine = engine_factory()
     try:
@@ -68,8 +69,8 @@ def ablation(engine_factory, prompts, params, widths=(1, 4, 8, 12), lp_sizes=(1,
         for lp in lp_sizes:                   # LP size outermost: a multi-device drafter restarts per layout
             for calibration in calibrations:
                 for width in widths:
-                    engine.options.update(tree_width=width, lp_size=lp, calibration=calibration,
-                                          tree_depth=tree_depth, tree_budget=width * tree_depth)
+                    engine.set_options(tree_width=width, lp_size=lp, calibration=calibration,
+                                       tree_depth=tree_depth, tree_budget=width * tree_depth)
                     accepted = drafted = tokens = 0
                     start = time.perf_counter()
                     for prompt in prompts:

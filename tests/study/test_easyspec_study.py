@@ -37,7 +37,7 @@ def test_ablation_rows_and_plots(deep_pair, tmp_path):
 
 
 def test_study_cli_similarity(deep_pair, tmp_path, monkeypatch, capsys):
-    from paraspec.study import cli as study_cli
+    from paraspec.cli import study as study_cli
     monkeypatch.setattr(study_cli, "_prompts", lambda args, tok: [[{"role": "user", "content": "def f(x): return"}]])
     assert main(["study", "easyspec", "--draft", str(deep_pair[1]), "--lp-sizes", "2", "3",
                  "--tokens-per-prompt", "4", "--dtype", "float32", "--out", str(tmp_path)]) == 0
