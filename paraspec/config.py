@@ -35,6 +35,10 @@ class EngineConfig:
     on_busy: str = "wait"                         # a request while another runs: "wait" its turn or "error"
     worker_timeout: float | None = 60.0           # seconds without a worker's heartbeat -> WorkerTimeout; None: off
     wait_timeout: float | None = None             # on_busy="wait": seconds a request waits, then EngineBusy; None: no limit
+    transport: str = "auto"                       # workers' channels: "auto" (shared memory on this host, TCP to
+                                                  # another), "shm", or "tcp" (tests, benchmarks)
+    ray_address: str | None = None                # runtime="ray": the cluster to join (else RAY_ADDRESS, else local)
+    link_latency_ms: float = 0.0                  # tests and benchmarks: delay per message on the network transport
     draft_specs: tuple[DraftSpec, ...] = field(init=False, default=())   # `draft` in order, each marked (below)
     model_backend: str = field(init=False, default="")   # `backend` with "auto" resolved for this strategy
 
@@ -85,6 +89,7 @@ class EngineConfig:
         self.target_devices = tuple(parse_devices(self.target_devices))
         if cls.needs_draft:
             self.draft_devices = tuple(parse_devices(self.draft_devices))
+        self._check_placement(cls)
             models = self.model_drafts
             if len(models) > 1 and len(self.draft_devices) not in (1, len(models)):
                 raise ValueError(f"{len(models)} draft models take one draft device group (shared) or one per "
@@ -92,6 +97,40 @@ class EngineConfig:
                                  f"D{len(models) - 1}")
         self.model_backend = self._resolve_backend(cls)
         cls.check_config(self)
+
+    def _check_placement(self, cls) -> None:
+        """Devices on named nodes, the transport and the Ray address: checked together, naming the fix."""
+        from paraspec.runtime.runtime import Runtime
+        if self.transport not in Runtime.TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; use one of {', '.join(Runtime.TRANSPORTS)}")
+        if not (isinstance(self.link_latency_ms, (int, float)) and self.link_latency_ms >= 0):
+            raise ValueError(f"link_latency_ms must be a number >= 0, got {self.link_latency_ms!r}")
+        if self.ray_address is not None and self.runtime != "ray":
+            raise ValueError(f"ray_address applies to runtime='ray' (--runtime ray), not runtime={self.runtime!r}")
+        devices = list(self.target_devices) + (list(self.draft_devices) if cls.needs_draft else [])
+        on_nodes = [str(d) for d in devices if d.node]
+        if on_nodes and self.runtime != "ray":
+            if "ray" not in cls.runtimes:
+                raise ValueError(f"strategy {self.strategy!r} runs its models in the caller's process, so its devices "
+                                 f"cannot name a node ({on_nodes[0]}); use amusd or dsi to place workers on nodes")
+            raise ValueError(f"device {on_nodes[0]} names a node: place workers on nodes with runtime='ray' "
+                             f"(--runtime ray)")
+        if on_nodes and not cls.across_nodes:
+            raise ValueError(f"strategy {self.strategy!r} cannot run across nodes ({cls.across_nodes_reason}); "
+                             f"give its devices without a node")
+        if self.transport == "shm" and on_nodes:
+            raise ValueError(f"transport='shm' cannot reach workers on other nodes ({on_nodes[0]}); use 'auto'")
+        if self.link_latency_ms and self.transport != "tcp" and not on_nodes:
+            raise ValueError("link_latency_ms delays messages of the network transport; with every worker on this "
+                             "host pass transport='tcp' too")
+
+    @property
+    def runtime_options(self) -> dict:
+        """The Runtime's keyword arguments beyond its backend and watchdog."""
+        options = dict(transport=self.transport, link_latency_s=self.link_latency_ms / 1000)
+        if self.ray_address is not None:
+            options["address"] = self.ray_address
+        return options
 
     def _resolve_backend(self, cls) -> str:
         """"auto" made concrete, and the backend checked against the strategy and the dtype."""

@@ -145,7 +145,8 @@ class Engine:
     def __init__(self, target, draft=None, strategy: str = "ar", dtype="auto", target_devices=("cpu",),
                  draft_devices=("cpu",), backend: str = "auto", max_context: int = 4096,
                  allow_vocab_mismatch: bool = False, runtime: str = "process", on_busy: str = "wait",
-                 worker_timeout: float | None = 60.0, wait_timeout: float | None = None, **options):
+                 worker_timeout: float | None = 60.0, wait_timeout: float | None = None, transport: str = "auto",
+                 ray_address: str | None = None, link_latency_ms: float = 0.0, **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
@@ -155,10 +156,15 @@ class Engine:
         `on_busy`: what a request does while another is running: "wait" its turn or raise EngineBusy ("error").
         `wait_timeout`: with on_busy="wait", seconds a request waits before EngineBusy (None: no limit).
         `worker_timeout`: seconds a worker may go without a sign of life (heartbeats, also while it loads)
-        before WorkerTimeout is raised and the worker killed; None disables the watchdog."""
+        before WorkerTimeout is raised and the worker killed; None disables the watchdog.
+        Across machines (runtime="ray"; README "Across machines"): a device `NODE/cpu:0-3` runs its worker on that
+        Ray node; `ray_address` joins a cluster (else RAY_ADDRESS, else a local Ray); `transport` is how workers'
+        loops reach the token channels: "auto" (shared memory on this host, TCP to another), "shm" or "tcp";
+        `link_latency_ms` (tests, benchmarks) delays every network message by that much."""
         self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
                                  max_context, allow_vocab_mismatch, runtime, options, on_busy=on_busy,
-                                 worker_timeout=worker_timeout, wait_timeout=wait_timeout))
+                                 worker_timeout=worker_timeout, wait_timeout=wait_timeout, transport=transport,
+                                 ray_address=ray_address, link_latency_ms=link_latency_ms))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -191,7 +197,7 @@ class Engine:
         self.tokenizer = load_tokenizer_if_any(target_dir)
         self._placement = Placement(target_dir, drafts, self.target_devices, self.draft_devices,
                                     dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),
-                                    config.runtime, config.worker_timeout)
+                                    config.runtime, config.worker_timeout, config.runtime_options)
         try:
             self.strategy.setup(self._placement)
             if not config.allow_vocab_mismatch:

@@ -33,7 +33,8 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, float32 elsewhere (faster there)")
     p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
-                   help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N")
+                   help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N; NODE/cpu:0-3 or NODE/cuda:N on a Ray "
+                        "node (--runtime ray: NODE is a node name, id prefix, custom resource, or head)")
     p.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="devices of the draft")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "hf", "llamacpp"],
                    help="llamacpp: llama.cpp's quantized CPU kernels on the GGUF file (exact configuration); "
@@ -45,6 +46,12 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
                    help="where the workers of amusd, dsi and easyspec (its extra --draft-devices) run: one process "
                         "per device group, threads (tests), or Ray actors (pip install 'paraspec[ray]'); ar, sd "
                         "and tree start no workers and reject ray")
+    p.add_argument("--ray-address", default=None, help="--runtime ray: the cluster to join (`ray start --head` "
+                                                        "prints it; default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"],
+                   help="how workers reach the token channels: auto = shared memory on this host, TCP to workers on "
+                        "other nodes; tcp forces the network (tests, benchmarks)")
+    p.add_argument("--link-latency-ms", type=float, default=0.0, help=argparse.SUPPRESS)   # benchmarks only
     p.add_argument("--allow-vocab-mismatch", action="store_true",
                    help="skip the check that draft and target share a tokenizer")
 
@@ -72,7 +79,9 @@ def engine_config(args, strategy: str | None = None, options: dict | None = None
                         target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
                         max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
                         runtime=getattr(args, "runtime", "process"),
-                        options=given_options(args) if options is None else options)
+                        options=given_options(args) if options is None else options,
+                        transport=getattr(args, "transport", "auto"), ray_address=getattr(args, "ray_address", None),
+                        link_latency_ms=getattr(args, "link_latency_ms", 0.0))
 
 
 def sampling_params(args):
