@@ -172,6 +172,11 @@ class Runtime:
         return worker
 
     @property
+    def worker_timeout(self) -> float | None:
+        """The watchdog's seconds (None: no watchdog)."""
+        return self._state.worker_timeout
+
+    @property
     def workers(self) -> dict[str, Worker]:
         return dict(self._state.workers)
 

@@ -94,9 +94,21 @@ class Strategy(abc.ABC):
     def decode(self, run: "Run") -> Iterator[list[int]]:
         """Decode one request; yield each batch of committed tokens (Run.commit's return value)."""
 
+    def open_runtime(self, placement: Placement):
+        """The Runtime for this strategy's workers (`self.runtime`): on the placement's backend, with its
+        worker_timeout watchdog. Every worker a strategy starts goes in it, so Engine.health() sees them,
+        cancel() reaches their channels and close() stops them."""
+        from paraspec.runtime import Runtime
+        self.runtime = Runtime(backend=placement.runtime, worker_timeout=placement.worker_timeout)
+        return self.runtime
+
     def cancel(self) -> None:
         """Called from another thread to stop the decode() in progress: the Engine stops pulling its batches
-        after the current one; a strategy that waits on its workers also wakes that wait here."""
+        after the current one; every channel of the strategy's Runtime stops, so the loops in its workers and
+        a caller waiting on them end at once."""
+        if self.runtime is not None and not self.runtime.closed:
+            for channel in self.runtime.channels.values():
+                channel.stop("cancelled by the caller")
 
     def close(self) -> None:
         if self.runtime is not None:
@@ -154,8 +166,8 @@ class WorkerStrategy(Strategy):
 
     def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]]) -> None:
         """Start one worker per (name, checkpoint, device) and wait until every model is built."""
-        from paraspec.runtime import RemoteError, Runtime
-        self.runtime = Runtime(backend=placement.runtime, worker_timeout=placement.worker_timeout)
+        from paraspec.runtime import RemoteError
+        self.open_runtime(placement)
         for name, spec, device in workers:
             self.runtime.add_worker(name, device, placement.loader(spec), placement.worker_args(spec, device))
         try:
@@ -166,9 +178,3 @@ class WorkerStrategy(Strategy):
     def remote(self, name: str):
         from paraspec.runtime.remote import RemoteModel
         return RemoteModel(self.runtime[name])
-
-    def cancel(self) -> None:
-        """Stop every channel: the loops in the workers and the caller waiting on them end at once."""
-        if self.runtime is not None and not self.runtime.closed:
-            for channel in self.runtime.channels.values():
-                channel.stop("cancelled by the caller")

@@ -15,7 +15,6 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
 from paraspec.strategies.base import LocalStrategy
-from tests.strategies.test_amusd import slow_target_pair  # noqa: F401 (a fixture)
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 
 SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
@@ -124,7 +123,7 @@ def sample_first_two(e: Engine, prompt) -> tuple[np.ndarray, int, int]:
 
 
 @pytest.mark.parametrize("name", SPECULATIVE)
-def test_sampling_matches_target_distribution(slow_target_pair, name):  # noqa: F811
+def test_sampling_matches_target_distribution(slow_target_pair, name):
     """A draft much faster than its target (so worker strategies judge drafts rather than sampling the target
     alone); the first two tokens follow the target's exact joint distribution, and drafts were really judged."""
     target, draft = slow_target_pair
@@ -200,7 +199,7 @@ def test_amusd_and_easyspec_refuse_model_free_drafters(qwen2_target):
 
 @pytest.mark.parametrize("name,kind,adaptive", FREE_CASES, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
                                                                 for n, k, a in FREE_CASES])
-def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive):  # noqa: F811
+def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive):
     """Small vocabulary: the text repeats, so proposals are often right and often wrong; exactly ar's tokens over
     several requests (the suffix cache carries across them)."""
     target, draft = slow_target_pair
@@ -226,7 +225,7 @@ FREE_SAMPLED = [c for c in FREE_CASES if c in {
 
 @pytest.mark.parametrize("name,kind,adaptive", FREE_SAMPLED, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
                                                                   for n, k, a in FREE_SAMPLED])
-def test_model_free_sampling_matches_target_distribution(slow_target_pair, name, kind, adaptive):  # noqa: F811
+def test_model_free_sampling_matches_target_distribution(slow_target_pair, name, kind, adaptive):
     """Point-mass q (and, in the hybrids, the draft model's q where the model drafts): the first two tokens
     follow the target's exact joint distribution."""
     target, draft = slow_target_pair
