@@ -2,7 +2,7 @@
 
 Each round: the drafter proposes up to `lookahead` tokens, the target scores all of them in one forward, the
 longest acceptable prefix is kept plus one target token (correction or bonus), and both KV caches roll back to
-the kept prefix.
+the kept prefix. This module gives the round's draft and verify steps; the loop is strategies/rounds.py's.
 
 The drafter is a draft model, a model-free drafter ("ngram": prompt lookup; "suffix": suffix tries), or several
 in order (`draft=["ngram", MODEL]`: the model drafts where the n-gram has nothing). With `adaptive=True` each

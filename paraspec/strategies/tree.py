@@ -11,8 +11,9 @@ Each round:
     4. verify.verify_tree accepts a path (greedy: argmax matches; sampling: multi-step speculative sampling)
        and yields the correction or bonus token; the path's KV entries are moved next to the prefix.
 
-The drafter grows the tree (drafters/token_tree.py, drafters/model.py); this module verifies it. Trees need the native
-backend (explicit positions and a tree attention mask).
+The drafter grows the tree (drafters/token_tree.py, drafters/model.py); this module verifies it, and the round
+loop around both is strategies/rounds.py's (sd's too). Trees need the native backend (explicit positions and a
+tree attention mask).
 """
 from __future__ import annotations
 
