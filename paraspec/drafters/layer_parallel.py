@@ -107,8 +107,8 @@ class DeviceGroupDrafter(FuzzyDrafter):
         super().__init__(model, groups, vocab_size)
         self.devices = parse_devices(devices)
         if checkpoint is None:
-            raise ValueError("easyspec across several draft devices needs the draft's checkpoint "
-                             "(draft_checkpoint=...) to load a replica on each device")
+            raise ValueError("easyspec across several draft devices needs the draft's checkpoint to load a "
+                             "replica on each device; pass the draft as a checkpoint folder, .gguf or hub id")
         world = len(self.devices)
         # any grouping (set_groups) gives a rank at most ceil(layers / world) attention outputs per all-gather
         per_rank = -(-model.cfg.num_layers // world)
