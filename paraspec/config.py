@@ -89,12 +89,12 @@ class EngineConfig:
         self.target_devices = tuple(parse_devices(self.target_devices))
         if cls.needs_draft:
             self.draft_devices = tuple(parse_devices(self.draft_devices))
-        self._check_placement(cls)
             models = self.model_drafts
             if len(models) > 1 and len(self.draft_devices) not in (1, len(models)):
                 raise ValueError(f"{len(models)} draft models take one draft device group (shared) or one per "
                                  f"model, got {len(self.draft_devices)}; pass --draft-devices D0 ... "
                                  f"D{len(models) - 1}")
+        self._check_placement(cls)
         self.model_backend = self._resolve_backend(cls)
         cls.check_config(self)
 

@@ -2,8 +2,8 @@
 
 The Engine makes one per request; a strategy's decode() commits tokens through `Run.commit` (the one place that
 enforces stop tokens, stop strings, `max_new_tokens` and the context) and counts each verification round through
-`Run.count_round`; stats (stats.py) and the benchmarks read the finished Run. Worker loops (amusd's verifier)
-keep a Run of their own and send its counters back.
+`Run.count_round` (every strategy, workers included); stats (stats.py) and the benchmarks read the finished Run.
+Worker loops (amusd's verifier) keep a Run of their own and send its counters back.
 """
 from __future__ import annotations
 
@@ -90,17 +90,21 @@ class Run:
             self.trace.commit(len(self.tokens), now)
         return kept
 
-    def count_round(self, drafted: int, accepted: int, verified: bool = True) -> None:
+    def count_round(self, drafted: int, accepted: int, verified: bool = True, tree_nodes: int | None = None) -> None:
         """The one place a verification round is counted: `drafted` tokens judged, `accepted` of them kept, a
         rollback when some were rejected. `verified=False` for a judgement that ran no verification forward of
         its own (a draft judged from a distribution already in hand, a chunk verified inside the prefill): its
-        drafts count toward the acceptance rate, not as a round."""
+        drafts count toward the acceptance rate, not as a round. A token tree counts its depth as `drafted`
+        (the most one round can accept, so the rate compares with a chain's) and its node count apart, in
+        worker_reports["tree_nodes"]."""
         self.drafted += drafted
         self.accepted += accepted
         self.rollbacks += accepted < drafted
         if verified:
             self.rounds += 1
             self.verified_tokens += accepted + 1
+        if tree_nodes is not None:
+            self.worker_reports["tree_nodes"] = self.worker_reports.get("tree_nodes", 0) + tree_nodes
 
     @contextmanager
     def timed(self, device: str, kind: str, tokens: int = 0):

@@ -1,8 +1,13 @@
-"""Drafters: where the chain (`sd`), tree (`tree`, `easyspec`) and `dsi` strategies get their draft tokens.
+"""Drafters: the only home of drafting -- where every strategy (sd, tree, amusd, dsi, easyspec) gets its drafts.
 
     base.py      the Drafter interface, Proposal, and the q contract (stated once, there)
     token_tree.py  TokenTree and draft_tree: growing a token tree from a drafter's logits
-    model.py     ModelDrafter: a draft model (chains and trees; easyspec's fuzzy drafters subclass it)
+    model.py     ModelDrafter: a draft model (chains and trees); `draw`, the one place a draft token and its q
+                 are drawn from the draft's logits
+    layer_parallel.py  easyspec's drafters: FuzzyDrafter (fuzzy forwards, bonus calibration), DraftRank and
+                 DeviceGroupDrafter (the draft's layers spread over ranks on several devices)
+    draft_worker.py  draft_loop: a ModelDrafter drafting without pause in its own worker into a versioned token
+                 channel, rolling back when the verifier rejects (amusd's and dsi's drafters); CHANNEL
     ngram.py     NGramDrafter: prompt lookup, the longest matching n-gram's continuation (model-free)
     suffix.py    SuffixDrafter: the most frequent continuation in suffix tries of the request and of earlier
                  outputs; trees of branches by frequency (model-free)

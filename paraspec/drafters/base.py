@@ -21,8 +21,16 @@ from paraspec.sampling import SamplingParams
 
 @dataclass
 class Proposal:
+    """A chain of drafts: a one-branch tree, whose depth is its length (what a round counts as drafted)."""
     tokens: list[int]
     q: torch.Tensor | None = None      # [len(tokens), vocab] under sampling (see the q contract); None if greedy
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return len(self.tokens)
 
 
 def point_mass(tokens: list[int], vocab_size: int) -> torch.Tensor:
@@ -40,15 +48,19 @@ class Drafter:
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""
 
-    def propose(self, sequence: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
-        """Up to `k` tokens continuing `sequence` (the prompt plus every committed token), with their q."""
+    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
+                pending: int = 1) -> Proposal:
+        """Up to `k` tokens continuing `sequence` (the prompt plus every committed token), with their q.
+        `pending`: how many of the committed tokens the target has not cached yet (they go into the same
+        verification forward as the drafts). Only a drafter that sizes its proposal by what the verification
+        will cost reads it (Hybrid's adaptive rule); the others ignore it."""
         raise NotImplementedError
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator) -> TokenTree:
-        """A token tree continuing `sequence`: at most `width` nodes per level, `depth` levels, `budget` nodes.
-        The default is the chain of propose(sequence, depth) as a one-branch tree (width 1)."""
+                     generator: torch.Generator, pending: int = 1) -> TokenTree:
+        """A token tree continuing `sequence`: at most `width` nodes per level, `depth` levels, `budget` nodes
+        (`pending` as in propose). The default is the chain of propose(sequence, depth) as a one-branch tree
+        (width 1)."""
         proposal = self.propose(sequence, min(depth, budget), params, generator)
         tree = TokenTree()
         for i, token in enumerate(proposal.tokens):

@@ -15,6 +15,15 @@ from paraspec.models.base import embeddable, widen
 from paraspec.sampling import SamplingParams, logits_to_probs, sample
 
 
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """The draft's next token from its logits, and q: greedy, the argmax (q None); sampling, a sample from
+    q = logits_to_probs(logits) -- exactly the distribution it was drawn from (the q contract)."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = logits_to_probs(logits, params)
+    return sample(q, generator), q
+
+
 class ModelDrafter(Drafter):
     name = "model"
 
@@ -32,8 +41,8 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         self.rollback(0)
 
-    def propose(self, sequence: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
+                pending: int = 1) -> Proposal:
         """Sample up to k tokens one by one. The draft first catches up on the tokens of `sequence` it has not
         cached (e.g. the last round's bonus token)."""
         self._tree = None
@@ -42,11 +51,8 @@ class ModelDrafter(Drafter):
             return Proposal(tokens)
         logits = self.logits(sequence[self.model.length:])
         for i in range(k):
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, params)
-                token = sample(q, generator)
+            token, q = draw(logits, params, generator)
+            if q is not None:
                 probs.append(q)
             tokens.append(token)
             if self.min_confidence > 0 and float(logits.softmax(-1)[token]) < self.min_confidence:
@@ -56,7 +62,7 @@ class ModelDrafter(Drafter):
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator) -> TokenTree:
+                     generator: torch.Generator, pending: int = 1) -> TokenTree:
         """Grow the tree level by level (draft_tree); each level's nodes go through the draft in one forward,
         each seeing only the prefix, its ancestors and itself."""
         root_logits = self.root(sequence[self.length:])

@@ -84,8 +84,8 @@ class NGramDrafter(Drafter):
     def reset(self) -> None:
         self.index.restart()
 
-    def propose(self, sequence: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
+                pending: int = 1) -> Proposal:
         if k <= 0:
             return Proposal([])
         self.index.sync(sequence)

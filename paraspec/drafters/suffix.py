@@ -157,8 +157,8 @@ class SuffixDrafter(Drafter):
         return node, n
 
     # -- proposals --------------------------------------------------------------------------------------------
-    def propose(self, sequence: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
+                pending: int = 1) -> Proposal:
         if k <= 0:
             return Proposal([])
         node, n = self._match(sequence)
@@ -173,7 +173,7 @@ class SuffixDrafter(Drafter):
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator) -> TokenTree:
+                     generator: torch.Generator, pending: int = 1) -> TokenTree:
         """Best first by the path's empirical probability: at most `width` children a node (its most frequent),
         `depth` levels, `budget` nodes. The children of a node come out in decreasing frequency."""
         tree = TokenTree()

@@ -201,6 +201,11 @@ class Runtime:
         return state.server
 
     @property
+    def worker_timeout(self) -> float | None:
+        """The watchdog's seconds (None: no watchdog)."""
+        return self._state.worker_timeout
+
+    @property
     def workers(self) -> dict[str, Worker]:
         return dict(self._state.workers)
 

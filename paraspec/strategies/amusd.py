@@ -1,9 +1,9 @@
 """AMUSD (McDanel 2024, Algorithm 1): the draft and the target run at the same time on separate devices.
 
-    draft worker   drafts continuously from the latest sequence in the channel, up to `max_ahead` tokens past
-                   the verified prefix, publishing each token (and its q when sampling); when the version moves
-                   (a rejection) it rolls its KV cache back to the longest prefix still valid and continues
-                   from the verifier's correction token.
+    draft worker   drafters/draft_worker.py's `draft_loop`: drafts continuously from the latest sequence in the
+                   channel, up to `max_ahead` tokens past the verified prefix, publishing each token (and its q
+                   when sampling); when the version moves (a rejection) it rolls its KV cache back to the
+                   longest prefix still valid and continues from the verifier's correction token.
     target worker  takes every drafted token past the verified prefix (up to `verify_chunk`), verifies them in
                    one forward, and commits the accepted tokens plus its correction (the channel bumps the
                    version on a mismatch). After a full acceptance the distribution it already computed for the
@@ -12,8 +12,9 @@
     caller         streams the committed tokens as they appear and merges both workers' traces and counters.
 
 Two corrections to the published code: after a rollback the draft never re-feeds a token it has already cached
-(its cache length always equals the tokens it really processed: `cached` mirrors it), and the verifier's
-bonus token is kept rather than dropped. Every drafted token is judged against exactly the prefix it was
+(draft_loop's cache length always equals the tokens it really processed), and the verifier's bonus token is kept
+rather than dropped. A draft judged at once from a distribution in hand counts toward drafted/accepted (and a
+rollback when rejected), not as a round: no forward verified it. Every drafted token is judged against exactly the prefix it was
 drafted from: a token is published only under the version it was drafted at, and any change to an earlier
 position bumps the version and drops it.
 """
@@ -21,16 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from paraspec.models.base import embeddable, widen
-from paraspec.runtime.channels import ChannelFull, ChannelStopped
-from paraspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from paraspec.drafters.draft_worker import CHANNEL, draft_loop
+from paraspec.run import Run
+from paraspec.runtime.channels import ChannelStopped
+from paraspec.sampling import SamplingParams, make_generator
 from paraspec.strategies.registry import register
 from paraspec.strategies.base import Placement, WorkerStrategy
-from paraspec.run import Run, common_prefix
 from paraspec.trace import Trace
 from paraspec.verify import judge_in_hand, verify_chain
-
-CHANNEL = "tokens"
 
 
 @register
@@ -51,74 +50,6 @@ class AMUSD(WorkerStrategy):
 
     def decode(self, run: Run):
         return decode(run, self.runtime, self.channel, self.options["max_ahead"], self.options["verify_chunk"])
-
-
-def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: int, seed: int | None,
-               t0: float, channel_name: str = CHANNEL, label: str = "draft") -> dict:
-    """Runs in the draft worker until the channel stops (the request ended or a worker failed). `channel_name`
-    and `label` (its trace row) tell several drafters apart (dsi's extra drafters)."""
-    channel = ctx.channels[channel_name]
-    generator = make_generator(None if seed is None else seed + 1)
-    trace = Trace(t0=t0)
-    device = f"{label}:{ctx.device}"
-    cached: list[int] = []          # exactly the tokens in the draft's KV cache, in order
-    version = None
-    drafted = published = rollbacks = fed = discarded = 0
-    draft.rollback(0)
-    try:
-        while True:
-            snap = channel.snapshot(start=min(len(cached), channel.length))
-            if snap.version != version:
-                # a new request or a rejection: keep the longest cached prefix that is still the sequence
-                full = channel.snapshot(start=0)
-                keep = common_prefix(cached, full.tokens)
-                if keep < len(cached):
-                    start = trace.now()
-                    draft.rollback(keep)
-                    trace.add(device, "rollback", start, trace.now(), len(cached) - keep)
-                    discarded += len(cached) - keep
-                    del cached[keep:]
-                    rollbacks += 1
-                version = full.version
-                snap = channel.snapshot(start=len(cached))
-                if snap.version != version:
-                    continue
-            if snap.length - snap.committed >= max_ahead:
-                start = trace.now()
-                channel.wait_until(lambda s: s.version != version or s.length - s.committed < max_ahead)
-                trace.add(device, "wait", start, trace.now())
-                continue
-            feed = [int(t) for t in snap.tokens]
-            if not feed:                      # everything is cached: re-run the last token for its logits
-                draft.rollback(len(cached) - 1)
-                feed = [cached.pop()]
-                discarded += 1
-            position = len(cached) + len(feed)
-            if params.greedy:
-                q = None
-            elif channel.wait_for_room(position + 1, version=version, timeout=None).version != version:
-                continue
-            start = trace.now()
-            logits = widen(draft.forward(embeddable(feed, draft.vocab_size), last_n=1)[-1], vocab_size)[:vocab_size]
-            cached.extend(feed)
-            fed += len(feed)
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, params)
-                token = sample(q, generator)
-            trace.add(device, "draft", start, trace.now(), len(feed))
-            drafted += 1
-            try:
-                published += channel.publish_draft(position, [token], q=q, version=version)
-            except ChannelFull:               # the context is full: the verifier is about to finish
-                channel.wait_for_version_change(version)
-    except ChannelStopped:
-        pass
-    # "cached" is this loop's record of the cache; tests check it against the channel's sequence and the cache
-    return {"drafted": drafted, "published": published, "rollbacks": rollbacks, "fed": fed,
-            "discarded": discarded, "cache_length": draft.length, "cached": list(cached),
-            "trace": trace.to_dict()}
 
 
 def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
@@ -153,8 +84,7 @@ def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop
                 if verdict is None:
                     bonus += 1
                 else:
-                    run.drafted += 1
-                    run.accepted += verdict
+                    run.count_round(1, verdict, verified=False)   # judged without a forward of its own
                     judged_at_once += 1
                 commit([token])
                 next_logits = None
@@ -176,15 +106,11 @@ def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop
             run.observe_target(len(run.tokens), logits)
             accepted, correction = verify_chain(drafts, q, logits, params, run.generator)
             target.rollback(position + accepted)
-            run.rounds += 1
-            run.drafted += len(drafts)
-            run.accepted += accepted
-            run.verified_tokens += accepted + 1
+            run.count_round(len(drafts), accepted)
             if accepted == len(drafts):
                 commit(drafts)
                 next_logits = logits[-1]              # p for the position after the chunk (Alg. 1's bonus)
             else:
-                run.rollbacks += 1
                 commit(drafts[:accepted] + [correction])
     except ChannelStopped:                  # the caller cancelled the request
         run.finish_reason = "cancelled"

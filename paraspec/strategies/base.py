@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
 
 from paraspec.run import Run
@@ -35,6 +35,7 @@ class Placement:
     load: dict                         # load_model's keyword arguments: dtype, backend, max_context
     runtime: str                       # the worker backend (runtime/workers.BACKENDS)
     worker_timeout: float | None = None   # the workers' watchdog (Runtime's worker_timeout)
+    runtime_options: dict = field(default_factory=dict)   # the Runtime's transport, link latency, Ray address
 
     @property
     def model_drafts(self) -> list:
@@ -75,6 +76,8 @@ class Strategy(abc.ABC):
     backends: ClassVar[tuple[str, ...]] = ("native", "hf", "llamacpp")   # model backends its forwards run on
     in_workers: ClassVar[bool] = False                # its models run in pinned workers: the caller's thread
                                                       # count does not apply (the bench's @Nt)
+    across_nodes: ClassVar[bool] = False              # its workers may sit on other nodes (devices NODE/...)
+    across_nodes_reason: ClassVar[str] = "its models run in the caller's process"
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -95,9 +98,22 @@ class Strategy(abc.ABC):
     def decode(self, run: "Run") -> Iterator[list[int]]:
         """Decode one request; yield each batch of committed tokens (Run.commit's return value)."""
 
+    def open_runtime(self, placement: Placement):
+        """The Runtime for this strategy's workers (`self.runtime`): on the placement's backend, with its
+        worker_timeout watchdog. Every worker a strategy starts goes in it, so Engine.health() sees them,
+        cancel() reaches their channels and close() stops them."""
+        from paraspec.runtime import Runtime
+        self.runtime = Runtime(backend=placement.runtime, worker_timeout=placement.worker_timeout,
+                               **placement.runtime_options)
+        return self.runtime
+
     def cancel(self) -> None:
         """Called from another thread to stop the decode() in progress: the Engine stops pulling its batches
-        after the current one; a strategy that waits on its workers also wakes that wait here."""
+        after the current one; every channel of the strategy's Runtime stops, so the loops in its workers and
+        a caller waiting on them end at once."""
+        if self.runtime is not None and not self.runtime.closed:
+            for channel in self.runtime.channels.values():
+                channel.stop("cancelled by the caller")
 
     def health(self) -> str | None:
         """Why a request would fail now because of this strategy's workers (stopped, or one not alive), or None;
@@ -164,11 +180,12 @@ class WorkerStrategy(Strategy):
 
     runtimes = ("process", "inprocess", "ray")
     in_workers = True
+    across_nodes = True                   # its workers exchange tokens only through channels: any node will do
 
     def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]]) -> None:
         """Start one worker per (name, checkpoint, device) and wait until every model is built."""
-        from paraspec.runtime import RemoteError, Runtime
-        self.runtime = Runtime(backend=placement.runtime, worker_timeout=placement.worker_timeout)
+        from paraspec.runtime import RemoteError
+        self.open_runtime(placement)
         for name, spec, device in workers:
             self.runtime.add_worker(name, device, placement.loader(spec), placement.worker_args(spec, device))
         try:
@@ -179,9 +196,3 @@ class WorkerStrategy(Strategy):
     def remote(self, name: str):
         from paraspec.runtime.remote import RemoteModel
         return RemoteModel(self.runtime[name])
-
-    def cancel(self) -> None:
-        """Stop every channel: the loops in the workers and the caller waiting on them end at once."""
-        if self.runtime is not None and not self.runtime.closed:
-            for channel in self.runtime.channels.values():
-                channel.stop("cancelled by the caller")

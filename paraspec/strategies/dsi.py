@@ -1,8 +1,9 @@
 """DSI (Timor et al. 2024, "Distributed Speculative Inference", Algorithm 1): a drafter drafts without pause
 while N target servers verify successive chunks of its drafts in parallel (several drafters: see below).
 
-    draft worker     `amusd.draft_loop`, unchanged: drafts continuously from the latest sequence in the channel,
-                     up to `max_ahead` tokens past the verified prefix, and rolls back when the version moves.
+    draft worker     `draft_loop` (drafters/draft_worker.py, amusd's too): drafts continuously from the latest
+                     sequence in the channel, up to `max_ahead` tokens past the verified prefix, and rolls back
+                     when the version moves.
     target servers   workers target0..N-1 (one per entry of target_devices), each with its own copy of the
                      target and its own KV cache. A chunk is one request to one server (`serve_chunk`): roll the
                      cache back to the longest prefix that is still the sequence (at most up to the token
@@ -20,7 +21,7 @@ while N target servers verify successive chunks of its drafts in parallel (sever
                        if nothing is drafted there yet, supplies the target's own token (the bonus).
 
 Several drafters (the paper's f_1..f_{m-1}; `draft=[d0, d1, ...]`, `--draft` given several times): each runs
-`amusd.draft_loop` in its own worker (draft, draft1, ...) on its own channel (tokens, tokens1, ...). A chunk is
+`draft_loop` in its own worker (draft, draft1, ...) on its own channel (tokens, tokens1, ...). A chunk is
 cut from the lowest-index drafter that has drafted through the chunk's end and agrees with the sequence the
 chunks in flight assume (`first_agreeing`); a faster, weaker drafter so fills in while a better one lags.
 A model-free drafter ("ngram", "suffix"; `draft=["ngram", MODEL]`) runs in the caller, not in a worker: it
@@ -54,15 +55,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from paraspec.drafters.draft_worker import CHANNEL, draft_loop
+from paraspec.run import Run, common_prefix
 from paraspec.runtime.channels import ChannelStopped
-from paraspec.strategies import amusd
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import Placement, WorkerStrategy
-from paraspec.run import Run, common_prefix
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import greedy_match, judge_in_hand, verify_chain
-
-CHANNEL = amusd.CHANNEL
 
 
 @register
@@ -363,17 +362,12 @@ class _MainThread:
                 if drafts else (0, None)
         else:
             accepted, correction = greedy_match(drafts, reply["argmax"][skip:])
-        if not chunk.prefill:
-            run.rounds += 1
-            run.verified_tokens += accepted + 1
-        run.drafted += len(drafts)
-        run.accepted += accepted
+        run.count_round(len(drafts), accepted, verified=not chunk.prefill)   # the prompt's forward is no round
         if accepted == len(drafts):
             # Alg. 1: the forward also computed p for the position after the chunk; keep it for the next step
             self.next_row = _Row(reply["argmax"][skip + accepted],
                                  reply["logits"][skip + accepted] if self.sampling else None)
             return self.commit(drafts)
-        run.rollbacks += 1
         return self.commit(drafts[:accepted] + [correction])
 
     def settle_next_position(self) -> list[int]:
@@ -386,9 +380,7 @@ class _MainThread:
         if verdict is None:
             self.bonus += 1
         else:
-            run.drafted += 1
-            run.accepted += verdict
-            run.rollbacks += not verdict
+            run.count_round(1, verdict, verified=False)    # judged without a forward of its own
             self.judged_at_once += 1
             drafter.judged_at_once += 1
         return self.commit([token])
@@ -461,7 +453,7 @@ def decode(run: Run, runtime, server_names: list[str], drafter_names: list[str],
     for i in range(len(channels)):
         seed = run.params.seed if run.params.seed is None or i == 0 else run.params.seed + 7919 * i
         drafting.append(runtime[drafter_names[i]].start_loop(
-            amusd.draft_loop, params=run.params, max_ahead=max_ahead, vocab_size=vocab_size, seed=seed,
+            draft_loop, params=run.params, max_ahead=max_ahead, vocab_size=vocab_size, seed=seed,
             t0=run.trace.t0, channel_name=channel_names[i], label=drafter_names[i]))
     finished = False
     try:

@@ -11,18 +11,19 @@ Each round:
     4. verify.verify_tree accepts a path (greedy: argmax matches; sampling: multi-step speculative sampling)
        and yields the correction or bonus token; the path's KV entries are moved next to the prefix.
 
-The drafter grows the tree (drafters/token_tree.py, drafters/model.py); this module verifies it. Trees need the native
-backend (explicit positions and a tree attention mask).
+The drafter grows the tree (drafters/token_tree.py, drafters/model.py); this module verifies it, and the round
+loop around both is strategies/rounds.py's (sd's too). Trees need the native backend (explicit positions and a
+tree attention mask).
 """
 from __future__ import annotations
 
 import torch
 
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter, TokenTree
+from paraspec.run import Run
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import LocalStrategy
-from paraspec.run import Run
-from paraspec.strategies.sd import record_plan
+from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_tree
 
 
@@ -59,13 +60,12 @@ def tree_shape(run: Run, sequence_len: int, depth: int, budget: int) -> tuple[in
     return depth, max(0, min(budget, room))
 
 
-def verify_round(run: Run, target, sequence: list[int], tree: TokenTree) -> tuple[list[int], int]:
+def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree: TokenTree
+                 ) -> tuple[list[int], int]:
     """One target forward over the pending tokens and the whole tree; compact the target's cache to the
     accepted path. Returns (accepted node indices, the next token)."""
-    pending = sequence[target.length:]
     tokens, positions, mask = verification_inputs(pending, tree, target.length)
-    with run.timed("target", "verify", len(tokens)):
-        target_logits = target.forward(tokens, positions=positions, tree_mask=mask, last_n=len(tree) + 1)
+    target_logits = target.forward(tokens, positions=positions, tree_mask=mask, last_n=len(tree) + 1)
     path, next_token = verify_tree(tree.tokens, tree.parents, tree.draft_probs, target_logits, run.params,
                                    run.generator)
     run.observe_target(len(run.tokens), target_logits[[0] + [node + 1 for node in path]])
@@ -73,49 +73,19 @@ def verify_round(run: Run, target, sequence: list[int], tree: TokenTree) -> tupl
     return path, next_token
 
 
-def count_round(run: Run, tree: TokenTree, path: list[int]) -> None:
-    """acceptance_rate = accepted / drafted counts tokens along the deepest path (the most that one round can
-    accept), so it compares with sd's; the node count is kept apart in worker_reports['tree_nodes']."""
-    run.rounds += 1
-    run.drafted += tree.depth
-    run.accepted += len(path)
-    run.verified_tokens += len(path) + 1
-    run.rollbacks += len(path) < tree.depth
-    run.worker_reports["tree_nodes"] = run.worker_reports.get("tree_nodes", 0) + len(tree)
-
-
 def tree_rounds(run: Run, target, drafter: Drafter, tree_width: int, tree_depth: int, tree_budget: int):
-    """The round loop of `tree` and `easyspec`: draft a tree, verify it in one target forward, settle the draft
-    cache, commit the accepted path plus the correction/bonus token. With the adaptive rule the tree's depth
-    is the rule's k* (0: the target decodes plainly)."""
-    drafter = drafter if isinstance(drafter, Hybrid) else Hybrid([drafter])
-    target.rollback(0)
-    drafter.reset()
-    try:
-        while not run.done:
-            sequence = run.sequence
-            pending = len(sequence) - target.length
-            depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
-            tree = TokenTree()
-            with run.timed("draft", "draft", depth) as event:
-                if depth > 0:
-                    tree = drafter.propose_tree(sequence, tree_width, depth, budget, run.params, run.generator,
-                                                pending=pending)
-                event.tokens = tree.depth
-            record_plan(run, drafter, tree.depth)
-            start = run.trace.now()
-            path, next_token = verify_round(run, target, sequence, tree)
-            verify_s = run.trace.now() - start
-            if len(tree):
-                drafter.accept(len(sequence), path)
-            committed = [tree.tokens[node] for node in path] + [next_token]
-            drafter.observe(pending + len(tree), verify_s, committed)
-            count_round(run, tree, path)
-            yield run.commit(committed)
-    finally:
-        drafter.finish(run.sequence)
-        if drafter.adaptive:
-            run.worker_reports["adaptive"] = drafter.report()
+    """The rounds of `tree` and `easyspec` (strategies/rounds.py): draft a tree, verify it in one target forward.
+    With the adaptive rule the tree's depth is the rule's k* (0: the target decodes plainly)."""
+    def draft(drafter: Hybrid, sequence: list[int], pending: int) -> TokenTree:
+        depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
+        if depth == 0:
+            return TokenTree()
+        return drafter.propose_tree(sequence, tree_width, depth, budget, run.params, run.generator, pending=pending)
+
+    def verify(sequence: list[int], pending: list[int], tree: TokenTree) -> tuple[list[int], int]:
+        return verify_round(run, target, sequence, pending, tree)
+
+    return speculative_rounds(run, target, drafter, draft, verify)
 
 
 class TreeStrategy(LocalStrategy):

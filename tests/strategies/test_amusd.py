@@ -9,14 +9,9 @@ import pytest
 
 from paraspec import Engine, SamplingParams
 from paraspec.runtime import WorkerError
-from tests.strategies.test_sd import PROMPT, VOCAB
-from tests.tiny import make_checkpoint
+from tests.strategies.test_sd import PROMPT
 
 DEVICES = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"])
-
-
-def shm_segments():
-    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("paraspec_")}
 
 
 @pytest.fixture(scope="module")
@@ -90,24 +85,9 @@ def test_amusd_uses_both_paths_and_overlaps(ar_engine, qwen2_target):
     assert any(d.start_s < v.end_s and v.start_s < d.end_s for d in drafts for v in verifies)
 
 
-N_SAMPLES = 3_000
-
-
-@pytest.fixture(scope="module")
-def slow_target_pair(tmp_path_factory):
-    """A target several times slower than its draft, so the draft is usually ahead and most tokens go
-    through speculative acceptance rather than the verifier's own sampling."""
-    d = tmp_path_factory.mktemp("slow-target")
-    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=3, tokenizer=False, vocab_size=VOCAB,
-                             eos_token_id=None, num_hidden_layers=6, hidden_size=128, intermediate_size=512)
-    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
-                            eos_token_id=None, num_hidden_layers=1)
-    return target, draft
-
-
 # -- faults and cleanup ---------------------------------------------------------------------------------------
 
-def test_killed_draft_worker_is_reported_within_seconds(qwen2_target, qwen2_partial):
+def test_killed_draft_worker_is_reported_within_seconds(qwen2_target, qwen2_partial, shm_segments):
     before = shm_segments()
     engine = Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **DEVICES)
     pids = [w.pid for w in engine.runtime.workers.values()]
@@ -126,7 +106,7 @@ def test_killed_draft_worker_is_reported_within_seconds(qwen2_target, qwen2_part
     assert shm_segments() <= before
 
 
-def test_close_leaves_nothing_behind(qwen2_target, qwen2_partial):
+def test_close_leaves_nothing_behind(qwen2_target, qwen2_partial, shm_segments):
     before = shm_segments()
     engine = Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **DEVICES)
     assert len(shm_segments() - before) > 0

@@ -16,7 +16,7 @@ from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
 from paraspec.runtime import WorkerError
 from paraspec.strategies.dsi import drafter_name
-from tests.strategies.test_amusd import check_draft_cache, slow_target_pair  # noqa: F401 (a fixture)
+from tests.strategies.test_amusd import check_draft_cache
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
@@ -196,7 +196,7 @@ def mid_speed_draft(tmp_path_factory):
 
 
 @pytest.mark.parametrize("drafters", [2])     # one drafter: tests/strategies/test_lossless.py
-def test_dsi_sampling_matches_target_distribution(slow_target_pair, mid_speed_draft, drafters):  # noqa: F811
+def test_dsi_sampling_matches_target_distribution(slow_target_pair, mid_speed_draft, drafters):
     target, draft = slow_target_pair
     sampling = dict(temperature=0.8, top_k=4)
     prompt = [1, 2, 3]

@@ -3,7 +3,6 @@ worker processes), fuzzy LP 1 == exact, calibration rebuilds the exact draft cac
 import os
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,17 +12,12 @@ from paraspec import Engine, SamplingParams
 from paraspec.models.fuzzy import exact_forward, format_groups, fuzzy_forward, lp_groups, parse_layer_groups
 from paraspec.models.llama import NativeModel
 from paraspec.models.loader import load_native
-from paraspec.runtime import WorkerError
-from paraspec.strategies.easyspec import DeviceGroupDrafter, FuzzyDrafter
+from paraspec.drafters.layer_parallel import DeviceGroupDrafter, FuzzyDrafter
+from paraspec.runtime import Runtime, WorkerDied, WorkerError
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
 DEVICES = ["cpu:0", "cpu:1"]
-
-
-
-def shm_segments():
-    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("paraspec_")}
 
 
 def test_layer_groups():
@@ -128,18 +122,39 @@ def test_replicas_hold_the_same_cache(two_device_engine):
     assert torch.allclose(torch.as_tensor(v), v0, atol=1e-6)
 
 
-def test_killed_draft_rank_is_reported_and_nothing_leaks(deep_pair):
+def test_killed_draft_rank_is_reported_and_nothing_leaks(deep_pair, shm_segments):
     before = shm_segments()
     model = load_native(deep_pair[1], torch.float32)
-    drafter = DeviceGroupDrafter(model, lp_groups(2, 6), DEVICES, str(deep_pair[1]))
-    drafter.forward([1, 2, 3], exact=True)
-    os.kill(drafter.workers[0].pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(WorkerError):
-        drafter.forward([4])
-    assert time.monotonic() - start < 3.0
-    drafter.close()
+    with Runtime() as runtime:
+        drafter = DeviceGroupDrafter(model, lp_groups(2, 6), DEVICES, str(deep_pair[1]), runtime)
+        drafter.forward([1, 2, 3], exact=True)
+        os.kill(drafter.workers[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError):
+            drafter.forward([4])
+        assert time.monotonic() - start < 3.0
+        drafter.close()
     assert shm_segments() <= before
+
+
+def test_draft_ranks_are_the_engines_workers(ar_engine, deep_pair):
+    """The ranks run in the strategy's own Runtime, under the Engine's watchdog: a killed rank is named by
+    health(), the next request raises WorkerDied, and restart_workers() brings the ranks back."""
+    with Engine(*deep_pair, strategy="easyspec", dtype="float32", draft_devices=DEVICES, runtime="process",
+                worker_timeout=30.0) as engine:
+        runtime = engine.strategy.runtime
+        assert runtime.worker_timeout == 30.0 and list(runtime.workers) == ["draft1"]
+        assert engine.health() is None
+        os.kill(runtime["draft1"].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while engine.health() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "'draft1'" in engine.health()
+        with pytest.raises(WorkerDied, match="draft1"):
+            engine.generate(PROMPT, SamplingParams(max_new_tokens=8))
+        engine.restart_workers()
+        params = SamplingParams(max_new_tokens=12)
+        assert engine.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
 
 
 # -- sampling --------------------------------------------------------------------------------------------------

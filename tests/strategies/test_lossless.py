@@ -5,9 +5,11 @@ at several lookahead-like shapes (whatever options the strategy takes: lookahead
 stop token inside a drafted chunk; max_new_tokens inside a chunk; streaming equals generate; several requests on
 one engine. Sampling: the joint distribution of the first two tokens equals the target's (chi-square).
 
-Strategies that start workers run them as threads here (runtime="inprocess": the same protocol, channels and
-orchestration as processes, without spawning N processes per case); the per-strategy modules test processes,
-faults and cleanup. A toy strategy registered from this module shows that nothing else needs an edit.
+Strategies that use several devices use two here: dsi verifies on two target servers, easyspec drafts on two
+ranks (DEVICES). Workers run as threads (runtime="inprocess": the same protocol, channels and orchestration as
+processes, without spawning N processes per case), and once, greedy and sampling, as processes
+(test_worker_processes); the per-strategy modules test faults and cleanup. A toy strategy registered from this
+module shows that nothing else needs an edit.
 """
 import numpy as np
 import pytest
@@ -15,7 +17,6 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
 from paraspec.strategies.base import LocalStrategy
-from tests.strategies.test_amusd import slow_target_pair  # noqa: F401 (a fixture)
 from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
 
 SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
@@ -40,9 +41,14 @@ def long_chunks(name: str) -> dict:
     return shapes(name)[-1]
 
 
-def engine(name: str, target, draft, **options) -> Engine:
-    runtime = "inprocess" if "inprocess" in STRATEGIES[name].runtimes else "process"
-    return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **options)
+# several devices where a strategy spreads over them (CPU core sets; one core each would do as well)
+DEVICES = {"dsi": dict(target_devices=["cpu:0", "cpu:1"]), "easyspec": dict(draft_devices=["cpu:0", "cpu:1"])}
+
+
+def engine(name: str, target, draft, runtime: str | None = None, **options) -> Engine:
+    runtime = runtime or ("inprocess" if "inprocess" in STRATEGIES[name].runtimes else "process")
+    return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **DEVICES.get(name, {}),
+                  **options)
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +118,10 @@ N_SAMPLES = 1_200
 SAMPLING = dict(temperature=0.9, top_k=4)      # top-k: q has zeros, as real samplers make
 
 
-def sample_first_two(e: Engine, prompt) -> tuple[np.ndarray, int, int]:
-    """Counts of the first two sampled tokens over N_SAMPLES seeds, and the drafts made and accepted."""
+def sample_first_two(e: Engine, prompt, n: int = N_SAMPLES) -> tuple[np.ndarray, int, int]:
+    """Counts of the first two sampled tokens over n seeds, and the drafts made and accepted."""
     counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
-    for seed in range(N_SAMPLES):
+    for seed in range(n):
         result = e.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed, **SAMPLING))
         counts[result.token_ids[0], result.token_ids[1]] += 1
         drafted += result.stats.drafted
@@ -124,7 +130,7 @@ def sample_first_two(e: Engine, prompt) -> tuple[np.ndarray, int, int]:
 
 
 @pytest.mark.parametrize("name", SPECULATIVE)
-def test_sampling_matches_target_distribution(slow_target_pair, name):  # noqa: F811
+def test_sampling_matches_target_distribution(slow_target_pair, name):
     """A draft much faster than its target (so worker strategies judge drafts rather than sampling the target
     alone); the first two tokens follow the target's exact joint distribution, and drafts were really judged."""
     target, draft = slow_target_pair
@@ -133,6 +139,28 @@ def test_sampling_matches_target_distribution(slow_target_pair, name):  # noqa: 
         joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt)
     assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted   # both branches ran
+    assert_matches(counts, joint)
+
+
+PROCESS_SAMPLES = 400          # a request costs a few round trips between processes: fewer samples here
+
+
+def test_worker_processes(ar_engine, qwen2_target, qwen2_partial, slow_target_pair):
+    """dsi's two target servers and its drafter as processes: ar's tokens greedily, the target's joint
+    distribution under sampling."""
+    params = SamplingParams(max_new_tokens=40)
+    with engine("dsi", qwen2_target, qwen2_partial, runtime="process", **shapes("dsi")[1]) as e:
+        assert len(e.strategy.runtime.workers) == 3 and e.strategy.runtime.backend == "process"
+        result = e.generate(PROMPT, params)
+    assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
+    assert 0 < result.stats.accepted < result.stats.drafted
+    target, draft = slow_target_pair
+    prompt = [1, 2, 3]
+    with engine("dsi", target, draft, runtime="process", **shapes("dsi")[1]) as e, \
+            Engine(target, strategy="ar", dtype="float32") as ar:
+        joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
+        counts, drafted, accepted = sample_first_two(e, prompt, PROCESS_SAMPLES)
+    assert drafted > PROCESS_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted
     assert_matches(counts, joint)
 
 
@@ -200,7 +228,7 @@ def test_amusd_and_easyspec_refuse_model_free_drafters(qwen2_target):
 
 @pytest.mark.parametrize("name,kind,adaptive", FREE_CASES, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
                                                                 for n, k, a in FREE_CASES])
-def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive):  # noqa: F811
+def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive):
     """Small vocabulary: the text repeats, so proposals are often right and often wrong; exactly ar's tokens over
     several requests (the suffix cache carries across them)."""
     target, draft = slow_target_pair
@@ -226,7 +254,7 @@ FREE_SAMPLED = [c for c in FREE_CASES if c in {
 
 @pytest.mark.parametrize("name,kind,adaptive", FREE_SAMPLED, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
                                                                   for n, k, a in FREE_SAMPLED])
-def test_model_free_sampling_matches_target_distribution(slow_target_pair, name, kind, adaptive):  # noqa: F811
+def test_model_free_sampling_matches_target_distribution(slow_target_pair, name, kind, adaptive):
     """Point-mass q (and, in the hybrids, the draft model's q where the model drafts): the first two tokens
     follow the target's exact joint distribution."""
     target, draft = slow_target_pair

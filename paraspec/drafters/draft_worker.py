@@ -1,0 +1,86 @@
+"""The worker drafting loop: a model Drafter in its own worker drafts continuously into a token channel while
+others verify (amusd's draft worker, dsi's drafters).
+
+    draft_loop   runs in the draft worker until the channel stops: drafts from the latest sequence in the
+                 channel, up to `max_ahead` tokens past the verified prefix, publishing each token (and its q
+                 when sampling); when the version moves (a rejection) it rolls its KV cache back to the longest
+                 prefix still valid and continues from the verifier's correction token.
+
+Each token comes from `ModelDrafter.propose` (one token, q the distribution it was drawn from: drafters/model.py
+`draw`), so a worker drafts exactly as sd's drafter does. The loop never re-feeds a token its cache already
+holds (`cached` is exactly the tokens in the cache), and it publishes a token only under the version it was
+drafted at: any change to an earlier position bumps the version and drops it, so every drafted token is judged
+against exactly the prefix it was drafted from.
+"""
+from __future__ import annotations
+
+from paraspec.drafters.model import ModelDrafter
+from paraspec.run import common_prefix
+from paraspec.runtime.channels import ChannelFull, ChannelStopped
+from paraspec.sampling import SamplingParams, make_generator
+from paraspec.trace import Trace
+
+CHANNEL = "tokens"       # the first drafter's channel (dsi's further drafters: tokens1, tokens2, ...)
+
+
+def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: int, seed: int | None,
+               t0: float, channel_name: str = CHANNEL, label: str = "draft") -> dict:
+    """Runs in the draft worker (`draft`: the worker's model) until the channel stops (the request ended or a
+    worker failed). `channel_name` and `label` (its trace row) tell several drafters apart (dsi's drafters)."""
+    channel = ctx.channels[channel_name]
+    drafter = ModelDrafter(draft, vocab_size)
+    generator = make_generator(None if seed is None else seed + 1)
+    trace = Trace(t0=t0)
+    device = f"{label}:{ctx.device}"
+    cached: list[int] = []          # exactly the tokens in the draft's KV cache, in order
+    version = None
+    drafted = published = rollbacks = fed = discarded = 0
+    drafter.reset()
+    try:
+        while True:
+            snap = channel.snapshot(start=min(len(cached), channel.length))
+            if snap.version != version:
+                # a new request or a rejection: keep the longest cached prefix that is still the sequence
+                full = channel.snapshot(start=0)
+                keep = common_prefix(cached, full.tokens)
+                if keep < len(cached):
+                    start = trace.now()
+                    drafter.rollback(keep)
+                    trace.add(device, "rollback", start, trace.now(), len(cached) - keep)
+                    discarded += len(cached) - keep
+                    del cached[keep:]
+                    rollbacks += 1
+                version = full.version
+                snap = channel.snapshot(start=len(cached))
+                if snap.version != version:
+                    continue
+            if snap.length - snap.committed >= max_ahead:
+                start = trace.now()
+                channel.wait_until(lambda s: s.version != version or s.length - s.committed < max_ahead)
+                trace.add(device, "wait", start, trace.now())
+                continue
+            feed = [int(t) for t in snap.tokens]
+            if not feed:                      # everything is cached: re-run the last token for its logits
+                drafter.rollback(len(cached) - 1)
+                feed = [cached.pop()]
+                discarded += 1
+            position = len(cached) + len(feed)
+            if not params.greedy and \
+                    channel.wait_for_room(position + 1, version=version, timeout=None).version != version:
+                continue
+            start = trace.now()
+            proposal = drafter.propose(cached + feed, 1, params, generator)   # feeds exactly `feed`
+            cached.extend(feed)
+            fed += len(feed)
+            trace.add(device, "draft", start, trace.now(), len(feed))
+            drafted += 1
+            try:
+                published += channel.publish_draft(position, proposal.tokens, q=proposal.q, version=version)
+            except ChannelFull:               # the context is full: the verifier is about to finish
+                channel.wait_for_version_change(version)
+    except ChannelStopped:
+        pass
+    # "cached" is this loop's record of the cache; tests check it against the channel's sequence and the cache
+    return {"drafted": drafted, "published": published, "rollbacks": rollbacks, "fed": fed,
+            "discarded": discarded, "cache_length": drafter.length, "cached": list(cached),
+            "trace": trace.to_dict()}

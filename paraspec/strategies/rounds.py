@@ -1,0 +1,63 @@
+"""The round of synchronous speculative decoding, shared by `sd` (a chain), `tree` and `easyspec` (a token tree):
+each strategy supplies its draft step and its verify step, this skeleton runs them.
+
+    the target's cache starts empty; the drafter forgets the last request (reset)
+    until the run is done:
+        draft    the strategy's step: the round's length (the rule's k* when adaptive), then a chain or a tree
+        verify   the strategy's step: ONE target forward over the pending committed tokens and every draft,
+                 the accepted path and the correction/bonus token, the target's cache kept to that path
+        settle   the drafter keeps the accepted path in its cache (accept) and learns from the round (observe)
+        count    Run.count_round: drafted = the drafts' depth (a chain's length), accepted = the path's length
+        commit   the accepted drafts plus the correction/bonus token (Run.commit)
+    at the end: the drafter keeps the output (finish); with the adaptive rule, its report
+
+The first round drafts from the prompt and the target's prefill verifies those drafts in the same forward (as
+HF assisted generation does), so every round looks alike.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from paraspec.drafters import Drafter, Hybrid, Proposal, TokenTree
+from paraspec.run import Run
+
+# draft(drafter, sequence, pending): the round's drafts; `pending` = committed tokens the target has not cached
+DraftStep = Callable[[Hybrid, list[int], int], "Proposal | TokenTree"]
+# verify(sequence, pending tokens, drafts): (accepted path as indices into drafts.tokens, the next token)
+VerifyStep = Callable[[list[int], list[int], "Proposal | TokenTree"], tuple[list[int], int]]
+
+
+def speculative_rounds(run: Run, target, drafter: Drafter, draft: DraftStep, verify: VerifyStep
+                       ) -> Iterator[list[int]]:
+    """Yield each round's committed tokens until the run is done."""
+    drafter = drafter if isinstance(drafter, Hybrid) else Hybrid([drafter])
+    target.rollback(0)
+    drafter.reset()
+    try:
+        while not run.done:
+            sequence = run.sequence
+            pending = sequence[target.length:]      # the prompt, then each round's correction/bonus token
+            with run.timed("draft", "draft") as event:
+                drafts = draft(drafter, sequence, len(pending))
+                event.tokens = drafts.depth
+            record_plan(run, drafter, drafts.depth)
+            with run.timed("target", "verify", len(pending) + len(drafts)) as verifying:
+                path, next_token = verify(sequence, pending, drafts)
+            if len(drafts):
+                drafter.accept(len(sequence), path)
+            committed = [drafts.tokens[node] for node in path] + [next_token]
+            drafter.observe(len(pending) + len(drafts), verifying.seconds, committed)
+            run.count_round(drafts.depth, len(path),
+                            tree_nodes=len(drafts) if isinstance(drafts, TokenTree) else None)
+            yield run.commit(committed)
+    finally:
+        drafter.finish(run.sequence)
+        if drafter.adaptive:
+            run.worker_reports["adaptive"] = drafter.report()
+
+
+def record_plan(run: Run, drafter: Hybrid, k: int) -> None:
+    """With the adaptive rule, the round's decision goes into the trace: a "plan" event of k tokens."""
+    if drafter.adaptive:
+        now = run.trace.now()
+        run.trace.add("draft", "plan", now, now, k)
