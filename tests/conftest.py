@@ -1,6 +1,14 @@
+import time
+from pathlib import Path
+
+import numpy as np
 import pytest
+from scipy.stats import chisquare
 
 from tests.tiny import make_checkpoint
+
+# shared by the strategy, engine, runtime and multi-node tests
+PROMPT = "def fib(n):\n    return"
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +99,62 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# -- the sampling checks: a small vocabulary, the target's exact joint of the first two tokens ---------------
+
+VOCAB = 6
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small-vocab")
+    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=5, tokenizer=False, vocab_size=VOCAB,
+                             eos_token_id=None)
+    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
+                            eos_token_id=None)
+    return target, draft
+
+
+def exact_joint(engine, prompt, params):
+    """P(x1, x2) of plain sampling from the target, computed from its logits."""
+    from paraspec.sampling import logits_to_probs
+    model = engine.target
+    p1 = logits_to_probs(model.prefill(prompt), params)
+    joint = np.zeros((VOCAB, VOCAB))
+    for x1 in range(VOCAB):
+        p2 = logits_to_probs(model.prefill(prompt + [x1]), params)
+        joint[x1] = p1[x1].item() * p2.double().numpy()
+    return joint / joint.sum()
+
+
+def assert_matches(counts, joint):
+    expected = joint.ravel() * counts.sum()
+    observed = counts.ravel()
+    assert observed[expected == 0].sum() == 0
+    keep = expected > 0
+    assert chisquare(observed[keep], expected[keep] / expected[keep].sum() * observed.sum()).pvalue > 1e-3
+
+
+# -- processes: what a test that kills or interrupts workers checks ---------------------------------------
+
+def gone(pid: int) -> bool:
+    path = Path(f"/proc/{pid}/status")
+    return not path.exists() or "zombie" in path.read_text()
+
+
+def spawned_workers(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+
+
+def wait_for(predicate, timeout: float = 120.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")

@@ -18,7 +18,7 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.engine import EngineBusy, EngineClosed, StreamCancelled
 from paraspec.runtime import WorkerDied, WorkerTimeout
-from tests.strategies.test_sd import PROMPT
+from tests.conftest import PROMPT, gone, spawned_workers, wait_for
 
 PROCESS = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"])
 PARAMS = SamplingParams(max_new_tokens=12)
@@ -27,11 +27,6 @@ PARAMS = SamplingParams(max_new_tokens=12)
 def own_segments():
     """Shared-memory segments this test process created (other test runs on the machine create their own)."""
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{os.getpid()}_")}
-
-
-def gone(pid: int) -> bool:
-    path = Path(f"/proc/{pid}/status")
-    return not path.exists() or "zombie" in path.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -421,23 +416,6 @@ def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int, merged: bool = F
          "--prompt", "hello", "--max-new-tokens", str(max_new_tokens), "--max-context", "256"],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
         text=True, start_new_session=True)
-
-
-def spawned_workers(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
-
-
-def wait_for(predicate, timeout: float = 120.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 def test_ctrl_c_while_workers_start_prints_one_line(qwen2_target, qwen2_partial):

@@ -3,7 +3,7 @@ up to the one that completes it; streamed deltas never show text a stop string t
 import pytest
 
 from paraspec import Engine, SamplingParams
-from tests.strategies.test_sd import PROMPT
+from tests.conftest import PROMPT
 
 FULL = SamplingParams(max_new_tokens=40)
 STRATEGIES = {

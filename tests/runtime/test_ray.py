@@ -16,7 +16,7 @@ from paraspec import Engine, SamplingParams  # noqa: E402
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec  # noqa: E402
 from paraspec.runtime import WorkerError  # noqa: E402
 from paraspec.sim.costs import ForwardCost  # noqa: E402
-from tests.strategies.test_sd import PROMPT  # noqa: E402
+from tests.conftest import PROMPT  # noqa: E402
 
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from paraspec import SamplingParams
 from tests.server.conftest import MODEL
-from tests.test_misuse import gone, spawned_workers, wait_for
+from tests.conftest import gone, spawned_workers, wait_for
 
 LONG = dict(model=MODEL, prompt="def fib(n):\n    return", temperature=0, max_tokens=3000)
 

@@ -27,3 +27,18 @@ def slow_target_pair(tmp_path_factory):
     draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
                             eos_token_id=None, num_hidden_layers=1)
     return target, draft
+
+
+def check_draft_cache(engine, result, name: str = "draft"):
+    """The draft loop's record of its cache is what the cache holds: the same length, and the same entries -- the
+    cache continues exactly like a fresh prefill of the recorded tokens (a token fed twice without a rollback,
+    or a stale entry left behind, would change the next logits); the record starts with the prompt."""
+    report = result.worker_reports[name]
+    cached = report["cached"]
+    assert report["cache_length"] == len(cached)
+    n = min(len(cached), len(result.prompt_ids))
+    assert cached[:n] == result.prompt_ids[:n]
+    if cached:
+        model = engine.drafts[0 if name == "draft" else int(name.removeprefix("draft"))]
+        probe = model.forward([1])[-1]
+        assert (probe - model.prefill(cached + [1])).abs().max() < 1e-4

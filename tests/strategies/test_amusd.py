@@ -9,7 +9,8 @@ import pytest
 
 from paraspec import Engine, SamplingParams
 from paraspec.runtime import WorkerError
-from tests.strategies.test_sd import PROMPT
+from tests.conftest import PROMPT
+from tests.strategies.conftest import check_draft_cache
 
 DEVICES = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"])
 
@@ -36,21 +37,6 @@ def amusd(request, qwen2_target):
                 verify_chunk=verify_chunk, **DEVICES) as engine:
         engine.config_name = request.param
         yield engine
-
-
-def check_draft_cache(engine, result, name: str = "draft"):
-    """The draft loop's record of its cache is what the cache holds: the same length, and the same entries -- the
-    cache continues exactly like a fresh prefill of the recorded tokens (a token fed twice without a rollback,
-    or a stale entry left behind, would change the next logits); the record starts with the prompt."""
-    report = result.worker_reports[name]
-    cached = report["cached"]
-    assert report["cache_length"] == len(cached)
-    n = min(len(cached), len(result.prompt_ids))
-    assert cached[:n] == result.prompt_ids[:n]
-    if cached:
-        model = engine.drafts[0 if name == "draft" else int(name.removeprefix("draft"))]
-        probe = model.forward([1])[-1]
-        assert (probe - model.prefill(cached + [1])).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 40])

@@ -16,8 +16,8 @@ from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
 from paraspec.runtime import WorkerError
 from paraspec.strategies.dsi import drafter_name
-from tests.strategies.test_amusd import check_draft_cache
-from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.strategies.conftest import check_draft_cache
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
 

@@ -14,7 +14,7 @@ from paraspec.models.llama import NativeModel
 from paraspec.models.loader import load_native
 from paraspec.drafters.layer_parallel import DeviceGroupDrafter, FuzzyDrafter
 from paraspec.runtime import Runtime, WorkerDied, WorkerError
-from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
 DEVICES = ["cpu:0", "cpu:1"]

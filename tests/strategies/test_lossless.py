@@ -17,7 +17,7 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
 from paraspec.strategies.base import LocalStrategy
-from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
 
 SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
 

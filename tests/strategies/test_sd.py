@@ -2,12 +2,12 @@
 with ar for every draft pattern and lookahead, stops and budgets: tests/strategies/test_lossless.py."""
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 from paraspec import Engine, SamplingParams
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
-PROMPT = "def fib(n):\n    return"
+N_SAMPLES = 5_000
 
 
 @pytest.fixture(scope="module")
@@ -33,32 +33,6 @@ def test_sd_model_eos_ends_generation(tmp_path):
 
 # -- sampling: the joint distribution of the first two tokens equals the target's ---------------------------
 
-VOCAB = 6
-N_SAMPLES = 5_000
-
-
-@pytest.fixture(scope="module")
-def small_vocab_pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("small-vocab")
-    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=5, tokenizer=False, vocab_size=VOCAB,
-                             eos_token_id=None)
-    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
-                            eos_token_id=None)
-    return target, draft
-
-
-def exact_joint(engine, prompt, params):
-    """P(x1, x2) of plain sampling from the target, computed from its logits."""
-    from paraspec.sampling import logits_to_probs
-    model = engine.target
-    p1 = logits_to_probs(model.prefill(prompt), params)
-    joint = np.zeros((VOCAB, VOCAB))
-    for x1 in range(VOCAB):
-        p2 = logits_to_probs(model.prefill(prompt + [x1]), params)
-        joint[x1] = p1[x1].item() * p2.double().numpy()
-    return joint / joint.sum()
-
-
 def sampled_joint(engine, prompt, params_for_seed):
     counts, accepted = np.zeros((VOCAB, VOCAB)), 0
     for seed in range(N_SAMPLES):
@@ -68,14 +42,6 @@ def sampled_joint(engine, prompt, params_for_seed):
         accepted += result.stats.accepted
     engine.accepted_in_samples = accepted
     return counts
-
-
-def assert_matches(counts, joint):
-    expected = joint.ravel() * counts.sum()
-    observed = counts.ravel()
-    assert observed[expected == 0].sum() == 0
-    keep = expected > 0
-    assert chisquare(observed[keep], expected[keep] / expected[keep].sum() * observed.sum()).pvalue > 1e-3
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),

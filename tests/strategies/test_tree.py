@@ -17,7 +17,7 @@ from paraspec.run import Run
 from paraspec.drafters.token_tree import DraftTreeCache, TokenTree, draft_tree
 from paraspec.strategies.tree import tree_mask, verification_inputs
 from paraspec.verify import multi_step_accept, residual, verify_tree
-from tests.strategies.test_sd import PROMPT, VOCAB, assert_matches, exact_joint, small_vocab_pair  # noqa: F401
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> TokenTree:
