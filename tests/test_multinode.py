@@ -102,6 +102,7 @@ def test_sampling_across_nodes_follows_the_target(ray_cluster, small_vocab_pair,
 
 
 def test_a_removed_node_is_named_within_seconds_then_restart(ray_cluster, qwen2_target, qwen2_partial, expected):
+    before = own_segments()            # the module's open engines keep theirs
     node = ray_cluster.add_node(num_cpus=1, resources={"box-c": 1})
     ray_cluster.wait_for_nodes()
     engine = Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="ray", transport="tcp",
@@ -132,7 +133,7 @@ def test_a_removed_node_is_named_within_seconds_then_restart(ray_cluster, qwen2_
             engine.restart_workers()
     finally:
         engine.close()
-    assert own_segments() == set()
+    assert own_segments() <= before
 
 
 def test_restart_places_workers_again(ray_cluster, qwen2_target, qwen2_partial, expected):
@@ -150,6 +151,7 @@ def test_restart_places_workers_again(ray_cluster, qwen2_target, qwen2_partial, 
 
 
 def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, qwen2_partial):
+    before = own_segments()
     with pytest.raises(DeviceError, match="no alive Ray node matches 'nowhere'"):
         Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", runtime="ray",
                target_devices=["nowhere/cpu:0"], draft_devices=["box-a/cpu:0"])
@@ -161,4 +163,4 @@ def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, q
                target_devices=["box-a/cpu:0"], draft_devices=["box-b/cpu:0"])
     with pytest.raises(ValueError, match="caller's process"):
         Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32", target_devices=["box-a/cpu:0"])
-    assert own_segments() == set()
+    assert own_segments() <= before

@@ -25,17 +25,32 @@ def own_segments():
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{os.getpid()}_")}
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def local_ray(ray_cluster):
+    """The session's Ray cluster (tests/conftest.py): every node is on this host, so these workers use shared
+    memory wherever Ray puts them."""
     yield
-    ray.shutdown()
 
 
-def test_ray_backend_needs_a_running_ray(monkeypatch):
+def test_ray_backend_joins_ray_or_names_the_fix(monkeypatch):
+    """Without a running Ray the backend joins one (the address given, RAY_ADDRESS, or a local Ray); a cluster it
+    cannot reach is an error that says how to start one."""
     from paraspec.runtime import Runtime
+    joined = []
+
+    def unreachable(address=None, **kwargs):
+        joined.append(address)
+        raise ConnectionError(f"could not connect to {address}")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    with Runtime(backend="ray") as rt, pytest.raises(WorkerError, match=r"ray\.init"):
+    monkeypatch.setattr(ray, "init", unreachable)
+    with Runtime(backend="ray", address="127.0.0.9:6379") as rt, pytest.raises(WorkerError, match="ray start --head"):
         rt.add_worker("w", "cpu", dict, {})
+    assert joined == ["127.0.0.9:6379"]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.8:6379")
+    with Runtime(backend="ray") as rt, pytest.raises(WorkerError, match="127.0.0.8:6379"):
+        rt.add_worker("w", "cpu", dict, {})
+    with pytest.raises(TypeError, match="takes no option"):
+        with Runtime(backend="process", address="127.0.0.9:6379") as rt:
+            rt.add_worker("w", "cpu", dict, {})
 
 
 def test_dsi_with_simulated_models_and_a_killed_actor():
