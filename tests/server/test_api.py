@@ -201,3 +201,16 @@ def test_bad_input_is_a_400_naming_the_field(ar_server, path, body, param, words
 def test_the_openai_client_sees_400s(ar_server):
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         ar_server.client().completions.create(model=MODEL, prompt="x", n=3)
+
+
+def test_dsi_served_across_ray_nodes(ray_cluster, start_server, expected):
+    """`paraspec serve --runtime ray --ray-address ...`: dsi with its two target servers on two nodes of a Ray
+    cluster and the drafter on the head, every token over the network transport; the openai client gets ar's text."""
+    server = start_server("dsi", "--runtime", "ray", "--ray-address", ray_cluster.address, "--transport", "tcp",
+                          "--target-devices", "box-a/cpu:0", "box-b/cpu:1", "--draft-devices", "head-box/cpu:0")
+    client = server.client()
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"return_token_ids": True}, **GREEDY)
+    assert reply.choices[0].token_ids == expected.token_ids and reply.choices[0].text == expected.text
+    assert reply.model_extra["paraspec"]["strategy"] == "dsi"
+    text, _ = streamed(client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **GREEDY))
+    assert text == expected.text
