@@ -43,8 +43,9 @@ def start_cluster(nodes: int):
 def engine_for(strategy: str, servers: int, target_s: float, draft_s: float, a: float, lookahead: int,
                network: bool, link_ms: float = 0.0) -> Engine:
     """Each worker on its own node (network) or each in its own local process (shared memory)."""
-    target = SimulatedSpec(cost=ForwardCost.constant(target_s), seed=0)
-    draft = SimulatedSpec(role="draft", cost=ForwardCost.constant(draft_s), seed=0, draft_seed=1, acceptance_rate=a)
+    cost = (lambda s: ForwardCost.constant(s) if s > 0 else None)       # None: no latency at all
+    target = SimulatedSpec(cost=cost(target_s), seed=0)
+    draft = SimulatedSpec(role="draft", cost=cost(draft_s), seed=0, draft_seed=1, acceptance_rate=a)
     n = servers if strategy == "dsi" else 1
     if network:
         placement = dict(runtime="ray", transport="tcp", link_latency_ms=link_ms,

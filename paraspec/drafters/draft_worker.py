@@ -38,7 +38,7 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
     drafter.reset()
     try:
         while True:
-            snap = channel.snapshot(start=min(len(cached), channel.length))
+            snap = channel.snapshot(start=len(cached))   # one read (a round trip on the network transport)
             if snap.version != version:
                 # a new request or a rejection: keep the longest cached prefix that is still the sequence
                 full = channel.snapshot(start=0)
