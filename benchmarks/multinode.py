@@ -11,9 +11,12 @@ and forward times, so the figures are the runtime's, not a model's.
              dsi with 4 servers)
   latency    measured ms/token at link latencies 0, 1 and 5 ms per message (`link_latency_ms`), beside the event
              simulator with the same link (sim/events.py: remote drafter and servers); ratio 1.00 = predicted
+  messages   channel calls per draft token and per verification as the runtime makes them (the counts behind
+             sim/events.py's DRAFT_MESSAGES and AMUSD_VERIFY_MESSAGES)
 
     .venv/bin/python benchmarks/multinode.py overhead --tokens 200 --repeats 3
     .venv/bin/python benchmarks/multinode.py latency --tokens 100 --repeats 3
+    .venv/bin/python benchmarks/multinode.py messages
 """
 from __future__ import annotations
 
@@ -101,9 +104,41 @@ def part_latency(tokens: int, repeats: int, target_ms: float, draft_ms: float, a
             print(f"{name:<10} {link_ms:>8.1f} {measured:>18.2f} {simulated:>10.2f} {measured / simulated:>6.2f}")
 
 
+def part_messages(tokens: int) -> None:
+    """Count the channel calls the caller's ChannelServer answers (its threads run the TokenChannel methods)."""
+    import collections
+    import threading
+    from paraspec.runtime.channels import TokenChannel
+    from paraspec.runtime.net_channel import _CHANNEL_CALLS
+    counts: collections.Counter = collections.Counter()
+    for name in sorted(_CHANNEL_CALLS):
+        original = getattr(TokenChannel, name)
+        if not callable(original):
+            continue
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if threading.current_thread().name == "paraspec-channel-conn":
+                counts[_name] += 1
+            return _original(self, *args, **kwargs)
+        setattr(TokenChannel, name, counted)
+    print(f"round trips over the network transport, target 20 ms, draft 4 ms, a = 0.8, lookahead 3, {tokens} tokens")
+    for strategy in ("amusd", "dsi"):
+        with engine_for(strategy, 2, 0.02, 0.004, 0.8, 3, True) as engine:
+            engine.generate(PROMPT, SamplingParams(max_new_tokens=8))
+            counts.clear()
+            result = engine.generate(PROMPT, SamplingParams(max_new_tokens=tokens))
+        drafts = result.worker_reports["draft"]["drafted"]
+        verifier = counts["wait_for_draft"] + counts["commit"] + max(0, counts["snapshot"] - counts["publish_draft"])
+        drafter = sum(counts.values()) - verifier
+        line = f"{strategy:<6} calls {dict(counts)}; drafter {drafter / drafts:.2f} round trips per draft token"
+        if strategy == "amusd":
+            line += f"; verifier {verifier / result.stats.rounds:.2f} per verification"
+        print(line)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["overhead", "latency"])
+    p.add_argument("part", choices=["overhead", "latency", "messages"])
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--target-ms", type=float, default=20.0)
@@ -114,6 +149,8 @@ def main() -> None:
     try:
         if args.part == "overhead":
             part_overhead(args.tokens, args.repeats)
+        elif args.part == "messages":
+            part_messages(args.tokens)
         else:
             part_latency(args.tokens, args.repeats, args.target_ms, args.draft_ms, args.acceptance_rate)
     finally:

@@ -49,11 +49,14 @@ from paraspec.trace import Trace
 STRATEGIES = ("ar", "sd", "amusd", "dsi")
 
 # Messages across the link per step, as paraspec's workers exchange them on the network transport (each channel
-# call is a request and its reply; runtime/net_channel.py): a draft token is a snapshot and a publish; a dsi
-# chunk is a request to the server and its reply; an amusd verification waits for the drafts and commits.
-DRAFT_MESSAGES = 4
+# call is a request and its reply; runtime/net_channel.py), counted in the runtime (`benchmarks/multinode.py
+# messages`: a = 0.8, lookahead 3): a draft token is a snapshot and a publish, plus the resync after a rollback
+# and, in amusd, the waits at max_ahead (2.04 round trips per draft token in dsi, 2.34 in amusd); a dsi chunk is
+# a request to the server and its reply; an amusd verification waits for the drafts, commits, and judges the
+# next position in hand (about 3.5 round trips).
+DRAFT_MESSAGES = {"amusd": 5, "dsi": 4}
 CHUNK_MESSAGES = 2
-AMUSD_VERIFY_MESSAGES = 4
+AMUSD_VERIFY_MESSAGES = 7
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class Setup:
     @property
     def draft_link_s(self) -> float:
         """What crossing the link adds to one draft token of a remote drafter."""
-        return DRAFT_MESSAGES * self.link_s if self.remote_draft else 0.0
+        return DRAFT_MESSAGES[self.strategy] * self.link_s if self.remote_draft else 0.0
 
     @property
     def ahead_limit(self) -> int:

@@ -252,7 +252,7 @@ def test_a_remote_drafter_pays_its_messages_per_token():
     """Every draft forward of a remote drafter lasts DRAFT_MESSAGES links longer; a local one pays nothing."""
     setup = Setup("amusd", target=ForwardCost.constant(0.001), draft=ForwardCost.constant(0.05), acceptance_rate=1.0,
                   preempt=False, link_s=0.002)
-    for remote, extra in ((False, 0.0), (True, DRAFT_MESSAGES * 0.002)):
+    for remote, extra in ((False, 0.0), (True, DRAFT_MESSAGES["amusd"] * 0.002)):
         trace = simulate(dataclasses.replace(setup, remote_draft=remote), 40, seed=0).trace
         drafts = [e.end_s - e.start_s for e in trace.events if e.kind == "draft"]
         assert drafts and all(d == pytest.approx(0.05 + extra) for d in drafts)
