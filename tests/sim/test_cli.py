@@ -85,6 +85,14 @@ def test_plan_from_flags(parser, capsys):
     assert "recommended: ar" in out and "speculation does not pay" in out
 
 
+def test_plan_with_devices_on_other_nodes(parser, capsys):
+    assert run(parser, "plan", "--target-tpot-ms", "60", "--draft-tpot-ms", "3", "--acceptance-rate", "0.8",
+               "--devices", "cpu:0", "cpu:1", "nodeB/cpu:0", "--link-ms", "2", "--tokens", "64", "--json") == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["remote_break_even_ms"] is not None
+    assert any("2 ms more across nodes" in n for n in plan["notes"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--target-tpot-ms", "376"], "missing --draft-tpot-ms, --acceptance-rate, --devices"),
     (["--profile", "p.json", "--acceptance-rate", "0.5"], "either --profile or"),
