@@ -7,16 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from paraspec.drafters import is_model_free
+from paraspec.drafters import DraftSpec
 from paraspec.runtime.devices import parse_devices
 from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """One draft as given, in order: a model-free drafter's name ("ngram", "suffix") or a model's checkpoint."""
-    spec: Any                                     # the name, or a checkpoint folder / .gguf / hub id / SimulatedSpec
-    model_free: bool
 
 
 @dataclass
@@ -47,7 +41,7 @@ class EngineConfig:
         from paraspec.runtime.workers import BACKENDS as RUNTIMES
         cls = get_strategy(self.strategy)
         drafts = self.drafts
-        self.draft_specs = tuple(DraftSpec(d, is_model_free(d)) for d in drafts)
+        self.draft_specs = tuple(DraftSpec.of(d) for d in drafts)
         if cls.needs_draft and not drafts:
             raise ValueError(f"strategy {self.strategy!r} needs a draft model; pass draft=... (--draft)")
         if drafts and not cls.needs_draft:

@@ -191,9 +191,9 @@ class Engine:
         target_dir = resolve_spec(config.target, parse_dtype(config.dtype, self.target_devices[0].torch_device),
                                   self.backend)
         draft_dtype = parse_dtype(config.dtype, self.draft_devices[0].torch_device) if self.draft_devices else None
-        drafts = [d.spec if d.model_free else resolve_spec(d.spec, draft_dtype, self.backend)
+        drafts = [d if d.model_free else replace(d, spec=resolve_spec(d.spec, draft_dtype, self.backend))
                   for d in config.draft_specs]          # in order; model-free drafters ("ngram") stay names
-        draft_dirs = [folder for folder, d in zip(drafts, config.draft_specs) if not d.model_free]
+        draft_dirs = [d.spec for d in drafts if not d.model_free]
         self.tokenizer = load_tokenizer_if_any(target_dir)
         self._placement = Placement(target_dir, drafts, self.target_devices, self.draft_devices,
                                     dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),

@@ -197,7 +197,7 @@ def test_in_process_pinning_is_undone_by_close(qwen2_target):
 
 def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target, qwen2_partial, monkeypatch):
     import paraspec.engine as engine_module
-    from paraspec.config import DraftSpec
+    from paraspec.drafters import DraftSpec
     resolved, resolve_spec = [], engine_module.resolve_spec
 
     def counting(spec, dtype, backend="native"):
@@ -208,7 +208,8 @@ def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target,
         assert engine.config.draft_specs == (DraftSpec("ngram", True), DraftSpec(qwen2_partial, False))
         assert sorted(resolved) == sorted([str(qwen2_target), str(qwen2_partial)])
         placement = engine._placement
-        assert placement.drafts == ["ngram", qwen2_partial] and placement.model_drafts == [qwen2_partial]
-        assert engine.strategy.draft_specs == ["ngram", qwen2_partial] and len(engine.drafts) == 1
+        assert placement.drafts == [DraftSpec("ngram", True), DraftSpec(qwen2_partial, False)]
+        assert placement.model_drafts == [qwen2_partial]
+        assert engine.strategy.draft_specs == placement.drafts and len(engine.drafts) == 1
         assert engine.health() is None
     assert engine.health() == "the Engine is closed"

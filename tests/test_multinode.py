@@ -97,7 +97,9 @@ def test_sampling_across_nodes_follows_the_target(ray_cluster, small_vocab_pair,
             result = engine.generate(prompt, SamplingParams(max_new_tokens=2, seed=seed, **params))
             counts[tuple(result.token_ids)] += 1
             drafted += result.stats.drafted
-    assert drafted > 300
+    # dsi waits for full chunks, so it always drafts; amusd's verifier takes the target's own token when the draft
+    # is not there yet, so how often it judges a draft depends on timing: enough that acceptance really ran
+    assert drafted > (300 if strategy == "dsi" else 20)
     assert_matches(counts, joint)
 
 

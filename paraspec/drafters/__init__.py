@@ -17,6 +17,9 @@
 A draft is named like a checkpoint: a model's folder / .gguf / hub id, or "ngram" / "suffix" (MODEL_FREE).
 A new drafter subclasses Drafter and implements propose(); strategies need no edit.
 """
+from dataclasses import dataclass
+from typing import Any
+
 from paraspec.drafters.base import Drafter, Proposal, point_mass
 from paraspec.drafters.hybrid import Hybrid
 from paraspec.drafters.model import ModelDrafter
@@ -25,6 +28,18 @@ from paraspec.drafters.suffix import SuffixDrafter
 from paraspec.drafters.token_tree import TokenTree
 
 MODEL_FREE = {"ngram": NGramDrafter, "suffix": SuffixDrafter}
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """One draft as given, in order: a model-free drafter's name ("ngram", "suffix") or a model's checkpoint. Marked
+    once (EngineConfig), then carried as it is: the Engine resolves the checkpoints, strategies read the mark."""
+    spec: Any                          # the name, or a checkpoint folder / .gguf / hub id / SimulatedSpec
+    model_free: bool
+
+    @classmethod
+    def of(cls, spec) -> "DraftSpec":
+        return cls(spec, is_model_free(spec))
 
 
 def is_model_free(spec) -> bool:
@@ -40,5 +55,5 @@ def model_free(spec: str, vocab_size: int, options: dict) -> Drafter:
     return SuffixDrafter(vocab_size, options["suffix_depth"], options["suffix_cache"])
 
 
-__all__ = ["Drafter", "Hybrid", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",
+__all__ = ["DraftSpec", "Drafter", "Hybrid", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",
            "TokenTree", "is_model_free", "model_free", "point_mass"]

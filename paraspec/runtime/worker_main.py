@@ -120,7 +120,8 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
         return
     wire.send(("ready",), info)
 
-    link_latency_s = 0.0      # a simulated link (tests, benchmarks): each reply is delayed this much
+    link_latency_s = 0.0      # a simulated link (tests, benchmarks): each request arrives, and each reply leaves,
+                              # this much later; the caller is not held up meanwhile, as on a real link
     try:
         while True:
             envelope, load_body = requests.get()
@@ -128,6 +129,8 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
             if kind in ("shutdown", "eof") or shutting_down.is_set():
                 break
             _, request_id, t0 = envelope
+            if link_latency_s > 0 and kind != "link":
+                time.sleep(link_latency_s)
             recorder = Trace(t0=t0, device=label)
             try:
                 body = load_body()

@@ -271,8 +271,6 @@ class Worker(abc.ABC):
         if abandon:
             self._abandoned.add(request_id)
         t0 = trace.t0 if trace is not None else time.perf_counter()
-        if self._link is not None and self._link[1] > 0 and kind != "link":
-            time.sleep(self._link[1])          # the simulated link's latency on the request
         try:
             self._wire.send((kind, request_id, t0), body)
         except (BrokenPipeError, ConnectionResetError):

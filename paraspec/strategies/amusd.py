@@ -43,7 +43,7 @@ class AMUSD(WorkerStrategy):
 
     def setup(self, placement: Placement) -> None:
         self.start_workers(placement, [("target", placement.target, placement.target_devices[0]),
-                                       ("draft", placement.drafts[0], placement.draft_devices[0])])
+                                       ("draft", placement.model_drafts[0], placement.draft_devices[0])])
         self.target, self.drafts = self.remote("target"), [self.remote("draft")]
         self.channel = self.runtime.channel(CHANNEL, capacity=min(self.target.max_context, self.drafts[0].max_context),
                                             vocab_size=self.target.vocab_size, q_window=64)

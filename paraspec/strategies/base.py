@@ -29,7 +29,7 @@ from paraspec.runtime.devices import Device, apply_device, current_pinning, set_
 class Placement:
     """What the Engine resolved before setup(): the checkpoints, the devices, how to load."""
     target: Any                        # a checkpoint folder, or a SimulatedSpec (models/simulated.py)
-    drafts: list                       # the same, one per draft model (empty when the strategy needs none)
+    drafts: list                       # DraftSpecs in the order given: resolved checkpoints and model-free names
     target_devices: list[Device]
     draft_devices: list[Device]
     load: dict                         # load_model's keyword arguments: dtype, backend, max_context
@@ -40,8 +40,7 @@ class Placement:
     @property
     def model_drafts(self) -> list:
         """The drafts that are models (not "ngram" / "suffix")."""
-        from paraspec.drafters import is_model_free
-        return [d for d in self.drafts if not is_model_free(d)]
+        return [d.spec for d in self.drafts if not d.model_free]
 
     @staticmethod
     def loader(spec):
@@ -87,7 +86,7 @@ class Strategy(abc.ABC):
         self.options = options         # the strategy's options, read at each decode()
         self.target = None             # Model protocol (a RemoteModel when it runs in a worker)
         self.drafts: list = []         # the draft models (model-free drafters are not models)
-        self.draft_specs: list = []    # every draft as given: checkpoints and model-free names, in order
+        self.draft_specs: list = []    # every draft as given (DraftSpecs): checkpoints and model-free names, in order
         self.runtime = None            # the Runtime of its workers, if it has any
 
     @abc.abstractmethod
@@ -162,10 +161,10 @@ class LocalStrategy(Strategy):
 
     def make_drafters(self, for_model) -> list:
         """One Drafter per draft spec, in order: `for_model(model)` for a draft model, else the model-free one."""
-        from paraspec.drafters import is_model_free, model_free
+        from paraspec.drafters import model_free
         models = iter(self.drafts)
-        return [model_free(spec, self.target.vocab_size, self.options) if is_model_free(spec)
-                else for_model(next(models)) for spec in self.draft_specs]
+        return [model_free(d.spec, self.target.vocab_size, self.options) if d.model_free
+                else for_model(next(models)) for d in self.draft_specs]
 
     def close(self) -> None:
         super().close()

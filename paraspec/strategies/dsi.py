@@ -82,7 +82,7 @@ class DSI(WorkerStrategy):
     def setup(self, placement: Placement) -> None:
         """One target server per target device (group), target0..N-1; drafters draft, draft1, ..., each on its
         own draft device or all on one, each with its own channel (tokens, tokens1, ...)."""
-        from paraspec.drafters import is_model_free, model_free
+        from paraspec.drafters import model_free
         devices, models = placement.draft_devices, placement.model_drafts
         self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
         self.drafter_names = [drafter_name(i) for i in range(len(models))]
@@ -98,8 +98,8 @@ class DSI(WorkerStrategy):
             self.runtime.channel(name, capacity=capacity, vocab_size=self.target.vocab_size, q_window=64)
         # every drafter in the given order: a model's channel index, or a model-free Drafter (run in the caller)
         channel_index = iter(range(len(models)))
-        self.order = [model_free(spec, self.target.vocab_size, self.options) if is_model_free(spec)
-                      else next(channel_index) for spec in placement.drafts]
+        self.order = [model_free(d.spec, self.target.vocab_size, self.options) if d.model_free
+                      else next(channel_index) for d in placement.drafts]
 
     def decode(self, run: Run):
         return decode(run, self.runtime, self.server_names, self.drafter_names, self.channel_names,

@@ -91,7 +91,7 @@ def test_calibration_rebuilds_the_exact_cache(deep_pair):
 @pytest.fixture(scope="module")
 def two_device_engine(deep_pair):
     with Engine(*deep_pair, strategy="easyspec", dtype="float32", draft_devices=DEVICES) as engine:
-        yield engine    # the tests set options between requests: a strategy reads them at each decode
+        yield engine    # the tests set options between requests (set_options): a strategy reads them at each decode
 
 
 @pytest.mark.parametrize("lp_size,calibration,tree_width", [(2, True, 4), (3, False, 1), (3, True, 1),
@@ -102,7 +102,7 @@ def test_easyspec_two_processes_equals_one(ar_engine, deep_pair, two_device_engi
     sums attention outputs in the same order, so fuzzy logits are bit-identical)."""
     params = SamplingParams(max_new_tokens=30)
     options = dict(lp_size=lp_size, calibration=calibration, tree_width=tree_width, tree_depth=4)
-    two_device_engine.options.update(options)
+    two_device_engine.set_options(**options)
     result = two_device_engine.generate(PROMPT, params)
     with Engine(*deep_pair, strategy="easyspec", dtype="float32", **options) as one:
         single = one.generate(PROMPT, params)
@@ -112,7 +112,7 @@ def test_easyspec_two_processes_equals_one(ar_engine, deep_pair, two_device_engi
 
 def test_replicas_hold_the_same_cache(two_device_engine):
     """After a request, rank 1's calibrated prefix equals rank 0's."""
-    two_device_engine.options.update(lp_size=2, calibration=True, tree_width=4)
+    two_device_engine.set_options(lp_size=2, calibration=True, tree_width=4)
     two_device_engine.generate(PROMPT, SamplingParams(max_new_tokens=12))
     drafter = two_device_engine.strategy.device_group
     n = drafter.length
