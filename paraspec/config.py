@@ -12,7 +12,6 @@ from paraspec.runtime.devices import parse_devices
 from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 
 
-
 @dataclass
 class EngineConfig:
     target: Any                                   # checkpoint folder, .gguf file, hub id (or a SimulatedSpec)
@@ -94,24 +93,18 @@ class EngineConfig:
 
     def _check_placement(self, cls) -> None:
         """Devices on named nodes, the transport and the Ray address: checked together, naming the fix."""
-        from paraspec.runtime.runtime import Runtime
-        if self.transport not in Runtime.TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r}; use one of {', '.join(Runtime.TRANSPORTS)}")
-        if not (isinstance(self.link_latency_ms, (int, float)) and self.link_latency_ms >= 0):
-            raise ValueError(f"link_latency_ms must be a number >= 0, got {self.link_latency_ms!r}")
+        from paraspec.runtime.runtime import check_transport
+        check_transport(self.transport, self.link_latency_ms)
         if self.ray_address is not None and self.runtime != "ray":
             raise ValueError(f"ray_address applies to runtime='ray' (--runtime ray), not runtime={self.runtime!r}")
         devices = list(self.target_devices) + (list(self.draft_devices) if cls.needs_draft else [])
         on_nodes = [str(d) for d in devices if d.node]
-        if on_nodes and self.runtime != "ray":
-            if "ray" not in cls.runtimes:
-                raise ValueError(f"strategy {self.strategy!r} runs its models in the caller's process, so its devices "
-                                 f"cannot name a node ({on_nodes[0]}); use amusd or dsi to place workers on nodes")
-            raise ValueError(f"device {on_nodes[0]} names a node: place workers on nodes with runtime='ray' "
-                             f"(--runtime ray)")
         if on_nodes and not cls.across_nodes:
             raise ValueError(f"strategy {self.strategy!r} cannot run across nodes ({cls.across_nodes_reason}); "
-                             f"give its devices without a node")
+                             f"give its devices without a node, or use amusd or dsi to place workers on nodes")
+        if on_nodes and self.runtime != "ray":
+            raise ValueError(f"device {on_nodes[0]} names a node: place workers on nodes with runtime='ray' "
+                             f"(--runtime ray)")
         if self.transport == "shm" and on_nodes:
             raise ValueError(f"transport='shm' cannot reach workers on other nodes ({on_nodes[0]}); use 'auto'")
         if self.link_latency_ms and self.transport != "tcp" and not on_nodes:

@@ -158,3 +158,26 @@ def wait_for(predicate, timeout: float = 120.0):
             return value
         time.sleep(0.05)
     raise AssertionError("timed out")
+
+
+def error_while_running(request, fault, started_s: float = 0.5, limit_s: float = 60.0):
+    """Run request() back to back in a thread (one may end early), call fault() once it has run `started_s`,
+    and return (the error request() raised, seconds from the fault to that error); (None, None) if none came."""
+    import threading
+    outcome = {}
+
+    def keep_requesting():
+        end = time.monotonic() + limit_s
+        try:
+            while time.monotonic() < end:
+                request()
+        except BaseException as exc:
+            outcome["error"], outcome["at"] = exc, time.monotonic()
+
+    thread = threading.Thread(target=keep_requesting)
+    thread.start()
+    time.sleep(started_s)
+    faulted = time.monotonic()
+    fault()
+    thread.join(limit_s)
+    return outcome.get("error"), (outcome["at"] - faulted if "at" in outcome else None)

@@ -3,8 +3,6 @@ worker nodes, each named by a custom resource), with the network transport force
 every token crosses TCP. Greedy equals `ar`, sampling follows the target, stop strings and cancel work across
 nodes, a removed node is a named error within seconds and restart_workers() recovers, close() leaves nothing."""
 import os
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,8 @@ pytest.importorskip("ray", reason="multi-node tests need Ray (pip install 'paras
 from paraspec import Engine, SamplingParams  # noqa: E402
 from paraspec.runtime import WorkerError  # noqa: E402
 from paraspec.runtime.devices import DeviceError  # noqa: E402
-from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint  # noqa: E402
+from tests.conftest import (PROMPT, VOCAB, assert_matches, error_while_running, exact_joint, gone,  # noqa: E402
+                            wait_for)
 
 PROMPTS = [PROMPT, "import numpy as np\n", "class Stack:\n    def push(self, x):"]
 
@@ -111,25 +110,10 @@ def test_a_removed_node_is_named_within_seconds_then_restart(ray_cluster, qwen2_
                     target_devices=["box-a/cpu:0", "box-c/cpu:1"], draft_devices=["head-box/cpu:0"], lookahead=3,
                     max_ahead=9)
     try:
-        outcome = {}
-
-        def long_request():          # requests back to back (one may end early at an end-of-text token)
-            try:
-                end = time.monotonic() + 60
-                while time.monotonic() < end:
-                    engine.generate(PROMPT, SamplingParams(max_new_tokens=400))
-            except BaseException as exc:
-                outcome["error"], outcome["at"] = exc, time.monotonic()
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(1.0)
-        removed = time.monotonic()
-        ray_cluster.remove_node(node)
-        thread.join(30)
-        error = outcome.get("error")
+        error, after_s = error_while_running(lambda: engine.generate(PROMPT, SamplingParams(max_new_tokens=400)),
+                                             lambda: ray_cluster.remove_node(node), started_s=1.0)
         assert isinstance(error, WorkerError) and "target1" in str(error) and "box-c" in str(error)
-        assert outcome["at"] - removed < 10.0
+        assert after_s < 10.0
         assert "box-c" in (engine.health() or "")
         with pytest.raises(DeviceError, match="box-c"):       # its device names a node that is gone
             engine.restart_workers()
@@ -147,9 +131,7 @@ def test_restart_places_workers_again(ray_cluster, qwen2_target, qwen2_partial, 
         engine.restart_workers()
         assert engine.generate(PROMPT, SamplingParams(max_new_tokens=24)).token_ids == expected[PROMPT]
         pids = [w.pid for w in engine.runtime.workers.values()]
-    time.sleep(0.5)
-    assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-               for pid in pids)
+    wait_for(lambda: all(map(gone, pids)), timeout=5)
 
 
 def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, qwen2_partial):

@@ -69,8 +69,8 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
                     channel.wait_for_room(position + 1, version=version, timeout=None).version != version:
                 continue
             start = trace.now()
-            proposal = drafter.propose(cached + feed, 1, params, generator)   # feeds exactly `feed`
-            cached.extend(feed)
+            cached.extend(feed)               # the drafter feeds what it has not cached: exactly `feed` (no copy)
+            proposal = drafter.propose(cached, 1, params, generator)
             fed += len(feed)
             trace.add(device, "draft", start, trace.now(), len(feed))
             drafted += 1

@@ -32,11 +32,6 @@ class Device:
     def num_threads(self) -> int:
         return len(self.cores) if self.cores else len(available_cores())
 
-    @property
-    def local(self) -> "Device":
-        """The device as the node it is on sees it (without the node's name)."""
-        return Device(self.kind, self.cores, self.index)
-
     def __str__(self) -> str:
         where = f"{self.node}/" if self.node else ""
         if self.kind == "cuda":
@@ -78,42 +73,21 @@ def _parse_core_list(spec: str, text: str) -> tuple[int, ...]:
 
 
 def parse_device(text: str) -> Device:
-    """Parse and check a device string against this machine; raise DeviceError naming the fix."""
+    """Parse a device string and check it against this machine (a device on a named node: against that node,
+    when its worker starts there); raise DeviceError naming the fix."""
     if isinstance(text, Device):
         return text
-    if "/" in str(text):
-        node, _, rest = str(text).strip().partition("/")
-        if not node or "/" in rest:
-            raise DeviceError(f"bad device {text!r}: expected NODE/cpu:N, NODE/cpu:A-B or NODE/cuda:N")
-        return parse_remote_device(node, rest, text)
-    s = str(text).strip().lower()
-    if s == "cpu":
-        return Device("cpu")
-    if s.startswith("cpu:"):
-        cores = _parse_core_list(s[4:], text)
-        have = available_cores()
-        missing = [c for c in cores if c not in have]
-        if missing:
-            raise DeviceError(f"device {text!r} names core(s) {missing} but this machine has cores "
-                              f"{have[0]}-{have[-1]}; use e.g. cpu:{have[0]} or cpu")
-        return Device("cpu", cores=cores)
-    if s == "cuda" or s.startswith("cuda:"):
-        try:
-            index = int(s[5:]) if ":" in s else 0
-        except ValueError:
-            raise DeviceError(f"bad device {text!r}: expected cuda:N") from None
-        import torch
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if index >= n:
-            raise DeviceError(f"device {text!r} is not available: this machine has {n} CUDA device(s); "
-                              f"use cpu or cpu:N")
-        return Device("cuda", index=index)
-    raise DeviceError(f"unknown device {text!r}: expected cpu, cpu:N, cpu:A-B, cpu:A,B or cuda:N")
+    node, _, local = str(text).strip().rpartition("/")
+    if "/" in str(text) and (not node or "/" in node):
+        raise DeviceError(f"bad device {text!r}: expected NODE/cpu:N, NODE/cpu:A-B or NODE/cuda:N")
+    device = _parse_local(local.lower(), text, node or None)
+    if device.node is None:
+        check_available(device, "this machine")
+    return device
 
 
-def parse_remote_device(node: str, text: str, given: str) -> Device:
-    """A device on a named node: its syntax is checked here, its cores and GPUs on the node itself."""
-    s = text.strip().lower()
+def _parse_local(s: str, given: str, node: str | None) -> Device:
+    """The syntax of what follows the node (if any): cpu, cpu:N, cpu:A-B, cpu:A,B, cuda, cuda:N."""
     if s == "cpu":
         return Device("cpu", node=node)
     if s.startswith("cpu:"):
@@ -122,24 +96,26 @@ def parse_remote_device(node: str, text: str, given: str) -> Device:
         try:
             return Device("cuda", index=int(s[5:]) if ":" in s else 0, node=node)
         except ValueError:
-            raise DeviceError(f"bad device {given!r}: expected NODE/cuda:N") from None
-    raise DeviceError(f"unknown device {given!r}: expected NODE/cpu, NODE/cpu:N, NODE/cpu:A-B or NODE/cuda:N")
+            raise DeviceError(f"bad device {given!r}: expected cuda:N") from None
+    raise DeviceError(f"unknown device {given!r}: expected cpu, cpu:N, cpu:A-B, cpu:A,B or cuda:N (each may be "
+                      f"NODE/... on a Ray node)")
 
 
-def check_on_this_node(device: Device, node: str) -> None:
-    """In a worker that has just started on `node`: the device's cores and GPU exist here, else DeviceError
-    naming the node and what it has."""
+def check_available(device: Device, where: str) -> None:
+    """The device's cores and GPU exist where this process runs (`where`: "this machine", or the node a worker
+    has just started on), else DeviceError naming the place and what it has."""
     if device.kind == "cpu":
         have = available_cores()
         missing = [c for c in device.cores if c not in have]
         if missing:
-            raise DeviceError(f"device {device} names core(s) {missing} but node {node!r} has cores "
-                              f"{have[0]}-{have[-1]}; use cores it has")
+            raise DeviceError(f"device {str(device)!r} names core(s) {missing} but {where} has cores "
+                              f"{have[0]}-{have[-1]}; use e.g. cpu:{have[0]} or cpu")
     else:
         import torch
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.index >= n:
-            raise DeviceError(f"device {device} is not available: node {node!r} has {n} CUDA device(s)")
+            raise DeviceError(f"device {str(device)!r} is not available: {where} has {n} CUDA device(s); "
+                              f"use cpu or cpu:N")
 
 
 def parse_devices(texts) -> list[Device]:

@@ -65,6 +65,7 @@ class _Link:
             except OSError:
                 pass
 
+
 # what a remote end may call: every public TokenChannel / StopSignal operation, nothing else
 _CHANNEL_CALLS = {"state", "snapshot", "tokens", "read_q", "reset", "publish_draft", "commit", "discard_drafts",
                   "stop", "wait_for_draft", "wait_for_version_change", "wait_for_commit", "wait_for_room",
@@ -168,20 +169,27 @@ class _Proxy:
     hold up another's publish), opened on first use; pickles as its address and name, like a shared-memory
     channel pickles as its segment name."""
 
+    calls: frozenset[str] = frozenset()    # the methods the server answers for this kind of proxy
+
     def __init__(self, address: tuple[str, int], name: str, latency_s: float = 0.0):
-        self.address, self.channel_name, self.latency_s = tuple(address), name, float(latency_s)
+        self.address, self.name, self.latency_s = tuple(address), name, float(latency_s)
         self._local = threading.local()
         self._links: list[_Link] = []
 
     def __reduce__(self):
-        return _proxy, (type(self), self.address, self.channel_name, self.latency_s)
+        return _proxy, (type(self), self.address, self.name, self.latency_s)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.channel_name} at {self.address[0]}:{self.address[1]}>"
+        return f"<{type(self).__name__} {self.name} at {self.address[0]}:{self.address[1]}>"
 
-    @property
-    def name(self) -> str:
-        return self.channel_name
+    def __getattr__(self, method: str):
+        """Every call the server answers, as a method of the same name."""
+        if method in type(self).calls:
+            return lambda *args, **kwargs: self._call(method, *args, **kwargs)
+        raise AttributeError(method)
+
+    stopped = property(lambda self: self._call("stopped"))
+    reason = property(lambda self: self._call("reason"))
 
     def _connect(self) -> _Link:
         try:
@@ -190,7 +198,7 @@ class _Proxy:
             raise ChannelStopped(f"cannot reach the caller's channel server at {self.address}: {exc}") from None
         sock.settimeout(None)
         link = _Link(sock)
-        link.send(("open", self.channel_name, self.latency_s))
+        link.send(("open", self.name, self.latency_s))
         status, error = link.recv()
         if status != "ok":
             link.close()
@@ -210,7 +218,7 @@ class _Proxy:
             self._local.link = None
             if link is not None:
                 link.close()
-            raise ChannelStopped(f"the connection to the caller's channel {self.channel_name!r} was lost "
+            raise ChannelStopped(f"the connection to the caller's channel {self.name!r} was lost "
                                  f"({type(exc).__name__}): the caller stopped or is gone") from None
         if status != "ok":
             raise result
@@ -227,6 +235,7 @@ class _Proxy:
 class RemoteChannel(_Proxy):
     """A TokenChannel of the caller, over TCP: the same methods, the same results and exceptions."""
 
+    calls = frozenset(_CHANNEL_CALLS)
     _geometry: tuple[int, int | None, int] | None = None
 
     def _fixed(self) -> tuple[int, int | None, int]:
@@ -240,13 +249,6 @@ class RemoteChannel(_Proxy):
     version = property(lambda self: self._call("version"))
     committed = property(lambda self: self._call("committed"))
     length = property(lambda self: self._call("length"))
-    stopped = property(lambda self: self._call("stopped"))
-    reason = property(lambda self: self._call("reason"))
-
-    def __getattr__(self, method: str):
-        if method in _CHANNEL_CALLS:
-            return lambda *args, **kwargs: self._call(method, *args, **kwargs)
-        raise AttributeError(method)
 
     def wait_until(self, predicate: Callable[[ChannelState], bool],
                    timeout: float | None = None) -> ChannelState | None:
@@ -266,19 +268,10 @@ class RemoteChannel(_Proxy):
 
 
 class RemoteStopSignal(_Proxy):
-    """The caller's Runtime stop signal over TCP (`ctx.stop` of a loop in a remote worker)."""
+    """The caller's Runtime stop signal over TCP (`ctx.stop` of a loop in a remote worker): is_set, set, clear,
+    wait, as StopSignal's."""
+
+    calls = frozenset(_STOP_CALLS)
 
     def __init__(self, address: tuple[str, int], name: str = STOP, latency_s: float = 0.0):
         super().__init__(address, name, latency_s)
-
-    def is_set(self) -> bool:
-        return self._call("is_set")
-
-    def set(self, reason: str = "stopped") -> None:
-        self._call("set", reason)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._call("wait", timeout)
-
-    stopped = property(lambda self: self._call("stopped"))
-    reason = property(lambda self: self._call("reason"))

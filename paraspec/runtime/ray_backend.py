@@ -112,6 +112,7 @@ class RayWorker(Worker):
 
     backend = "ray"
     options_taken = ("address",)
+    places_on_nodes = True
     connect_timeout = 120.0
 
     def _start(self) -> None:

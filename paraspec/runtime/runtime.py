@@ -85,6 +85,17 @@ def _monitor(state: _RuntimeState) -> None:
                     state.stop_all(str(worker._death))
 
 
+TRANSPORTS = ("auto", "shm", "tcp")
+
+
+def check_transport(transport: str, link_latency_s: float) -> None:
+    """The Runtime's transport settings (EngineConfig checks them with this too, before anything loads)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+    if isinstance(link_latency_s, bool) or not (isinstance(link_latency_s, (int, float)) and link_latency_s >= 0):
+        raise ValueError(f"the link latency must be a number >= 0, got {link_latency_s!r}")
+
+
 def heartbeat_interval(worker_timeout: float) -> float:
     """How often a worker says it is alive, for a watchdog of `worker_timeout` seconds."""
     return min(1.0, worker_timeout / 4)
@@ -152,15 +163,10 @@ class Runtime:
     network message by that much (tests and benchmarks only). `options` go to the backend (Ray: address).
     """
 
-    TRANSPORTS = ("auto", "shm", "tcp")
-
     def __init__(self, backend: str = "process", close_timeout: float = 3.0, worker_timeout: float | None = None,
                  transport: str = "auto", link_latency_s: float = 0.0, **options):
         worker_class(backend)                # an unknown name fails here, before anything starts
-        if transport not in self.TRANSPORTS:
-            raise ValueError(f"unknown transport {transport!r}; use one of {', '.join(self.TRANSPORTS)}")
-        if not link_latency_s >= 0:
-            raise ValueError(f"link latency must be >= 0 seconds, got {link_latency_s!r}")
+        check_transport(transport, link_latency_s)
         self.backend = backend
         self.transport, self.link_latency_s, self.options = transport, float(link_latency_s), options
         self.close_timeout = close_timeout

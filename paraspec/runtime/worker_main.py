@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from paraspec.runtime.channels import StopSignal, TokenChannel, release_attached
-from paraspec.runtime.devices import Device, apply_device, check_on_this_node, parse_device
+from paraspec.runtime.devices import Device, apply_device, check_available, parse_device
 from paraspec.runtime.errors import error_payload
 from paraspec.runtime.wire import Wire
 from paraspec.trace import Trace
@@ -96,7 +96,7 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
     try:
         t_build = time.perf_counter()
         if device.node:           # a device on a named node: its cores and GPUs are checked here, on it
-            check_on_this_node(device, device.node)
+            check_available(device, f"node {device.node!r}")
         if not in_process or device.kind == "cuda":
             apply_device(device)   # CPU pinning is per process: the in-process backend leaves it alone
         factory, factory_args = pickle.loads(spec)

@@ -99,6 +99,7 @@ class Worker(abc.ABC):
 
     backend = ""
     options_taken: tuple[str, ...] = ()
+    places_on_nodes = False               # it can run a worker on the node a device names (NODE/cpu:0)
 
     def __init__(self, name: str, device: Device | str, factory: Callable[..., Any], factory_args: dict | None,
                  stop: StopSignal, channels: dict[str, TokenChannel], heartbeat_s: float | None = None,
@@ -113,7 +114,7 @@ class Worker(abc.ABC):
         self.name = name
         self.heartbeat_s = heartbeat_s
         self.device = parse_device(device)
-        if self.device.node and self.backend != "ray":
+        if self.device.node and not self.places_on_nodes:
             raise DeviceError(f"device {self.device} names a node: only runtime='ray' places workers on nodes "
                               f"(--runtime ray), the {self.backend} backend runs them on this host")
         try:

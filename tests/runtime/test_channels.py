@@ -271,52 +271,64 @@ def test_stop_signal(where):
         owned.close()
 
 
-def test_a_remote_channel_whose_server_is_gone_reads_as_stopped():
+class Served:
+    """A channel of 8 tokens served over TCP as the caller's Runtime serves it, and the proxies and servers a test
+    opens on it; close() closes them all."""
+
+    def __init__(self):
+        self.channel, self.stop = TokenChannel(8, tag="served"), StopSignal("served-stop")
+        self.server = ChannelServer({"served": self.channel}, self.stop)
+        self.opened = [self.server]
+
+    def remote(self, server: ChannelServer | None = None, name: str = "served", latency_s: float = 0.0):
+        self.opened.append(RemoteChannel((server or self.server).address, name, latency_s))
+        return self.opened[-1]
+
+    def another_server(self) -> ChannelServer:
+        self.opened.append(ChannelServer({}, self.stop))
+        return self.opened[-1]
+
+    def close(self) -> None:
+        for closable in self.opened + [self.channel, self.stop]:
+            closable.close()
+
+
+@pytest.fixture
+def served():
+    served = Served()
+    yield served
+    served.close()
+
+
+def test_a_remote_channel_whose_server_is_gone_reads_as_stopped(served):
     """A worker on another host whose caller went away: its next call raises ChannelStopped, it never hangs."""
-    ch, stop = TokenChannel(8, tag="gone"), StopSignal("gone-stop")
-    server = ChannelServer({"gone": ch}, stop)
-    remote = RemoteChannel(server.address, "gone")
-    try:
-        v = remote.reset([1, 2])
-        errors = []
+    remote = served.remote()
+    v = remote.reset([1, 2])
+    errors = []
 
-        def waiter():
-            try:
-                remote.wait_for_draft(5, version=v)
-            except ChannelStopped as e:
-                errors.append(e.reason)
+    def waiter():
+        try:
+            remote.wait_for_draft(5, version=v)
+        except ChannelStopped as e:
+            errors.append(e.reason)
 
-        t = threading.Thread(target=waiter)
-        t.start()
-        time.sleep(0.2)
-        server.close()                       # the caller's end disappears while the worker waits
-        t.join(5)
-        assert not t.is_alive() and errors and "lost" in errors[0]
-        with pytest.raises(ChannelStopped):
-            remote.state()
-        with pytest.raises(KeyError, match="no channel named"):
-            RemoteChannel(ChannelServer({}, stop).address, "nope").state()
-    finally:
-        remote.close()
-        server.close()
-        ch.close()
-        stop.close()
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    served.server.close()                   # the caller's end disappears while the worker waits
+    t.join(5)
+    assert not t.is_alive() and errors and "lost" in errors[0]
+    with pytest.raises(ChannelStopped):
+        remote.state()
+    with pytest.raises(KeyError, match="no channel named"):
+        served.remote(served.another_server(), "nope").state()
 
 
-def test_link_latency_is_paid_per_message():
-    ch, stop = TokenChannel(8, tag="slow"), StopSignal("slow-stop")
-    server = ChannelServer({"slow": ch}, stop)
-    fast, slow = RemoteChannel(server.address, "slow"), RemoteChannel(server.address, "slow", latency_s=0.05)
-    try:
-        fast.reset([1])
-        slow.state()                         # connected
-        start = time.perf_counter()
-        for _ in range(4):
-            slow.state()
-        assert time.perf_counter() - start >= 4 * 2 * 0.05     # a request and its reply: two messages per call
-    finally:
-        fast.close()
-        slow.close()
-        server.close()
-        ch.close()
-        stop.close()
+def test_link_latency_is_paid_per_message(served):
+    fast, slow = served.remote(), served.remote(latency_s=0.05)
+    fast.reset([1])
+    slow.state()                             # connected
+    start = time.perf_counter()
+    for _ in range(4):
+        slow.state()
+    assert time.perf_counter() - start >= 4 * 2 * 0.05     # a request and its reply: two messages per call

@@ -3,7 +3,6 @@ results are unchanged (dsi with simulated and with tiny real models), a killed a
 leaves no actor process and no shared-memory segment behind."""
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from paraspec import Engine, SamplingParams  # noqa: E402
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec  # noqa: E402
 from paraspec.runtime import WorkerError  # noqa: E402
 from paraspec.sim.costs import ForwardCost  # noqa: E402
-from tests.conftest import PROMPT  # noqa: E402
+from tests.conftest import PROMPT, error_while_running  # noqa: E402
 
 
 
@@ -66,23 +65,11 @@ def test_dsi_with_simulated_models_and_a_killed_actor():
         result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=80))
         assert result.token_ids == SimulatedModel(target).predicted[3:83].tolist()
         assert result.worker_reports["dsi"]["preempted"] > 0
-        # a long request (simulated models have no tokenizer, so it runs in a thread rather than as a stream)
-        outcome = {}
-
-        def long_request():
-            try:
-                engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3000))
-            except BaseException as exc:
-                outcome["error"], outcome["at"] = exc, time.monotonic()
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(0.5)
-        killed = time.monotonic()
-        os.kill(workers["target0"].pid, signal.SIGKILL)
-        thread.join(10)
-        assert isinstance(outcome.get("error"), WorkerError) and "target0" in str(outcome["error"])
-        assert outcome["at"] - killed < 3.0
+        # long requests (simulated models have no tokenizer, so they run in a thread rather than as a stream)
+        error, after_s = error_while_running(lambda: engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3000)),
+                                             lambda: os.kill(workers["target0"].pid, signal.SIGKILL))
+        assert isinstance(error, WorkerError) and "target0" in str(error)
+        assert after_s < 3.0
     finally:
         pids = [w.pid for w in engine.runtime.workers.values()]
         engine.close()
