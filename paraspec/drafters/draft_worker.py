@@ -36,13 +36,15 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
     version = None
     drafted = published = rollbacks = fed = discarded = 0
     drafter.reset()
+    snap = None                     # the read for the next step, when the last publish brought it along
     try:
         while True:
-            snap = channel.snapshot(start=len(cached))   # one read (a round trip on the network transport)
+            if snap is None:
+                snap = channel.read_since(len(cached), version)   # one round trip on the network transport
             if snap.version != version:
-                # a new request or a rejection: keep the longest cached prefix that is still the sequence
-                full = channel.snapshot(start=0)
-                keep = common_prefix(cached, full.tokens)
+                # a new request or a rejection (the read is the whole sequence): keep the longest cached prefix
+                # that is still the sequence
+                keep = common_prefix(cached, snap.tokens)
                 if keep < len(cached):
                     start = trace.now()
                     drafter.rollback(keep)
@@ -50,16 +52,17 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
                     discarded += len(cached) - keep
                     del cached[keep:]
                     rollbacks += 1
-                version = full.version
-                snap = channel.snapshot(start=len(cached))
-                if snap.version != version:
-                    continue
+                version = snap.version
+                snap = snap._replace(start=len(cached), tokens=snap.tokens[len(cached):],
+                                     stamps=snap.stamps[len(cached):])
             if snap.length - snap.committed >= max_ahead:
                 start = trace.now()
                 channel.wait_until(lambda s: s.version != version or s.length - s.committed < max_ahead)
                 trace.add(device, "wait", start, trace.now())
+                snap = None
                 continue
             feed = [int(t) for t in snap.tokens]
+            snap = None
             if not feed:                      # everything is cached: re-run the last token for its logits
                 drafter.rollback(len(cached) - 1)
                 feed = [cached.pop()]
@@ -75,7 +78,8 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
             trace.add(device, "draft", start, trace.now(), len(feed))
             drafted += 1
             try:
-                published += channel.publish_draft(position, proposal.tokens, q=proposal.q, version=version)
+                ok, snap = channel.publish_and_read(position, proposal.tokens, q=proposal.q, version=version)
+                published += ok
             except ChannelFull:               # the context is full: the verifier is about to finish
                 channel.wait_for_version_change(version)
     except ChannelStopped:

@@ -317,6 +317,15 @@ class TokenChannel(_SharedBlock):
         with self._lock:
             return self._snapshot(start, end)
 
+    def read_since(self, start: int, version: int | None) -> DraftSnapshot:
+        """A drafter's one read per step: positions [start, length) while the channel is still at `version`;
+        after a change of version (a rejection, a new request) the whole sequence [0, length) instead
+        (`.start == 0`), from which the drafter finds what its cache still holds. One round trip on the network
+        transport where a check and a re-read would take two."""
+        with self._lock:
+            moved = int(self._header[_VERSION]) != version
+            return self._snapshot(0 if moved else start, None)
+
     def tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Copy of the tokens at positions [start, end); end defaults to length, drafts included."""
         with self._lock:
@@ -412,6 +421,13 @@ class TokenChannel(_SharedBlock):
             self._bump()
         self._wake()
         return True
+
+    def publish_and_read(self, position: int, tokens: Sequence[int], q=None, *,
+                         version: int) -> tuple[bool, DraftSnapshot]:
+        """`publish_draft`, then `read_since(position, version)`: what the drafter needs for its next step, in
+        the same round trip as the publish on the network transport."""
+        published = self.publish_draft(position, tokens, q, version=version)
+        return published, self.read_since(position, version)
 
     def commit(self, tokens: Sequence[int], *, start: int | None = None,
                version: int | None = None) -> CommitResult | None:

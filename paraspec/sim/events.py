@@ -50,11 +50,12 @@ STRATEGIES = ("ar", "sd", "amusd", "dsi")
 
 # Messages across the link per step, as paraspec's workers exchange them on the network transport (each channel
 # call is a request and its reply; runtime/net_channel.py), counted in the runtime (`benchmarks/multinode.py
-# messages`: a = 0.8, lookahead 3): a draft token is a snapshot and a publish, plus the resync after a rollback
-# and, in amusd, the waits at max_ahead (2.04 round trips per draft token in dsi, 2.34 in amusd); a dsi chunk is
-# a request to the server and its reply; an amusd verification waits for the drafts, commits, and judges the
-# next position in hand (about 3.5 round trips).
-DRAFT_MESSAGES = {"amusd": 5, "dsi": 4}
+# messages`: a = 0.8, lookahead 3): a draft token is one publish that brings the next read back with it
+# (`publish_and_read`; a rollback needs no extra trip, `read_since` returns the whole sequence then) plus, in amusd,
+# the waits at max_ahead (1.05 round trips per draft token in dsi, 1.54 in amusd); a dsi chunk is a request to the
+# server and its reply; an amusd verification waits for the drafts, commits, and judges the next position in hand
+# (about 3.5 round trips).
+DRAFT_MESSAGES = {"amusd": 3, "dsi": 2}
 CHUNK_MESSAGES = 2
 AMUSD_VERIFY_MESSAGES = 7
 

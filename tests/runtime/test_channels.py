@@ -86,6 +86,21 @@ def test_mismatch_bumps_version_and_drops_later_drafts(channel):
     assert channel.length == 3
 
 
+def test_read_since_gives_the_whole_sequence_after_a_version_change(channel):
+    """A drafter's one read per step: its tail while the version holds, everything once it moved (so it finds
+    what its cache still holds), and publish_and_read brings that read along with the publish."""
+    v = channel.reset([1, 2])
+    ok, snap = channel.publish_and_read(2, [3], version=v)
+    assert ok and (snap.version, snap.start, snap.tokens.tolist()) == (v, 2, [3])
+    assert channel.read_since(3, v).tokens.tolist() == []
+    channel.commit([7])                                    # rejects the draft 3: version v + 1
+    snap = channel.read_since(3, v)
+    assert (snap.version, snap.start, snap.tokens.tolist()) == (v + 1, 0, [1, 2, 7])
+    ok, snap = channel.publish_and_read(3, [4], version=v)  # stale: nothing published, the whole sequence read
+    assert not ok and (snap.version, snap.start, snap.tokens.tolist()) == (v + 1, 0, [1, 2, 7])
+    assert channel.read_since(0, None).start == 0           # a drafter that has seen no version yet
+
+
 def test_stale_version_never_passes_as_current(channel):
     v = channel.reset([1, 2, 3])
     assert channel.publish_draft(3, [10, 11], version=v)
