@@ -148,3 +148,27 @@ def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, q
     with pytest.raises(ValueError, match="caller's process"):
         Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32", target_devices=["box-a/cpu:0"])
     assert own_segments() <= before
+
+
+def test_a_checkpoint_missing_on_a_node_is_named(ray_cluster, qwen2_target, qwen2_partial, tmp_path, monkeypatch):
+    """The caller resolves the draft checkpoint (it is there), the node that loads it does not have it: every node
+    here shares this host's files, so the copy the caller resolved is removed before the workers load it."""
+    import shutil
+    import paraspec.engine
+    copy = tmp_path / "draft-only-on-the-caller"
+    shutil.copytree(qwen2_partial, copy)
+    real = paraspec.engine.resolve_spec
+
+    def resolved_then_gone(spec, *args, **kwargs):
+        folder = real(spec, *args, **kwargs)
+        if Path(str(spec)) == copy:
+            shutil.rmtree(copy)
+        return folder
+
+    monkeypatch.setattr(paraspec.engine, "resolve_spec", resolved_then_gone)
+    before = own_segments()
+    with pytest.raises(Exception, match=r"on node 'box-b'.*(same path|shared filesystem)") as err:
+        Engine(qwen2_target, str(copy), strategy="amusd", dtype="float32", runtime="ray", transport="tcp",
+               target_devices=["box-a/cpu:1"], draft_devices=["box-b/cpu:0"])
+    assert str(copy) in str(err.value)
+    assert own_segments() <= before

@@ -103,8 +103,10 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
         try:
             model = factory(**factory_args)
         except (OSError, ValueError) as exc:
-            if device.node:       # a checkpoint missing on that node, say: name the node
-                exc.args = (f"on node {device.node!r}: {exc}",)
+            if device.node:       # a checkpoint missing on that node, say: name the node and the fix
+                exc.args = (f"on node {device.node!r}: {exc} (a node loads the checkpoint from the path the caller "
+                            f"resolved: put it at the same path there, e.g. `make models` on that node, or use a "
+                            f"shared filesystem)",)
             raise
         import torch
         info = WorkerInfo(
