@@ -30,8 +30,7 @@ from paraspec.sim.costs import ForwardCost
 from paraspec.sim.events import Setup, mean_result
 
 PROMPT = [5, 6, 7]
-DRAFTER_CALLS = ("read_since", "publish_and_read", "seq_state", "wait_for_change", "wait_for_room",
-                 "wait_for_version_change")   # wait_until over the network: seq_state + wait_for_change
+DRAFTER_CALLS = ("read_since", "publish_and_read", "wait_below_ahead", "wait_for_room", "wait_for_version_change")
 
 
 def start_cluster(nodes: int):
@@ -106,7 +105,7 @@ def part_latency(tokens: int, repeats: int, target_ms: float, draft_ms: float, a
             print(f"{name:<10} {link_ms:>8.1f} {measured:>18.2f} {simulated:>10.2f} {measured / simulated:>6.2f}")
 
 
-def part_messages(tokens: int) -> None:
+def part_messages(tokens: int, link_ms: float) -> None:
     """Count the channel calls the caller's ChannelServer answers (its threads run the TokenChannel methods)."""
     import collections
     import threading
@@ -129,9 +128,9 @@ def part_messages(tokens: int) -> None:
             finally:
                 nested.depth = depth
         setattr(TokenChannel, name, counted)
-    print(f"round trips over the network transport, target 20 ms, draft 4 ms, a = 0.8, lookahead 3, {tokens} tokens")
+    print(f"round trips over the network transport, link {link_ms} ms, target 20 ms, draft 4 ms, a = 0.8, lookahead 3, {tokens} tokens")
     for strategy in ("amusd", "dsi"):
-        with engine_for(strategy, 2, 0.02, 0.004, 0.8, 3, True) as engine:
+        with engine_for(strategy, 2, 0.02, 0.004, 0.8, 3, True, link_ms) as engine:
             engine.generate(PROMPT, SamplingParams(max_new_tokens=8))
             counts.clear()
             result = engine.generate(PROMPT, SamplingParams(max_new_tokens=tokens))
@@ -152,13 +151,14 @@ def main() -> None:
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--draft-ms", type=float, default=4.0)
     p.add_argument("--acceptance-rate", type=float, default=0.8)
+    p.add_argument("--link-ms", type=float, default=0.0, help="messages: the link latency to count them at")
     args = p.parse_args()
     cluster = start_cluster(6 if args.part == "overhead" else 3)
     try:
         if args.part == "overhead":
             part_overhead(args.tokens, args.repeats)
         elif args.part == "messages":
-            part_messages(args.tokens)
+            part_messages(args.tokens, args.link_ms)
         else:
             part_latency(args.tokens, args.repeats, args.target_ms, args.draft_ms, args.acceptance_rate)
     finally:

@@ -57,9 +57,8 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
                                      stamps=snap.stamps[len(cached):])
             if snap.length - snap.committed >= max_ahead:
                 start = trace.now()
-                channel.wait_until(lambda s: s.version != version or s.length - s.committed < max_ahead)
+                snap = channel.wait_below_ahead(max_ahead, len(cached), version)
                 trace.add(device, "wait", start, trace.now())
-                snap = None
                 continue
             feed = [int(t) for t in snap.tokens]
             snap = None

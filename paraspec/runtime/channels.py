@@ -422,6 +422,14 @@ class TokenChannel(_SharedBlock):
         self._wake()
         return True
 
+    def wait_below_ahead(self, max_ahead: int, start: int, version: int | None,
+                         timeout: float | None = None) -> DraftSnapshot | None:
+        """A drafter `max_ahead` drafts ahead of the verifier: wait until it falls behind that (or the version
+        moves), then `read_since(start, version)`; None on timeout. On the network transport the wait runs where
+        the channel is, so the drafter hears of it in one message and has its next read with it."""
+        state = self.wait_until(lambda s: s.version != version or s.length - s.committed < max_ahead, timeout)
+        return None if state is None else self.read_since(start, version)
+
     def publish_and_read(self, position: int, tokens: Sequence[int], q=None, *,
                          version: int) -> tuple[bool, DraftSnapshot]:
         """`publish_draft`, then `read_since(position, version)`: what the drafter needs for its next step, in

@@ -50,14 +50,19 @@ STRATEGIES = ("ar", "sd", "amusd", "dsi")
 
 # Messages across the link per step, as paraspec's workers exchange them on the network transport (each channel
 # call is a request and its reply; runtime/net_channel.py), counted in the runtime (`benchmarks/multinode.py
-# messages`: a = 0.8, lookahead 3): a draft token is one publish that brings the next read back with it
-# (`publish_and_read`; a rollback needs no extra trip, `read_since` returns the whole sequence then) plus, in amusd,
-# the waits at max_ahead (1.05 round trips per draft token in dsi, 1.54 in amusd); a dsi chunk is a request to the
-# server and its reply; an amusd verification waits for the drafts, commits, and judges the next position in hand
-# (about 3.5 round trips).
-DRAFT_MESSAGES = {"amusd": 3, "dsi": 2}
-CHUNK_MESSAGES = 2
-AMUSD_VERIFY_MESSAGES = 7
+# messages --link-ms L`: a = 0.8, lookahead 3): a draft token is one publish that brings the next read back with
+# it (`publish_and_read`; a rollback needs no extra trip, `read_since` returns the whole sequence then): 1.01-1.05
+# round trips per draft token in dsi; amusd's drafter adds waits at max_ahead (1.14 at 1 ms, 1.01 at 5 ms), which
+# happen while it is ahead, off the critical path (the wait runs where the channel is and its reply brings the next
+# read: `wait_below_ahead`), so they are not charged. A dsi chunk is a request to the server
+# and its reply; an amusd verification waits for the drafts (a round trip), commits (the verdict is visible once
+# that message lands), then receives the commit's reply and judges the next position in hand (a read and a commit
+# when every draft was accepted): about 3.5 round trips. A verification's messages are counted as (before its
+# verdict is visible, after): the drafter learns of a rejection when the commit lands, while the verifier is still
+# busy with the rest.
+DRAFT_MESSAGES = {"amusd": 2, "dsi": 2}
+CHUNK_MESSAGES = (2, 0)
+AMUSD_VERIFY_MESSAGES = (3, 4)
 
 
 @dataclass(frozen=True)
@@ -106,11 +111,13 @@ class Setup:
         if (self.remote_draft or self.remote_servers) and self.strategy not in ("amusd", "dsi"):
             raise ValueError(f"{self.strategy} runs in the caller's process: it has no remote drafter or server")
 
-    def server_link_s(self, i: int, servers: int) -> float:
-        """What crossing the link adds to one verification by target server i (of `servers`)."""
+    def server_link_s(self, i: int, servers: int) -> tuple[float, float]:
+        """What crossing the link adds to one verification by target server i (of `servers`): before its verdict
+        is visible, and after it (the server is still busy, nobody waits for it)."""
         if i < servers - self.remote_servers:
-            return 0.0
-        return (AMUSD_VERIFY_MESSAGES if self.strategy == "amusd" else CHUNK_MESSAGES) * self.link_s
+            return 0.0, 0.0
+        before, after = AMUSD_VERIFY_MESSAGES if self.strategy == "amusd" else CHUNK_MESSAGES
+        return before * self.link_s, after * self.link_s
 
     @property
     def draft_link_s(self) -> float:
@@ -252,6 +259,10 @@ class _Server:
     started: float = 0.0
     width: int = 0
     cache_before: int = 0               # the cache when the running task started (a cut-off task keeps it)
+    free_at: float = 0.0                # busy until then after its last task's verdict (the link's last messages)
+
+    def idle(self, t: float) -> bool:
+        return self.task is None and t >= self.free_at
 
 
 @dataclass
@@ -354,13 +365,13 @@ class _Concurrent:
         """Give idle servers work (chunks first, then the target-only thread) and keep the drafter busy."""
         if self.t >= self.server_ready:
             while True:
-                idle = [i for i, server in enumerate(self.servers) if server.task is None]
+                idle = [i for i, server in enumerate(self.servers) if server.idle(self.t)]
                 chunk = self._next_chunk() if idle else None
                 if chunk is None:
                     break
                 # the idle server with the freshest cache has the fewest tokens to catch up on
                 self._start_chunk(max(idle, key=lambda i: self.servers[i].cache), *chunk)
-            idle = [i for i, server in enumerate(self.servers) if server.task is None]
+            idle = [i for i, server in enumerate(self.servers) if server.idle(self.t)]
             if idle:
                 self._start_solo(max(idle, key=lambda i: self.servers[i].cache), len(idle))
         self._start_draft()
@@ -381,9 +392,9 @@ class _Concurrent:
 
     def _start_chunk(self, i: int, first: int, last: int) -> None:
         width = last - self.servers[i].cache               # catch-up tokens + the token before the chunk + drafts
-        dt = self.setup.comm_s + self.setup.target(width) + self.setup.comm_s + \
-            self.setup.server_link_s(i, len(self.servers))
-        self._run(i, _Task("chunk", i, first, last), width, dt)
+        before, after = self.setup.server_link_s(i, len(self.servers))
+        dt = self.setup.comm_s + self.setup.target(width) + self.setup.comm_s + before
+        self._run(i, _Task("chunk", i, first, last), width, dt, after)
 
     def _start_solo(self, i: int, idle: int) -> None:
         """The target alone generates the next position from the committed text (DSI's non-SI thread)."""
@@ -400,15 +411,19 @@ class _Concurrent:
             return
         server = self.servers[i]
         width = self.known - server.cache
-        self._run(i, _Task("solo", i, self.known, self.known), width,
-                  s.target(width) + s.comm_s + s.server_link_s(i, len(self.servers)))
+        before, after = s.server_link_s(i, len(self.servers))
+        self._run(i, _Task("solo", i, self.known, self.known), width, s.target(width) + s.comm_s + before, after)
 
-    def _run(self, i: int, task: _Task, width: int, dt: float) -> None:
+    def _run(self, i: int, task: _Task, width: int, dt: float, after: float = 0.0) -> None:
+        """Server i runs `task`: its verdict is visible after `dt`, and the server is free `after` later."""
         tid = next(self.ids)
         server = self.servers[i]
         server.task, server.started, server.width, server.cache_before = tid, self.t, width, server.cache
+        server.free_at = self.t + dt + after
         self.tasks[tid] = task
         self._at(self.t + dt, self._task_done, tid)
+        if after:
+            self._at(server.free_at, self._schedule)
 
     def _finish(self, tid: int) -> _Task:
         task = self.tasks.pop(tid)
@@ -465,6 +480,7 @@ class _Concurrent:
         task = self._finish(tid)
         server = self.servers[task.server]
         server.cache = server.cache_before                    # a cut-off forward leaves nothing usable behind
+        server.free_at = self.t
 
     def _rollback(self, pos: int) -> None:
         """A wrong draft at `pos`: drop every speculation built on it (DSI preempts those threads)."""

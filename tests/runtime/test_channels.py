@@ -101,6 +101,18 @@ def test_read_since_gives_the_whole_sequence_after_a_version_change(channel):
     assert channel.read_since(0, None).start == 0           # a drafter that has seen no version yet
 
 
+def test_wait_below_ahead_returns_the_next_read(channel):
+    v = channel.reset([1])
+    assert channel.publish_draft(1, [2, 3], version=v)
+    assert channel.wait_below_ahead(2, 3, v, timeout=0.05) is None          # two drafts ahead: it waits
+    threading.Timer(0.05, lambda: channel.commit([2])).start()               # the verifier accepts one
+    snap = channel.wait_below_ahead(2, 3, v, timeout=5)
+    assert (snap.version, snap.committed, snap.start, snap.tokens.tolist()) == (v, 2, 3, [])
+    channel.commit([9])                                                      # rejects 3: the version moves
+    snap = channel.wait_below_ahead(5, 3, v, timeout=5)
+    assert (snap.version, snap.start, snap.tokens.tolist()) == (v + 1, 0, [1, 2, 9])
+
+
 def test_stale_version_never_passes_as_current(channel):
     v = channel.reset([1, 2, 3])
     assert channel.publish_draft(3, [10, 11], version=v)

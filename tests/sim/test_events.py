@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from paraspec.sim import dsi_paper as paper
-from paraspec.sim.events import CHUNK_MESSAGES, DRAFT_MESSAGES, Setup, simulate
+from paraspec.sim.events import AMUSD_VERIFY_MESSAGES, CHUNK_MESSAGES, DRAFT_MESSAGES, Setup, simulate
 from paraspec.sim.costs import ForwardCost
 from paraspec.trace import Trace
 
@@ -237,7 +237,22 @@ def test_a_remote_server_pays_a_request_and_a_reply_per_verification(a):
     by hand: CHUNK_MESSAGES x link_s."""
     near, far = simulate(_remote_dsi(a, 0.0), 50, seed=0), simulate(_remote_dsi(a, 0.01), 50, seed=0)
     assert near.verifications == far.verifications
-    assert far.total_s - near.total_s == pytest.approx(far.verifications * CHUNK_MESSAGES * 0.01)
+    assert far.total_s - near.total_s == pytest.approx(far.verifications * sum(CHUNK_MESSAGES) * 0.01)
+
+
+def test_a_remote_verifiers_verdict_lands_before_its_last_messages():
+    """amusd's remote verifier: the drafter rolls back when the commit lands (the verification's end in the trace),
+    and the verifier starts its next verification only after the messages that follow the commit."""
+    link = 0.01
+    before, after = AMUSD_VERIFY_MESSAGES
+    setup = Setup("amusd", target=ForwardCost.constant(0.1), draft=ForwardCost.constant(0.001), acceptance_rate=0.3,
+                  lookahead=3, preempt=False, link_s=link, remote_servers=1)
+    trace = simulate(setup, 40, seed=1).trace
+    verifies = sorted((e.start_s, e.end_s) for e in trace.events if e.kind == "verify")
+    rollbacks = [e.start_s for e in trace.events if e.kind == "rollback"]
+    assert rollbacks and all(any(end == pytest.approx(t) for _, end in verifies) for t in rollbacks)
+    assert all(end - start == pytest.approx(0.1 + before * link) for start, end in verifies)
+    assert all(nxt[0] - prev[1] >= after * link - 1e-12 for prev, nxt in zip(verifies, verifies[1:]))
 
 
 def test_a_link_costs_nothing_where_nothing_crosses_it():
