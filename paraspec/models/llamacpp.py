@@ -203,6 +203,7 @@ class LlamaCppModel:
 
     def _measure(self) -> None:
         """Probe the kernels in use; in auto, repacked kernels not exact at every width give way to plain ones."""
+        prompts = self.fast_prefills              # the probe's prompts are not the user's
         width = probe_exact_width(self, report=self.kernels == "plain" or self._asked["kernels"] != "auto")
         if width < PROBE_WIDTH and self.kernels == "repacked" and self._asked["kernels"] == "auto":
             print(f"paraspec: llama.cpp's repacked kernels are not batch-invariant for {self.path.name} here (forwards "
@@ -212,6 +213,7 @@ class LlamaCppModel:
             self._open("plain")
             width = probe_exact_width(self)
         self.exact_width = width
+        self.fast_prefills = prompts
 
     def _set_threads(self, n: int) -> None:
         """A new thread count between requests; batch invariance is measured (or read) again for it."""

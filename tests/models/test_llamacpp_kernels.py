@@ -132,3 +132,20 @@ def test_probe_cache_tells_kernels_apart(gguf_pair, monkeypatch, tmp_path):
     assert llamacpp._probe_cache(plain) != llamacpp._probe_cache(repacked)
     assert len(list((tmp_path / "llamacpp" / "exactness").glob("*.json"))) == 2
     assert os.environ.get("GGML_CPU_TILED_MM") == "0"
+
+
+def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
+    """`paraspec profile` on the llamacpp backend records each model's kernels and exact width."""
+    import json
+
+    from paraspec.cli.main import main
+    from paraspec.runtime.devices import available_cores
+    core = f"cpu:{available_cores()[0]}"
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--target", str(gguf_pair["target"]), "--draft", str(gguf_pair["draft"]),
+                 "--backend", "llamacpp", "--num-prompts", "1", "--tokens", "4", "--match-tokens", "8",
+                 "--widths", "1,4", "--target-devices", core, "--draft-devices", core, "--out", str(out)]) == 0
+    profile = json.loads(out.read_text())
+    for role in ("target", "draft"):
+        assert profile[role]["llamacpp"]["kernels"] in ("repacked", "plain")
+        assert profile[role]["llamacpp"]["exact_width"] == PROBE_WIDTH
