@@ -10,7 +10,10 @@ Configurations (each runs in its own process: the library build and GGML_CPU_TIL
   with `--default-lib DIR`, from another llama-cpp-python installation (e.g. an unpatched build installed with
   `pip install --no-deps --target DIR WHEEL`).
 Rounds run the configurations in turn (the order rotates), so that a shared machine's drift hits all alike; the
-table gives the median over rounds of each round's median.
+table gives the median over rounds of each round's median. On a shared machine other processes slow llama.cpp's
+threads many-fold: each run records the CPU share that other processes took while it ran (from /proc/stat minus
+the run's own CPU time), waits before it starts until the machine is quiet (--wait-quiet seconds at most), and
+the table keeps only the runs that others left alone (share < --max-others) when each configuration has some.
 
     python benchmarks/llamacpp_forward_widths.py --threads 2 --rounds 5
     python benchmarks/llamacpp_forward_widths.py --default-lib /tmp/unpatched-site --check
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -95,6 +99,33 @@ def worker(args) -> None:
     print(json.dumps(out))
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]             # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def others_share(run) -> float:
+    """The share of the machine's CPU time that other processes took while `run()` ran."""
+    hz = os.sysconf("SC_CLK_TCK")
+    busy0, total0 = cpu_jiffies()
+    own0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run()
+    busy1, total1 = cpu_jiffies()
+    own1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = (own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime) * hz
+    return max(0.0, (busy1 - busy0 - own) / max(1, total1 - total0))
+
+
+def wait_quiet(limit_s: float, share: float) -> None:
+    """Wait (at most limit_s) until other processes use less than `share` of the CPUs over 3 s."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline and others_share(lambda: time.sleep(3)) >= share:
+        time.sleep(10)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=TARGET, help="a .gguf file, or a hub id whose GGUF paraspec fetched")
@@ -106,6 +137,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per width and round (median)")
     p.add_argument("--default-lib", help="a folder holding another llama_cpp package, for the default config")
     p.add_argument("--check", action="store_true", help="also check widths 2..16 bitwise against 1-token forwards")
+    p.add_argument("--wait-quiet", type=float, default=600, help="seconds to wait for a quiet machine before a run")
+    p.add_argument("--max-others", type=float, default=0.1, help="other processes' CPU share that spoils a run")
     p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--lib", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -128,17 +161,27 @@ def main() -> None:
                    "--repeats", str(args.repeats)] + (["--check"] if args.check and r == 0 else [])
             if c == "default" and args.default_lib:
                 cmd += ["--lib", args.default_lib]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-            runs[c].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            wait_quiet(args.wait_quiet, args.max_others)
+            done = []
+            others = others_share(lambda: done.append(subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                                                     check=True)))
+            runs[c].append(dict(json.loads(done[0].stdout.strip().splitlines()[-1]), others=others))
             print(f"round {r + 1}/{args.rounds} {c}: " + " ".join(f"w{w}={ms:.0f}" for w, ms in
-                                                                  runs[c][-1]["ms"].items()), file=sys.stderr)
+                  runs[c][-1]["ms"].items()) + f" (others took {others:.0%} of the CPUs)", file=sys.stderr)
+    checked = {c: next((run["inexact_widths"] for run in runs[c] if run["inexact_widths"] is not None), None)
+               for c in configs}
+    quiet = {c: [run for run in runs[c] if run["others"] < args.max_others] for c in configs}
+    if all(quiet.values()):
+        runs = quiet
     print(f"{os.path.basename(args.model)}, {args.threads} thread(s), P = {args.context}, one llama_decode of w tokens "
-          f"with logits for each, ms (median over {args.rounds} rounds of the median of {args.repeats})")
+          f"with logits for each, ms (median over rounds of the median of {args.repeats}; rounds kept: "
+          + ", ".join(f"{c} {len(runs[c])}" for c in configs)
+          + ("" if all(quiet.values()) else " — all, some configuration had no quiet run: machine shared") + ")")
     print("| configuration | " + " | ".join(f"w={w}" for w in args.widths) + " | widths 2..16 not bitwise |")
     print("|---|" + "---|" * (len(args.widths) + 1))
     for c in configs:
         med = [statistics.median(run["ms"][str(w)] for run in runs[c]) for w in args.widths]
-        inexact = runs[c][0]["inexact_widths"]
+        inexact = checked[c]
         check = "not checked" if inexact is None else (", ".join(map(str, inexact)) or "none")
         lib = f" ({args.default_lib})" if c == "default" and args.default_lib else ""
         print(f"| {c}{lib} | " + " | ".join(f"{m:.0f}" for m in med) + f" | {check} |")

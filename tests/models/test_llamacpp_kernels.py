@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from paraspec.models import llamacpp
 from paraspec.models.llamacpp import PROBE_WIDTH, LlamaCppModel
-from tests.llamacpp_checks import assert_forwards_are_one_token_forwards
+from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import quantize_gguf, tiny_hf_model, tiny_vocab, write_gguf
 
 PROGRAM = Path(__file__).resolve().parents[1] / "llamacpp_kernels" / "repack_invariance.c"
@@ -149,3 +150,11 @@ def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
     for role in ("target", "draft"):
         assert profile[role]["llamacpp"]["kernels"] in ("repacked", "plain")
         assert profile[role]["llamacpp"]["exact_width"] == PROBE_WIDTH
+
+
+def test_repacked_one_thread_equals_two_threads(repacked_files):
+    """amusd's target runs on one core, ar's on two: on the repacked kernels too their logits agree bitwise."""
+    ids = list(range(3, 60))
+    runs = [one_at_a_time(LlamaCppModel(repacked_files["Q4_K"], 2048, (), n_threads=t, probe=False,
+                                        kernels="repacked"), ids[:40], ids[40:]) for t in (1, 2)]
+    assert torch.equal(*runs)
