@@ -9,12 +9,16 @@ it vendors.
 
 * `wheel` builds llama-cpp-python natively for this CPU with the options paraspec's exact verification needs
   (llamafile's tinyBLAS off: it computes f16 attention products with other kernels for several tokens than for
-  one, see docs/BENCHMARKS.md "llama.cpp exactness") and installs it into the given Python.
-* `peer` builds llama.cpp's own programs with its **default** options: the peer is what a user would run.
+  one, see docs/BENCHMARKS.md "llama.cpp exactness"), from the sdist with the patches in scripts/patches/
+  applied (they make llama.cpp's repacked weight kernels batch-invariant; each file's header says why), and
+  installs it into the given Python. A patch that does not apply stops the build.
+* `peer` builds llama.cpp's own programs, unpatched, with its **default** options: the peer is what a user
+  would run.
 
 Why a cache of our own: pip's wheel cache ignores CMAKE_ARGS and silently reuses a wheel built with other options;
 and a native build (-march=native) made on an AVX-512 CPU dies with SIGILL on an AVX2-only one. The cache key
-hashes the version, the CMake options, the CPU's feature flags, the compiler and the Python tag; builds live in
+hashes the version, the CMake options, the patches' content (wheel), the CPU's feature flags, the compiler and
+the Python tag; builds live in
 $PARASPEC_CACHE/llamacpp/<kind>-<version>-<key>/ (PARASPEC_CACHE defaults to ~/.cache/paraspec).
 """
 from __future__ import annotations
@@ -52,6 +56,8 @@ PEER_CMAKE_ARGS = [
     "-DBUILD_SHARED_LIBS=OFF",
 ]
 PEER_TARGETS = ["llama-server", "llama-speculative-simple"]
+# applied to the unpacked sdist (paths relative to its top folder, `patch -p1`), in name order, for `wheel` only
+PATCHES = sorted((Path(__file__).parent / "patches").glob(f"llamacpp-{VERSION}-*.patch"))
 
 
 def cache_root() -> Path:
@@ -77,9 +83,31 @@ def compiler_version() -> str:
         return "unknown"
 
 
-def build_key(kind: str, cmake_args: list[str], python_tag: str = "") -> str:
+def patches_digest(patches: list[Path]) -> str:
+    """What the patches change, by content (a renamed or moved file with the same content is the same build)."""
+    return hashlib.sha256(b"".join(hashlib.sha256(p.read_bytes()).digest() for p in patches)).hexdigest()
+
+
+def build_key(kind: str, cmake_args: list[str], python_tag: str = "", patches: list[Path] = ()) -> str:
     parts = [kind, VERSION, " ".join(cmake_args), cpu_flags(), compiler_version(), python_tag]
+    if patches:          # no patches: the key of an unpatched build stays what it was
+        parts.append(patches_digest(list(patches)))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def apply_patches(src: Path, patches: list[Path]) -> None:
+    """Apply each patch to the unpacked sdist at `src`; stop with the patch's name if one does not apply cleanly
+    (a dry run first, so a failing patch leaves no half-patched file)."""
+    if patches and not shutil.which("patch"):
+        raise SystemExit("applying llama.cpp's patches needs the `patch` program (apt-get install patch)")
+    for patch in patches:
+        for dry in (True, False):
+            # --fuzz=0: a patch whose context has moved is refused, not placed where it seems to fit
+            proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "--fuzz=0", "-d", str(src), "-i",
+                                   str(patch)] + (["--dry-run"] if dry else []), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"{patch.name} does not apply to llama-cpp-python {VERSION}'s source:\n"
+                                 f"{proc.stdout}{proc.stderr}")
 
 
 def fetch_sdist(dest: Path) -> Path:
@@ -106,42 +134,54 @@ def installed_version(python: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def build_wheel(python: str, force: bool) -> None:
+def wheel_dir(python: str) -> Path:
+    """Where `wheel` puts (or has put) the wheel for this Python, CPU, compiler, options and patches."""
+    return cache_root() / f"wheel-{VERSION}-{build_key('wheel', WHEEL_CMAKE_ARGS, python_tag(python), PATCHES)}"
+
+
+def build_wheel(python: str, force: bool, install: bool = True) -> Path:
+    """Build the patched wheel unless this very build is cached; install it into `python`'s environment."""
     tag = python_tag(python)
-    key = build_key("wheel", WHEEL_CMAKE_ARGS, tag)
-    out = cache_root() / f"wheel-{VERSION}-{key}"
+    out = wheel_dir(python)
     wheels = sorted(out.glob("llama_cpp_python-*.whl"))
     if force or not wheels:
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-        print(f"building llama-cpp-python {VERSION} ({' '.join(WHEEL_CMAKE_ARGS)}); ~10-25 min on 2 cores",
-              flush=True)
+        print(f"building llama-cpp-python {VERSION} ({' '.join(WHEEL_CMAKE_ARGS)}; patches: "
+              f"{', '.join(p.name for p in PATCHES) or 'none'}); ~10-25 min on 2 cores", flush=True)
         start = time.time()
+        out.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, CMAKE_ARGS=" ".join(WHEEL_CMAKE_ARGS),
                    CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-        subprocess.run(
-            [python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(out),
-             f"llama-cpp-python=={VERSION}"],
-            check=True, env=env,
-        )
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            src = fetch_sdist(Path(tmp))
+            apply_patches(src, PATCHES)
+            staged = Path(tmp) / "wheel"
+            subprocess.run([python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(staged), str(src)],
+                           check=True, env=env)
+            (staged / "build.json").write_text(json.dumps({
+                "version": VERSION, "cmake_args": WHEEL_CMAKE_ARGS, "patches": [p.name for p in PATCHES],
+                "patches_sha256": patches_digest(PATCHES), "python": tag, "compiler": compiler_version(),
+                "seconds": round(time.time() - start), "cpu_flags": cpu_flags()}, indent=1))
+            # moved in at once: a killed build leaves no folder without its wheel
+            shutil.rmtree(out, ignore_errors=True)
+            staged.rename(out)
         wheels = sorted(out.glob("llama_cpp_python-*.whl"))
-        (out / "build.json").write_text(json.dumps({
-            "version": VERSION, "cmake_args": WHEEL_CMAKE_ARGS, "python": tag, "compiler": compiler_version(),
-            "seconds": round(time.time() - start), "cpu_flags": cpu_flags()}, indent=1))
     else:
         print(f"llama-cpp-python {VERSION}: cached build {out.name}")
+    if not install:
+        return wheels[-1]
     # the record of what was installed lives in the environment (its sys.prefix), so two venvs do not fight
     prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
                             check=True).stdout.strip()
     marker = Path(prefix) / ".paraspec-llamacpp-build"
     stamp = str(wheels[-1])      # the build folder's name carries the key (options, CPU, compiler, Python)
     if installed_version(python) == VERSION and marker.exists() and marker.read_text() == stamp:
-        return
+        return wheels[-1]
     # uninstall first: pip would keep an installed 0.3.36 built with other options ("already satisfied")
     subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "llama-cpp-python"], check=False,
                    capture_output=True)
     subprocess.run([python, "-m", "pip", "install", "-q", str(wheels[-1])], check=True)   # + its dependencies
     marker.write_text(stamp)
+    return wheels[-1]
 
 
 def peer_dir() -> Path:
@@ -183,9 +223,13 @@ def main() -> None:
     parser.add_argument("kind", choices=["wheel", "peer"])
     parser.add_argument("--python", default=sys.executable, help="interpreter to install the wheel into")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    parser.add_argument("--no-install", action="store_true",
+                        help="wheel: build (or find) the wheel and print its path; install nothing")
     args = parser.parse_args()
     if args.kind == "wheel":
-        build_wheel(args.python, args.force)
+        wheel = build_wheel(args.python, args.force, install=not args.no_install)
+        if args.no_install:
+            print(wheel)
     else:
         print(build_peer(args.force))
 

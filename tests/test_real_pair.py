@@ -130,20 +130,41 @@ def test_llamacpp_strategy_equals_ar_exactly(llamacpp_reference, name):
 
 
 def test_llamacpp_fast_prefill_and_the_re_fed_last_prompt_token():
-    """The prompt is decoded on repacked weights (other kernels: other logits), all but its last token; that one
-    is decoded exactly, so a strategy that rolls back to it and feeds it again (dsi's servers do) gets ar's KV and
-    logits bitwise. Decoding the whole prompt on the repacked copy broke dsi on this pair: this checks why not."""
+    """On the plain kernels the prompt is decoded on repacked weights (other kernels: other logits), all but its
+    last token; that one is decoded exactly, so a strategy that rolls back to it and feeds it again (dsi's servers
+    do) gets ar's KV and logits bitwise. Decoding the whole prompt on the repacked copy broke dsi on this pair:
+    this checks why not."""
     from paraspec.models.llamacpp import LlamaCppModel
     from paraspec.models.loader import gguf_source, resolve_checkpoint
     path = gguf_source(resolve_checkpoint(TARGET, backend="llamacpp"))
     prompt = list(range(1000, 1120))
-    fast = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, fast_prefill=True)
+    fast = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, fast_prefill=True, kernels="plain")
     first = fast.prefill(prompt)
     assert fast.fast_prefills == 1
     after = fast.forward([17, 18])
     fast.rollback(len(prompt) - 1)
     assert torch.equal(fast.forward([prompt[-1], 17, 18]), torch.cat([first[None], after]))
     fast.close()
-    exact = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, fast_prefill=False)
+    exact = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, fast_prefill=False, kernels="plain")
     assert not torch.equal(exact.prefill(prompt), first)   # the repacked kernels do differ on this model
     exact.close()
+
+
+@pytest.mark.parametrize("model", [TARGET, DRAFT])
+def test_llamacpp_repacked_kernels_are_batch_invariant(model):
+    """With paraspec's patched build, llama.cpp's repacked weights (Q4_K -> q4_K_8x8) give a forward of w tokens
+    the logits of w one-token forwards, bitwise, for w = 1..16 at a short and a long context, at 2 threads; and
+    the backend, left to choose, keeps them (the probe finds every width exact)."""
+    from paraspec.models.llamacpp import PROBE_WIDTH, LlamaCppModel
+    from paraspec.models.loader import gguf_source, resolve_checkpoint
+    from tests.llamacpp_checks import assert_forwards_are_one_token_forwards
+    path = gguf_source(resolve_checkpoint(model, backend="llamacpp"))
+    lc = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, kernels="repacked")
+    rng = torch.Generator().manual_seed(0)
+    for context in ((32, 600) if model == TARGET else (600,)):
+        ids = torch.randint(0, lc.vocab_size, (context + 16,), generator=rng).tolist()
+        assert_forwards_are_one_token_forwards(lc, ids, context, model)
+    lc.close()
+    chosen = LlamaCppModel(path, 1024, (), n_threads=2)
+    assert chosen.kernels == "repacked" and chosen.exact_width == PROBE_WIDTH
+    chosen.close()

@@ -177,3 +177,18 @@ def _llamacpp_permute_inverse(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+
+
+def quantize_gguf(src: Path, dst: Path, kind: str) -> Path:
+    """`src` quantized by llama.cpp's own quantizer (llama_model_quantize) to `kind` ("Q4_K", "Q4_0", ...), every
+    matrix it can (pure: no per-tensor upgrades); gguf-py cannot write K-quants."""
+    from paraspec.models.llamacpp import _llama_cpp
+    lib = _llama_cpp()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = {"Q4_K": lib.LLAMA_FTYPE_MOSTLY_Q4_K_S, "Q4_0": lib.LLAMA_FTYPE_MOSTLY_Q4_0,
+                    "IQ4_NL": lib.LLAMA_FTYPE_MOSTLY_IQ4_NL}[kind]
+    params.pure = True
+    params.nthread = 1
+    if lib.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {kind}")
+    return dst

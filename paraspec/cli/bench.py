@@ -176,6 +176,9 @@ def cmd_profile(args) -> int:
         profile = profile_pair(engine.target, engine.draft, engine.target_devices[0], engine.draft_devices[0],
                                ids, args.target, args.draft, tokens=args.tokens, match_tokens=args.match_tokens,
                                widths=tuple(args.widths), progress=progress)
+        for role, model in (("target", engine.target), ("draft", engine.draft)):
+            if getattr(model, "kernels", None):        # llamacpp: which kernels ran, and the exact width
+                profile[role]["llamacpp"] = {"kernels": model.kernels, "exact_width": model.exact_width}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
     print(json.dumps(profile, indent=1))

@@ -6,19 +6,24 @@ attention's KV split), so by default the logits of a token computed in a forward
 same token's logits computed one token at a time, by up to ~0.5 — enough to flip a greedy choice. A speculative
 strategy on such a backend would not return `ar`'s tokens. So this backend:
 
-1. runs the configuration found batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): a build without
-   llamafile (`scripts/build_llamacpp.py wheel`; refused otherwise), weight repacking off
-   (`use_extra_bufts=False`), flash attention off, `GGML_CPU_TILED_MM=0` (set before the library loads);
-2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build and
-   thread count (`probe_exact_width`, cached per model file, build, CPU and threads) at a short and a long
-   context, and
+1. runs a configuration made batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): a build without
+   llamafile and with paraspec's patch to the repacked Q4_K one-row kernel (`scripts/build_llamacpp.py wheel`;
+   a llamafile build is refused), flash attention off, `GGML_CPU_TILED_MM=0` (set before the library loads), and
+   weight repacking (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured
+   exact**, else off (`kernels`: "repacked" or "plain");
+2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
+   and thread count (`probe_exact_width`, cached per model file, build, kernels, CPU and threads) at a short and
+   a long context: the repacked kernels are kept only if every width is exact, else the model is opened again
+   with repacking off and measured again (an unpatched build, or a CPU whose repacked kernels the patch does not
+   cover, is never run near-exact), and
 3. splits every forward after the prompt into sub-forwards no wider than that width. Verification is
    compute-bound on CPUs, so a split costs little; with width 1 it would cost the speculation, and the probe's
    result is reported (`exact_width`) so that a user sees it.
 
 The prompt's prefill is one forward (chunked by n_batch) in every strategy alike, so its KV cache is the same.
-It does not have to be batch-invariant, only the same everywhere, so all but its last token run on a second copy
-of the weights with repacking on (`fast_prefill`, default; `PARASPEC_LLAMACPP_FAST_PREFILL=0` turns it off):
+On the repacked kernels it runs on the model's own context. On the plain ones it does not have to be
+batch-invariant, only the same everywhere, so all but its last token run on a second copy of the weights with
+repacking on (`fast_prefill`, default; `PARASPEC_LLAMACPP_FAST_PREFILL=0` turns it off):
 1.65x faster at 1 thread and 1.9x at 2 for 400 tokens of the 1.5B model on a Zen 4 (AVX-512) machine;
 llama.cpp's own default for prompts. That KV cache is copied into the exact
 context (`llama_state_seq_get/set_data`, ~30 ms for 400 tokens of the 1.5B model), which decodes the prompt's last
@@ -32,6 +37,7 @@ cell indices (`benchmarks/llamacpp_tree_exactness.py`). Only one root-to-leaf pa
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -46,6 +52,9 @@ from paraspec.models.base import check_rollback
 
 PROBE_WIDTH = 16          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
+# weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build
+# without llamafile): LlamaCppModel's `kernels`, chosen by measurement unless asked for (PARASPEC_LLAMACPP_KERNELS)
+KERNELS = ("repacked", "plain")
 _lib = None
 
 
@@ -92,8 +101,13 @@ def _log(level, text, user_data):
         sys.stderr.write(text.decode(errors="replace"))
 
 
-def build_fingerprint() -> str:
+def build_fingerprint(kernels: str = "plain") -> str:
     """What the numerics depend on besides the model: library build, its switches, the CPU."""
+    return "\n".join([_library_fingerprint(), f"repack={int(kernels == 'repacked')} flash=0 tiled=0"])
+
+
+@functools.lru_cache(maxsize=1)
+def _library_fingerprint() -> str:
     lib = _llama_cpp()
     try:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -102,25 +116,57 @@ def build_fingerprint() -> str:
     lib_dir = Path(lib.__file__).parent / "lib"
     # by content, not mtime: a fresh venv with the same cached build reuses the measurement
     libs = sorted(f"{p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in lib_dir.glob("*.so*"))
-    return "\n".join([lib.__version__, lib.llama_print_system_info().decode(errors="replace"), cpu, *libs,
-                      "repack=0 flash=0 tiled=0"])
+    return "\n".join([lib.__version__, lib.llama_print_system_info().decode(errors="replace"), cpu, *libs])
+
+
+def _kernels_asked(kernels: str | None) -> str:
+    asked = kernels or os.environ.get("PARASPEC_LLAMACPP_KERNELS") or "auto"
+    if asked not in ("auto", *KERNELS):
+        raise ValueError(f"llama.cpp kernels {asked!r}: use one of auto, {', '.join(KERNELS)}")
+    return asked
 
 
 class LlamaCppModel:
     """One llama.cpp context over one GGUF model; one sequence, KV cache = llama.cpp's memory."""
 
     def __init__(self, path: Path, max_context: int, eos_token_ids: tuple[int, ...], n_threads: int | None = None,
-                 probe: bool = True, kv_f32: bool = False, fast_prefill: bool | None = None):
+                 probe: bool = True, kv_f32: bool = False, fast_prefill: bool | None = None,
+                 kernels: str | None = None):
         """n_threads None: follow torch's thread count (set by the Engine or worker to the device group's cores,
         and by the benchmark per variant), checked at every prefill; an int fixes it. kv_f32: keep K/V in f32
         instead of llama.cpp's f16 (twice the cache memory; the tests use it to compare with fp32 references).
-        fast_prefill: prompts on repacked weights (None: on unless PARASPEC_LLAMACPP_FAST_PREFILL=0)."""
-        lib = _llama_cpp()
+        fast_prefill: prompts on repacked weights when the model's own kernels are the plain ones (None: on unless
+        PARASPEC_LLAMACPP_FAST_PREFILL=0). kernels: "repacked" or "plain" (weight repacking on or off), or None:
+        PARASPEC_LLAMACPP_KERNELS, else "auto" = repacked if the probe finds every width exact, else plain
+        (plain without a probe)."""
+        _llama_cpp()
         self._follow_torch = n_threads is None
-        n_threads = n_threads or torch.get_num_threads()
+        self.n_threads = n_threads or torch.get_num_threads()
         self.path = Path(path)
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self._asked = {"max_context": max_context, "kv_f32": kv_f32, "kernels": _kernels_asked(kernels),
+                       "fast_prefill": (os.environ.get("PARASPEC_LLAMACPP_FAST_PREFILL", "1") != "0"
+                                        if fast_prefill is None else fast_prefill)}
+        self._model = self._ctx = self._fast = None
+        self.fast_prefills = 0                    # prompts decoded on the repacked copy (tests, reports)
+        self._length = 0
+        self.exact_width = PROBE_WIDTH
+        self.forward_widths: dict[int, int] = {}      # sub-forward width -> count (what the split really ran)
+        self._probe = probe
+        try:
+            asked = self._asked["kernels"]
+            self._open("plain" if asked == "plain" or (asked == "auto" and not probe) else "repacked")
+            if probe:
+                self._measure()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, kernels: str) -> None:
+        """Load the model with repacking on or off, and its context (and the fast-prefill copy for plain)."""
+        lib = _lib
         mparams = lib.llama_model_default_params()
-        mparams.use_extra_bufts = False           # weight repacking: gemm for 4-row groups, gemv for the rest
+        mparams.use_extra_bufts = kernels == "repacked"   # gemm for 4-row groups, (patched) gemv for the rest
         mparams.n_gpu_layers = 0
         model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not model:
@@ -129,44 +175,45 @@ class LlamaCppModel:
                              f"knows (PARASPEC_LLAMACPP_LOG=1 shows llama.cpp's reason); re-download the file, or "
                              f"convert the model for backend='native'")
         self._model = model
+        self.kernels = kernels
         train_ctx = lib.llama_model_n_ctx_train(model)
+        max_context = self._asked["max_context"]
         self.max_context = min(max_context, train_ctx) if train_ctx > 0 else max_context
         self.n_batch = min(512, self.max_context)
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = self.max_context
         cparams.n_batch = cparams.n_ubatch = self.n_batch
         cparams.n_seq_max = 1
-        cparams.n_threads = cparams.n_threads_batch = n_threads
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.flash_attn_type = 0               # off: with it, a long KV is split across threads (not exact)
         cparams.no_perf = True
-        if kv_f32:
+        if self._asked["kv_f32"]:
             cparams.type_k = cparams.type_v = 0       # GGML_TYPE_F32
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
-            lib.llama_model_free(model)
             raise ValueError(f"llama.cpp could not create a context of {self.max_context} tokens for {self.path}; "
                              f"lower max_context")
         self._ctx = ctx
         self._mem = lib.llama_get_memory(ctx)
-        vocab = lib.llama_model_get_vocab(model)
-        self.vocab_size = lib.llama_vocab_n_tokens(vocab)
-        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
-        self.n_threads = n_threads
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        if fast_prefill is None:
-            fast_prefill = os.environ.get("PARASPEC_LLAMACPP_FAST_PREFILL", "1") != "0"
-        try:
-            self._fast = _FastPrefill(self.path, cparams) if fast_prefill else None
-        except BaseException:
-            self.close()
-            raise
-        self.fast_prefills = 0                    # prompts decoded on the repacked copy (tests, reports)
+        self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        # the repacked kernels already are llama.cpp's prompt kernels: no second copy then
+        self._fast = _FastPrefill(self.path, cparams) if self._asked["fast_prefill"] and kernels == "plain" else None
         self._length = 0
-        self.exact_width = PROBE_WIDTH
-        self.forward_widths: dict[int, int] = {}      # sub-forward width -> count (what the split really ran)
-        self._probe = probe
-        if probe:
-            self.exact_width = probe_exact_width(self)
+
+    def _measure(self) -> None:
+        """Probe the kernels in use; in auto, repacked kernels not exact at every width give way to plain ones."""
+        prompts = self.fast_prefills              # the probe's prompts are not the user's
+        width = probe_exact_width(self, report=self.kernels == "plain" or self._asked["kernels"] != "auto")
+        if width < PROBE_WIDTH and self.kernels == "repacked" and self._asked["kernels"] == "auto":
+            print(f"paraspec: llama.cpp's repacked kernels are not batch-invariant for {self.path.name} here (forwards "
+                  f"wider than {width} token(s) differ: an unpatched build, or a CPU the patch does not cover); "
+                  f"using weight repacking off", file=sys.stderr, flush=True)
+            self.close()
+            self._open("plain")
+            width = probe_exact_width(self)
+        self.exact_width = width
+        self.fast_prefills = prompts
 
     def _set_threads(self, n: int) -> None:
         """A new thread count between requests; batch invariance is measured (or read) again for it."""
@@ -176,7 +223,7 @@ class LlamaCppModel:
                 _lib.llama_set_n_threads(self._fast.ctx, n, n)
             self.n_threads = n
             if self._probe:
-                self.exact_width = probe_exact_width(self)
+                self._measure()
 
     # -- the Model protocol --------------------------------------------------------------------------------
     @property
@@ -358,7 +405,7 @@ def _architecture(path: Path) -> str:
 # -- batch invariance, measured ---------------------------------------------------------------------------
 def _probe_cache(model: LlamaCppModel) -> Path:
     from paraspec.models.cache import cache_dir, sha256_prefix
-    key = hashlib.sha256("\n".join([build_fingerprint(), sha256_prefix(model.path), str(model.n_threads),
+    key = hashlib.sha256("\n".join([build_fingerprint(model.kernels), sha256_prefix(model.path), str(model.n_threads),
                                     str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]).encode())
     return cache_dir() / "llamacpp" / "exactness" / f"{key.hexdigest()[:24]}.json"
 
@@ -390,8 +437,9 @@ def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
     return exact, rows
 
 
-def probe_exact_width(model: LlamaCppModel) -> int:
-    """measure_exact_width once per (build, CPU, model file, threads, context size); the result is cached."""
+def probe_exact_width(model: LlamaCppModel, report: bool = True) -> int:
+    """measure_exact_width once per (build, kernels, CPU, model file, threads, context size); the result is cached.
+    report: say on stderr when forwards will be split."""
     path = _probe_cache(model)
     if path.exists():
         try:
@@ -401,16 +449,16 @@ def probe_exact_width(model: LlamaCppModel) -> int:
     big = model.path.stat().st_size > 50 << 20
     if big:
         print(f"paraspec: checking llama.cpp batch invariance for {model.path.name} at {model.n_threads} "
-              f"thread(s) (once; cached)", file=sys.stderr, flush=True)
+              f"thread(s), {model.kernels} kernels (once; cached)", file=sys.stderr, flush=True)
     start = time.perf_counter()
     width, rows = measure_exact_width(model)
-    record = {"exact_width": width, "model": str(model.path), "threads": model.n_threads,
+    record = {"exact_width": width, "kernels": model.kernels, "model": str(model.path), "threads": model.n_threads,
               "seconds": round(time.perf_counter() - start, 2), "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
-    if width < PROBE_WIDTH:
+    if width < PROBE_WIDTH and report:
         print(f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
               f"forwards for {model.path.name} here; verification is split into sub-forwards of <= {width}",
               file=sys.stderr, flush=True)

@@ -16,12 +16,8 @@ from paraspec import Engine, SamplingParams
 from paraspec.models import llamacpp
 from paraspec.models.llamacpp import LlamaCppModel, measure_exact_width
 from paraspec.models.loader import load_model
+from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf
-
-
-def one_at_a_time(model, prefix: list[int], tokens: list[int]) -> torch.Tensor:
-    model.prefill(prefix)
-    return torch.cat([model.forward([t]) for t in tokens])
 
 
 def assert_close_to_native(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
@@ -59,12 +55,8 @@ def test_forward_is_bitwise_one_token_forwards(gguf_pair, threads, context):
     """The guarantee the engine relies on, at contexts the start-up probe did not use (it uses 32 and 600)."""
     model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=threads)
     rng = np.random.default_rng(context)
-    ids = rng.integers(0, model.vocab_size, size=context + 16).tolist()
-    reference = one_at_a_time(model, ids[:context], ids[context:])
-    for w in range(1, 17):
-        model.rollback(context)
-        got = model.forward(ids[context:context + w])
-        assert torch.equal(got, reference[:w]), f"width {w}: max |diff| {(got - reference[:w]).abs().max()}"
+    assert_forwards_are_one_token_forwards(model, rng.integers(0, model.vocab_size, size=context + 16).tolist(),
+                                           context)
 
 
 def test_one_thread_equals_two_threads(gguf_pair):
@@ -250,13 +242,14 @@ def test_gguf_file_gets_a_tokenizer_folder_without_weights(gguf_pair):
 
 @pytest.mark.parametrize("kind", ["target", "target_q8"])
 def test_fast_prefill_hands_its_kv_cache_to_the_exact_context(gguf_pair, kind):
-    """The prompt is decoded on a repacked copy of the weights and its KV cache copied into the exact context.
-    On the f32 file repacking changes no kernel, so prompt logits and every token decoded after the copy must be
-    bitwise those of the exact context alone: a cache copied to the wrong cells or positions would not be."""
+    """On the plain kernels the prompt is decoded on a repacked copy of the weights and its KV cache copied into the
+    exact context. On the f32 file repacking changes no kernel, so prompt logits and every token decoded after the
+    copy must be bitwise those of the exact context alone: a cache copied to the wrong cells or positions would
+    not be."""
     prompt, rest = list(range(3, 90)), [50, 51, 52, 7, 9]
     runs = {}
     for fast in (True, False):
-        model = LlamaCppModel(gguf_pair[kind], 2048, (), n_threads=1, fast_prefill=fast)
+        model = LlamaCppModel(gguf_pair[kind], 2048, (), n_threads=1, fast_prefill=fast, kernels="plain")
         runs[fast] = torch.cat([model.prefill(prompt)[None]] + [model.forward([t]) for t in rest]
                                + [model.forward(rest, last_n=len(rest))])
         assert model.fast_prefills == (1 if fast else 0)
@@ -272,13 +265,13 @@ def test_fast_prefill_hands_its_kv_cache_to_the_exact_context(gguf_pair, kind):
 def test_fast_prefill_is_one_and_the_same_for_every_strategy(gguf_pair, monkeypatch):
     """A prompt reaches the cache through prefill() (ar) or through a first forward (sd's prompt + drafts): both
     take the fast path, so both leave the same cache; and the environment switch turns it off."""
-    model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2)
+    model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, kernels="plain")
     prompt, drafts = list(range(3, 60)), [50, 51, 52]
     reference = torch.cat([model.prefill(prompt)[None]] + [model.forward([t]) for t in drafts])
     model.rollback(0)
     assert torch.equal(model.forward(prompt + drafts, last_n=4), reference)
     assert model.fast_prefills == 2
     monkeypatch.setenv("PARASPEC_LLAMACPP_FAST_PREFILL", "0")
-    off = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2)
+    off = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, kernels="plain")
     off.prefill(prompt)
     assert off.fast_prefills == 0 and off._fast is None

@@ -1,0 +1,160 @@
+"""llama.cpp's repacked weight kernels, made batch-invariant by scripts/patches/ (docs/BENCHMARKS.md).
+
+- the kernels alone: tests/llamacpp_kernels/repack_invariance.c, compiled against the installed llama-cpp-python's
+  ggml, multiplies repacked weights with 1..16 activation rows: every row of an M-row product (4-row gemm + one-row
+  gemv for the rest) must be bitwise the row computed alone (gemv), for Q4_K (patched) and Q4_0 / IQ4_NL;
+- whole models: tiny GGUF files quantized by llama.cpp itself to Q4_K and Q4_0 (all matrices repacked on an
+  AVX2 CPU): a forward of k tokens on the repacked kernels gives the logits of k one-token forwards, bitwise;
+- the backend keeps the repacked kernels only where the probe finds them exact, and otherwise falls back to
+  repacking off.
+On an unpatched build the Q4_K cases fail (rows of the 4-row groups differ by ~1e-5 in the kernels).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from paraspec.models import llamacpp
+from paraspec.models.llamacpp import PROBE_WIDTH, LlamaCppModel
+from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
+from tests.tiny_gguf import quantize_gguf, tiny_hf_model, tiny_vocab, write_gguf
+
+PROGRAM = Path(__file__).resolve().parents[1] / "llamacpp_kernels" / "repack_invariance.c"
+
+
+@pytest.fixture(scope="module")
+def kernel_program(tmp_path_factory) -> Path:
+    """repack_invariance.c built against the ggml that llama-cpp-python ships (headers and shared libraries)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if spec is None or compiler is None:
+        pytest.skip("needs llama-cpp-python and a C compiler")
+    package = Path(spec.origin).parent
+    lib, include = package / "lib", package.parent / "include"
+    if not (include / "ggml-backend.h").exists() or not list(lib.glob("libggml-cpu.so*")):
+        pytest.skip(f"llama-cpp-python's ggml headers or libraries are not installed ({include}, {lib})")
+    exe = tmp_path_factory.mktemp("kernels") / "repack_invariance"
+    subprocess.run([compiler, "-O2", "-o", str(exe), str(PROGRAM), f"-I{include}", f"-L{lib}", "-lggml",
+                    "-lggml-base", "-lggml-cpu", "-lm", f"-Wl,-rpath,{lib}"], check=True)
+    return exe
+
+
+@pytest.mark.parametrize("kind", ["q4_K", "q4_0", "iq4_nl"])
+@pytest.mark.parametrize("n,nc", [(256, 8), (1536, 256), (8960, 64)])   # (columns of the weight, its rows)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_repacked_rows_equal_one_row_products(kernel_program, kind, n, nc, threads):
+    for seed in (1, 2):
+        proc = subprocess.run([str(kernel_program), kind, str(n), str(nc), str(threads), str(seed)],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode == 2:
+            pytest.skip(proc.stdout.strip())       # not repacked on this CPU (no AVX2): nothing to check
+        lines = proc.stdout.splitlines()
+        assert len([x for x in lines if x.startswith("width ")]) == 16, proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{kind} {nc}x{n}, {threads} thread(s), seed {seed}:\n{proc.stdout}"
+        # the repacked product is the product: near the plain (vec_dot) kernels' result
+        assert float(lines[-1].split()[-1]) < 1e-4, proc.stdout
+
+
+# -- whole models on repacked kernels ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def repacked_files(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen2 (rows of 256 values: Q4_K's super block) quantized by llama.cpp to pure Q4_K and Q4_0."""
+    folder = tmp_path_factory.mktemp("repacked")
+    model = tiny_hf_model("qwen2", len(tiny_vocab()[0]), tied=True, seed=21, scale=5, hidden_size=256,
+                          intermediate_size=512, max_position_embeddings=2048)
+    f32 = folder / "f32.gguf"
+    write_gguf(f32, model)
+    return {kind: quantize_gguf(f32, folder / f"{kind}.gguf", kind) for kind in ("Q4_K", "Q4_0")}
+
+
+REPACKED = {"Q4_K": "q4_K_8x8", "Q4_0": "q4_0_8x8"}      # x86 with AVX2
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_repacked_forward_is_bitwise_one_token_forwards(repacked_files, kind, threads, monkeypatch, capsys):
+    monkeypatch.setenv("PARASPEC_LLAMACPP_LOG", "all")      # llama.cpp says which tensors it repacks
+    model = LlamaCppModel(repacked_files[kind], 2048, (), n_threads=threads, probe=False, kernels="repacked")
+    monkeypatch.delenv("PARASPEC_LLAMACPP_LOG")
+    assert f"with {REPACKED[kind]}" in capsys.readouterr().err, f"no {kind} weight was repacked on this CPU"
+    assert model.kernels == "repacked" and model.exact_width == PROBE_WIDTH   # no probe: no split either
+    for context in (40, 600):
+        ids = np.random.default_rng(context).integers(0, model.vocab_size, size=context + 16).tolist()
+        assert_forwards_are_one_token_forwards(model, ids, context, kind)
+    model.close()
+
+
+def test_auto_keeps_the_repacked_kernels_where_they_are_exact(repacked_files, monkeypatch, tmp_path):
+    """By default the model runs repacked if the probe finds every width exact, without the fast-prefill copy
+    (its context already has llama.cpp's prompt kernels)."""
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    model = LlamaCppModel(repacked_files["Q4_K"], 2048, (), n_threads=2)
+    assert model.kernels == "repacked" and model.exact_width == PROBE_WIDTH and model._fast is None
+    prompt = list(range(3, 50))
+    model.prefill(prompt)
+    assert model.fast_prefills == 0 and model.length == len(prompt)
+    records = list((tmp_path / "llamacpp" / "exactness").glob("*.json"))
+    assert len(records) == 1 and '"kernels": "repacked"' in records[0].read_text()
+
+
+def test_auto_falls_back_to_plain_kernels_where_repacked_ones_are_not_exact(gguf_pair, monkeypatch, tmp_path):
+    """A build or CPU whose repacked kernels the probe finds inexact (here: the probe made to say so) runs with
+    repacking off, measured again; asked for explicitly, the repacked kernels stay, split to their width."""
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    real = llamacpp.measure_exact_width
+
+    def repacked_inexact(model, *a, **k):
+        width, rows = real(model, *a, **k)
+        return (3 if model.kernels == "repacked" else width), rows
+    monkeypatch.setattr(llamacpp, "measure_exact_width", repacked_inexact)
+    auto = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
+    assert auto.kernels == "plain" and auto.exact_width == PROBE_WIDTH and auto._fast is not None
+    asked = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1, kernels="repacked")
+    assert asked.kernels == "repacked" and asked.exact_width == 3
+    monkeypatch.setenv("PARASPEC_LLAMACPP_KERNELS", "plain")
+    assert LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1).kernels == "plain"
+    monkeypatch.setenv("PARASPEC_LLAMACPP_KERNELS", "fast")
+    with pytest.raises(ValueError, match="kernels 'fast'"):
+        LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
+
+
+def test_probe_cache_tells_kernels_apart(gguf_pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    plain = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1, kernels="plain")
+    repacked = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1, kernels="repacked")
+    assert llamacpp._probe_cache(plain) != llamacpp._probe_cache(repacked)
+    assert len(list((tmp_path / "llamacpp" / "exactness").glob("*.json"))) == 2
+    assert os.environ.get("GGML_CPU_TILED_MM") == "0"
+
+
+def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
+    """`paraspec profile` on the llamacpp backend records each model's kernels and exact width."""
+    import json
+
+    from paraspec.cli.main import main
+    from paraspec.runtime.devices import available_cores
+    core = f"cpu:{available_cores()[0]}"
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--target", str(gguf_pair["target"]), "--draft", str(gguf_pair["draft"]),
+                 "--backend", "llamacpp", "--num-prompts", "1", "--tokens", "4", "--match-tokens", "8",
+                 "--widths", "1,4", "--target-devices", core, "--draft-devices", core, "--out", str(out)]) == 0
+    profile = json.loads(out.read_text())
+    for role in ("target", "draft"):
+        assert profile[role]["llamacpp"]["kernels"] in ("repacked", "plain")
+        assert profile[role]["llamacpp"]["exact_width"] == PROBE_WIDTH
+
+
+def test_repacked_one_thread_equals_two_threads(repacked_files):
+    """amusd's target runs on one core, ar's on two: on the repacked kernels too their logits agree bitwise."""
+    ids = list(range(3, 60))
+    runs = [one_at_a_time(LlamaCppModel(repacked_files["Q4_K"], 2048, (), n_threads=t, probe=False,
+                                        kernels="repacked"), ids[:40], ids[40:]) for t in (1, 2)]
+    assert torch.equal(*runs)
