@@ -11,7 +11,6 @@ first prompt of each dataset before the warm-up.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import statistics
 import sys
@@ -305,10 +304,10 @@ def engine_key(variant: Variant) -> tuple:
 def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConfig:
     """The bench's EngineConfig for the variant's strategy (with the options it takes) and drafters (validated
     here, before loading)."""
-    engine = config.engine.for_strategy(variant.strategy, config.options)
-    if not engine.strategy_class.needs_draft:
-        return engine
-    return dataclasses.replace(engine, draft=variant_drafts(variant, config.engine.draft))
+    needs_draft = STRATEGIES[variant.strategy].needs_draft
+    # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check
+    return config.engine.for_strategy(variant.strategy, config.options,
+                                      variant_drafts(variant, config.engine.draft) if needs_draft else None)
 
 
 def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) -> dict:

@@ -30,6 +30,14 @@ class PatternMemory:
         self.last.clear()
         self._pending = None
 
+    def consult(self, sequence: list[int], matched: int, proposal: list[int]) -> tuple[int | None, bool]:
+        """(cap, extend) for `proposal`, found after a `matched`-token match at the end of `sequence` (`limit`);
+        the proposal is remembered, to be judged by the next round's committed tokens."""
+        pattern = self.pattern(sequence, matched)
+        verdict = self.limit(pattern, proposal)
+        self.remember(pattern, proposal, len(sequence))
+        return verdict
+
     @staticmethod
     def pattern(sequence: list[int], matched: int) -> tuple | None:
         """The pattern a proposal after a `matched`-token match continues (None without a match)."""

@@ -95,11 +95,8 @@ class NGramDrafter(Drafter):
             return Proposal([])
         self.index.sync(sequence)
         tokens, self.last_match = self.index.lookup(k)
-        if self.memory is not None:
-            pattern = self.memory.pattern(sequence, self.last_match)
-            cap, _ = self.memory.limit(pattern, tokens)
-            self.memory.remember(pattern, tokens, len(sequence))
-            tokens = tokens if cap is None else tokens[:cap]
+        cap, _ = self.memory.consult(sequence, self.last_match, tokens) if self.memory else (None, False)
+        tokens = tokens if cap is None else tokens[:cap]
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
 
     def committed(self, prefix_len: int, tokens: list[int]) -> None:

@@ -193,11 +193,7 @@ class SuffixDrafter(Drafter):
                 break
             tokens.append(token)
             node = child
-        cap, extend = None, False
-        if self.memory is not None:
-            pattern = self.memory.pattern(sequence, n)
-            cap, extend = self.memory.limit(pattern, tokens)
-            self.memory.remember(pattern, tokens, len(sequence))
+        cap, extend = self.memory.consult(sequence, n, tokens) if self.memory else (None, False)
         if not extend:
             tokens = tokens[:self.max_length(n)]
         if cap is not None:

@@ -186,3 +186,15 @@ def test_bracket_variants_get_their_own_engine_on_the_shared_models(bench_target
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_model_free_variants_need_no_draft_checkpoint(bench_target):
+    """sd[suffix] drafts without a model: the bench builds it without --draft (the variant's drafters are in its
+    config before the config is checked)."""
+    bench = BenchConfig(EngineConfig(bench_target, dtype="float32"), [], SamplingParams(max_new_tokens=4),
+                        options={"adaptive": True, "lookahead": 8})
+    config = variant_engine_config(bench, Variant("sd", 2, ("suffix",)))
+    assert config.draft == "suffix" and config.options == {"adaptive": True, "lookahead": 8}
+    assert variant_engine_config(bench, Variant("ar", 2)).draft is None
+    with pytest.raises(ValueError, match="needs a draft model"):
+        variant_engine_config(bench, Variant("sd", 2))
