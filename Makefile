@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TARGET := Qwen/Qwen2.5-Coder-1.5B-Instruct
 DRAFT := Qwen/Qwen2.5-Coder-0.5B-Instruct
 
-.PHONY: setup llamacpp peer models test test-fast demo bench clean
+.PHONY: setup llamacpp peer models test test-fast demo bench bench-model-free clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,19 +42,27 @@ test: setup models peer
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not real_pair"
 
-# The main job, minutes on a warm cache (models fetched, llama.cpp built): the reference pair on 3 HumanEval and
-# 3 MT-Bench prompts x 64 tokens, greedy, on the machine's 2 cores: paraspec ar and sd (2 threads) and amusd
-# (target on core 1, draft on core 0), on llama.cpp's kernels (--backend auto), against llama.cpp itself:
-# llama-server alone (llamacpp-ar) and with its own speculative decoding (llamacpp-spec, the best of draft max
-# 4/8/16 at p-min 0.8, timed on each dataset's first prompt: every setting restarts the server, ~20 s each; the
-# full 3 x 3 grid is `make bench`'s). Prints the tables and writes report.md, results.json and the plots to
-# out/demo/. Timings assume a quiet machine: llama.cpp's OpenMP threads slow down many-fold when another process
-# competes for the cores.
+# The main job, minutes on a warm cache (models fetched, llama.cpp built): the reference pair, greedy, on the
+# machine's 2 cores, on llama.cpp's kernels (--backend auto), against llama.cpp itself; one `paraspec bench` per
+# workload, each writing its tables, report.md, results.json and plots:
+#  - model drafts, out/demo/: 2 HumanEval and 2 MT-Bench prompts x 64 tokens; paraspec ar and sd (2 threads) and
+#    amusd (target on core 1, draft on core 0) against llama-server alone (llamacpp-ar) and with its own
+#    speculative decoding (llamacpp-spec, the best of draft max 4/8/16 at p-min 0.8, timed on each dataset's first
+#    prompt: every setting restarts the server, ~20 s each; the full 3 x 3 grid is `make bench`'s);
+#  - copy-heavy editing, out/demo/code-edit/: 3 code-edit prompts x 128 tokens; paraspec ar and sd[suffix] (the
+#    suffix drafter, adaptive length up to 16) against llamacpp-ar and llama-server's own n-gram drafting
+#    (llamacpp-ngram, ngram-simple n 4 m 16).
+# About 8 minutes on 2 quiet Zen 3 cores (estimated). Timings assume a quiet machine: llama.cpp's OpenMP threads
+# slow down many-fold when another process competes for the cores.
 demo: setup models peer
 	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
 		--strategies ar,sd,amusd,llamacpp-ar,llamacpp-spec --threads 2 \
 		--target-devices cpu:1 --draft-devices cpu:0 --llamacpp-spec-grid 4:0.8,8:0.8,16:0.8 \
-		--dataset humaneval mt-bench --num-prompts 3 --max-new-tokens 64 --out out/demo
+		--dataset humaneval mt-bench --num-prompts 2 --max-new-tokens 64 --out out/demo
+	$(PYTHON) -m paraspec bench --target $(TARGET) \
+		--strategies "ar,sd[suffix],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 16 --threads 2 \
+		--target-devices cpu:1 --llamacpp-ngram-grid ngram-simple:4:16 \
+		--dataset code-edit --num-prompts 3 --max-new-tokens 128 --out out/demo/code-edit
 
 # The full sweep (well over an hour on 2 cores): every strategy, transformers' generate and assisted
 # generation, and the llama.cpp peers, at 1 and 2 threads, on 5 HumanEval and 5 MT-Bench prompts x 128 tokens
@@ -65,6 +73,21 @@ bench: setup models peer
 		--strategies ar,sd,amusd,tree,easyspec,hf-ar,hf-assisted,llamacpp-ar,llamacpp-spec --threads 1,2 \
 		--target-devices cpu:1 --draft-devices cpu:0 --lookahead 20 --draft-confidence 0.4 \
 		--dataset humaneval mt-bench --num-prompts 5 --max-new-tokens 128 --out out/bench
+
+# Model-free drafting against llama.cpp's own (issue 24): ar, sd with the suffix and the n-gram drafters and with
+# the draft model (adaptive length up to 16: the draft model's catch-up is priced), against llama-server alone and
+# with its n-gram drafting (the best of three settings per dataset), on the copy-heavy workloads and two ordinary
+# ones, 3 prompts x 128 tokens, greedy and at temperature 0.8 (seed 0); out/model-free-t0, out/model-free-t0.8.
+# About 35-40 minutes on 2 cores of a quiet machine.
+bench-model-free: setup models peer
+	for t in 0 0.8; do \
+		$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
+			--strategies "ar,sd[suffix],sd[ngram],sd[model],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 16 \
+			--llamacpp-ngram-grid ngram-simple:4:16,ngram-simple:12:48,ngram-mod:24:64 --threads 2 \
+			--target-devices cpu:1 --draft-devices cpu:0 --temperature $$t --seed 0 \
+			--dataset code-edit summarize humaneval mt-bench --num-prompts 3 --max-new-tokens 128 \
+			--out out/model-free-t$$t || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

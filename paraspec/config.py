@@ -143,12 +143,13 @@ class EngineConfig:
                              f"quantized weights); leave dtype='auto' or use backend='native'")
         return backend
 
-    def for_strategy(self, strategy: str, options: dict | None = None) -> "EngineConfig":
+    def for_strategy(self, strategy: str, options: dict | None = None, draft=None) -> "EngineConfig":
         """This configuration for another strategy: the given `options` (default: this one's) that it takes,
-        and the draft only if it uses one. The bench builds each variant's Engine this way."""
+        and the draft (default: this one's) only if it uses one. The bench builds each variant's Engine this way."""
         cls = get_strategy(strategy)
         options = self.options if options is None else options
-        return replace(self, strategy=strategy, draft=self.draft if cls.needs_draft else None,
+        draft = self.draft if draft is None else draft
+        return replace(self, strategy=strategy, draft=draft if cls.needs_draft else None,
                        options={name: value for name, value in options.items() if name in cls.options})
 
     @property

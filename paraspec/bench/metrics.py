@@ -2,8 +2,9 @@
 
 Pure functions over `Record`s (one generation of one prompt by one variant), so every figure in the table can be
 checked by hand on a few built records. Conventions (docs/BENCHMARKS.md, EasySpec Table 2):
-- times are medians over prompts; a speedup is the median over prompts of the per-prompt ratio of ms/token
-  (both runs of a prompt are adjacent in time, so the ratio cancels most machine drift);
+- times are medians over prompts; tokens/s is 1000 / that ms/token (one figure, two units: a median of per-prompt
+  tokens/s would contradict it); a speedup is the median over prompts of the per-prompt ratio of ms/token (both
+  runs of a prompt are adjacent in time, so the ratio cancels most machine drift);
 - acceptance rate and mean accepted length are pooled over prompts (sums of counts, not a mean of ratios);
 - draft and verify time are seconds per 100 generated tokens, summed over prompts.
 """
@@ -152,11 +153,11 @@ def summarize(records: list[Record], variants: list[Variant], greedy: bool,
         acceptance, accepted_length = pooled_acceptance(stats)
         ar = reference_variant(v, variants, "ar", cores)
         hf_assisted = reference_variant(v, variants, "hf-assisted", cores)
+        ms_per_token = statistics.median(s.ms_per_token for s in stats)
         row = {
             "variant": v.name, "strategy": v.strategy, "threads": v.threads, "prompts": len(runs),
             "new_tokens": sum(s.new_tokens for s in stats),
-            "ms_per_token": statistics.median(s.ms_per_token for s in stats),
-            "tokens_per_s": statistics.median(s.tokens_per_s for s in stats),
+            "ms_per_token": ms_per_token, "tokens_per_s": 1000.0 / ms_per_token if ms_per_token > 0 else 0.0,
             "speedup_vs_ar": paired_speedup(by_variant[ar], runs) if ar else None,
             "speedup_vs_hf_assisted": paired_speedup(by_variant[hf_assisted], runs) if hf_assisted else None,
             "speedup_references": {"ar": ar.name if ar else None,

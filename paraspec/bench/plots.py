@@ -54,6 +54,17 @@ def plot_progress(records: list[Record], path: Path, title: str) -> Path:
 
 def plot_timeline(records: list[Record], path: Path, title: str) -> Path:
     plt = _pyplot()
+    fig = timeline_figure(records, title)
+    # bbox_inches="tight": the legend sits outside the axes, right of them
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(records: list[Record], title: str):
+    """The device timeline as a figure: one lane per (variant, device); the legend right of the axes, clear of the
+    x-axis label and of the lanes."""
+    plt = _pyplot()
     lanes = []                                       # (label, events, total_s)
     for r in records:
         devices = list(dict.fromkeys(e.device for e in r.trace.events)) or ["(no events)"]
@@ -76,9 +87,6 @@ def plot_timeline(records: list[Record], path: Path, title: str) -> Path:
     ax.set_yticklabels([label for label, _, _ in reversed(lanes)], fontsize=8)
     ax.set_xlabel("seconds since the request started")
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18 if len(lanes) < 4 else -0.08),
-              ncol=len(seen))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig

@@ -33,9 +33,11 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
               for kind in ("paraspec", "transformers", "llama.cpp")}
     dtype_text = ", ".join(f"{kind} {'/'.join(d)}" for kind, d in dtypes.items() if d)
     extra = [k for k in (rows[0] if rows else {}) if k.startswith("speedup_vs_ar@")]
-    header = ["strategy", "devices", "threads", "ms/token", "tokens/s", "× vs ar", "× vs hf-assisted"]
-    header += [f"× vs {k.removeprefix('speedup_vs_')}" for k in extra]
-    header += ["TTFT ms", "TPOT ms", "acceptance", "mean acc. len", "draft s/100 tok", "verify s/100 tok", "= ar"]
+    table = [_cells(result, row, extra) for row in rows]
+    # a column no variant fills (× vs hf-assisted without hf-assisted, acceptance without a speculative variant,
+    # `= ar` when sampling) is left out
+    header = [column for column in (table[0] if table else {})
+              if any(cells[column] not in (NONE, "ref") for cells in table)]
     lines = [f"### {result.dataset}: {len(result.prompts)} prompts × {params.max_new_tokens} new tokens, {mode}, "
              f"dtype {cfg.engine.dtype} ({dtype_text})",
              "",
@@ -44,24 +46,12 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
              "",
              "| " + " | ".join(header) + " |",
              "|" + "|".join("---" for _ in header) + "|"]
-    for row in rows:
-        info = result.contenders[row["variant"]]
-        cells = [row["variant"], info["devices"], str(info["threads"]),
-                 _num(row["ms_per_token"], ".1f"), _num(row["tokens_per_s"], ".2f"),
-                 _speedup(result, row, "ar"), _speedup(result, row, "hf-assisted")]
-        cells += [_num(row.get(k), ".2f") + ("×" if row.get(k) is not None else "") for k in extra]
-        cells += [_num(row["ttft_ms"], ".0f"), _num(row["tpot_ms"], ".1f"),
-                  NONE if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}",
-                  _num(row["mean_accepted_length"], ".2f"),
-                  # llama-server reports no split of its generation time into drafting and verifying
-                  *((NONE, NONE) if row["acceptance_rate"] is None or _runs_on(row["strategy"]) == "llama.cpp" else
-                    (_num(row["draft_s_per_100_tokens"], ".2f"), _num(row["verify_s_per_100_tokens"], ".2f"))),
-                  _identical(row)]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Times are medians over prompts; speedups are medians of per-prompt ratios against the variant "
-              "on the same number of cores (threads; a worker strategy: the cores of its devices); acceptance "
-              "and mean accepted length are pooled over prompts. `= ar`: prompts whose tokens equal those of "
-              "that ar (ar variants: equal to the first ar variant)."]
+    lines += ["| " + " | ".join(cells[column] for column in header) + " |" for cells in table]
+    lines += ["", "Times are medians over prompts (tokens/s = 1000 / ms/token); speedups are medians of per-prompt "
+              "ratios of ms/token against the variant on the same number of cores (threads; a worker strategy: the "
+              "cores of its devices); acceptance and mean accepted length are pooled over prompts."
+              + (" `= ar`: prompts whose tokens equal those of that ar (ar variants: equal to the first ar "
+                 "variant)." if "= ar" in header else "")]
     divergences = [(row["variant"], row["reference"], d) for row in rows for d in row["divergences"]]
     if divergences:
         lines += ["", "First divergences (top-1 minus top-2 target logit there; a small gap is a near-tie):"]
@@ -71,6 +61,25 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
                          f" ({reference}) / {_num(d['margin'], '.4f')} ({variant})")
     lines += _spec_grid_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _cells(result: BenchResult, row: dict, extra: list[str]) -> dict[str, str]:
+    """One table row, column name -> cell."""
+    info = result.contenders[row["variant"]]
+    # llama-server reports no split of its generation time into drafting and verifying
+    split = row["acceptance_rate"] is not None and _runs_on(row["strategy"]) != "llama.cpp"
+    cells = {"strategy": row["variant"], "devices": info["devices"], "threads": str(info["threads"]),
+             "ms/token": _num(row["ms_per_token"], ".1f"), "tokens/s": _num(row["tokens_per_s"], ".2f"),
+             "× vs ar": _speedup(result, row, "ar"), "× vs hf-assisted": _speedup(result, row, "hf-assisted")}
+    cells.update({f"× vs {k.removeprefix('speedup_vs_')}": _num(row.get(k), ".2f") + ("×" if row.get(k) is not None
+                                                                                       else "") for k in extra})
+    cells.update({"TTFT ms": _num(row["ttft_ms"], ".0f"), "TPOT ms": _num(row["tpot_ms"], ".1f"),
+                  "acceptance": NONE if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}",
+                  "mean acc. len": _num(row["mean_accepted_length"], ".2f"),
+                  "draft s/100 tok": _num(row["draft_s_per_100_tokens"], ".2f") if split else NONE,
+                  "verify s/100 tok": _num(row["verify_s_per_100_tokens"], ".2f") if split else NONE,
+                  "= ar": _identical(row)})
+    return cells
 
 
 def _runs_on(strategy: str) -> str:

@@ -11,7 +11,6 @@ first prompt of each dataset before the warm-up.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import statistics
 import sys
@@ -282,8 +281,19 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
         if v.threads is not None:
             # an explicit thread count runs on every core this process may use, not the engine's pinned set
             kwargs["affinity"] = start_affinity
+        if kwargs["devices"] is None:             # an in-process engine: its models run where this process does
+            kwargs["devices"] = in_process_devices(kwargs["affinity"], kwargs.pop("model_drafts"))
+        kwargs.pop("model_drafts", None)
         contenders.append(Contender(v, **kwargs))
     return contenders, engines, min(limits)
+
+
+def in_process_devices(cores, model_drafts: bool) -> str:
+    """`cpu:0,1 (in-process, target and draft)`: the cores an in-process variant runs on (all its models, one
+    after the other, with its thread count)."""
+    from paraspec.runtime.devices import Device, available_cores
+    where = str(Device("cpu", tuple(sorted(cores or available_cores()))))
+    return f"{where} (in-process{', target and draft' if model_drafts else ''})"
 
 
 def engine_key(variant: Variant) -> tuple:
@@ -294,10 +304,10 @@ def engine_key(variant: Variant) -> tuple:
 def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConfig:
     """The bench's EngineConfig for the variant's strategy (with the options it takes) and drafters (validated
     here, before loading)."""
-    engine = config.engine.for_strategy(variant.strategy, config.options)
-    if not engine.strategy_class.needs_draft:
-        return engine
-    return dataclasses.replace(engine, draft=variant_drafts(variant, config.engine.draft))
+    needs_draft = STRATEGIES[variant.strategy].needs_draft
+    # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check
+    return config.engine.for_strategy(variant.strategy, config.options,
+                                      variant_drafts(variant, config.engine.draft) if needs_draft else None)
 
 
 def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) -> dict:
@@ -307,15 +317,18 @@ def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) 
     engine = Engine.from_config(engine_config)
     engines.append(engine)
     limits.append(engine.max_context)
-    devices = f"target {' '.join(map(str, engine.target_devices))}"
-    if engine.draft_devices:
-        devices += f", draft {' '.join(map(str, engine.draft_devices))}"
+    devices = None                     # in-process: where the variant runs (build_contenders)
+    if runs_in_workers(strategy):
+        devices = f"target {' '.join(map(str, engine.target_devices))}"
+        if engine.draft_devices:
+            devices += f", draft {' '.join(map(str, engine.draft_devices))}"
     settings = dict(engine.options)
     settings["backend"] = engine.backend
     settings["draft"] = [str(d) for d in engine_config.drafts] if engine_config.strategy_class.needs_draft else []
     settings["dtype"] = "gguf" if engine.backend == "llamacpp" else _dtype_name(engine.target) or str(
         parse_dtype(engine_config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
-    return dict(generate=engine.generate, devices=devices, affinity=current_pinning()[0],
+    return dict(generate=engine.generate, devices=devices, model_drafts=bool(engine.draft_devices),
+                affinity=current_pinning()[0],
                 default_threads=torch.get_num_threads(), settings=settings,
                 worker_cores=_cores(engine.target_devices + engine.draft_devices)
                 if runs_in_workers(strategy) else None)

@@ -11,6 +11,7 @@
     ngram.py     NGramDrafter: prompt lookup, the longest matching n-gram's continuation (model-free)
     suffix.py    SuffixDrafter: the most frequent continuation in suffix tries of the request and of earlier
                  outputs; trees of branches by frequency (model-free)
+    memory.py    PatternMemory: how far a model-free drafter's last proposal from each pattern was right
     hybrid.py    Hybrid: the drafters in order (model-free first, the model where it has nothing)
     adaptive.py  the adaptive draft length rule: k* maximising expected tokens per second
 
@@ -49,10 +50,13 @@ def is_model_free(spec) -> bool:
 
 def model_free(spec: str, vocab_size: int, options: dict) -> Drafter:
     """Build a model-free drafter from its name and the strategy's options (every strategy that takes model-free
-    drafters takes DRAFTER_OPTIONS, so they are all there, defaults included)."""
+    drafters takes DRAFTER_OPTIONS, so they are all there, defaults included; `draft_memory` only the round
+    strategies, whose rounds tell the drafter what was committed)."""
+    memory = options.get("draft_memory", False)
     if spec == "ngram":
-        return NGramDrafter(vocab_size, options["ngram_min"], options["ngram_max"])
-    return SuffixDrafter(vocab_size, options["suffix_depth"], options["suffix_cache"])
+        return NGramDrafter(vocab_size, options["ngram_min"], options["ngram_max"], memory)
+    return SuffixDrafter(vocab_size, options["suffix_depth"], options["suffix_cache"], options["suffix_factor"],
+                         options["suffix_min_prob"], memory)
 
 
 __all__ = ["DraftSpec", "Drafter", "Hybrid", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",

@@ -1,25 +1,40 @@
 """Adaptive draft length: each round, draft the number of tokens that maximises expected tokens per second.
 
-The rule (Leviathan et al. 2023, Section 3.3, with measured costs instead of a constant cost ratio):
+The rule (Leviathan et al. 2023, Section 3.3, with measured costs instead of a constant cost ratio, and an
+acceptance per draft position instead of one constant):
 
-    alpha      the drafter's per-token acceptance: P(draft i is accepted | drafts before it were), estimated
-               from every round so far (accepted drafts / drafts judged, a draft after the first rejection is
-               not judged), recent rounds weighted more (decay DECAY per round), prior Beta(1, 1);
-    E(k)       tokens one round commits with k drafts = 1 + alpha + ... + alpha^k (the correction or bonus token
-               is always there);
-    T(k)       k * d + c(w + k): d the drafter's measured seconds per drafted token (0 for a model-free
-               drafter), c(n) the target's measured seconds for a forward of n tokens (VerifyCost: measured
-               at start-up for each width, refined by every round), w the committed tokens the target has not
-               cached yet (usually 1);
+    a_j        P(draft j is accepted | the drafts before it were), estimated from every round so far (accepted
+               drafts / drafts judged, a draft after the first rejection is not judged), recent rounds weighted
+               more (decay DECAY per round), prior Beta(1, 1). A draft model has one a for every position; a
+               model-free drafter has one per length of the context its token continues (`match_bucket`): its
+               j-th token continues the n matched tokens and the j - 1 drafted before it, and a 12-token match in
+               copied text is right far more often than a 1-token one. A bucket's prior is the estimate of the
+               next shorter one (a longer context is taken to be as good until its own rounds say otherwise:
+               without it, the tokens deep in a proposal would never be drafted, so never judged). The rule
+               uses each estimate less LOWER_Z of its standard deviation (`Acceptance.lower`): where few drafts
+               were judged, a lucky one or two must not buy a long draft (on a CPU, where verification is
+               compute-bound, a wrong draft of k tokens costs about k plain steps);
+    E(k)       tokens one round commits with k drafts = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k (the correction or
+               bonus token is always there);
+    T(k)       k * d + c(w + k): d the draft model's measured seconds for a one-token forward (0 for a
+               model-free drafter), c(n) the target's measured seconds for a forward of n tokens (ForwardCost:
+               measured at start-up for each width, refined by every round), w the committed tokens the target
+               has not cached yet (usually 1);
     k*         argmax over k in 0..lookahead of E(k) / T(k).
 
 k* = 0 means speculation does not pay: the round decodes plainly (a forward of w tokens). A model-free drafter
-still proposes its token for free, and whether the target's token equals it is one more observation of alpha
-(under sampling too: the probability that the target samples x is p(x), exactly the probability that a point-mass
-draft of x is accepted). A model drafter is not run while k* = 0; it is probed with one draft after 8, 16, 32, ...
-plain rounds (doubling while the probes keep failing), so a change of text can bring it back. The estimates are
-kept across requests but faded to a quarter at each new request. In the prompt round (many pending tokens) the
-drafts must save time at the margin instead (best_length).
+still proposes its tokens for free, and whether the target's token equals the first is one more observation of its
+a (under sampling too: the probability that the target samples x is p(x), exactly the probability that a
+point-mass draft of x is accepted). A model drafter is not run while k* = 0; it is probed with one draft after 8,
+16, 32, ... plain rounds (doubling while the probes keep failing), so a change of text can bring it back. The
+estimates are kept across requests but faded to a quarter at each new request. In the prompt round (many pending
+tokens) the drafts must save time at the margin instead (best_length).
+
+A draft model that has not seen the latest tokens (the prompt, tokens another drafter drafted, plain rounds) must
+first feed them: a catch-up forward of D(behind) seconds (the draft's own ForwardCost) before its first draft.
+That is paid once and then saves time on every later round, so it is drafted through only when the steady-state
+saving over the request's remaining tokens exceeds it (`catch_up_pays`), and a probe only when the catch-up costs
+at most PROBE_SHARE of the plain rounds since the last one.
 
 The choice depends only on rounds already verified and on timings, never on the draft being judged, so the
 output is exactly as lossless as with a fixed length.
@@ -27,33 +42,70 @@ output is exactly as lossless as with a fixed length.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 DECAY = 0.9                  # weight of a round's observation after each later round (about the last 10 rounds)
-COST_EMA = 0.2               # weight of a new measurement of a verification width
+COST_EMA = 0.2               # weight of a new measurement of a forward width
 PROBE_START = 8              # plain rounds before a model drafter is probed again
+PROBE_SHARE = 0.05           # most a probe's catch-up may cost, as a share of the plain rounds since the last one
 FADE = 0.25                  # evidence kept from earlier requests
+PRIOR_WEIGHT = 2.0           # judged drafts a prior is worth (Beta(1, 1) for a drafter's first bucket)
+LOWER_Z = 0.5                # the rule drafts by the estimate less this many standard deviations
+OBSERVED_WIDTHS = 64         # a forward wider than this (a prompt) does not move the per-width costs
+# context lengths grouped for the per-position acceptance of model-free drafters: 1, 2, 3, 4, 5-7, 8-11, 12-15, 16+
+MATCH_BUCKETS = (1, 2, 3, 4, 5, 8, 12, 16)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """1 + alpha + ... + alpha^k: the tokens a round commits with k drafts, per-token acceptance alpha."""
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def match_bucket(n: int) -> int:
+    """The bucket of a context length n (0: no match, a draft model): the largest MATCH_BUCKETS entry <= n."""
+    return MATCH_BUCKETS[bisect.bisect_right(MATCH_BUCKETS, n) - 1] if n >= 1 else 0
 
 
-def best_length(alpha: float, draft_s: float, verify_s, pending: int, max_k: int) -> tuple[int, float]:
+def bucket_label(bucket: int) -> str:
+    """`match5-7`, `match16+`, `match1` (report keys)."""
+    i = MATCH_BUCKETS.index(bucket) if bucket in MATCH_BUCKETS else -1
+    if i < 0:
+        return "match0"
+    if i == len(MATCH_BUCKETS) - 1:
+        return f"match{bucket}+"
+    top = MATCH_BUCKETS[i + 1] - 1
+    return f"match{bucket}" if top == bucket else f"match{bucket}-{top}"
+
+
+def _alphas(alpha: float | Sequence[float], k: int) -> list[float]:
+    return [float(alpha)] * k if isinstance(alpha, (int, float)) else [float(a) for a in alpha[:k]]
+
+
+def expected_tokens(alpha: float | Sequence[float], k: int) -> float:
+    """1 + a_1 + a_1 a_2 + ... + a_1 ... a_k: the tokens a round commits with k drafts, `alpha` the acceptance of
+    each position (one number: the same for every position)."""
+    total, reach = 1.0, 1.0
+    for a in _alphas(alpha, k):
+        reach *= a
+        total += reach
+    return total
+
+
+def best_length(alpha: float | Sequence[float], draft_s: float, verify_s, pending: int, max_k: int
+                ) -> tuple[int, float]:
     """k in 0..max_k maximising expected_tokens(alpha, k) / (k * draft_s + verify_s(pending + k)); (k, its
-    tokens per second). Ties go to the shorter draft.
+    tokens per second). Ties go to the shorter draft. `alpha`: one acceptance for every position, or one per
+    position (then max_k is at most its length).
 
     A round with many pending tokens (the prompt round) would make any draft look free next to its prefill, so
     there the drafts must pay for themselves at the margin: k maximises the seconds saved, (E(k) - 1) * c(1) -
     (c(pending + k) - c(pending)) - k * draft_s, against decoding those tokens one by one."""
+    if not isinstance(alpha, (int, float)):
+        max_k = min(max_k, len(alpha))
     best, best_rate, best_saved = 0, -1.0, 0.0
     for k in range(max(0, max_k) + 1):
-        rate = expected_tokens(alpha, k) / max(k * draft_s + verify_s(pending + k), 1e-9)
+        tokens = expected_tokens(alpha, k)
+        rate = tokens / max(k * draft_s + verify_s(pending + k), 1e-9)
         if pending > 1:
-            saved = (expected_tokens(alpha, k) - 1) * verify_s(1) - (verify_s(pending + k) - verify_s(pending)) \
-                - k * draft_s
+            saved = (tokens - 1) * verify_s(1) - (verify_s(pending + k) - verify_s(pending)) - k * draft_s
             if saved > best_saved + 1e-12:
                 best, best_rate, best_saved = k, rate, saved
         elif rate > best_rate * (1 + 1e-9):
@@ -61,10 +113,23 @@ def best_length(alpha: float, draft_s: float, verify_s, pending: int, max_k: int
     return best, best_rate
 
 
+def catch_up_pays(catch_up_s: float, rate: float, plain_s: float, remaining: int | None) -> bool:
+    """Whether feeding a draft model the tokens it has not seen (`catch_up_s` seconds, once) pays for itself:
+    drafting at `rate` tokens per second instead of decoding plainly at `plain_s` seconds a token saves
+    remaining * (plain_s - 1 / rate) seconds over the request's `remaining` tokens (None: unknown, assume it
+    pays). A drafter that is no faster than plain decoding never pays."""
+    if catch_up_s <= 0:
+        return True
+    if remaining is None:
+        return True
+    return rate > 0 and remaining * (plain_s - 1.0 / rate) > catch_up_s
+
+
 @dataclass
-class VerifyCost:
-    """Seconds of one target forward by its width (tokens fed), from measurements: interpolated linearly between
-    measured widths, extrapolated from the last two beyond them."""
+class ForwardCost:
+    """Seconds of one forward of a model by its width (tokens fed), from measurements: interpolated linearly
+    between measured widths, extrapolated from the last two beyond them. The target's (verification) and a draft
+    model's (its catch-up and its drafts)."""
     seconds: dict[int, float] = field(default_factory=dict)
 
     def __call__(self, width: int) -> float:
@@ -81,14 +146,18 @@ class VerifyCost:
         slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
         return max(self.seconds[lo] + slope * (width - lo), 1e-6)
 
+    @property
+    def measured(self) -> bool:
+        return bool(self.seconds)
+
     def observe(self, width: int, seconds: float) -> None:
         """A measured forward of `width` tokens. Its own estimate moves toward it, and every other width's by the
         same factor (the shape measured at start-up, the level of now): a long context makes every width
         slower, and a rule that saw only 1-token rounds at 2,000 tokens of context must not price a 5-token
         verification at its start-up (32-token context) cost."""
-        if width > 64:                          # a prompt round: its cost says nothing about verification widths
+        if width > OBSERVED_WIDTHS:             # a prompt: its cost says nothing about verification widths
             return
-        predicted = self(width)
+        predicted = self(width) if self.seconds else seconds
         old = self.seconds.get(width)
         self.seconds[width] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
         if predicted > 0 and self.seconds:
@@ -98,22 +167,22 @@ class VerifyCost:
                     self.seconds[w] *= level
 
     @classmethod
-    def measure(cls, target, widths, context: int = 32, repeats: int = 2) -> "VerifyCost":
-        """Time target forwards of each width after a `context`-token prefix (the fastest of `repeats`); the
-        target's cache is left empty."""
-        tokens = [i % max(target.vocab_size, 1) for i in range(context + max(widths))]
-        target.rollback(0)
-        target.forward(tokens[:context], last_n=1)
+    def measure(cls, model, widths, context: int = 32, repeats: int = 2) -> "ForwardCost":
+        """Time forwards of each width after a `context`-token prefix (the fastest of `repeats`); the model's
+        cache is left empty."""
+        tokens = [i % max(model.vocab_size, 1) for i in range(context + max(widths))]
+        model.rollback(0)
+        model.forward(tokens[:context], last_n=1)
         cost = cls()
         for width in sorted(set(widths)):
             best = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
-                target.forward(tokens[context:context + width], last_n=width)
+                model.forward(tokens[context:context + width], last_n=width)
                 best = min(best, time.perf_counter() - start)
-                target.rollback(context)
+                model.rollback(context)
             cost.seconds[width] = best
-        target.rollback(0)
+        model.rollback(0)
         return cost
 
 
@@ -123,22 +192,36 @@ def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
     return sorted({w for w in range(1, min(top, 4) + 1)} | set(range(6, top + 1, 3)) | {top})
 
 
+# a draft model's widths measured at start-up: one-token drafts, tree levels, and catch-ups up to a short prompt
+# (longer ones are extrapolated from the last two)
+DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
 @dataclass
 class Acceptance:
-    """Decayed counts of judged and accepted drafts of one drafter: alpha = (accepted + 1) / (judged + 2)."""
+    """Decayed counts of judged and accepted drafts: a = (accepted + 1) / (judged + 2). One per drafter and
+    position bucket; a model drafter's also holds its probing state."""
     judged: float = 0.0
     accepted: float = 0.0
-    draft_s_per_token: float = 0.0
     plain_rounds: int = 0                    # consecutive rounds without drafting (model drafters)
     probe_after: int = PROBE_START
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + 1.0) / (self.judged + 2.0)
+        return self.posterior(0.5)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One round: `accepted` of `drafted` drafts were accepted (judged = accepted + 1 if one was rejected)."""
-        judged = accepted + (1 if accepted < drafted else 0)
+    def posterior(self, prior: float) -> float:
+        """The acceptance estimate with a prior of mean `prior` worth PRIOR_WEIGHT judged drafts."""
+        return (self.accepted + PRIOR_WEIGHT * prior) / (self.judged + PRIOR_WEIGHT)
+
+    def lower(self, prior: float) -> float:
+        """The estimate the rule drafts by: the posterior mean less LOWER_Z of its standard deviation, so a bucket
+        judged a few times (or only through its prior) must look clearly good before drafts in it are bet on."""
+        mean = self.posterior(prior)
+        return max(0.0, mean - LOWER_Z * math.sqrt(mean * (1.0 - mean) / (self.judged + PRIOR_WEIGHT)))
+
+    def observe(self, judged: int, accepted: int) -> None:
+        """One round: `judged` of this bucket's drafts were judged, `accepted` of them accepted."""
         self.judged = DECAY * self.judged + judged
         self.accepted = DECAY * self.accepted + accepted
 
@@ -147,9 +230,3 @@ class Acceptance:
         again in this one before it drives long drafts (it comes back within a few rounds if it still holds)."""
         self.judged *= FADE
         self.accepted *= FADE
-
-    def observe_draft_time(self, seconds: float, tokens: int) -> None:
-        if tokens > 0:
-            per_token = seconds / tokens
-            self.draft_s_per_token = per_token if self.draft_s_per_token == 0 else \
-                (1 - COST_EMA) * self.draft_s_per_token + COST_EMA * per_token

@@ -44,6 +44,8 @@ class Drafter:
 
     name = "drafter"
     free = False      # True: proposing costs next to nothing (no model): the adaptive rule may ask every round
+    last_match = 0    # a model-free drafter: the context length its last proposal continued (0: none, a model)
+    timings: tuple = ()   # a draft model: (width, seconds) of the forwards of its last proposal
 
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""
@@ -72,6 +74,15 @@ class Drafter:
     def accept(self, prefix_len: int, path: list[int]) -> None:
         """Verification kept `path` of the last proposal (chain: indices 0..accepted-1; tree: node indices
         root-down) after the first `prefix_len` tokens of the sequence it continued."""
+
+    def committed(self, prefix_len: int, tokens: list[int]) -> None:
+        """The round after the last proposal committed `tokens` after the first `prefix_len` tokens of the
+        sequence it continued, whoever drafted them (a drafter that learns from its proposals' fate reads it)."""
+
+    def behind(self, sequence: list[int]) -> int:
+        """Tokens of `sequence` the drafter must feed before it can draft (a draft model's catch-up; 0 for one
+        that needs none)."""
+        return 0
 
     def finish(self, sequence: list[int]) -> None:
         """The request ended with `sequence` (prompt + output); a drafter that learns across requests keeps it."""

@@ -5,9 +5,13 @@ Each round the drafters are asked in order and the first with a proposal drafts 
 
     fixed length   each drafter is asked for up to `k` tokens; the first non-empty proposal is the round's;
     adaptive       a model-free drafter proposes first (it costs nothing) and the rule then picks how much of
-                   it to verify from that drafter's own acceptance; k* = 0 (not confident) passes the round to
-                   the next drafter. A model drafter is asked for exactly k* tokens, k* from its acceptance and
-                   its measured seconds per token; with k* = 0 nobody drafts and the target decodes plainly.
+                   it to verify from that drafter's own acceptance at each position; k* = 0 (not confident)
+                   passes the round to the next drafter. A model drafter is asked for exactly k* tokens, k* from
+                   its acceptance and its measured forward costs, the catch-up on tokens it has not seen
+                   included; with k* = 0 nobody drafts and the target decodes plainly.
+
+After every round each drafter hears what was committed (`Drafter.committed`), whoever drafted it: a model-free
+drafter judges its own last proposal by it (drafters/memory.py).
 
 q is each proposal's own (point masses for a model-free drafter, the draft model's distributions otherwise), and
 a round's drafts all come from one drafter, so acceptance divides by exactly what was drawn from. Which drafter
@@ -15,31 +19,31 @@ drafts, and how much, depends only on the sequence and on rounds already verifie
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-from paraspec.drafters.adaptive import PROBE_START, Acceptance, VerifyCost, best_length
+from paraspec.drafters.adaptive import (MATCH_BUCKETS, PROBE_SHARE, PROBE_START, Acceptance, ForwardCost,
+                                        best_length, bucket_label, catch_up_pays, match_bucket)
 from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
 
 class Hybrid(Drafter):
-    def __init__(self, drafters: list[Drafter], cost: VerifyCost | None = None):
-        """cost: the target's verification cost by width; None drafts fixed lengths (not adaptive)."""
+    def __init__(self, drafters: list[Drafter], cost: ForwardCost | None = None,
+                 draft_costs: dict[int, ForwardCost] | None = None):
+        """cost: the target's forward cost by width; None drafts fixed lengths (not adaptive). draft_costs: a draft
+        model's forward cost by width, by its index in `drafters` (measured at start-up; else learned from its
+        forwards)."""
         if not drafters:
             raise ValueError("Hybrid needs at least one drafter")
         self.drafters, self.cost = list(drafters), cost
-        # acceptance per drafter and, for a model-free one, per length of the match behind its proposal (a
-        # 4-token match in copied text is right far more often than a 1-token one; the estimates persist)
+        self.draft_costs = {i: (draft_costs or {}).get(i) or ForwardCost()
+                            for i, d in enumerate(self.drafters) if not d.free}
+        # acceptance per (drafter, bucket): a model-free drafter's by the context length each drafted token
+        # continues (match_bucket), a model drafter's in bucket 0 (one for every position); kept across requests
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.decisions: list[dict] = []        # one per round: who drafted, k*, alpha (the trace's "plan")
-        self._used: tuple[int, int] | None = None   # the (drafter, match bucket) of the last proposal
-        self._drafted = self._accepted = 0
-        self._would: tuple[tuple[int, int], int] | None = None   # (stats key, token) a model-free drafter
-                                                                 # proposed but did not draft
-        self._probing = False
+        self._start_round()
 
     @property
     def adaptive(self) -> bool:
@@ -62,10 +66,11 @@ class Hybrid(Drafter):
 
     # -- proposing --------------------------------------------------------------------------------------------
     def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
-                pending: int = 1) -> Proposal:
+                pending: int = 1, remaining: int | None = None) -> Proposal:
         """Up to k tokens from the first drafter that drafts this round. `pending`: the committed tokens the
-        target has not cached (they go into the same verification forward)."""
-        self._start_round()
+        target has not cached (they go into the same verification forward); `remaining`: the tokens the request
+        may still add (a draft model's catch-up must pay for itself within them)."""
+        self._start_round(len(sequence))
         if k <= 0:
             return Proposal([])
         for i, drafter in enumerate(self.drafters):
@@ -75,25 +80,25 @@ class Hybrid(Drafter):
                 proposal = drafter.propose(sequence, k, params, generator)
                 if not proposal.tokens:
                     continue
-                chosen = self._choose(i, pending, len(proposal.tokens), proposal.tokens[0])
+                chosen = self._choose(i, sequence, pending, len(proposal.tokens), remaining)
+                self._would_draft(i, chosen, proposal.tokens)
                 proposal = _truncate(proposal, chosen)
             else:
-                chosen = self._choose(i, pending, k)
+                chosen = self._choose(i, sequence, pending, k, remaining)
                 if chosen == 0:
                     continue
-                start = time.perf_counter()
                 proposal = drafter.propose(sequence, chosen, params, generator)
-                self.stats(i).observe_draft_time(time.perf_counter() - start, len(proposal.tokens))
+                self._observe_forwards(i)
             if proposal.tokens:
-                self._used, self._drafted = self.key(i), len(proposal.tokens)
+                self._use(i, len(proposal.tokens))
                 return proposal
         return Proposal([])
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator, pending: int = 1) -> TokenTree:
+                     generator: torch.Generator, pending: int = 1, remaining: int | None = None) -> TokenTree:
         """A tree from the first drafter that drafts this round; adaptive: its depth is k*, with a tree of
         depth k costed as min(budget, k * width) nodes."""
-        self._start_round()
+        self._start_round(len(sequence))
         for i, drafter in enumerate(self.drafters):
             if not self.adaptive:
                 tree = drafter.propose_tree(sequence, width, depth, budget, params, generator)
@@ -101,82 +106,155 @@ class Hybrid(Drafter):
                 tree = drafter.propose_tree(sequence, width, depth, budget, params, generator)
                 if not len(tree):
                     continue
-                first = tree.tokens[0]
-                tree = prune(tree, self._choose(i, pending, tree.depth, first, width=width, budget=budget))
+                chosen = self._choose(i, sequence, pending, tree.depth, remaining, width, budget)
+                if chosen == 0:
+                    self._would_draft(i, 0, tree.tokens[:1])       # the first branch's first token
+                tree = prune(tree, chosen)
             else:
-                chosen = self._choose(i, pending, depth, width=width, budget=budget)
+                chosen = self._choose(i, sequence, pending, depth, remaining, width=width, budget=budget)
                 if chosen == 0:
                     continue
-                start = time.perf_counter()
                 tree = drafter.propose_tree(sequence, width, chosen, budget, params, generator)
-                self.stats(i).observe_draft_time(time.perf_counter() - start, len(tree))
+                self._observe_forwards(i)
             if len(tree):
-                self._used, self._drafted = self.key(i), tree.depth
+                self._use(i, tree.depth)
                 return tree
         return TokenTree()
 
-    def _start_round(self) -> None:
-        self._used, self._would, self._probing = None, None, False
-        self._drafted = self._accepted = 0
+    def _start_round(self, prefix_len: int | None = None) -> None:
+        self._prefix_len = prefix_len             # the length of the sequence this round's proposals continue
+        self._used: int | None = None             # the drafter that drafted the round
+        self._buckets: list[int] = []             # the acceptance bucket of each drafted token
+        self._accepted = 0
+        self._would: tuple[int, int, int] | None = None   # (drafter, position, token): the first token of a
+                                                          # model-free proposal that the rule cut off
+        self._probing = False
 
-    def _choose(self, i: int, pending: int, max_k: int, would: int | None = None, width: int = 1,
-                budget: int | None = None) -> int:
-        """k* for drafter i (see adaptive.py); remembers a model-free drafter's first token when k* = 0."""
-        stats, drafter = self.stats(i), self.drafters[i]
+    def _use(self, i: int, drafted: int) -> None:
+        self._used, self._buckets = i, self.buckets(i, drafted)
+
+    def buckets(self, i: int, k: int) -> list[int]:
+        """The acceptance bucket of each of drafter i's next k tokens: a model-free drafter's j-th token continues
+        the matched context and the j - 1 tokens drafted before it; a model drafter's are all bucket 0."""
+        if not self.drafters[i].free:
+            return [0] * k
+        n = self.drafters[i].last_match
+        return [match_bucket(n + j) for j in range(k)]
+
+    def stats(self, i: int, bucket: int = 0) -> Acceptance:
+        return self.acceptance.setdefault((i, bucket), Acceptance())
+
+    def alpha(self, i: int, bucket: int) -> float:
+        """Drafter i's acceptance estimate in `bucket` (its prior: the estimate of the next shorter bucket)."""
+        return self.alphas(i, bucket, lower=False)[bucket]
+
+    def alphas(self, i: int, longest: int = MATCH_BUCKETS[-1], lower: bool = True) -> dict[int, float]:
+        """Drafter i's acceptance in every bucket up to `longest`, shortest first, each bucket's estimate the
+        prior of the next; `lower`: what the rule drafts by (Acceptance.lower), else the estimates."""
+        out, prior = {}, 0.5
+        for bucket in (0,) + MATCH_BUCKETS:
+            if bucket > longest:
+                break
+            stats = self.acceptance.get((i, bucket)) or Acceptance()
+            out[bucket] = stats.lower(prior) if lower else stats.posterior(prior)
+            prior = stats.posterior(prior)
+        return out
+
+    def _would_draft(self, i: int, chosen: int, tokens: list[int]) -> None:
+        """Remember the first token the rule cut from model-free drafter i's proposal: whether the target's token
+        at its position equals it is one more observation of its acceptance, for free (the first free drafter's
+        only: a later one's position may not be judged)."""
+        if chosen < len(tokens) and self._would is None:
+            self._would = (i, chosen, tokens[chosen])
+
+    def _choose(self, i: int, sequence: list[int], pending: int, max_k: int, remaining: int | None,
+                width: int = 1, budget: int | None = None) -> int:
+        """k* for drafter i (see adaptive.py)."""
+        drafter = self.drafters[i]
         nodes = (lambda k: k) if width == 1 else (lambda k: min(budget, k * width))
-        k, rate = best_length(stats.alpha, stats.draft_s_per_token, lambda n: self.cost(pending + nodes(n - pending)),
-                              pending, max_k)
-        if k == 0 and not drafter.free:
-            stats.plain_rounds += 1
-            if stats.plain_rounds >= stats.probe_after:       # probe a model drafter that has not drafted lately
-                k, self._probing = 1, True
-        if k > 0:
-            stats.plain_rounds = 0
-        if k == 0 and would is not None and self._would is None:
-            self._would = (self.key(i), would)
-        self.decisions.append({"drafter": drafter.name, "k": k, "alpha": round(stats.alpha, 3),
+
+        def verify(waiting: int):
+            return lambda n: self.cost(waiting + nodes(n - waiting))
+
+        buckets = self.buckets(i, max_k)
+        by_bucket = self.alphas(i, max(buckets, default=0))
+        alphas = [by_bucket[b] for b in buckets]
+        draft_cost = self.draft_costs.get(i)
+        draft_s = draft_cost(width) if draft_cost is not None and draft_cost.measured else 0.0
+        k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k)
+        if not drafter.free:
+            state = self.stats(i)
+            catch_up = self._catch_up_s(i, sequence, width)
+            if k > 0 and catch_up > 0:
+                steady = rate if pending == 1 else best_length(alphas, draft_s, verify(1), 1, max_k)[1]
+                if not catch_up_pays(catch_up, steady, self.cost(1), remaining):
+                    k = 0
+            if k == 0:
+                state.plain_rounds += 1
+                # probe a model drafter that has not drafted lately, if its catch-up is a small share of the
+                # plain rounds since (a probe that has to feed it the whole prompt is not worth the look)
+                if state.plain_rounds >= state.probe_after and \
+                        catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(1):
+                    k, self._probing = 1, True
+            if k > 0:
+                state.plain_rounds = 0
+        self.decisions.append({"drafter": drafter.name, "k": k, "alpha": round(alphas[0], 3) if alphas else None,
                                "tokens_per_s": round(rate, 2), "probe": self._probing})
         return k
 
-    def key(self, i: int) -> tuple[int, int]:
-        """Drafter i's statistics key: (i, its last match length bucketed 0-4, 5 for 8 or more)."""
-        n = getattr(self.drafters[i], "last_match", 0)
-        return i, (n if n <= 4 else 4 if n < 8 else 5)
+    def _catch_up_s(self, i: int, sequence: list[int], width: int) -> float:
+        """Seconds drafter i spends feeding the tokens it has not seen, beyond a round's usual one-token feed."""
+        cost = self.draft_costs.get(i)
+        behind = self.drafters[i].behind(sequence)
+        if cost is None or not cost.measured or behind <= 1:
+            return 0.0
+        return max(cost(behind) - cost(width), 0.0)
 
-    def stats(self, i: int) -> Acceptance:
-        return self.acceptance.setdefault(self.key(i), Acceptance())
+    def _observe_forwards(self, i: int) -> None:
+        for width, seconds in self.drafters[i].timings:
+            self.draft_costs[i].observe(width, seconds)
 
     # -- after verification -----------------------------------------------------------------------------------
     def accept(self, prefix_len: int, path: list[int]) -> None:
         if self._used is not None:
             self._accepted = len(path)
-            self.drafters[self._used[0]].accept(prefix_len, path)
+            self.drafters[self._used].accept(prefix_len, path)
 
     def observe(self, verify_width: int, verify_s: float, committed: list[int]) -> None:
         """Feedback after the round: the verification's width and seconds, and the tokens it committed."""
+        if self._prefix_len is not None:
+            for d in self.drafters:
+                d.committed(self._prefix_len, committed)
         if not self.adaptive:
             return
         self.cost.observe(verify_width, verify_s)
         if self._used is not None:
-            stats = self.acceptance[self._used]
-            stats.observe(self._drafted, self._accepted)
+            judged = self._buckets[:self._accepted + 1]      # the accepted drafts and the first rejected one
+            for bucket in dict.fromkeys(judged):
+                self.stats(self._used, bucket).observe(
+                    judged.count(bucket), self._buckets[:self._accepted].count(bucket))
             if self._probing:
-                stats.probe_after = PROBE_START if self._accepted else 2 * stats.probe_after
-        if self._would is not None and committed:      # what a model-free drafter would have drafted
-            key, token = self._would
-            self.acceptance[key].observe(1, int(committed[0] == token))
+                state = self.stats(self._used)
+                state.probe_after = PROBE_START if self._accepted else 2 * state.probe_after
+        if self._would is not None:                    # what a model-free drafter would have drafted next
+            i, position, token = self._would
+            # judged only if the target's token at that position is committed: every draft before it accepted
+            if position == (self._accepted if self._used == i else 0) and position < len(committed):
+                self.stats(i, self.buckets(i, position + 1)[position]).observe(1, int(committed[position] == token))
 
     def report(self) -> dict:
-        """Per drafter: its acceptance estimate now; the rounds by k* (the rule's decisions)."""
+        """Per drafter: its acceptance estimates now; the rounds by k* (the rule's decisions); the costs."""
         by_k: dict[str, dict[int, int]] = {}
         for d in self.decisions:
             counts = by_k.setdefault(d["drafter"], {})
             counts[d["k"]] = counts.get(d["k"], 0) + 1
-        return {"rule": "k* = argmax_k (1 + a + ... + a^k) / (k d + c(w + k))",
-                "alpha": {f"{self.drafters[i].name}/match{n}": round(s.alpha, 3)
-                          for (i, n), s in sorted(self.acceptance.items())},
+        return {"rule": "k* = argmax_k (1 + a1 + a1 a2 + ... + a1..ak) / (k d + c(w + k)), catch-up priced",
+                "alpha": {self.drafters[i].name + ("" if not self.drafters[i].free else f"/{bucket_label(b)}"):
+                          round(self.alpha(i, b), 3) for (i, b) in sorted(self.acceptance)},
                 "rounds_by_k": by_k,
-                "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self.cost.seconds.items())}}
+                "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self.cost.seconds.items())},
+                "draft_cost_ms": {self.drafters[i].name: {w: round(s * 1e3, 2) for w, s in sorted(c.seconds.items())}
+                                  for i, c in self.draft_costs.items()}}
 
 
 def _truncate(proposal: Proposal, k: int) -> Proposal:

@@ -7,6 +7,8 @@ q: the processed draft distribution each token was sampled from (`logits_to_prob
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from paraspec.drafters.base import Drafter, Proposal
@@ -33,6 +35,7 @@ class ModelDrafter(Drafter):
         target will likely reject, so drafting on is waste. Stopping early only shortens the chain."""
         self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
         self._tree: DraftTreeCache | None = None      # the slots of the last proposed tree's nodes
+        self.timings: list[tuple[int, float]] = []    # (width, seconds) of each forward of the last proposal
 
     @property
     def length(self) -> int:
@@ -41,11 +44,15 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         self.rollback(0)
 
+    def behind(self, sequence: list[int]) -> int:
+        return max(len(sequence) - self.length, 0)
+
     def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
                 pending: int = 1) -> Proposal:
         """Sample up to k tokens one by one. The draft first catches up on the tokens of `sequence` it has not
         cached (e.g. the last round's bonus token)."""
         self._tree = None
+        self.timings = []
         tokens, probs = [], []
         if k <= 0:
             return Proposal(tokens)
@@ -65,6 +72,7 @@ class ModelDrafter(Drafter):
                      generator: torch.Generator, pending: int = 1) -> TokenTree:
         """Grow the tree level by level (draft_tree); each level's nodes go through the draft in one forward,
         each seeing only the prefix, its ancestors and itself."""
+        self.timings = []
         root_logits = self.root(sequence[self.length:])
         self._tree = DraftTreeCache(self, self.expand, len(sequence))
         return draft_tree(root_logits, self._tree, params, generator, self.vocab_size, width, depth, budget)
@@ -78,7 +86,9 @@ class ModelDrafter(Drafter):
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Feed token_ids; the draft's logits after the last one, over exactly the target's vocab_size ids (a
         draft with fewer embedding rows than the target: models.base.embeddable / widen)."""
+        start = time.perf_counter()
         logits = self.model.forward(embeddable(token_ids, self.model.vocab_size), last_n=1)[-1]
+        self.timings.append((len(token_ids), time.perf_counter() - start))
         return widen(logits, self.vocab_size)[:self.vocab_size]
 
     # -- hooks of the tree drafting (easyspec overrides them) ----------------------------------------------------
@@ -89,7 +99,10 @@ class ModelDrafter(Drafter):
     def expand(self, token_ids, positions, mask) -> torch.Tensor:
         """Logits of tree nodes fed with explicit positions and a mask over the whole cache."""
         from paraspec.models.fuzzy import exact_forward
-        return exact_forward(self.model, token_ids, positions, mask)
+        start = time.perf_counter()
+        logits = exact_forward(self.model, token_ids, positions, mask)
+        self.timings.append((len(token_ids), time.perf_counter() - start))
+        return logits
 
     def settle(self, prefix_len: int, cache: DraftTreeCache, path: list[int]) -> None:
         """After verification: keep the prefix and the accepted path's cached nodes."""

@@ -6,7 +6,8 @@ earlier occurrence. Code edits, summaries and answers over a given text copy lon
 proposal is often right for many tokens at once.
 
 An index from each n-gram to where its latest continuation starts is kept up to date as the sequence grows
-(O(max_ngram) per token), so a proposal is a dictionary lookup, not a scan of the sequence.
+(O(max_ngram) per token), so a proposal is a dictionary lookup, not a scan of the sequence. With `memory` on, a
+proposal from a pattern whose last proposal went wrong after r tokens is cut to r (drafters/memory.py).
 
 q: the proposal is a deterministic function of the sequence, so each token's q is the point mass on it; the
 target then accepts token x with probability p(x) and otherwise resamples from p with x removed (lossless).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.memory import PatternMemory
 from paraspec.sampling import SamplingParams
 
 
@@ -76,13 +78,16 @@ class NGramDrafter(Drafter):
     name = "ngram"
     free = True                   # proposing costs microseconds: the adaptive rule may ask for it every round
 
-    def __init__(self, vocab_size: int, min_ngram: int = 2, max_ngram: int = 4):
+    def __init__(self, vocab_size: int, min_ngram: int = 2, max_ngram: int = 4, memory: bool = True):
         self.vocab_size = vocab_size
         self.index = NGramIndex(min_ngram, max_ngram)
+        self.memory = PatternMemory() if memory else None
         self.last_match = 0       # the n of the last proposal (0: no match)
 
     def reset(self) -> None:
         self.index.restart()
+        if self.memory is not None:
+            self.memory.reset()
 
     def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
                 pending: int = 1) -> Proposal:
@@ -90,4 +95,10 @@ class NGramDrafter(Drafter):
             return Proposal([])
         self.index.sync(sequence)
         tokens, self.last_match = self.index.lookup(k)
+        cap, _ = self.memory.consult(sequence, self.last_match, tokens) if self.memory else (None, False)
+        tokens = tokens if cap is None else tokens[:cap]
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
+
+    def committed(self, prefix_len: int, tokens: list[int]) -> None:
+        if self.memory is not None:
+            self.memory.committed(prefix_len, tokens)

@@ -12,8 +12,15 @@ Each round matches the longest suffix of the sequence (up to `depth // 2` tokens
 the continuation from the deeper match (the request's on a tie): a chain takes the most frequent child at every
 step; a tree (`propose_tree`) takes the `width` most frequent children of each node, best first by the
 empirical probability of the path (count(child) / count(parent) multiplied down), so branches come ordered by
-frequency. A path whose empirical probability falls below MIN_PATH_PROB is not proposed (vLLM's default
-`suffix_decoding_min_token_prob`): after a short, common context the continuations are too spread to pay.
+frequency. How long a proposal is comes from the evidence, as in SuffixDecoding:
+
+    score        a path whose empirical probability falls below `min_prob` is not proposed (vLLM's
+                 `suffix_decoding_min_token_prob`, 0.1): after a short, common context the continuations are too
+                 spread to pay;
+    match        at most `factor` x the matched length (SuffixDecoding's MAX_SPEC = alpha * p, vLLM's
+                 `suffix_decoding_max_spec_factor`; 0: no cap): a 2-token match says little about 10 tokens on;
+    memory       a pattern whose last proposal went wrong after r tokens proposes r; one whose last proposal was
+                 right as far as it was checked is not held to the factor (drafters/memory.py; chains only).
 
 q: proposals are deterministic functions of the sequence and the cache, so each token's q is the point mass on
 it (a tree's siblings are distinct fixed tokens: verify_tree judges each with its own point mass).
@@ -21,16 +28,19 @@ it (a tree's siblings are distinct fixed tokens: verify_tree judges each with it
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 
 import torch
 
 from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.memory import PatternMemory
 from paraspec.drafters.ngram import SequenceIndex
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
-MIN_PATH_PROB = 0.1
+MIN_PROB = 0.1          # vLLM's default suffix_decoding_min_token_prob
+SPEC_FACTOR = 1.0       # vLLM's default suffix_decoding_max_spec_factor
 
 
 class _Node:
@@ -117,10 +127,17 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     free = True
 
-    def __init__(self, vocab_size: int, depth: int = 32, cache_requests: int = 128):
+    def __init__(self, vocab_size: int, depth: int = 32, cache_requests: int = 128, factor: float = SPEC_FACTOR,
+                 min_prob: float = MIN_PROB, memory: bool = True):
         if cache_requests < 0:
             raise ValueError(f"suffix_cache must be >= 0 (earlier requests kept), got {cache_requests}")
+        if factor < 0:
+            raise ValueError(f"suffix_factor must be >= 0 (0: no cap by the match length), got {factor}")
+        if not 0 <= min_prob <= 1:
+            raise ValueError(f"suffix_min_prob must be a probability in [0, 1], got {min_prob}")
         self.vocab_size, self.depth, self.cache_requests = vocab_size, depth, cache_requests
+        self.factor, self.min_prob = factor, min_prob
+        self.memory = PatternMemory() if memory else None
         self.request = RequestTrie(depth)
         self.cache = SuffixTrie(depth)           # shared across requests
         self.cached: deque[list[int]] = deque()  # the outputs in the cache, oldest first
@@ -131,6 +148,8 @@ class SuffixDrafter(Drafter):
     def reset(self) -> None:
         self.request.restart()
         self.prompt_len = None
+        if self.memory is not None:
+            self.memory.reset()
 
     def finish(self, sequence: list[int]) -> None:
         """The request ended: its output joins the cache (the oldest leaves when full)."""
@@ -157,6 +176,10 @@ class SuffixDrafter(Drafter):
         return node, n
 
     # -- proposals --------------------------------------------------------------------------------------------
+    def max_length(self, matched: int) -> int:
+        """The factor's cap on a proposal after a `matched`-token match (at least one token)."""
+        return max(1, math.ceil(self.factor * matched)) if self.factor > 0 else self.depth
+
     def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
                 pending: int = 1) -> Proposal:
         if k <= 0:
@@ -166,11 +189,20 @@ class SuffixDrafter(Drafter):
         while node is not None and node.children and len(tokens) < min(k, self.depth - n):
             token, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
             prob *= child.count / max(node.count, 1)
-            if prob < MIN_PATH_PROB or token >= self.vocab_size:
+            if prob < self.min_prob or token >= self.vocab_size:
                 break
             tokens.append(token)
             node = child
+        cap, extend = self.memory.consult(sequence, n, tokens) if self.memory else (None, False)
+        if not extend:
+            tokens = tokens[:self.max_length(n)]
+        if cap is not None:
+            tokens = tokens[:cap]
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
+
+    def committed(self, prefix_len: int, tokens: list[int]) -> None:
+        if self.memory is not None:
+            self.memory.committed(prefix_len, tokens)
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
                      generator: torch.Generator, pending: int = 1) -> TokenTree:
@@ -180,7 +212,7 @@ class SuffixDrafter(Drafter):
         root, n = self._match(sequence)
         if root is None:
             return tree
-        depth = min(depth, self.depth - n)
+        depth = min(depth, self.depth - n, self.max_length(n))
         heap: list = []
         order = 0
 
@@ -191,7 +223,7 @@ class SuffixDrafter(Drafter):
             kids = sorted(node.children.items(), key=lambda kv: (-kv[1].count, kv[0]))[:width]
             for token, child in kids:
                 p = prob * child.count / max(node.count, 1)
-                if p >= MIN_PATH_PROB and token < self.vocab_size:
+                if p >= self.min_prob and token < self.vocab_size:
                     heapq.heappush(heap, (-p, order, token, child, parent, level + 1))
                     order += 1
 

@@ -140,6 +140,7 @@ class LocalStrategy(Strategy):
     _pinning = None
     hybrid = None                          # the kept drafters (sd, tree): the suffix cache and the learned costs
                                            # persist across requests
+    _hybrid_options: dict | None = None    # the options they were built with
 
     def setup(self, placement: Placement) -> None:
         devices = placement.target_devices + (placement.draft_devices if placement.model_drafts else [])
@@ -151,13 +152,33 @@ class LocalStrategy(Strategy):
         self.draft_specs = list(placement.drafts)
         self.drafts = [placement.load_here(d, placement.draft_devices[0]) for d in placement.model_drafts]
 
+    def build_hybrid(self) -> None:
+        """Build `hybrid` from the options (sd, tree: make_hybrid with their drafters)."""
+        raise NotImplementedError
+
+    def kept_hybrid(self):
+        """The kept drafters, built again if an option changed since (Engine.set_options): they are built with
+        the drafters' options (ngram sizes, suffix depth, cache, factor, ...) and the adaptive rule's calibration."""
+        if self.hybrid is None or self._hybrid_options != self.options:
+            if self.hybrid is not None:
+                self.hybrid.close()
+            self.build_hybrid()
+            self._hybrid_options = dict(self.options)
+        return self.hybrid
+
     def make_hybrid(self, for_model, widest: int) -> None:
         """Build the kept drafters (`make_drafters`) in order; with the `adaptive` option, time the target's
-        verification widths up to `widest` + 1 now, at start-up, not in the first request."""
+        verification widths up to `widest` + 1 and each draft model's forwards (its drafts and catch-ups) now, at
+        start-up, not in the first request."""
         from paraspec.drafters import Hybrid
-        from paraspec.drafters.adaptive import VerifyCost, calibration_widths
-        cost = VerifyCost.measure(self.target, calibration_widths(widest)) if self.options["adaptive"] else None
-        self.hybrid = Hybrid(self.make_drafters(for_model), cost)
+        from paraspec.drafters.adaptive import DRAFT_WIDTHS, ForwardCost, calibration_widths
+        drafters = self.make_drafters(for_model)
+        if not self.options["adaptive"]:
+            self.hybrid = Hybrid(drafters)
+            return
+        cost = ForwardCost.measure(self.target, calibration_widths(widest))
+        draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS) for i, d in enumerate(drafters) if not d.free}
+        self.hybrid = Hybrid(drafters, cost, draft_costs)
 
     def make_drafters(self, for_model) -> list:
         """One Drafter per draft spec, in order: `for_model(model)` for a draft model, else the model-free one."""
@@ -168,7 +189,7 @@ class LocalStrategy(Strategy):
 
     def close(self) -> None:
         super().close()
-        self.hybrid = None
+        self.hybrid, self._hybrid_options = None, None
         if self._pinning is not None:
             set_pinning(*self._pinning)
             self._pinning = None

@@ -128,7 +128,7 @@ def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, greedy: bo
     """Runs in a target server: catch up and verify in one forward. The cache keeps its first `keep` tokens,
     then `tokens` (catch-up + the token before the chunk + the chunk) are fed; the last `rows` rows are the
     target's predictions for the chunk's positions and the one after it."""
-    with ctx.trace.span("verify", len(tokens)):
+    with ctx.trace.span("prefill" if keep == 0 else "verify", len(tokens)):    # an empty cache: the prompt
         target.rollback(keep)
         logits = target.forward(tokens, last_n=rows)[-rows:]
     reply = {"argmax": logits.argmax(-1).tolist(), "logits": None if greedy else logits, "margins": None}

@@ -19,6 +19,7 @@ class Option:
     default: Any
     help: str
     minimum: int | None = 1           # ints and floats: the smallest valid value
+    maximum: float | None = None      # and the largest
 
     def check(self, value):
         if self.type is int and (not isinstance(value, int) or isinstance(value, bool)):
@@ -29,6 +30,8 @@ class Option:
             raise ValueError(f"{self.name} must be True or False, got {value!r}")
         if self.minimum is not None and self.type in (int, float) and value < self.minimum:
             raise ValueError(f"{self.name} must be >= {self.minimum}, got {value!r}")
+        if self.maximum is not None and self.type in (int, float) and value > self.maximum:
+            raise ValueError(f"{self.name} must be <= {self.maximum}, got {value!r}")
         return value
 
 
@@ -53,12 +56,23 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
                                     "(matched context up to half of it, then the proposal)", minimum=2),
     Option("suffix_cache", int, 128, "sd, tree, dsi with --draft suffix: earlier outputs kept in the shared "
                                      "suffix cache (0: this request only)", minimum=0),
+    Option("suffix_factor", float, 1.0, "sd, tree, dsi with --draft suffix: a proposal is at most this many times "
+                                        "as long as the matched context (SuffixDecoding's alpha; 0: no cap)",
+           minimum=0),
+    Option("suffix_min_prob", float, 0.1, "sd, tree, dsi with --draft suffix: stop a proposal where the empirical "
+                                          "probability of its path (counts in the suffix tries) falls below this",
+           minimum=0, maximum=1),
+    Option("draft_memory", bool, True, "sd, tree with --draft ngram/suffix: remember per matched pattern how far "
+                                       "its last proposal was right; cut the next one there, or let it run past "
+                                       "--suffix-factor when it was right throughout"),
     Option("adaptive", bool, False, "sd, tree: choose each round's draft length (tree: depth) maximising expected "
                                     "tokens per second from measured verification costs and acceptance; 0 drafts "
                                     "when speculation does not pay (lookahead / tree_depth is the most)"),
 )}
 
-DRAFTER_OPTIONS = ("ngram_min", "ngram_max", "suffix_depth", "suffix_cache")
+DRAFTER_OPTIONS = ("ngram_min", "ngram_max", "suffix_depth", "suffix_cache", "suffix_factor", "suffix_min_prob")
+# the round strategies tell their drafters what each round committed (Drafter.committed), which the memory reads
+ROUND_DRAFTER_OPTIONS = DRAFTER_OPTIONS + ("draft_memory",)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}

@@ -12,7 +12,7 @@ each strategy supplies its draft step and its verify step, this skeleton runs th
     at the end: the drafter keeps the output (finish); with the adaptive rule, its report
 
 The first round drafts from the prompt and the target's prefill verifies those drafts in the same forward (as
-HF assisted generation does), so every round looks alike.
+HF assisted generation does), so every round looks alike; its forward is traced as the prefill.
 """
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def speculative_rounds(run: Run, target, drafter: Drafter, draft: DraftStep, ver
                 drafts = draft(drafter, sequence, len(pending))
                 event.tokens = drafts.depth
             record_plan(run, drafter, drafts.depth)
-            with run.timed("target", "verify", len(pending) + len(drafts)) as verifying:
+            # the first round's forward takes the prompt: the target's prefill (it verifies drafts too)
+            kind = "prefill" if target.length == 0 else "verify"
+            with run.timed("target", kind, len(pending) + len(drafts)) as verifying:
                 path, next_token = verify(sequence, pending, drafts)
             if len(drafts):
                 drafter.accept(len(sequence), path)

@@ -21,7 +21,7 @@ import torch
 
 from paraspec.drafters import Drafter, Hybrid, ModelDrafter, TokenTree
 from paraspec.run import Run
-from paraspec.strategies.registry import DRAFTER_OPTIONS, register
+from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.base import LocalStrategy
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_tree
@@ -80,7 +80,8 @@ def tree_rounds(run: Run, target, drafter: Drafter, tree_width: int, tree_depth:
         depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
         if depth == 0:
             return TokenTree()
-        return drafter.propose_tree(sequence, tree_width, depth, budget, run.params, run.generator, pending=pending)
+        return drafter.propose_tree(sequence, tree_width, depth, budget, run.params, run.generator, pending=pending,
+                                    remaining=run.remaining)
 
     def verify(sequence: list[int], pending: list[int], tree: TokenTree) -> tuple[list[int], int]:
         return verify_round(run, target, sequence, pending, tree)
@@ -109,15 +110,18 @@ class Tree(TreeStrategy):
     """The drafter: a draft model, "suffix" (branches by frequency), "ngram" (one branch), or several in order."""
     name = "tree"
     summary = "token-tree speculative decoding, one tree-masked target forward (SpecInfer)"
-    options = TreeStrategy.options + ("adaptive",) + DRAFTER_OPTIONS
+    options = TreeStrategy.options + ("adaptive",) + ROUND_DRAFTER_OPTIONS
     several_drafts = True
     model_free_drafts = True
 
     def setup(self, placement) -> None:
         super().setup(placement)
+        self.kept_hybrid()
+
+    def build_hybrid(self) -> None:
         o = self.options
         self.make_hybrid(lambda m: ModelDrafter(m, self.target.vocab_size),
                          min(o["tree_budget"], o["tree_width"] * o["tree_depth"]))
 
     def drafter(self) -> Hybrid:
-        return self.hybrid
+        return self.kept_hybrid()

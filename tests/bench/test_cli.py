@@ -1,5 +1,6 @@
 """Smoke runs of `paraspec bench` and `paraspec profile` on tiny models: every output is written and sane."""
 import json
+import os
 
 import pytest
 
@@ -35,7 +36,9 @@ def test_bench_prints_and_writes_the_table(bench_out, capsys):
     assert rows["ar@1t"][-1].strip(" |") == "ref"
     for name in ("sd@1t", "hf-ar@1t", "hf-assisted@1t"):
         assert rows[name][-1].strip(" |") == "2/2", name          # greedy: every strategy returns ar's tokens
-    assert rows["sd@1t"][1] == "target cpu, draft cpu" and rows["sd@1t"][2] == "1"
+    everywhere = "cpu:" + ",".join(map(str, sorted(os.sched_getaffinity(0))))   # @Nt: every core it may use
+    assert rows["sd@1t"][1] == f"{everywhere} (in-process, target and draft)" and rows["sd@1t"][2] == "1"
+    assert rows["ar@1t"][1] == f"{everywhere} (in-process)"
     assert "; sd: lookahead=3" in table
     assert rows["hf-assisted@1t"][1].startswith("cpu (in-process, transformers)")
 

@@ -56,9 +56,11 @@ def test_hf_assisted_stats_add_up(setup):
     ar, _, _, hf_assisted = setup
     result = hf_assisted.generate(ar.encode(PROMPTS[0]), SamplingParams(max_new_tokens=24))
     s, trace = result.stats, result.trace
-    verifies = [e for e in trace.events if e.kind == "verify"]
+    forwards = [e for e in trace.events if e.device == "target"]
+    assert forwards[0].kind == "prefill" and {e.kind for e in forwards[1:]} == {"verify"}   # the prompt's forward
+    verifies = forwards[1:]
     drafts = [e for e in trace.events if e.kind == "draft"]
-    assert s.rounds == len(verifies) > 1 and s.drafted == len(drafts) > 0
+    assert s.rounds == len(forwards) > 1 and s.drafted == len(drafts) > 0
     assert s.accepted + s.rounds == s.new_tokens == 24          # each round: accepted drafts + one target token
     assert s.acceptance_rate == pytest.approx(s.accepted / s.drafted)
     assert s.mean_accepted_length == pytest.approx(24 / s.rounds)
@@ -73,10 +75,12 @@ def test_hf_prompt_lookup_copies_candidates_and_its_stats_add_up(setup, lookup):
     ids = ar.encode(COPY)
     result = lookup.generate(ids, SamplingParams(max_new_tokens=24))
     s, trace = result.stats, result.trace
-    verifies = [e for e in trace.events if e.kind == "verify"]
-    assert [e.device for e in trace.events] == ["target"] * len(verifies) and s.rounds == len(verifies)
+    forwards = trace.events
+    assert [e.device for e in forwards] == ["target"] * len(forwards) and s.rounds == len(forwards)
+    assert [e.kind for e in forwards] == ["prefill"] + ["verify"] * (len(forwards) - 1)
+    verifies = forwards[1:]
     # the first forward holds the prompt and its candidates, every later one the last token and its candidates
-    drafted = [verifies[0].tokens - len(ids)] + [e.tokens - 1 for e in verifies[1:]]
+    drafted = [forwards[0].tokens - len(ids)] + [e.tokens - 1 for e in verifies]
     assert s.drafted == sum(drafted) > 0 and max(drafted) <= 4            # prompt_lookup_num_tokens=4
     assert s.accepted + s.rounds == s.new_tokens == 24 and 0 <= s.accepted <= s.drafted
     assert s.draft_s == 0 and s.verify_s == pytest.approx(sum(e.duration_s for e in verifies))

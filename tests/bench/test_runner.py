@@ -1,4 +1,6 @@
 """The runner's variants, its interleaved schedule, and what it hands every contender."""
+import os
+
 import pytest
 
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
@@ -172,6 +174,11 @@ def test_bracket_variants_get_their_own_engine_on_the_shared_models(bench_target
         assert sd is not sd_model and sd.draft is sd_model.draft and sd.target is ar.target    # one copy each
         settings = {c.variant.name: c.settings for c in contenders}
         assert settings["sd[model]@2t"]["draft"] == [str(bench_draft)] and settings["ar@1t"]["draft"] == []
+        # the devices column says where a variant really runs: @Nt on every core this process may use
+        devices = {c.variant.name: c.devices for c in contenders}
+        everywhere = "cpu:" + ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        assert devices["ar@2t"] == f"{everywhere} (in-process)"
+        assert devices["sd@2t"] == f"{everywhere} (in-process, target and draft)"
         ids = list(range(5, 20))
         tokens = {c.variant.name: c.generate(ids, SamplingParams(max_new_tokens=6), False).token_ids
                   for c in contenders}
@@ -179,3 +186,15 @@ def test_bracket_variants_get_their_own_engine_on_the_shared_models(bench_target
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_model_free_variants_need_no_draft_checkpoint(bench_target):
+    """sd[suffix] drafts without a model: the bench builds it without --draft (the variant's drafters are in its
+    config before the config is checked)."""
+    bench = BenchConfig(EngineConfig(bench_target, dtype="float32"), [], SamplingParams(max_new_tokens=4),
+                        options={"adaptive": True, "lookahead": 8})
+    config = variant_engine_config(bench, Variant("sd", 2, ("suffix",)))
+    assert config.draft == "suffix" and config.options == {"adaptive": True, "lookahead": 8}
+    assert variant_engine_config(bench, Variant("ar", 2)).draft is None
+    with pytest.raises(ValueError, match="needs a draft model"):
+        variant_engine_config(bench, Variant("sd", 2))

@@ -7,7 +7,8 @@ from scipy.stats import chisquare
 
 from paraspec import SamplingParams
 from paraspec.drafters import Hybrid, NGramDrafter, Proposal, SuffixDrafter
-from paraspec.drafters.adaptive import Acceptance, VerifyCost, best_length, expected_tokens
+from paraspec.drafters.adaptive import (Acceptance, ForwardCost, best_length, bucket_label, catch_up_pays,
+                                        expected_tokens, match_bucket)
 from paraspec.drafters.base import Drafter
 from paraspec.drafters.hybrid import prune
 from paraspec.drafters.suffix import SuffixTrie
@@ -103,6 +104,82 @@ def test_suffix_drops_improbable_paths():
     assert SuffixDrafter(100, depth=4, cache_requests=0).propose(seq, 3, GREEDY, GEN).tokens == []
 
 
+def test_suffix_stops_where_the_path_probability_falls_below_the_minimum():
+    """After the context "0 5" (4 times): 6 always (probability 1), then 7 three times in four (0.75)."""
+    seq = [0, 5, 6, 7, 0, 5, 6, 7, 0, 5, 6, 7, 0, 5, 6, 8, 0, 5]
+
+    def proposal(min_prob):
+        drafter = SuffixDrafter(100, depth=4, cache_requests=0, factor=0, min_prob=min_prob, memory=False)
+        return drafter.propose(seq, 8, GREEDY, GEN).tokens
+    assert proposal(0.8) == [6]
+    assert proposal(0.75) == proposal(0.5) == [6, 7]
+    assert proposal(1.0) == [6]
+
+
+def test_suffix_proposal_is_at_most_factor_times_the_match():
+    seq = list(range(10, 40)) + [10, 11]                     # a 2-token match, then 28 tokens to copy
+
+    def proposal(factor, k=16):
+        drafter = SuffixDrafter(100, depth=32, cache_requests=0, factor=factor, memory=False)
+        tokens = drafter.propose(seq, k, GREEDY, GEN).tokens
+        assert drafter.last_match == 2
+        return tokens
+    assert proposal(1.0) == [12, 13]
+    assert proposal(2.5) == [12, 13, 14, 15, 16]             # ceil(2.5 x 2)
+    assert proposal(0.0) == list(range(12, 28)) == proposal(100.0)        # no cap: k = 16
+    assert proposal(0.1) == [12]                              # at least one token
+    tree = SuffixDrafter(100, depth=32, cache_requests=0, factor=1.5).propose_tree(seq, 2, 10, 20, GREEDY, GEN)
+    assert tree.depth == 3
+
+
+def test_memory_cuts_a_pattern_where_its_last_proposal_went_wrong():
+    """ngram: "1 2" was followed by 3 4 5 6; the target wrote 3 4 7 after it. The same pattern continued the same
+    way is cut to the 2 tokens that were right; continued otherwise (a later occurrence), it is not cut."""
+    drafter = NGramDrafter(100, 2, 2, memory=True)
+    first = [1, 2, 3, 4, 5, 6, 0, 1, 2]
+    assert drafter.propose(first, 4, GREEDY, GEN).tokens == [3, 4, 5, 6]
+    drafter.committed(len(first), [3, 4, 7])                   # right for 2, then the target took 7 not 5
+    assert drafter.memory.last[(1, 2)] == ([3, 4, 5, 6], 2, False)
+    again = [1, 2, 3, 4, 5, 6, 0, 9, 9, 1, 2]                   # a new request with the same text and pattern
+    drafter.reset()
+    assert drafter.propose(again, 4, GREEDY, GEN).tokens == [3, 4, 5, 6]     # reset: forgotten
+    drafter.committed(len(again), [3, 4, 7])
+    later = again + [3, 4, 7, 8, 1, 2]                          # "1 2" again: its latest continuation, 3 4 7 8,
+    assert drafter.propose(later, 4, GREEDY, GEN).tokens == [3, 4, 7, 8]     # differs at the wrong token: no cut
+    drafter.committed(len(later), [9])                         # wrong from the first token on
+    same = later + [9, 1, 2, 3, 4, 7, 8, 1, 2]                  # "1 2" continued by 3 4 7 8 once more
+    assert drafter.propose(same, 4, GREEDY, GEN).tokens == []  # the same continuation: cut to 0 tokens
+    without = NGramDrafter(100, 2, 2, memory=False)
+    without.propose(later, 4, GREEDY, GEN)
+    without.committed(len(later), [9])
+    assert without.propose(same, 4, GREEDY, GEN).tokens == [3, 4, 7, 8]
+
+
+def test_memory_judges_only_the_round_after_its_proposal():
+    drafter = NGramDrafter(100, 2, 2, memory=True)
+    seq = [1, 2, 3, 4, 5, 0, 1, 2]
+    drafter.propose(seq, 3, GREEDY, GEN)
+    drafter.committed(len(seq) + 1, [9])                      # not the sequence it continued: ignored
+    drafter.committed(len(seq), [])                            # nothing committed: ignored
+    assert drafter.memory.last == {}
+    drafter.committed(len(seq), [3, 4])                        # right as far as it was checked
+    assert drafter.memory.last[(1, 2)] == ([3, 4, 5], 2, True)
+    drafter.committed(len(seq), [9])                           # judged once
+    assert drafter.memory.last[(1, 2)][1:] == (2, True)
+
+
+def test_memory_lets_a_suffix_pattern_that_was_right_run_past_the_factor():
+    seq = list(range(10, 40)) + [10, 11]
+    drafter = SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=True)
+    assert drafter.propose(seq, 8, GREEDY, GEN).tokens == [12, 13]              # 2-token match, factor 1
+    drafter.committed(len(seq), [12, 13, 14])                                    # right beyond what was drafted
+    again = seq + [12, 13, 14, 50, 10, 11]                                       # "10 11" once more
+    assert drafter.propose(again, 8, GREEDY, GEN).tokens == [12, 13, 14, 15, 16, 17, 18, 19]   # extended
+    drafter.committed(len(again), [12, 13, 99])
+    third = again + [12, 13, 99, 51, 10, 11]
+    assert drafter.propose(third, 8, GREEDY, GEN).tokens == [12, 13]            # cut where it went wrong
+
+
 # -- hybrid and adaptive length --------------------------------------------------------------------------------
 
 class Fixed(Drafter):
@@ -148,7 +225,7 @@ def test_adaptive_rule_full_acceptance_flat_cost_drafts_the_most():
 def test_adaptive_rule_prompt_round_pays_at_the_margin():
     """With 400 pending prompt tokens the ratio would favour any draft; the margin rule drafts only when the
     expected extra tokens are worth their extra verification."""
-    cost = VerifyCost({1: 0.05, 2: 0.1, 8: 0.25, 16: 0.45})
+    cost = ForwardCost({1: 0.05, 2: 0.1, 8: 0.25, 16: 0.45})
     assert best_length(0.5, 0.0, cost, 400, 12)[0] == 0
     assert best_length(0.99, 0.0, cost, 400, 12)[0] == 12
 
@@ -156,14 +233,14 @@ def test_adaptive_rule_prompt_round_pays_at_the_margin():
 def test_adaptive_rule_compute_bound_verification():
     """This CPU's llama.cpp profile (ms by width 1/2/4/6/8/16: 57/116/165/223/270/482, interpolated): a draft model
     at 23 ms a token pays only with high acceptance; a free drafter pays earlier."""
-    cost = VerifyCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
+    cost = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
     assert best_length(0.5, 0.023, cost, 1, 16)[0] == 0
     assert best_length(0.95, 0.0, cost, 1, 16)[0] > 4
     assert cost(3) == pytest.approx((0.116 + 0.165) / 2) and cost(32) > cost(16)
 
 
 def test_verify_cost_follows_the_level_keeps_the_shape():
-    cost = VerifyCost({1: 0.05, 5: 0.15})
+    cost = ForwardCost({1: 0.05, 5: 0.15})
     for _ in range(40):
         cost.observe(1, 0.10)                  # a long context: the 1-token forward now costs twice as much
     assert cost(1) == pytest.approx(0.10, rel=0.01) and cost(5) == pytest.approx(0.30, rel=0.05)
@@ -175,7 +252,7 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
     """A free drafter that is always wrong ends up drafting nothing, but keeps being observed; one that is always
     right drafts the most under a flat cost."""
     wrong = Fixed("ngram", [7] * 8, True)
-    hybrid = Hybrid([wrong], VerifyCost({1: 0.05, 9: 0.45}))      # compute-bound: each drafted token costs
+    hybrid = Hybrid([wrong], ForwardCost({1: 0.05, 9: 0.45}))      # compute-bound: each drafted token costs
     ks = []
     for _ in range(30):
         proposal = hybrid.propose([1, 2], 8, GREEDY, GEN)
@@ -184,7 +261,7 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
         hybrid.observe(1 + len(proposal.tokens), 0.05, [3])      # the target's token is never 7
     assert set(ks) == {0} and hybrid.stats(0).alpha < 0.1      # observed without drafting
     right = Fixed("ngram", [7] * 8, True)
-    hybrid = Hybrid([right], VerifyCost({1: 0.05, 9: 0.05}))
+    hybrid = Hybrid([right], ForwardCost({1: 0.05, 9: 0.05}))
     for _ in range(10):
         proposal = hybrid.propose([1, 2], 8, GREEDY, GEN)
         hybrid.accept(2, list(range(len(proposal.tokens))))
@@ -194,14 +271,153 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
 
 def test_adaptive_model_drafter_is_probed_after_plain_rounds():
     model = Fixed("model", [7] * 8, False)
-    hybrid = Hybrid([model], VerifyCost({1: 0.05, 2: 0.1, 9: 0.45}))
-    hybrid.acceptance[hybrid.key(0)] = Acceptance(judged=100, accepted=0, draft_s_per_token=0.02)
+    hybrid = Hybrid([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost({1: 0.02})})
+    hybrid.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
     drafted = [len(hybrid.propose([1], 8, GREEDY, GEN).tokens) for _ in range(8)]
     assert drafted == [0] * 7 + [1]                          # plain rounds, then one probe
 
 
+def test_match_buckets():
+    assert [match_bucket(n) for n in (0, 1, 4, 5, 7, 8, 11, 12, 15, 16, 40)] == [0, 1, 4, 5, 5, 8, 8, 12, 12, 16, 16]
+    assert [bucket_label(b) for b in (1, 5, 16)] == ["match1", "match5-7", "match16+"]
+    assert expected_tokens([1.0, 0.5, 0.0], 3) == pytest.approx(1 + 1 + 0.5)
+    assert best_length([1.0, 1.0], 0.0, flat, 1, 16)[0] == 2          # per-position: at most their number
+
+
+def test_acceptance_by_position_borrows_from_the_shorter_context():
+    """Each drafted token is judged in the bucket of the context it continues (the match plus the tokens drafted
+    before it); a bucket without rounds of its own takes the next shorter one's estimate."""
+    drafter = Fixed("suffix", [7] * 8, True)
+    drafter.last_match = 4
+    hybrid = Hybrid([drafter], ForwardCost({1: 0.05, 9: 0.05}))
+    assert hybrid.buckets(0, 6) == [4, 5, 5, 5, 8, 8]
+    proposal = hybrid.propose([1, 2, 3, 4], 6, GREEDY, GEN)
+    assert len(proposal.tokens) == 6                           # flat cost: any chance pays
+    hybrid.accept(4, [0, 1, 2, 3])                             # 4 accepted, the 5th (bucket 8) rejected
+    hybrid.observe(7, 0.05, [7, 7, 7, 7, 3])
+    assert (hybrid.stats(0, 4).judged, hybrid.stats(0, 4).accepted) == (1, 1)
+    assert (hybrid.stats(0, 5).judged, hybrid.stats(0, 5).accepted) == (3, 3)
+    assert (hybrid.stats(0, 8).judged, hybrid.stats(0, 8).accepted) == (1, 0)
+    assert (0, 12) not in hybrid.acceptance                   # not judged: the 6th was after the rejection
+    assert hybrid.alpha(0, 12) == hybrid.alpha(0, 8) < hybrid.alpha(0, 5)
+    assert hybrid.alpha(0, 1) == 0.5                           # nothing shorter: Beta(1, 1)
+
+
+def test_the_token_after_an_accepted_cut_proposal_is_judged_for_free():
+    """The rule drafts 2 of 8 proposed tokens; both accepted, the target's next (bonus) token is one more judgement
+    of the third, at its position's bucket, without having drafted it."""
+    drafter = Fixed("ngram", [5, 6, 7, 8, 9, 10, 11, 12], True)
+    drafter.last_match = 2
+    hybrid = Hybrid([drafter], ForwardCost({1: 0.05, 2: 0.06, 3: 0.07, 4: 0.5, 9: 0.9}))
+    hybrid.acceptance[(0, 2)] = Acceptance(judged=50, accepted=50)
+    proposal = hybrid.propose([1, 2], 8, GREEDY, GEN)
+    assert proposal.tokens == [5, 6]                           # width 4 costs too much
+    hybrid.accept(2, [0, 1])
+    hybrid.observe(3, 0.07, [5, 6, 7])
+    assert (hybrid.stats(0, 4).judged, hybrid.stats(0, 4).accepted) == (1, 1)      # token 7 at match 2 + 2
+    assert len(hybrid.propose([1, 2], 8, GREEDY, GEN).tokens) == 2
+    hybrid.accept(2, [0])                                      # a rejection: the third position is not judged
+    hybrid.observe(3, 0.07, [5, 0])
+    assert hybrid.stats(0, 4).judged == 1
+
+
+class Model(Drafter):
+    """A draft model stand-in that has seen `length` tokens: drafting first feeds it the rest (its catch-up)."""
+    name, free = "model", False
+
+    def __init__(self, tokens, length=0):
+        self.tokens, self.length, self.asked = tokens, length, []
+
+    def behind(self, sequence):
+        return len(sequence) - self.length
+
+    def propose(self, sequence, k, params, generator):
+        self.asked.append(k)
+        self.length = len(sequence) + k - 1
+        return Proposal(self.tokens[:k])
+
+
+CHEAP_VERIFY = ForwardCost({1: 0.050, 2: 0.052, 4: 0.056, 8: 0.064, 16: 0.080})     # a GPU-like target
+DRAFT = ForwardCost({1: 0.005, 64: 0.1})                  # a 0.5B draft: 5 ms a token, 100 ms for 64 at once
+
+
+def test_catch_up_pays_when_the_rest_of_the_request_saves_more():
+    assert catch_up_pays(0.0, 10.0, 0.05, 5)
+    assert not catch_up_pays(25.0, 4.0, 0.5, 100)             # saves 100 x (0.5 - 0.25) s = 25 s: not more
+    assert catch_up_pays(25.0, 4.0, 0.5, 101)
+    assert not catch_up_pays(0.1, 15.0, 0.05, 10_000)         # slower than plain decoding: never
+    assert catch_up_pays(1.0, 25.0, 0.05, None)              # unknown budget: assumed to pay
+
+
+def test_adaptive_rule_prices_a_draft_models_catch_up():
+    """A good draft model (95% acceptance) with cheap verification: in step (one token behind) it drafts; 400
+    tokens behind (the prompt) its catch-up, ~0.6 s extrapolated from DRAFT, pays over 1,000 more tokens, not
+    over 16."""
+    def choose(length, remaining, sequence_len=400, pending=1):
+        hybrid = Hybrid([Model([7] * 8, length)], CHEAP_VERIFY, {0: ForwardCost(dict(DRAFT.seconds))})
+        hybrid.acceptance[(0, 0)] = Acceptance(judged=100, accepted=95)
+        return len(hybrid.propose(list(range(sequence_len)), 8, GREEDY, GEN, pending=pending,
+                                  remaining=remaining).tokens)
+    assert choose(399, 16) > 2                                # in step: drafting pays at once
+    assert choose(0, 16) == 0                                 # the whole prompt to feed first: not for 16 tokens
+    assert choose(0, 1000) > 2
+    assert choose(0, 16, pending=400) == 0 and choose(0, 1000, pending=400) > 0     # the prompt round alike
+    assert choose(0, None) > 2                                # no budget given: not priced
+
+
+def test_a_probe_must_not_cost_a_catch_up_on_many_tokens():
+    """A draft model that stopped drafting falls behind; it is probed only while feeding it what it missed costs
+    at most PROBE_SHARE of the plain rounds since."""
+    for length, probed in ((299, True), (0, False)):
+        model = Model([7] * 8, length)
+        hybrid = Hybrid([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost(dict(DRAFT.seconds))})
+        hybrid.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
+        drafted = [len(hybrid.propose(list(range(300)), 8, GREEDY, GEN).tokens) for _ in range(8)]
+        assert drafted == [0] * 7 + [1 if probed else 0]
+
+
+def plain_and_adaptive_seconds(drafter, hybrid, verify, draft, rounds, right):
+    """Simulated seconds of `rounds` target tokens decoded plainly and with the rule; `right(k)`: how many of k
+    drafts the target accepts. Costs are the injected tables (the rule's own estimates), never measured ones."""
+    sequence, seconds, tokens = list(range(50)), 0.0, 0
+    while tokens < rounds:
+        behind = drafter.behind(sequence)
+        proposal = hybrid.propose(sequence, 8, GREEDY, GEN, pending=1, remaining=rounds - tokens)
+        k = len(proposal.tokens)
+        if k and not drafter.free:
+            seconds += draft(behind) + (k - 1) * draft(1)
+        accepted = right(k)
+        seconds += verify(1 + k)
+        hybrid.accept(len(sequence), list(range(accepted)))
+        committed = proposal.tokens[:accepted] + [3]
+        hybrid.observe(1 + k, verify(1 + k), committed)
+        sequence += committed
+        tokens += len(committed)
+    return rounds * verify(1), seconds
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_adaptive_rule_stays_within_five_percent_of_plain_decoding_when_drafts_are_wrong(free):
+    """Compute-bound verification (this CPU's profile) and drafts that are never right: the rule learns it, and
+    the drafts it tries, the model's probes and their catch-ups cost under 5% of 400 plain rounds."""
+    verify = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
+    draft = ForwardCost({1: 0.023, 64: 0.4})
+    drafter = Fixed("ngram", [7] * 8, True) if free else Model([7] * 8, 50)
+    hybrid = Hybrid([drafter], ForwardCost(dict(verify.seconds)), {} if free else {0: ForwardCost(dict(draft.seconds))})
+    plain, adaptive = plain_and_adaptive_seconds(drafter, hybrid, verify, draft, 400, lambda k: 0)
+    assert adaptive <= 1.05 * plain
+
+
+def test_adaptive_rule_gains_with_a_good_cheap_draft_model():
+    verify = CHEAP_VERIFY
+    drafter = Model([7] * 8, 50)
+    hybrid = Hybrid([drafter], ForwardCost(dict(verify.seconds)), {0: ForwardCost(dict(DRAFT.seconds))})
+    plain, adaptive = plain_and_adaptive_seconds(drafter, hybrid, verify, DRAFT, 400, lambda k: k)
+    assert adaptive < 0.5 * plain
+
+
 def test_prune_keeps_parents_and_remaps():
-    tree = SuffixDrafter(100, depth=6, cache_requests=0).propose_tree(
+    tree = SuffixDrafter(100, depth=6, cache_requests=0, factor=0).propose_tree(
         [7, 1, 2, 0, 7, 1, 3, 0, 7], 2, 3, 10, GREEDY, GEN)
     assert tree.depth == 3                                 # something to cut
     cut = prune(tree, 1)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from paraspec import Engine, SamplingParams
+from paraspec.drafters.adaptive import ForwardCost
 from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
 from paraspec.strategies.base import LocalStrategy
 from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
@@ -206,18 +207,45 @@ def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, a
 FREE_TAKERS = [name for name, cls in STRATEGIES.items() if cls.model_free_drafts]
 FREE_DRAFTS = {"ngram": lambda model: "ngram", "suffix": lambda model: "suffix",
                "ngram+model": lambda model: ["ngram", model], "suffix+model": lambda model: ["suffix", model]}
-FREE_CASES = [(name, kind, adaptive) for name in FREE_TAKERS for kind in FREE_DRAFTS
+# how a model-free drafter sizes its proposals: the defaults (suffix: at most the match length, paths of empirical
+# probability >= 0.1; memory per pattern where the strategy takes it), none of it, and strict settings
+FREE_RULES = {"defaults": {}, "uncapped": dict(suffix_factor=0.0, suffix_min_prob=0.0, draft_memory=False),
+              "strict": dict(suffix_factor=3.0, suffix_min_prob=0.5, draft_memory=True)}
+FREE_CASES = [(name, kind, adaptive, "defaults") for name in FREE_TAKERS for kind in FREE_DRAFTS
               for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))]
+FREE_CASES += [(name, kind, adaptive, rules) for name in FREE_TAKERS for kind in ("ngram", "suffix")
+               for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))
+               for rules in ("uncapped", "strict")]
 SMALL_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]       # repeats: the n-gram and suffix drafters find matches
 SAMPLED_PROMPT = [1, 2, 3, 5, 5, 1, 5, 5, 5, 5]          # the target often samples what the drafters propose
 FREE_OPTIONS = dict(ngram_min=1)
 
 
-def free_engine(name, target, draft_model, kind, adaptive):
+class FlatCost(ForwardCost):
+    """Every forward width as cheap, whatever is measured: the rule's decisions do not hang on the machine's load."""
+    def __init__(self):
+        super().__init__({1: 0.01, 1024: 0.01})
+
+    def observe(self, width: int, seconds: float) -> None:
+        pass
+
+
+def free_engine(name, target, draft_model, kind, adaptive, rules="defaults"):
     options = dict(long_chunks(name), **FREE_OPTIONS)
+    options.update({k: v for k, v in FREE_RULES[rules].items() if k in STRATEGIES[name].options})
     if adaptive:
         options["adaptive"] = True
-    return engine(name, target, FREE_DRAFTS[kind](draft_model), **options)
+    e = engine(name, target, FREE_DRAFTS[kind](draft_model), **options)
+    if adaptive:                   # injected costs: verification as cheap at any width, drafting free
+        hybrid = e.strategy.hybrid
+        hybrid.cost = FlatCost()
+        hybrid.draft_costs = {i: FlatCost() for i in hybrid.draft_costs}
+    return e
+
+
+def free_id(case) -> str:
+    name, kind, adaptive, rules = case
+    return f"{name}-{kind}-{'adaptive' if adaptive else 'fixed'}" + ("" if rules == "defaults" else f"-{rules}")
 
 
 def test_amusd_and_easyspec_refuse_model_free_drafters(qwen2_target):
@@ -226,13 +254,13 @@ def test_amusd_and_easyspec_refuse_model_free_drafters(qwen2_target):
             Engine(qwen2_target, "ngram", strategy=name)
 
 
-@pytest.mark.parametrize("name,kind,adaptive", FREE_CASES, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
-                                                                for n, k, a in FREE_CASES])
-def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive):
+@pytest.mark.parametrize("name,kind,adaptive,rules", FREE_CASES, ids=map(free_id, FREE_CASES))
+def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive, rules):
     """Small vocabulary: the text repeats, so proposals are often right and often wrong; exactly ar's tokens over
-    several requests (the suffix cache carries across them)."""
+    several requests (the suffix cache and the pattern memory carry across rounds and requests)."""
     target, draft = slow_target_pair
-    with free_engine(name, target, draft, kind, adaptive) as e, Engine(target, strategy="ar", dtype="float32") as ar:
+    with free_engine(name, target, draft, kind, adaptive, rules) as e, \
+            Engine(target, strategy="ar", dtype="float32") as ar:
         drafted = accepted = 0
         for prompt in (SMALL_PROMPT, SMALL_PROMPT[:7], [4, 4, 5, 4, 4]):
             params = SamplingParams(max_new_tokens=40)
@@ -248,18 +276,21 @@ def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive):
 # sampling: every drafter and every q path at least once per strategy (point-mass chains, deterministic tree
 # siblings, dsi's drafters in the caller, the hybrids' mixed q), fixed and adaptive; greedy above covers them all
 FREE_SAMPLED = [c for c in FREE_CASES if c in {
-    ("sd", "ngram", False), ("sd", "suffix", True), ("sd", "ngram+model", True), ("tree", "suffix", False),
-    ("tree", "ngram+model", True), ("dsi", "ngram", False), ("dsi", "suffix+model", False)}]
+    ("sd", "ngram", False, "defaults"), ("sd", "suffix", True, "defaults"), ("sd", "ngram+model", True, "defaults"),
+    ("tree", "suffix", False, "defaults"), ("tree", "ngram+model", True, "defaults"),
+    ("dsi", "ngram", False, "defaults"), ("dsi", "suffix+model", False, "defaults"),
+    ("sd", "suffix", False, "uncapped"), ("sd", "suffix", True, "strict"), ("sd", "ngram", True, "strict"),
+    ("tree", "suffix", True, "strict"), ("dsi", "suffix", False, "strict")}]
 
 
-@pytest.mark.parametrize("name,kind,adaptive", FREE_SAMPLED, ids=[f"{n}-{k}-{'adaptive' if a else 'fixed'}"
-                                                                  for n, k, a in FREE_SAMPLED])
-def test_model_free_sampling_matches_target_distribution(slow_target_pair, name, kind, adaptive):
+@pytest.mark.parametrize("name,kind,adaptive,rules", FREE_SAMPLED, ids=map(free_id, FREE_SAMPLED))
+def test_model_free_sampling_matches_target_distribution(slow_target_pair, name, kind, adaptive, rules):
     """Point-mass q (and, in the hybrids, the draft model's q where the model drafts): the first two tokens
     follow the target's exact joint distribution."""
     target, draft = slow_target_pair
     prompt = SAMPLED_PROMPT
-    with free_engine(name, target, draft, kind, adaptive) as e, Engine(target, strategy="ar", dtype="float32") as ar:
+    with free_engine(name, target, draft, kind, adaptive, rules) as e, \
+            Engine(target, strategy="ar", dtype="float32") as ar:
         joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt)
     assert drafted > (0 if adaptive else N_SAMPLES / 4)

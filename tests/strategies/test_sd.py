@@ -86,3 +86,32 @@ def test_sd_trace_counts_the_tokens_really_drafted(qwen2_target, qwen2_partial):
         result = sd.generate(PROMPT, SamplingParams(max_new_tokens=30))
     drafted = sum(e.tokens for e in result.trace.events if e.kind == "draft")
     assert drafted == result.stats.drafted < 12 * result.stats.rounds
+
+
+def test_sd_traces_the_prompt_forward_as_the_prefill(ar_engine, qwen2_target, qwen2_partial):
+    """The first round's target forward takes the prompt (and verifies the first drafts): the timeline shows it
+    as the prefill, like ar's, and every later target forward as a verification; verify_s counts only those."""
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=4, dtype="float32") as sd:
+        result = sd.generate(PROMPT, SamplingParams(max_new_tokens=20))
+        prompt = len(sd.encode(PROMPT))
+    target = [e for e in result.trace.events if e.device == "target"]
+    assert target[0].kind == "prefill" and target[0].tokens >= prompt
+    assert {e.kind for e in target[1:]} == {"verify"} and all(e.tokens <= 5 for e in target[1:])
+    assert result.stats.verify_s == pytest.approx(sum(e.duration_s for e in target[1:]))
+    assert [e.kind for e in ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=3)).trace.events][0] == "prefill"
+
+
+def test_set_options_reaches_the_kept_drafters(qwen2_target):
+    """The drafters are built with the drafter options; an option changed between requests builds them again (it
+    would otherwise be ignored), and they are kept across requests while nothing changes."""
+    with Engine(qwen2_target, "suffix", strategy="sd", dtype="float32") as sd:
+        sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
+        kept = sd.strategy.hybrid
+        sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
+        assert sd.strategy.hybrid is kept and kept.drafters[0].factor == 1.0 and kept.drafters[0].memory
+        sd.set_options(suffix_factor=3.0, draft_memory=False, suffix_min_prob=0.5)
+        sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
+        suffix = sd.strategy.hybrid.drafters[0]
+        assert (suffix.factor, suffix.memory, suffix.min_prob) == (3.0, None, 0.5)
+        with pytest.raises(ValueError, match="suffix_min_prob must be <= 1"):
+            sd.set_options(suffix_min_prob=1.5)
