@@ -136,6 +136,26 @@ def assert_matches(counts, joint):
     assert chisquare(observed[keep], expected[keep] / expected[keep].sum() * observed.sum()).pvalue > 1e-3
 
 
+# -- the adaptive rule on injected costs: a test that needs drafts must not hang on the machine's load ---------
+
+def inject_flat_costs(engine) -> None:
+    """Make an adaptive engine's rule see every forward width as equally cheap (the target's and the draft
+    models'), whatever it measures: verification of any length pays, so the rule drafts wherever the acceptance
+    estimate is above zero (its decisions stay the rule's; only the costs are fixed)."""
+    from paraspec.drafters.adaptive import ForwardCost
+
+    class FlatCost(ForwardCost):
+        def __init__(self):
+            super().__init__({1: 0.01, 4096: 0.01})
+
+        def observe(self, width: int, seconds: float) -> None:
+            pass
+
+    hybrid = engine.strategy.hybrid
+    hybrid.cost = FlatCost()
+    hybrid.draft_costs = {i: FlatCost() for i in hybrid.draft_costs}
+
+
 # -- processes: what a test that kills or interrupts workers checks ---------------------------------------
 
 def gone(pid: int) -> bool:

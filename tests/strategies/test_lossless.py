@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 from paraspec import Engine, SamplingParams
-from paraspec.drafters.adaptive import ForwardCost
 from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
 from paraspec.strategies.base import LocalStrategy
-from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint, inject_flat_costs
 
 SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
 
@@ -221,25 +220,14 @@ SAMPLED_PROMPT = [1, 2, 3, 5, 5, 1, 5, 5, 5, 5]          # the target often samp
 FREE_OPTIONS = dict(ngram_min=1)
 
 
-class FlatCost(ForwardCost):
-    """Every forward width as cheap, whatever is measured: the rule's decisions do not hang on the machine's load."""
-    def __init__(self):
-        super().__init__({1: 0.01, 1024: 0.01})
-
-    def observe(self, width: int, seconds: float) -> None:
-        pass
-
-
 def free_engine(name, target, draft_model, kind, adaptive, rules="defaults"):
     options = dict(long_chunks(name), **FREE_OPTIONS)
     options.update({k: v for k, v in FREE_RULES[rules].items() if k in STRATEGIES[name].options})
     if adaptive:
         options["adaptive"] = True
     e = engine(name, target, FREE_DRAFTS[kind](draft_model), **options)
-    if adaptive:                   # injected costs: verification as cheap at any width, drafting free
-        hybrid = e.strategy.hybrid
-        hybrid.cost = FlatCost()
-        hybrid.draft_costs = {i: FlatCost() for i in hybrid.draft_costs}
+    if adaptive:
+        inject_flat_costs(e)
     return e
 
 
