@@ -51,7 +51,9 @@ test-fast: setup
 #    prompt: every setting restarts the server, ~20 s each; the full 3 x 3 grid is `make bench`'s);
 #  - copy-heavy editing, out/demo/code-edit/: 3 code-edit prompts x 128 tokens; paraspec ar and sd[suffix] (the
 #    suffix drafter, adaptive length up to 16) against llamacpp-ar and llama-server's own n-gram drafting
-#    (llamacpp-ngram, ngram-simple n 4 m 16).
+#    (llamacpp-ngram, ngram-simple n 4 m 16). Every variant in-process on both cores, and no --target-devices:
+#    the adaptive rule times the verification widths when the engine starts, on the engine's devices, and it
+#    must time them with the 2 threads the runs use (a 1-thread profile is steeper).
 # About 8 minutes on 2 quiet Zen 3 cores (estimated). Timings assume a quiet machine: llama.cpp's OpenMP threads
 # slow down many-fold when another process competes for the cores.
 demo: setup models peer
@@ -61,7 +63,7 @@ demo: setup models peer
 		--dataset humaneval mt-bench --num-prompts 2 --max-new-tokens 64 --out out/demo
 	$(PYTHON) -m paraspec bench --target $(TARGET) \
 		--strategies "ar,sd[suffix],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 16 --threads 2 \
-		--target-devices cpu:1 --llamacpp-ngram-grid ngram-simple:4:16 \
+		--llamacpp-ngram-grid ngram-simple:4:16 \
 		--dataset code-edit --num-prompts 3 --max-new-tokens 128 --out out/demo/code-edit
 
 # The full sweep (well over an hour on 2 cores): every strategy, transformers' generate and assisted
@@ -84,7 +86,7 @@ bench-model-free: setup models peer
 		$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
 			--strategies "ar,sd[suffix],sd[ngram],sd[model],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 16 \
 			--llamacpp-ngram-grid ngram-simple:4:16,ngram-simple:12:48,ngram-mod:24:64 --threads 2 \
-			--target-devices cpu:1 --draft-devices cpu:0 --temperature $$t --seed 0 \
+			--temperature $$t --seed 0 \
 			--dataset code-edit summarize humaneval mt-bench --num-prompts 3 --max-new-tokens 128 \
 			--out out/model-free-t$$t || exit 1; \
 	done
