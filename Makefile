@@ -54,7 +54,7 @@ test-fast: setup
 #    (llamacpp-ngram, ngram-simple n 4 m 16). Every variant in-process on both cores, and no --target-devices:
 #    the adaptive rule times the verification widths when the engine starts, on the engine's devices, and it
 #    must time them with the 2 threads the runs use (a 1-thread profile is steeper).
-# About 8 minutes on 2 quiet Zen 3 cores (estimated). Timings assume a quiet machine: llama.cpp's OpenMP threads
+# Not yet timed on a quiet machine (15.5 and 18.6 min on a shared, loaded one). Timings assume a quiet machine: llama.cpp's OpenMP threads
 # slow down many-fold when another process competes for the cores.
 demo: setup models peer
 	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
@@ -80,7 +80,7 @@ bench: setup models peer
 # the draft model (adaptive length up to 16: the draft model's catch-up is priced), against llama-server alone and
 # with its n-gram drafting (the best of three settings per dataset), on the copy-heavy workloads and two ordinary
 # ones, 3 prompts x 128 tokens, greedy and at temperature 0.8 (seed 0); out/model-free-t0, out/model-free-t0.8.
-# About 35-40 minutes on 2 cores of a quiet machine.
+# Not timed yet.
 bench-model-free: setup models peer
 	for t in 0 0.8; do \
 		$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \

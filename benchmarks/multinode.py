@@ -128,7 +128,8 @@ def part_messages(tokens: int, link_ms: float) -> None:
             finally:
                 nested.depth = depth
         setattr(TokenChannel, name, counted)
-    print(f"round trips over the network transport, link {link_ms} ms, target 20 ms, draft 4 ms, a = 0.8, lookahead 3, {tokens} tokens")
+    print(f"round trips over the network transport, link {link_ms} ms, target 20 ms, draft 4 ms, a = 0.8, "
+          f"lookahead 3, {tokens} tokens")
     for strategy in ("amusd", "dsi"):
         with engine_for(strategy, 2, 0.02, 0.004, 0.8, 3, True, link_ms) as engine:
             engine.generate(PROMPT, SamplingParams(max_new_tokens=8))

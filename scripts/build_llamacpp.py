@@ -134,15 +134,16 @@ def installed_version(python: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def wheel_dir(python: str) -> Path:
-    """Where `wheel` puts (or has put) the wheel for this Python, CPU, compiler, options and patches."""
-    return cache_root() / f"wheel-{VERSION}-{build_key('wheel', WHEEL_CMAKE_ARGS, python_tag(python), PATCHES)}"
+def wheel_dir(tag: str) -> Path:
+    """Where `wheel` puts (or has put) the wheel for the Python of `tag` (python_tag), this CPU, compiler, options
+    and patches."""
+    return cache_root() / f"wheel-{VERSION}-{build_key('wheel', WHEEL_CMAKE_ARGS, tag, PATCHES)}"
 
 
 def build_wheel(python: str, force: bool, install: bool = True) -> Path:
     """Build the patched wheel unless this very build is cached; install it into `python`'s environment."""
     tag = python_tag(python)
-    out = wheel_dir(python)
+    out = wheel_dir(tag)
     wheels = sorted(out.glob("llama_cpp_python-*.whl"))
     if force or not wheels:
         print(f"building llama-cpp-python {VERSION} ({' '.join(WHEEL_CMAKE_ARGS)}; patches: "

@@ -45,7 +45,7 @@ def test_the_wheel_is_patched_and_its_key_follows_the_patches(build, tmp_path):
     assert key != build.build_key("wheel", args, "tag", [other])         # a changed patch is another build
     assert key != build.build_key("wheel", args, "tag")                  # and so is no patch
     assert build.build_key("peer", build.PEER_CMAKE_ARGS) == build.build_key("peer", build.PEER_CMAKE_ARGS, "", [])
-    assert build.wheel_dir(sys.executable).name.endswith(
+    assert build.wheel_dir(build.python_tag(sys.executable)).name.endswith(
         build.build_key("wheel", args, build.python_tag(sys.executable), build.PATCHES))
 
 

@@ -281,9 +281,9 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
         if v.threads is not None:
             # an explicit thread count runs on every core this process may use, not the engine's pinned set
             kwargs["affinity"] = start_affinity
+        model_drafts = kwargs.pop("model_drafts", False)     # paraspec engines say it; baselines and peers not
         if kwargs["devices"] is None:             # an in-process engine: its models run where this process does
-            kwargs["devices"] = in_process_devices(kwargs["affinity"], kwargs.pop("model_drafts"))
-        kwargs.pop("model_drafts", None)
+            kwargs["devices"] = in_process_devices(kwargs["affinity"], model_drafts)
         contenders.append(Contender(v, **kwargs))
     return contenders, engines, min(limits)
 

@@ -118,9 +118,7 @@ def catch_up_pays(catch_up_s: float, rate: float, plain_s: float, remaining: int
     drafting at `rate` tokens per second instead of decoding plainly at `plain_s` seconds a token saves
     remaining * (plain_s - 1 / rate) seconds over the request's `remaining` tokens (None: unknown, assume it
     pays). A drafter that is no faster than plain decoding never pays."""
-    if catch_up_s <= 0:
-        return True
-    if remaining is None:
+    if catch_up_s <= 0 or remaining is None:
         return True
     return rate > 0 and remaining * (plain_s - 1.0 / rate) > catch_up_s
 

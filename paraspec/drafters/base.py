@@ -45,6 +45,7 @@ class Drafter:
     name = "drafter"
     free = False      # True: proposing costs next to nothing (no model): the adaptive rule may ask every round
     last_match = 0    # a model-free drafter: the context length its last proposal continued (0: none, a model)
+    memory = None     # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
     timings: tuple = ()   # a draft model: (width, seconds) of the forwards of its last proposal
 
     def reset(self) -> None:
@@ -77,7 +78,9 @@ class Drafter:
 
     def committed(self, prefix_len: int, tokens: list[int]) -> None:
         """The round after the last proposal committed `tokens` after the first `prefix_len` tokens of the
-        sequence it continued, whoever drafted them (a drafter that learns from its proposals' fate reads it)."""
+        sequence it continued, whoever drafted them: a drafter's memory judges its last proposal by them."""
+        if self.memory is not None:
+            self.memory.committed(prefix_len, tokens)
 
     def behind(self, sequence: list[int]) -> int:
         """Tokens of `sequence` the drafter must feed before it can draft (a draft model's catch-up; 0 for one

@@ -18,6 +18,8 @@ Kept per request (reset with the drafter), so its size is bounded by the request
 """
 from __future__ import annotations
 
+from paraspec.run import common_prefix
+
 KEY_TOKENS = 4           # context tokens that name a pattern
 
 
@@ -65,9 +67,5 @@ class PatternMemory:
             return
         pattern, proposal, _ = self._pending
         self._pending = None
-        right = 0
-        for drafted, token in zip(proposal, tokens):
-            if drafted != token:
-                break
-            right += 1
+        right = common_prefix(proposal, tokens)
         self.last[pattern] = (proposal, right, right == min(len(tokens), len(proposal)))

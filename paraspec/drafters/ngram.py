@@ -98,7 +98,3 @@ class NGramDrafter(Drafter):
         cap, _ = self.memory.consult(sequence, self.last_match, tokens) if self.memory else (None, False)
         tokens = tokens if cap is None else tokens[:cap]
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
-
-    def committed(self, prefix_len: int, tokens: list[int]) -> None:
-        if self.memory is not None:
-            self.memory.committed(prefix_len, tokens)

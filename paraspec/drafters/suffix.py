@@ -200,9 +200,6 @@ class SuffixDrafter(Drafter):
             tokens = tokens[:cap]
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
 
-    def committed(self, prefix_len: int, tokens: list[int]) -> None:
-        if self.memory is not None:
-            self.memory.committed(prefix_len, tokens)
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
                      generator: torch.Generator, pending: int = 1) -> TokenTree:

@@ -67,9 +67,10 @@ class _Link:
 
 
 # what a remote end may call: every public TokenChannel / StopSignal operation, nothing else
-_CHANNEL_CALLS = {"state", "snapshot", "read_since", "tokens", "read_q", "reset", "publish_draft", "publish_and_read", "wait_below_ahead",
-                  "commit", "discard_drafts", "stop", "wait_for_draft", "wait_for_version_change", "wait_for_commit", "wait_for_room",
-                  "seq_state", "wait_for_change", "geometry", "stopped", "reason", "version", "committed", "length"}
+_CHANNEL_CALLS = {"state", "snapshot", "read_since", "tokens", "read_q", "reset", "publish_draft", "publish_and_read",
+                  "wait_below_ahead", "commit", "discard_drafts", "stop", "wait_for_draft", "wait_for_version_change",
+                  "wait_for_commit", "wait_for_room", "seq_state", "wait_for_change", "geometry", "stopped", "reason",
+                  "version", "committed", "length"}
 _STOP_CALLS = {"set", "clear", "is_set", "wait", "stopped", "reason"}
 
 
