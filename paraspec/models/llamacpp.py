@@ -292,7 +292,8 @@ class LlamaCppModel:
             self.forward_widths[len(chunk)] = self.forward_widths.get(len(chunk), 0) + 1
             keep = max(0, len(chunk) - max(0, (n - want) - start))
             pieces.append(self._decode(chunk, outputs=keep))
-        return torch.cat([p for p in pieces if len(p)])
+        pieces = [p for p in pieces if len(p)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)     # one piece (every decode step): no copy
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         raise ValueError("token trees are not supported by the llamacpp backend; use backend='native'")

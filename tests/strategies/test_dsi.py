@@ -195,7 +195,7 @@ def mid_speed_draft(tmp_path_factory):
                            hidden_size=128, intermediate_size=512)
 
 
-@pytest.mark.parametrize("drafters", [2])     # one drafter: tests/strategies/test_lossless.py
+@pytest.mark.parametrize("drafters", [2])     # one drafter: test_lossless.py::test_worker_processes, test_multinode.py
 def test_dsi_sampling_matches_target_distribution(slow_target_pair, mid_speed_draft, drafters):
     target, draft = slow_target_pair
     sampling = dict(temperature=0.8, top_k=4)

@@ -129,7 +129,10 @@ def sample_first_two(e: Engine, prompt, n: int = N_SAMPLES) -> tuple[np.ndarray,
     return counts, drafted, accepted
 
 
-@pytest.mark.parametrize("name", SPECULATIVE)
+# dsi's sampling is checked by tests/strategies/test_dsi.py (two drafters in-process, 1,200 samples),
+# test_worker_processes below (processes, 400) and tests/test_multinode.py (Ray nodes over TCP, 1,000): not here too,
+# for CI time (it was 103 s of it)
+@pytest.mark.parametrize("name", [name for name in SPECULATIVE if name != "dsi"])
 def test_sampling_matches_target_distribution(slow_target_pair, name):
     """A draft much faster than its target (so worker strategies judge drafts rather than sampling the target
     alone); the first two tokens follow the target's exact joint distribution, and drafts were really judged."""
@@ -262,13 +265,13 @@ def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive, rul
 
 
 # sampling: every drafter and every q path at least once per strategy (point-mass chains, deterministic tree
-# siblings, dsi's drafters in the caller, the hybrids' mixed q), fixed and adaptive; greedy above covers them all
+# siblings, dsi's drafters in the caller, the hybrids' mixed q), fixed and adaptive; greedy above covers them all.
+# The drafters' length rules (uncapped, strict) change which tokens a point mass sits on, not how it is judged: one
+# sampled case each for sd and dsi (dsi's in-caller point masses: with the suffix drafter only), for CI time
 FREE_SAMPLED = [c for c in FREE_CASES if c in {
     ("sd", "ngram", False, "defaults"), ("sd", "suffix", True, "defaults"), ("sd", "ngram+model", True, "defaults"),
     ("tree", "suffix", False, "defaults"), ("tree", "ngram+model", True, "defaults"),
-    ("dsi", "ngram", False, "defaults"), ("dsi", "suffix+model", False, "defaults"),
-    ("sd", "suffix", False, "uncapped"), ("sd", "suffix", True, "strict"), ("sd", "ngram", True, "strict"),
-    ("tree", "suffix", True, "strict"), ("dsi", "suffix", False, "strict")}]
+    ("dsi", "suffix+model", False, "defaults"), ("sd", "suffix", True, "strict"), ("dsi", "suffix", False, "strict")}]
 
 
 @pytest.mark.parametrize("name,kind,adaptive,rules", FREE_SAMPLED, ids=map(free_id, FREE_SAMPLED))
