@@ -28,7 +28,7 @@ from paraspec import SamplingParams
 from paraspec.bench.datasets import encode_prompt, load_prompts
 from paraspec.drafters import Hybrid, adaptive, model_free
 from paraspec.drafters.adaptive import ForwardCost
-from paraspec.models.loader import load_tokenizer
+from paraspec.models.loader import load_tokenizer, read_config, resolve_checkpoint
 from paraspec.run import common_prefix
 from paraspec.strategies.registry import OPTIONS
 
@@ -47,13 +47,13 @@ def ngram_simple(sequence: list[int], n: int, m: int) -> list[int]:
 
 
 def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propose, settle) -> dict:
-    """Rounds over one answer; propose(sequence, k, pending) -> drafts, settle(sequence, width, drafts, accepted,
-    committed) after each round. Seconds exclude the prompt round (its prefill is the same for everyone)."""
+    """Rounds over one answer; propose(sequence, k, pending) -> at most k drafts (k: the answer's tokens left after
+    the round's own), settle(sequence, width, drafts, accepted, committed) after each round. Seconds exclude the prompt round (its prefill is the same for everyone)."""
     pos, seconds, rounds, drafted, accepted_total, cached = 0, 0.0, 0, 0, 0, 0
     while pos < len(answer):
         sequence = prompt + answer[:pos]
         pending = len(sequence) - cached
-        drafts = propose(sequence, min(16, len(answer) - pos - 1), pending)
+        drafts = propose(sequence, len(answer) - pos - 1, pending)     # each proposer caps its own length
         accepted = common_prefix(drafts, answer[pos:])
         width = pending + len(drafts)
         if pending == 1:
@@ -69,8 +69,9 @@ def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propo
             "drafted": drafted, "accepted": accepted_total}
 
 
-def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead: int) -> list[dict]:
-    hybrid = Hybrid([model_free(drafter, 151936, options)], ForwardCost(dict(table)))
+def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead: int, vocab_size: int
+                    ) -> list[dict]:
+    hybrid = Hybrid([model_free(drafter, vocab_size, options)], ForwardCost(dict(table)))
     params, generator = SamplingParams(max_new_tokens=1), torch.Generator().manual_seed(0)
     cost = ForwardCost(dict(table))
     out = []
@@ -119,6 +120,7 @@ def main() -> None:
     table = {w: float(ms) / 1000 for w, ms in zip((1, 2, 4, 8, 16), args.costs.split(","))}
     results = json.loads(args.results.read_text())
     tokenizer = load_tokenizer(results["meta"]["target"])
+    vocab_size = read_config(resolve_checkpoint(results["meta"]["target"]))["vocab_size"]
     base = {k: o.default for k, o in OPTIONS.items()}
     base.update({k: v for k, v in results["meta"]["options"].items() if k in base})
     for name, data in results["datasets"].items():
@@ -142,7 +144,7 @@ def main() -> None:
                 else:
                     options[key] = type(base[key])(value) if not isinstance(base[key], bool) else value == "true"
             try:
-                rows = replay_paraspec(answers, table, options, args.drafter, args.lookahead)
+                rows = replay_paraspec(answers, table, options, args.drafter, args.lookahead, vocab_size)
             finally:
                 for key, value in saved.items():
                     setattr(adaptive, RULE_CONSTANTS[key], value)

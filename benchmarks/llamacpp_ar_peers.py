@@ -14,11 +14,12 @@
     python benchmarks/llamacpp_ar_peers.py [--threads 2] [--prompts 3] [--tokens 64] [--rounds 3]
     python benchmarks/llamacpp_ar_peers.py --bare-lib /tmp/unpatched-site     # the bare loop on another build
 
-Every variant generates exactly --tokens tokens (no stop) from the same prompt token ids. Rounds x prompts run the
-variants in turn, the order rotating, after a warm-up of each; TPOT = (wall time - TTFT) / (tokens - 1), TTFT for
-llama-server is its own prompt time. The table gives each variant's median TPOT and the median over (round,
-prompt) pairs of paraspec's TPOT over the peer's on the same pair. Other processes' CPU share while it ran is
-printed: quote the figures only from a quiet machine.
+Every variant gets the same prompt token ids and --tokens tokens to make; paraspec and the bare loops do not stop
+early, llama-server stops at its end-of-generation tokens (the `tokens = paraspec ar` column shows whether every
+variant made the same tokens). Rounds x prompts run the variants in turn, the order rotating, after a warm-up of
+each; TPOT = (wall time - TTFT) / (tokens - 1), TTFT for llama-server is its own prompt time. The table gives each
+variant's median TPOT and the median over (round, prompt) pairs of paraspec's TPOT over the variant's on the same
+pair. The load average is printed at the start and the end: quote the figures only from a quiet machine.
 """
 from __future__ import annotations
 
@@ -49,18 +50,23 @@ llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=threads, n_threads_batch
 print(json.dumps({"ready": True, "lib": llama_cpp.__file__,
                   "system": llama_cpp.llama_print_system_info().decode(errors="replace")}), flush=True)
 n_vocab = llm.n_vocab()
+
+
+def argmax_last():
+    return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,)).argmax())
+
+
 for line in sys.stdin:
     job = json.loads(line)
     prompt, tokens = job["prompt"], job["tokens"]
     llm.reset()                                   # eval drops the KV cache from n_tokens = 0 on
     start = time.perf_counter()
     llm.eval(prompt)
-    logits = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
-    out = [int(logits().argmax())]
+    out = [argmax_last()]
     ttft = time.perf_counter() - start
     for _ in range(tokens - 1):
         llm.eval([out[-1]])
-        out.append(int(logits().argmax()))
+        out.append(argmax_last())
     total = time.perf_counter() - start
     print(json.dumps({"tokens": out, "ttft": ttft, "total": total}), flush=True)
 """
@@ -68,22 +74,19 @@ for line in sys.stdin:
 
 def same_config_loop(model, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
     """(tokens, TTFT s, total s) on paraspec's own llama.cpp context: its prefill, then one-token llama_decode
-    calls and an argmax in numpy."""
-    from paraspec.models import llamacpp
-    lib, ctx, batch, n_vocab = llamacpp._lib, model._ctx, model._batch, model.vocab_size
+    calls (the backend's own `_llama_decode`) and an argmax in numpy, without the Engine around them."""
+    from paraspec.models.llamacpp import _lib, _llama_decode
+
+    def argmax_last() -> int:
+        return int(np.ctypeslib.as_array(_lib.llama_get_logits_ith(model._ctx, -1), shape=(model.vocab_size,)).argmax())
+
     start = time.perf_counter()
     model.prefill(prompt)
-    out = [int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).argmax())]
+    out = [argmax_last()]
     ttft = time.perf_counter() - start
-    pos = len(prompt)
-    batch.n_tokens = 1
-    batch.n_seq_id[0], batch.seq_id[0][0], batch.logits[0] = 1, 0, 1
-    for _ in range(tokens - 1):
-        batch.token[0], batch.pos[0] = out[-1], pos
-        if lib.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        pos += 1
-        out.append(int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).argmax()))
+    for pos in range(len(prompt), len(prompt) + tokens - 1):
+        _llama_decode(model._ctx, model._batch, out[-1:], pos, 1)
+        out.append(argmax_last())
     return out, ttft, time.perf_counter() - start
 
 
@@ -136,19 +139,20 @@ def main() -> None:
         try:
             prompts = [encode_prompt(engine.tokenizer, p.as_input(chat=True))
                        for p in load_prompts(args.dataset, args.prompts)]
-            params = SamplingParams(max_new_tokens=args.tokens, stop_token_ids=[])
-            engine.target.eos_token_ids = ()          # no stop: every variant makes exactly --tokens tokens
+            engine.target.eos_token_ids = ()          # paraspec does not stop either: --tokens tokens, as the loops
 
             def run(name, prompt, tokens):
+                """(token ids, TTFT s, TPOT s) of one variant on one prompt."""
+                params = SamplingParams(max_new_tokens=tokens, stop_token_ids=[])
                 if name == "paraspec ar":
-                    r = engine.generate(prompt, SamplingParams(max_new_tokens=tokens, stop_token_ids=[]))
-                    return r.token_ids, r.stats.ttft_s, r.stats.tpot_ms / 1000
-                if name != "llama-server":
+                    r = engine.generate(prompt, params)
+                elif name == "llama-server":
+                    answer, seconds = server.complete(prompt, params)
+                    r = result_from_answer("llamacpp-ar", prompt, params, answer, seconds, 4096)
+                else:
                     ids, ttft, total = bare.generate(prompt, tokens) if name == "llama-cpp-python" else \
                         same_config_loop(engine.target, prompt, tokens)
                     return ids, ttft, (total - ttft) / (len(ids) - 1)
-                answer, seconds = server.complete(prompt, SamplingParams(max_new_tokens=tokens))
-                r = result_from_answer("llamacpp-ar", prompt, params, answer, seconds, 4096)
                 return r.token_ids, r.stats.ttft_s, r.stats.tpot_ms / 1000
 
             for name in names:                         # warm-up
