@@ -34,6 +34,9 @@ CONFIGS = {   # name: (use_extra_bufts, flash_attn_type, GGML_CPU_TILED_MM or No
     "plain": (False, 0, "0"),
     "default": (True, -1, None),
     "repacked+flash": (True, 1, "0"),     # not used by paraspec: is flash attention exact too? (--check)
+    "repacked+tiled": (True, 0, None),    # not used by paraspec: the tiled K-quant matmul on (--check)
+    # the tiled K-quant matmul for every width (GGML_CPU_TILED_MM_FORCE=1: also below its 8 rows)
+    "repacked+tiled-all": (True, 0, None),
 }
 TARGET = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 
@@ -156,6 +159,9 @@ def main() -> None:
             env.pop("GGML_CPU_TILED_MM", None)
             if CONFIGS[c][2] is not None:
                 env["GGML_CPU_TILED_MM"] = CONFIGS[c][2]
+            env.pop("GGML_CPU_TILED_MM_FORCE", None)
+            if c.endswith("tiled-all"):
+                env["GGML_CPU_TILED_MM_FORCE"] = "1"
             cmd = [sys.executable, __file__, "--worker", c, "--model", args.model, "--threads", str(args.threads),
                    "--context", str(args.context), "--widths", ",".join(map(str, args.widths)),
                    "--repeats", str(args.repeats)] + (["--check"] if args.check and r == 0 else [])

@@ -180,14 +180,16 @@ def _llamacpp_permute_inverse(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def quantize_gguf(src: Path, dst: Path, kind: str) -> Path:
-    """`src` quantized by llama.cpp's own quantizer (llama_model_quantize) to `kind` ("Q4_K", "Q4_0", ...), every
-    matrix it can (pure: no per-tensor upgrades); gguf-py cannot write K-quants."""
+    """`src` quantized by llama.cpp's own quantizer (llama_model_quantize) to `kind` ("Q4_K", "Q4_0", "Q6_K", ...),
+    every matrix it can (pure: no per-tensor upgrades), or "Q4_K_M" with llama.cpp's own mix (Q6_K for the output
+    and some ffn_down/attn_v, as the reference pair has); gguf-py cannot write K-quants."""
     from paraspec.models.llamacpp import _llama_cpp
     lib = _llama_cpp()
     params = lib.llama_model_quantize_default_params()
     params.ftype = {"Q4_K": lib.LLAMA_FTYPE_MOSTLY_Q4_K_S, "Q4_0": lib.LLAMA_FTYPE_MOSTLY_Q4_0,
-                    "IQ4_NL": lib.LLAMA_FTYPE_MOSTLY_IQ4_NL}[kind]
-    params.pure = True
+                    "IQ4_NL": lib.LLAMA_FTYPE_MOSTLY_IQ4_NL, "Q6_K": lib.LLAMA_FTYPE_MOSTLY_Q6_K,
+                    "Q4_K_M": lib.LLAMA_FTYPE_MOSTLY_Q4_K_M}[kind]
+    params.pure = kind != "Q4_K_M"
     params.nthread = 1
     if lib.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to {kind}")

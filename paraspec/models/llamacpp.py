@@ -7,10 +7,12 @@ same token's logits computed one token at a time, by up to ~0.5 — enough to fl
 strategy on such a backend would not return `ar`'s tokens. So this backend:
 
 1. runs a configuration made batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): a build without
-   llamafile and with paraspec's patch to the repacked Q4_K one-row kernel (`scripts/build_llamacpp.py wheel`;
-   a llamafile build is refused), flash attention off, `GGML_CPU_TILED_MM=0` (set before the library loads), and
-   weight repacking (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured
-   exact**, else off (`kernels`: "repacked" or "plain");
+   llamafile and with paraspec's patches (`scripts/build_llamacpp.py wheel`; a llamafile build is refused) to the
+   repacked Q4_K one-row kernel and, on AVX512-VNNI builds, to the one-row Q6_K kernel (so that it rounds like the
+   tiled K-quant matmul llama.cpp uses from 8 rows on: `GGML_CPU_TILED_MM` is left on there, and set to 0 on
+   other builds and CPUs, before the first matrix product), flash attention off, and weight repacking
+   (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured exact**, else off
+   (`kernels`: "repacked" or "plain");
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
    and thread count (`probe_exact_width`, cached per model file, build, kernels, CPU and threads) at a short and
    a long context: the repacked kernels are kept only if every width is exact, else the model is opened again
@@ -52,6 +54,7 @@ from paraspec.models.base import check_rollback
 
 PROBE_WIDTH = 16          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
+TILED_MIN_ROWS = 8          # llama.cpp's tiled K-quant matmul takes products of this many activation rows and more
 # weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build
 # without llamafile): LlamaCppModel's `kernels`, chosen by measurement unless asked for (PARASPEC_LLAMACPP_KERNELS)
 KERNELS = ("repacked", "plain")
@@ -66,7 +69,6 @@ def _llama_cpp():
     """Import llama_cpp once, with the batch-invariance switches that must be set before ggml initialises."""
     global _lib
     if _lib is None:
-        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
         try:
             import llama_cpp
         except ImportError as e:
@@ -74,10 +76,15 @@ def _llama_cpp():
                 f"the llamacpp backend needs llama-cpp-python built for paraspec ({e}); run `make setup` or "
                 f"`python scripts/build_llamacpp.py wheel --python {sys.executable}`, or use backend='native'"
             ) from None
-        if os.environ["GGML_CPU_TILED_MM"] != "0":
-            raise ValueError("GGML_CPU_TILED_MM is set to something other than 0; the tiled K-quant matmul is not "
-                             "batch-invariant, so the llamacpp backend would not be exact: unset it")
         info = llama_cpp.llama_print_system_info().decode(errors="replace")
+        # ggml reads GGML_CPU_TILED_MM at its first matrix product, once per process: decided here, before any
+        tiled_exact = tiled_matmul_patched(llama_cpp, info)
+        asked = os.environ.setdefault("GGML_CPU_TILED_MM", "1" if tiled_exact else "0")
+        if asked != "0" and not tiled_exact:
+            raise ValueError(
+                f"GGML_CPU_TILED_MM={asked}: llama.cpp's tiled K-quant matmul (8 rows and more) is batch-invariant "
+                f"only in paraspec's patched build on an AVX512-VNNI CPU, and this build or CPU is not one, so the "
+                f"llamacpp backend would not be exact: unset it (paraspec then turns it off)")
         if "LLAMAFILE = 1" in info:
             raise LlamaCppUnavailable(
                 "this llama-cpp-python was built with llamafile's tinyBLAS, whose multi-token attention products "
@@ -101,9 +108,23 @@ def _log(level, text, user_data):
         sys.stderr.write(text.decode(errors="replace"))
 
 
+def tiled_matmul_patched(llama_cpp, system_info: str) -> bool:
+    """Whether llama.cpp's tiled K-quant matmul rounds like its one-row kernels in this build on this CPU:
+    paraspec's patch (scripts/patches/*tiled-q6K*, which marks the package) covers the tiled kernel of AVX512-VNNI
+    builds. Elsewhere the tiled matmul is turned off (GGML_CPU_TILED_MM=0); either way the load-time probe judges."""
+    return bool(getattr(llama_cpp, "__paraspec_tiled_kquants__", False)) and "AVX512_VNNI = 1" in system_info
+
+
+def tiled_matmul() -> bool:
+    """Whether the tiled K-quant matmul is on in this process (see _llama_cpp)."""
+    _llama_cpp()
+    return os.environ.get("GGML_CPU_TILED_MM", "0") != "0"
+
+
 def build_fingerprint(kernels: str = "plain") -> str:
     """What the numerics depend on besides the model: library build, its switches, the CPU."""
-    return "\n".join([_library_fingerprint(), f"repack={int(kernels == 'repacked')} flash=0 tiled=0"])
+    return "\n".join([_library_fingerprint(),
+                      f"repack={int(kernels == 'repacked')} flash=0 tiled={int(tiled_matmul())}"])
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,6 +161,7 @@ class LlamaCppModel:
         PARASPEC_LLAMACPP_KERNELS, else "auto" = repacked if the probe finds every width exact, else plain
         (plain without a probe)."""
         _llama_cpp()
+        self.tiled_matmul = tiled_matmul()         # llama.cpp's tiled K-quant matmul on (patched VNNI builds)
         self._follow_torch = n_threads is None
         self.n_threads = n_threads or torch.get_num_threads()
         self.path = Path(path)
@@ -202,16 +224,25 @@ class LlamaCppModel:
         self._length = 0
 
     def _measure(self) -> None:
-        """Probe the kernels in use; in auto, repacked kernels not exact at every width give way to plain ones."""
+        """Probe the kernels in use; in auto, repacked kernels found inexact give way to plain ones."""
         prompts = self.fast_prefills              # the probe's prompts are not the user's
-        width = probe_exact_width(self, report=self.kernels == "plain" or self._asked["kernels"] != "auto")
-        if width < PROBE_WIDTH and self.kernels == "repacked" and self._asked["kernels"] == "auto":
+        # with the tiled matmul on, a model holding K-quants the patch does not cover is inexact from 8 rows on
+        # whatever the repacking (every K-quant that is not repacked goes tiled): plain kernels could do no better
+        floor = TILED_MIN_ROWS - 1 if tiled_matmul() else PROBE_WIDTH
+        width = probe_exact_width(self)
+        if width < floor and self.kernels == "repacked" and self._asked["kernels"] == "auto":
             print(f"paraspec: llama.cpp's repacked kernels are not batch-invariant for {self.path.name} here (forwards "
                   f"wider than {width} token(s) differ: an unpatched build, or a CPU the patch does not cover); "
                   f"using weight repacking off", file=sys.stderr, flush=True)
             self.close()
             self._open("plain")
             width = probe_exact_width(self)
+        if width < PROBE_WIDTH:
+            print(f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
+                  f"forwards for {self.path.name} here ({self.kernels} kernels, tiled matmul "
+                  f"{'on' if tiled_matmul() else 'off'}); verification is split into sub-forwards of <= {width}"
+                  + ("; GGML_CPU_TILED_MM=0 may make every width exact" if tiled_matmul() else ""),
+                  file=sys.stderr, flush=True)
         self.exact_width = width
         self.fast_prefills = prompts
 
@@ -438,9 +469,9 @@ def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
     return exact, rows
 
 
-def probe_exact_width(model: LlamaCppModel, report: bool = True) -> int:
-    """measure_exact_width once per (build, kernels, CPU, model file, threads, context size); the result is cached.
-    report: say on stderr when forwards will be split."""
+def probe_exact_width(model: LlamaCppModel) -> int:
+    """measure_exact_width once per (build, kernels, tiled matmul, CPU, model file, threads, context size); the
+    result is cached."""
     path = _probe_cache(model)
     if path.exists():
         try:
@@ -453,16 +484,12 @@ def probe_exact_width(model: LlamaCppModel, report: bool = True) -> int:
               f"thread(s), {model.kernels} kernels (once; cached)", file=sys.stderr, flush=True)
     start = time.perf_counter()
     width, rows = measure_exact_width(model)
-    record = {"exact_width": width, "kernels": model.kernels, "model": str(model.path), "threads": model.n_threads,
+    record = {"exact_width": width, "kernels": model.kernels, "tiled_matmul": tiled_matmul(), "model": str(model.path), "threads": model.n_threads,
               "seconds": round(time.perf_counter() - start, 2), "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
-    if width < PROBE_WIDTH and report:
-        print(f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
-              f"forwards for {model.path.name} here; verification is split into sub-forwards of <= {width}",
-              file=sys.stderr, flush=True)
     return width
 
 

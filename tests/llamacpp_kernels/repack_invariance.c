@@ -1,15 +1,19 @@
-// Batch invariance of ggml's repacked ("extra buffer") CPU matmul kernels, through ggml's public API.
+// Batch invariance of ggml's CPU matmul kernels that paraspec's patches make invariant, through ggml's public API.
 //
-//   repack_invariance TYPE N NC THREADS [SEED]      TYPE: q4_K, q4_0, iq4_nl
+//   repack_invariance TYPE N NC THREADS [SEED]      TYPE: q4_K, q4_0, iq4_nl (repacked), q6_K, q4_K-tiled (tiled)
 //
-// A weight of NC rows x N columns, quantized to TYPE from random values, is placed in the CPU_REPACK buffer
-// (llama.cpp's `use_extra_bufts`), and multiplied with M = 1..16 random activation rows. ggml's repack path
-// sends M - M % 4 rows to a 4-row `gemm` (activations quantized 4 rows at a time) and the rest, one by one, to
-// `gemv`. Row r of every M-row product must be bitwise the product of row r alone (a 1-row forward: gemv).
-// Also printed: the largest difference from the same product on the plain (not repacked) buffer, a sanity
-// check that the repacked kernels compute the product at all.
+// A weight of NC rows x N columns, quantized to TYPE from random values, is multiplied with M = 1..16 random
+// activation rows. Row r of every M-row product must be bitwise the product of row r alone (a 1-row forward).
+// - q4_K, q4_0, iq4_nl: the weight is placed in the CPU_REPACK buffer (llama.cpp's `use_extra_bufts`); ggml's
+//   repack path sends M - M % 4 rows to a 4-row `gemm` (activations quantized 4 rows at a time) and the rest, one
+//   by one, to `gemv`.
+// - q6_K, q4_K-tiled: the weight is in the plain CPU buffer (x86 does not repack Q6_K; a Q4_K weight there is
+//   one llama.cpp did not repack, e.g. a tied embedding); from 8 rows on ggml multiplies it with the tiled K-quant
+//   matmul (ggml-cpu/tiled/, unless GGML_CPU_TILED_MM=0), below with ggml_vec_dot_q6_K_q8_K / _q4_K_q8_K.
+// Also printed: the largest difference of the 16-row product from a double-precision product of the dequantized
+// weight and the activations as the kernels quantize them, a sanity check that the kernels compute the product.
 //
-// Output: one line per M: "width M rows_differing R max_abs_diff D"; then "plain_max_rel_diff X".
+// Output: one line per M: "width M rows_differing R max_abs_diff D"; then "reference_max_rel_diff X".
 // Exit status: 0 all bitwise, 1 some row differs, 2 cannot test here (the weight is not repacked on this CPU).
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -74,23 +78,45 @@ static struct ggml_tensor * weight(ggml_backend_buffer_type_t buft, enum ggml_ty
     return w;
 }
 
+// to floats; q8_K (the activations of K-quants) has no ggml to_float: its block is a float d, 256 int8 values
+// and 16 int16 sums (292 bytes, llama.cpp's block_q8_K)
+static void dequantize(enum ggml_type type, const void * src, float * dst, int64_t count) {
+    if (type != GGML_TYPE_Q8_K) {
+        ggml_get_type_traits(type)->to_float(src, dst, count);
+        return;
+    }
+    if (ggml_type_size(type) != 292) {
+        fprintf(stderr, "unexpected q8_K block size %zu\n", ggml_type_size(type));
+        exit(3);
+    }
+    for (int64_t b = 0; b < count / 256; b++) {
+        const char * block = (const char *) src + b * 292;
+        float d;
+        memcpy(&d, block, sizeof d);
+        for (int i = 0; i < 256; i++) dst[b * 256 + i] = d * (float) ((const int8_t *) (block + 4))[i];
+    }
+}
+
 int main(int argc, char ** argv) {
     if (argc < 5) {
         fprintf(stderr, "usage: %s TYPE N NC THREADS [SEED]\n", argv[0]);
         return 3;
     }
     enum ggml_type type;
-    if (strcmp(argv[1], "q4_K") == 0) type = GGML_TYPE_Q4_K;
+    if (strcmp(argv[1], "q4_K") == 0 || strcmp(argv[1], "q4_K-tiled") == 0) type = GGML_TYPE_Q4_K;
     else if (strcmp(argv[1], "q4_0") == 0) type = GGML_TYPE_Q4_0;
     else if (strcmp(argv[1], "iq4_nl") == 0) type = GGML_TYPE_IQ4_NL;
+    else if (strcmp(argv[1], "q6_K") == 0) type = GGML_TYPE_Q6_K;
     else { fprintf(stderr, "unknown type %s\n", argv[1]); return 3; }
     const int n = atoi(argv[2]), nc = atoi(argv[3]), threads = atoi(argv[4]);
     rng_state = argc > 5 ? strtoull(argv[5], NULL, 10) * 0x9E3779B97F4A7C15ULL + 1 : 88172645463325252ULL;
 
     ggml_backend_t backend = ggml_backend_cpu_init();
     ggml_backend_cpu_set_n_threads(backend, threads);
+    // tested on the plain buffer (the tiled matmul), not repacked
+    const int tiled = type == GGML_TYPE_Q6_K || strcmp(argv[1], "q4_K-tiled") == 0;
     ggml_backend_buffer_type_t repack = repack_buffer_type();
-    if (!repack) {
+    if (!repack && !tiled) {
         printf("no CPU_REPACK buffer type in this build\n");
         return 2;
     }
@@ -102,28 +128,26 @@ int main(int argc, char ** argv) {
     void * q = malloc(qsize);
     ggml_quantize_chunk(type, wf, q, 0, nc, n, NULL);
 
-    struct ggml_context * ctx_r, * ctx_p;
-    ggml_backend_buffer_t buf_r, buf_p;
-    struct ggml_tensor * w_r = weight(repack, type, n, nc, &ctx_r, &buf_r);
-    struct ggml_tensor * w_p = weight(ggml_backend_cpu_buffer_type(), type, n, nc, &ctx_p, &buf_p);
-    if (w_r->extra == NULL) {
+    struct ggml_context * ctx_w;
+    ggml_backend_buffer_t buf_w;
+    struct ggml_tensor * w = weight(tiled ? ggml_backend_cpu_buffer_type() : repack, type, n, nc, &ctx_w, &buf_w);
+    if (!tiled && w->extra == NULL) {
         printf("%s %dx%d is not repacked on this CPU\n", argv[1], nc, n);
         return 2;
     }
-    ggml_backend_tensor_set(w_r, q, 0, qsize);   // the repack buffer's set_tensor repacks
-    ggml_backend_tensor_set(w_p, q, 0, qsize);
+    ggml_backend_tensor_set(w, q, 0, qsize);   // the repack buffer's set_tensor repacks
 
     // activations: random, with some large values (as hidden states have)
     float * x = malloc(sizeof(float) * (size_t) n * MAX_ROWS);
     for (size_t i = 0; i < (size_t) n * MAX_ROWS; i++) x[i] = uniform() * (i % 61 == 0 ? 8.0f : 1.0f);
 
     float * single = malloc(sizeof(float) * (size_t) nc * MAX_ROWS);   // row r computed alone
-    for (int r = 0; r < MAX_ROWS; r++) matmul(backend, w_r, x + (size_t) r * n, n, 1, single + (size_t) r * nc);
+    for (int r = 0; r < MAX_ROWS; r++) matmul(backend, w, x + (size_t) r * n, n, 1, single + (size_t) r * nc);
 
     float * got = malloc(sizeof(float) * (size_t) nc * MAX_ROWS);
     int bad = 0;
     for (int m = 1; m <= MAX_ROWS; m++) {
-        matmul(backend, w_r, x, n, m, got);
+        matmul(backend, w, x, n, m, got);
         int rows = 0;
         double worst = 0.0;
         for (int r = 0; r < m; r++) {
@@ -135,17 +159,31 @@ int main(int argc, char ** argv) {
         bad |= rows != 0;
     }
 
-    // sanity: the plain kernels (vec_dot) give nearly the same product
-    matmul(backend, w_p, x, n, MAX_ROWS, got);
+    // sanity: a double-precision product of the dequantized weight and the activations quantized as the kernels
+    // quantize them (to the type's vec_dot type) is nearly the same
+    const enum ggml_type act_type = ggml_get_type_traits_cpu(type)->vec_dot_type;
+    float * wd = malloc(sizeof(float) * (size_t) n * nc);
+    float * xd = malloc(sizeof(float) * (size_t) n * MAX_ROWS);
+    void * xq = malloc(ggml_row_size(act_type, n) * MAX_ROWS);
+    ggml_get_type_traits(type)->to_float(q, wd, (int64_t) n * nc);
+    for (int r = 0; r < MAX_ROWS; r++) {      // as the kernels quantize activations, row by row
+        ggml_get_type_traits_cpu(act_type)->from_float(x + (size_t) r * n, (char *) xq + ggml_row_size(act_type, n) * r, n);
+    }
+    dequantize(act_type, xq, xd, (int64_t) n * MAX_ROWS);
     double rel = 0.0, scale = 0.0;
-    for (size_t i = 0; i < (size_t) nc * MAX_ROWS; i++) scale = fmax(scale, fabs(got[i]));
-    for (size_t i = 0; i < (size_t) nc * MAX_ROWS; i++) rel = fmax(rel, fabs((double) got[i] - single[i]));
-    printf("plain_max_rel_diff %.3g\n", scale > 0 ? rel / scale : 0.0);
+    for (int r = 0; r < MAX_ROWS; r++) {
+        for (int j = 0; j < nc; j++) {
+            double ref = 0.0;
+            for (int i = 0; i < n; i++) ref += (double) wd[(size_t) j * n + i] * xd[(size_t) r * n + i];
+            scale = fmax(scale, fabs(ref));
+            rel = fmax(rel, fabs(ref - got[(size_t) r * nc + j]));
+        }
+    }
+    printf("reference_max_rel_diff %.3g\n", scale > 0 ? rel / scale : 0.0);
 
-    ggml_backend_buffer_free(buf_r);
-    ggml_backend_buffer_free(buf_p);
-    ggml_free(ctx_r);
-    ggml_free(ctx_p);
+    ggml_backend_buffer_free(buf_w);
+    ggml_free(ctx_w);
+    free(wd); free(xd); free(xq);
     ggml_backend_free(backend);
     free(wf); free(q); free(x); free(single); free(got);
     return bad;

@@ -2,9 +2,12 @@
 
 - the kernels alone: tests/llamacpp_kernels/repack_invariance.c, compiled against the installed llama-cpp-python's
   ggml, multiplies repacked weights with 1..16 activation rows: every row of an M-row product (4-row gemm + one-row
-  gemv for the rest) must be bitwise the row computed alone (gemv), for Q4_K (patched) and Q4_0 / IQ4_NL;
+  gemv for the rest) must be bitwise the row computed alone (gemv), for Q4_K (patched) and Q4_0 / IQ4_NL; and
+  Q6_K and Q4_K weights that are not repacked, whose products of 8 rows and more go to the tiled matmul: on
+  AVX512-VNNI builds the patched one-row kernels must round like it (elsewhere paraspec turns the tiled matmul off);
 - whole models: tiny GGUF files quantized by llama.cpp itself to Q4_K and Q4_0 (all matrices repacked on an
-  AVX2 CPU): a forward of k tokens on the repacked kernels gives the logits of k one-token forwards, bitwise;
+  AVX2 CPU), Q6_K (none repacked: the tiled matmul where it is on) and Q4_K_M (llama.cpp's mix, as the reference
+  pair): a forward of k tokens gives the logits of k one-token forwards, bitwise;
 - the backend keeps the repacked kernels only where the probe finds them exact, and otherwise falls back to
   repacking off.
 On an unpatched build the Q4_K cases fail (rows of the 4-row groups differ by ~1e-5 in the kernels).
@@ -46,20 +49,31 @@ def kernel_program(tmp_path_factory) -> Path:
     return exe
 
 
-@pytest.mark.parametrize("kind", ["q4_K", "q4_0", "iq4_nl"])
+def tiled_build() -> bool:
+    """Whether this build and CPU run the tiled matmul paraspec's patch makes invariant (else it is turned off)."""
+    lib = llamacpp._llama_cpp()
+    return llamacpp.tiled_matmul_patched(lib, lib.llama_print_system_info().decode(errors="replace"))
+
+
+@pytest.mark.parametrize("kind", ["q4_K", "q4_0", "iq4_nl", "q6_K", "q4_K-tiled"])
 @pytest.mark.parametrize("n,nc", [(256, 8), (1536, 256), (8960, 64)])   # (columns of the weight, its rows)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_repacked_rows_equal_one_row_products(kernel_program, kind, n, nc, threads):
+def test_rows_equal_one_row_products(kernel_program, kind, n, nc, threads):
+    env = dict(os.environ)
+    if kind in ("q6_K", "q4_K-tiled"):
+        if not tiled_build():
+            pytest.skip("the tiled matmul is made invariant on AVX512-VNNI builds only (paraspec turns it off here)")
+        env["GGML_CPU_TILED_MM"] = "1"
     for seed in (1, 2):
         proc = subprocess.run([str(kernel_program), kind, str(n), str(nc), str(threads), str(seed)],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, env=env)
         if proc.returncode == 2:
             pytest.skip(proc.stdout.strip())       # not repacked on this CPU (no AVX2): nothing to check
         lines = proc.stdout.splitlines()
         assert len([x for x in lines if x.startswith("width ")]) == 16, proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{kind} {nc}x{n}, {threads} thread(s), seed {seed}:\n{proc.stdout}"
-        # the repacked product is the product: near the plain (vec_dot) kernels' result
-        assert float(lines[-1].split()[-1]) < 1e-4, proc.stdout
+        # the product is the product: near a double-precision one of the same quantized values
+        assert lines[-1].startswith("reference_max_rel_diff") and float(lines[-1].split()[-1]) < 1e-4, proc.stdout
 
 
 # -- whole models on repacked kernels ---------------------------------------------------------------------------
@@ -72,7 +86,7 @@ def repacked_files(tmp_path_factory) -> dict[str, Path]:
                           intermediate_size=512, max_position_embeddings=2048)
     f32 = folder / "f32.gguf"
     write_gguf(f32, model)
-    return {kind: quantize_gguf(f32, folder / f"{kind}.gguf", kind) for kind in ("Q4_K", "Q4_0")}
+    return {kind: quantize_gguf(f32, folder / f"{kind}.gguf", kind) for kind in ("Q4_K", "Q4_0", "Q6_K", "Q4_K_M")}
 
 
 REPACKED = {"Q4_K": "q4_K_8x8", "Q4_0": "q4_0_8x8"}      # x86 with AVX2
@@ -132,7 +146,29 @@ def test_probe_cache_tells_kernels_apart(gguf_pair, monkeypatch, tmp_path):
     repacked = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1, kernels="repacked")
     assert llamacpp._probe_cache(plain) != llamacpp._probe_cache(repacked)
     assert len(list((tmp_path / "llamacpp" / "exactness").glob("*.json"))) == 2
-    assert os.environ.get("GGML_CPU_TILED_MM") == "0"
+    assert os.environ.get("GGML_CPU_TILED_MM") == ("1" if tiled_build() else "0")
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K_M"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_forward_is_bitwise_one_token_forwards(repacked_files, kind, threads):
+    """Q6_K matrices are not repacked on x86: from 8 tokens on they go to the tiled matmul where paraspec leaves it
+    on (patched AVX512-VNNI builds), and its rows must be the one-row kernel's; elsewhere the tiled matmul is off."""
+    assert llamacpp.tiled_matmul() == tiled_build()
+    model = LlamaCppModel(repacked_files[kind], 2048, (), n_threads=threads, probe=False, kernels="repacked")
+    for context in (40, 600):
+        ids = np.random.default_rng(context + 1).integers(0, model.vocab_size, size=context + 16).tolist()
+        assert_forwards_are_one_token_forwards(model, ids, context, kind)
+    model.close()
+
+
+def test_the_tiled_matmul_is_on_only_where_the_patch_covers_it():
+    """On a build without the tiled patch's mark, or one compiled without AVX512-VNNI, it is not trusted."""
+    marked, unmarked = type("lib", (), {"__paraspec_tiled_kquants__": True}), type("lib", (), {})
+    assert llamacpp.tiled_matmul_patched(marked, "AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | REPACK = 1")
+    assert not llamacpp.tiled_matmul_patched(marked, "AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 0 | REPACK = 1")
+    assert not llamacpp.tiled_matmul_patched(marked, "AVX2 = 1 | FMA = 1 | REPACK = 1")
+    assert not llamacpp.tiled_matmul_patched(unmarked, "AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | REPACK = 1")
 
 
 def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
@@ -150,6 +186,7 @@ def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
     for role in ("target", "draft"):
         assert profile[role]["llamacpp"]["kernels"] in ("repacked", "plain")
         assert profile[role]["llamacpp"]["exact_width"] == PROBE_WIDTH
+        assert profile[role]["llamacpp"]["tiled_matmul"] == tiled_build()
 
 
 def test_repacked_one_thread_equals_two_threads(repacked_files):
@@ -158,3 +195,19 @@ def test_repacked_one_thread_equals_two_threads(repacked_files):
     runs = [one_at_a_time(LlamaCppModel(repacked_files["Q4_K"], 2048, (), n_threads=t, probe=False,
                                         kernels="repacked"), ids[:40], ids[40:]) for t in (1, 2)]
     assert torch.equal(*runs)
+
+
+def test_a_tiled_matmul_asked_for_where_it_is_not_exact_is_refused():
+    """GGML_CPU_TILED_MM=1 on a build or CPU the patch does not cover (here: the check made to say so, in a fresh
+    process, as ggml reads the switch once per process) is an error that names the fix, not a near-exact run."""
+    import sys
+    code = ("import paraspec.models.llamacpp as L\n"
+            "L.tiled_matmul_patched = lambda lib, info: False\n"
+            "L._llama_cpp()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GGML_CPU_TILED_MM="1"))
+    assert proc.returncode != 0 and "GGML_CPU_TILED_MM=1" in proc.stderr and "unset it" in proc.stderr, proc.stderr
+    unset = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    proc = subprocess.run([sys.executable, "-c", code + "import os; print(os.environ['GGML_CPU_TILED_MM'])"],
+                          capture_output=True, text=True, timeout=120, env=unset)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stderr
