@@ -50,7 +50,7 @@ test-fast: setup
 #    speculative decoding (llamacpp-spec, the best of draft max 4/8/16 at p-min 0.8, timed on each dataset's first
 #    prompt: every setting restarts the server, ~20 s each; the full 3 x 3 grid is `make bench`'s);
 #  - copy-heavy editing, out/demo/code-edit/: 3 code-edit prompts x 128 tokens; paraspec ar and sd[suffix] (the
-#    suffix drafter, adaptive length up to 16) against llamacpp-ar and llama-server's own n-gram drafting
+#    suffix drafter, adaptive length up to 32) against llamacpp-ar and llama-server's own n-gram drafting
 #    (llamacpp-ngram, ngram-simple n 4 m 16). Every variant in-process on both cores, and no --target-devices:
 #    the adaptive rule times the verification widths when the engine starts, on the engine's devices, and it
 #    must time them with the 2 threads the runs use (a 1-thread profile is steeper).
@@ -62,7 +62,7 @@ demo: setup models peer
 		--target-devices cpu:1 --draft-devices cpu:0 --llamacpp-spec-grid 4:0.8,8:0.8,16:0.8 \
 		--dataset humaneval mt-bench --num-prompts 2 --max-new-tokens 64 --out out/demo
 	$(PYTHON) -m paraspec bench --target $(TARGET) \
-		--strategies "ar,sd[suffix],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 16 --threads 2 \
+		--strategies "ar,sd[suffix],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 32 --threads 2 \
 		--llamacpp-ngram-grid ngram-simple:4:16 \
 		--dataset code-edit --num-prompts 3 --max-new-tokens 128 --out out/demo/code-edit
 
@@ -77,14 +77,14 @@ bench: setup models peer
 		--dataset humaneval mt-bench --num-prompts 5 --max-new-tokens 128 --out out/bench
 
 # Model-free drafting against llama.cpp's own (issue 24): ar, sd with the suffix and the n-gram drafters and with
-# the draft model (adaptive length up to 16: the draft model's catch-up is priced), against llama-server alone and
+# the draft model (adaptive length up to 32: the draft model's catch-up is priced), against llama-server alone and
 # with its n-gram drafting (the best of three settings per dataset), on the copy-heavy workloads and two ordinary
 # ones, 3 prompts x 128 tokens, greedy and at temperature 0.8 (seed 0); out/model-free-t0, out/model-free-t0.8.
 # Not timed yet.
 bench-model-free: setup models peer
 	for t in 0 0.8; do \
 		$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
-			--strategies "ar,sd[suffix],sd[ngram],sd[model],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 16 \
+			--strategies "ar,sd[suffix],sd[ngram],sd[model],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 32 \
 			--llamacpp-ngram-grid ngram-simple:4:16,ngram-simple:12:48,ngram-mod:24:64 --threads 2 \
 			--temperature $$t --seed 0 \
 			--dataset code-edit summarize humaneval mt-bench --num-prompts 3 --max-new-tokens 128 \

@@ -3,9 +3,13 @@ configuration, and whether each configuration is batch-invariant there.
 
 Configurations (each runs in its own process: the library build and GGML_CPU_TILED_MM are per process):
 - `repacked`: paraspec's exact configuration with the patched build: weight repacking on, flash attention off,
-  GGML_CPU_TILED_MM=0;
-- `plain`: paraspec's exact configuration before the patch (and its fallback): repacking off, the rest the same;
+  the tiled K-quant matmul as the backend decides (on for a patched AVX512-VNNI build, else GGML_CPU_TILED_MM=0);
+- `repacked-untiled`: the same with GGML_CPU_TILED_MM=0 (paraspec's configuration before the tiled patch);
+- `plain`: paraspec's exact configuration before the repack patch (and its fallback): repacking off, the rest
+  the same;
 - `repacked+flash`: `repacked` with flash attention on (not what paraspec runs: see its --check column);
+- `repacked+tiled`, `repacked+tiled-all`: the tiled matmul on from 8 rows (ggml's default) or for every width
+  (GGML_CPU_TILED_MM_FORCE=1);
 - `default`: llama.cpp's defaults: repacking on, flash attention auto, the tiled K-quant matmul on (env unset);
   with `--default-lib DIR`, from another llama-cpp-python installation (e.g. an unpatched build installed with
   `pip install --no-deps --target DIR WHEEL`).
@@ -29,9 +33,11 @@ import subprocess
 import sys
 import time
 
+PARASPEC = "paraspec"       # GGML_CPU_TILED_MM as paraspec's backend sets it for this build and CPU
 CONFIGS = {   # name: (use_extra_bufts, flash_attn_type, GGML_CPU_TILED_MM or None = unset)
-    "repacked": (True, 0, "0"),
-    "plain": (False, 0, "0"),
+    "repacked": (True, 0, PARASPEC),
+    "repacked-untiled": (True, 0, "0"),
+    "plain": (False, 0, PARASPEC),
     "default": (True, -1, None),
     "repacked+flash": (True, 1, "0"),     # not used by paraspec: is flash attention exact too? (--check)
     "repacked+tiled": (True, 0, None),    # not used by paraspec: the tiled K-quant matmul on (--check)
@@ -39,6 +45,14 @@ CONFIGS = {   # name: (use_extra_bufts, flash_attn_type, GGML_CPU_TILED_MM or No
     "repacked+tiled-all": (True, 0, None),
 }
 TARGET = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+
+
+def paraspec_tiled() -> str:
+    """GGML_CPU_TILED_MM as paraspec's llamacpp backend sets it (this process runs no product: importing is safe)."""
+    import llama_cpp
+
+    from paraspec.models.llamacpp import tiled_matmul_patched
+    return "1" if tiled_matmul_patched(llama_cpp, llama_cpp.llama_print_system_info().decode(errors="replace")) else "0"
 
 
 def worker(args) -> None:
@@ -58,7 +72,8 @@ def worker(args) -> None:
     mparams.n_gpu_layers = 0
     model = lib.llama_model_load_from_file(args.model.encode(), mparams)
     cparams = lib.llama_context_default_params()
-    cparams.n_ctx = args.context + 64
+    widest = max(args.widths + [16])
+    cparams.n_ctx = args.context + widest + 64
     cparams.n_batch = cparams.n_ubatch = 512
     cparams.n_seq_max = 1
     cparams.n_threads = cparams.n_threads_batch = args.threads
@@ -79,7 +94,7 @@ def worker(args) -> None:
             raise RuntimeError("llama_decode failed")
         return np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(outputs, n_vocab)).copy()
 
-    ids = np.random.default_rng(0).integers(0, n_vocab, size=args.context + 16).tolist()
+    ids = np.random.default_rng(0).integers(0, n_vocab, size=args.context + widest).tolist()
     for start in range(0, args.context, 512):
         decode(ids[start:min(start + 512, args.context)], start, 1)
     out = {"ms": {}, "inexact_widths": None, "system": lib.llama_print_system_info().decode()}
@@ -95,7 +110,7 @@ def worker(args) -> None:
     if args.check:
         reference = np.concatenate([decode([t], p + i, 1) for i, t in enumerate(cont)])
         out["inexact_widths"] = []
-        for w in range(2, 17):
+        for w in range(2, widest + 1):
             lib.llama_memory_seq_rm(mem, 0, p, -1)
             if not np.array_equal(decode(cont[:w], p, w), reference[:w]):
                 out["inexact_widths"].append(w)
@@ -135,11 +150,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=400)
     p.add_argument("--widths", default="1,2,4,8,16")
-    p.add_argument("--configs", default="repacked,plain,default")
+    p.add_argument("--configs", default="repacked,repacked-untiled,plain,default")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per width and round (median)")
     p.add_argument("--default-lib", help="a folder holding another llama_cpp package, for the default config")
-    p.add_argument("--check", action="store_true", help="also check widths 2..16 bitwise against 1-token forwards")
+    p.add_argument("--check", action="store_true", help="also check widths 2..max(16, widest) bitwise against 1-token forwards")
     p.add_argument("--wait-quiet", type=float, default=600, help="seconds to wait for a quiet machine before a run")
     p.add_argument("--max-others", type=float, default=0.1, help="other processes' CPU share that spoils a run")
     p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
@@ -158,7 +173,7 @@ def main() -> None:
             env = dict(os.environ)
             env.pop("GGML_CPU_TILED_MM", None)
             if CONFIGS[c][2] is not None:
-                env["GGML_CPU_TILED_MM"] = CONFIGS[c][2]
+                env["GGML_CPU_TILED_MM"] = paraspec_tiled() if CONFIGS[c][2] == PARASPEC else CONFIGS[c][2]
             env.pop("GGML_CPU_TILED_MM_FORCE", None)
             if c.endswith("tiled-all"):
                 env["GGML_CPU_TILED_MM_FORCE"] = "1"
@@ -183,7 +198,8 @@ def main() -> None:
           f"with logits for each, ms (median over rounds of the median of {args.repeats}; rounds kept: "
           + ", ".join(f"{c} {len(runs[c])}" for c in configs)
           + ("" if all(quiet.values()) else " — all, some configuration had no quiet run: machine shared") + ")")
-    print("| configuration | " + " | ".join(f"w={w}" for w in args.widths) + " | widths 2..16 not bitwise |")
+    print("| configuration | " + " | ".join(f"w={w}" for w in args.widths)
+          + f" | widths 2..{max(args.widths + [16])} not bitwise |")
     print("|---|" + "---|" * (len(args.widths) + 1))
     for c in configs:
         med = [statistics.median(run["ms"][str(w)] for run in runs[c]) for w in args.widths]

@@ -105,7 +105,7 @@ LLAMACPP_STRATEGIES = {
     "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8),
     "sd-suffix": dict(strategy="sd", draft="suffix", lookahead=8),
     "sd-ngram+model-adaptive": dict(strategy="sd", draft=["ngram", DRAFT], lookahead=8, adaptive=True),
-    "sd-suffix-adaptive": dict(strategy="sd", draft="suffix", lookahead=16, adaptive=True),     # make demo's
+    "sd-suffix-adaptive": dict(strategy="sd", draft="suffix", lookahead=32, adaptive=True),     # make demo's
     "dsi-ngram+model": dict(strategy="dsi", draft=["ngram", DRAFT], lookahead=4, target_devices=["cpu:1"],
                             draft_devices=["cpu:0"]),
 }
@@ -161,9 +161,10 @@ def test_llamacpp_fast_prefill_and_the_re_fed_last_prompt_token():
 
 @pytest.mark.parametrize("model", [TARGET, DRAFT])
 def test_llamacpp_repacked_kernels_are_batch_invariant(model):
-    """With paraspec's patched build, llama.cpp's repacked weights (Q4_K -> q4_K_8x8) give a forward of w tokens
-    the logits of w one-token forwards, bitwise, for w = 1..16 at a short and a long context, at 2 threads; and
-    the backend, left to choose, keeps them (the probe finds every width exact)."""
+    """With paraspec's patched build, llama.cpp's repacked weights (Q4_K -> q4_K_8x8; on AVX512-VNNI builds also
+    the tiled matmul of the Q6_K ones from 8 tokens on) give a forward of w tokens the logits of w one-token
+    forwards, bitwise, for w = 1..PROBE_WIDTH at a short and a long context, at 2 threads; and the backend, left
+    to choose, keeps them (the probe finds every width exact)."""
     from paraspec.models.llamacpp import PROBE_WIDTH, LlamaCppModel
     from paraspec.models.loader import gguf_source, resolve_checkpoint
     from tests.llamacpp_checks import assert_forwards_are_one_token_forwards
@@ -171,7 +172,7 @@ def test_llamacpp_repacked_kernels_are_batch_invariant(model):
     lc = LlamaCppModel(path, 1024, (), n_threads=2, probe=False, kernels="repacked")
     rng = torch.Generator().manual_seed(0)
     for context in ((32, 600) if model == TARGET else (600,)):
-        ids = torch.randint(0, lc.vocab_size, (context + 16,), generator=rng).tolist()
+        ids = torch.randint(0, lc.vocab_size, (context + PROBE_WIDTH,), generator=rng).tolist()
         assert_forwards_are_one_token_forwards(lc, ids, context, model)
     lc.close()
     chosen = LlamaCppModel(path, 1024, (), n_threads=2)

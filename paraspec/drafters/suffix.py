@@ -20,7 +20,12 @@ frequency. How long a proposal is comes from the evidence, as in SuffixDecoding:
     match        at most `factor` x the matched length (SuffixDecoding's MAX_SPEC = alpha * p, vLLM's
                  `suffix_decoding_max_spec_factor`; 0: no cap): a 2-token match says little about 10 tokens on;
     memory       a pattern whose last proposal went wrong after r tokens proposes r; one whose last proposal was
-                 right as far as it was checked is not held to the factor (drafters/memory.py; chains only).
+                 right as far as it was checked is not held to the factor (drafters/memory.py; chains only);
+    copy         a chain that followed the request's trie to the depth the trie holds continues, past it, as the
+                 text continued after the latest earlier occurrence of its last COPY_KEY tokens (prompt lookup,
+                 llama.cpp's ngram-simple): a copied span is longer than any trie depth, and where verifying 32
+                 tokens costs what verifying 16 does (llama.cpp's 16-row kernels on AVX-512) the adaptive rule
+                 takes it. A match as long as the trie can see (depth // 2) is not held to the factor either.
 
 q: proposals are deterministic functions of the sequence and the cache, so each token's q is the point mass on
 it (a tree's siblings are distinct fixed tokens: verify_tree judges each with its own point mass).
@@ -28,7 +33,9 @@ it (a tree's siblings are distinct fixed tokens: verify_tree judges each with it
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+import sys
 from collections import deque
 
 import torch
@@ -41,6 +48,7 @@ from paraspec.sampling import SamplingParams
 
 MIN_PROB = 0.1          # vLLM's default suffix_decoding_min_token_prob
 SPEC_FACTOR = 1.0       # vLLM's default suffix_decoding_max_spec_factor
+COPY_KEY = 8            # tokens whose latest earlier occurrence continues a chain past the trie's depth
 
 
 class _Node:
@@ -105,7 +113,8 @@ class SuffixTrie:
 
 class RequestTrie(SequenceIndex):
     """A SuffixTrie of the current request's sequence but its last token, extended as the sequence grows: a
-    match of the sequence's suffix is then always an earlier occurrence (never the suffix itself)."""
+    match of the sequence's suffix is then always an earlier occurrence (never the suffix itself). Beside it, where
+    the text after the latest occurrence of every COPY_KEY tokens starts (to copy past the trie's depth)."""
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -116,11 +125,20 @@ class RequestTrie(SequenceIndex):
         super().restart()
         self.trie = SuffixTrie(self.depth)
         self._active: list[_Node] = []
+        self.after: dict[tuple, int] = {}
 
     def append(self, token: int) -> None:
+        i = len(self.tokens)
         super().append(token)
         if len(self.tokens) >= 2:
             self._active = self.trie._step(self._active, self.tokens[-2], 1)
+        if i >= COPY_KEY:
+            self.after[tuple(self.tokens[i - COPY_KEY:i])] = i
+
+    def copy(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last COPY_KEY tokens of `context`."""
+        start = self.after.get(tuple(context[-COPY_KEY:])) if len(context) >= COPY_KEY else None
+        return [] if start is None else self.tokens[start:start + k]
 
 
 class SuffixDrafter(Drafter):
@@ -143,6 +161,7 @@ class SuffixDrafter(Drafter):
         self.cached: deque[list[int]] = deque()  # the outputs in the cache, oldest first
         self.prompt_len: int | None = None
         self.last_match = 0
+        self._from_request = False               # the last match was the request trie's
 
     # -- requests ---------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -173,12 +192,13 @@ class SuffixDrafter(Drafter):
         theirs = self.cache.match(sequence, longest)
         node, n = mine if mine[1] >= theirs[1] else theirs
         self.last_match = n
+        self._from_request = node is not None and node is mine[0]
         return node, n
 
     # -- proposals --------------------------------------------------------------------------------------------
     def max_length(self, matched: int) -> int:
         """The factor's cap on a proposal after a `matched`-token match (at least one token)."""
-        return max(1, math.ceil(self.factor * matched)) if self.factor > 0 else self.depth
+        return max(1, math.ceil(self.factor * matched)) if self.factor > 0 else sys.maxsize
 
     def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
                 pending: int = 1) -> Proposal:
@@ -193,8 +213,12 @@ class SuffixDrafter(Drafter):
                 break
             tokens.append(token)
             node = child
+        if self._from_request and tokens and len(tokens) == self.depth - n < k:
+            # the trie's depth ended a confident chain: continue as the text did after its last occurrence
+            tokens += itertools.takewhile(lambda t: t < self.vocab_size,
+                                          self.request.copy(sequence + tokens, k - len(tokens)))
         cap, extend = self.memory.consult(sequence, n, tokens) if self.memory else (None, False)
-        if not extend:
+        if not extend and n < self.depth // 2:          # a match as long as the trie sees is not capped
             tokens = tokens[:self.max_length(n)]
         if cap is not None:
             tokens = tokens[:cap]

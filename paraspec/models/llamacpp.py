@@ -52,7 +52,7 @@ import torch
 
 from paraspec.models.base import check_rollback
 
-PROBE_WIDTH = 16          # widths 1..PROBE_WIDTH are checked; wider forwards are split
+PROBE_WIDTH = 32          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
 TILED_MIN_ROWS = 8          # llama.cpp's tiled K-quant matmul takes products of this many activation rows and more
 # weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build

@@ -132,6 +132,25 @@ def test_suffix_proposal_is_at_most_factor_times_the_match():
     assert tree.depth == 3
 
 
+def test_suffix_chain_copies_past_the_trie_depth():
+    """A copy longer than the trie's depth: after a match as long as the trie sees (depth // 2), the chain runs to
+    the depth, then continues as the text did after the latest occurrence of its last 8 tokens, up to k; without
+    such a long match it stays within the depth and the factor."""
+    span = [int(t) for t in np.random.default_rng(3).permutation(np.arange(10, 90))]    # 80 distinct tokens
+    seq = span + [1, 2] + span[:20]                         # the span copied again: a 20-token earlier match
+    drafter = SuffixDrafter(100, depth=16, cache_requests=0, factor=1.0, memory=False)
+    tokens = drafter.propose(seq, 40, GREEDY, GEN).tokens
+    assert drafter.last_match == 8 and tokens == span[20:60]           # 8 from the trie, 32 copied
+    assert drafter.propose(seq, 5, GREEDY, GEN).tokens == span[20:25]  # never more than k
+    short = span + [1, 2] + span[:5]                          # a 5-token match: the factor caps it at 5
+    assert SuffixDrafter(100, depth=16, cache_requests=0, factor=1.0, memory=False).propose(
+        short, 40, GREEDY, GEN).tokens == span[5:10]
+    uncapped = SuffixDrafter(100, depth=16, cache_requests=0, factor=0, memory=False)
+    assert uncapped.propose(short, 40, GREEDY, GEN).tokens == span[5:45]   # no factor: 11 from the trie, 29 copied
+    edited = span + [1, 2] + span[:20] + [3]                  # an edit: nothing earlier continues it
+    assert SuffixDrafter(100, depth=16, cache_requests=0, memory=False).propose(edited, 40, GREEDY, GEN).tokens == []
+
+
 def test_memory_cuts_a_pattern_where_its_last_proposal_went_wrong():
     """ngram: "1 2" was followed by 3 4 5 6; the target wrote 3 4 7 after it. The same pattern continued the same
     way is cut to the 2 tokens that were right; continued otherwise (a later occurrence), it is not cut."""

@@ -96,7 +96,7 @@ def test_probe_measures_and_is_cached(gguf_pair, monkeypatch, tmp_path):
     monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
     first = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2)
     width, rows = measure_exact_width(first)
-    assert first.exact_width == width and {r["width"] for r in rows} == set(range(2, 17))
+    assert first.exact_width == width and {r["width"] for r in rows} == set(range(2, llamacpp.PROBE_WIDTH + 1))
     assert len(list((tmp_path / "llamacpp" / "exactness").glob("*.json"))) == 1
 
     def fail(*a, **k):
