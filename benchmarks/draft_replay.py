@@ -110,14 +110,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path, help="a paraspec bench results.json with an ar variant")
     ap.add_argument("--costs", default="69,108,141,265,455",
-                    help="ms of one target forward of 1,2,4,8,16 tokens (default: Zen 3, repacked, P = 400)")
+                    help="ms of one target forward of 1,2,4,8,16 tokens (default: Zen 3, repacked, P = 400), or "
+                         "WIDTH:MS pairs for any widths (a cost by width that is not smooth, e.g. AVX-512's)")
     ap.add_argument("--drafter", default="suffix", choices=["suffix", "ngram"])
     ap.add_argument("--lookahead", type=int, default=16)
     ap.add_argument("--variant", action="append", default=[],
                     help="OPTION=VALUE[,OPTION=VALUE] (sd's options, or the rule's lower_z / decay / fade)")
     ap.add_argument("--ngram-simple", default="4:16", help="llama.cpp's n:m to replay beside (empty: none)")
     args = ap.parse_args()
-    table = {w: float(ms) / 1000 for w, ms in zip((1, 2, 4, 8, 16), args.costs.split(","))}
+    items = args.costs.split(",")
+    pairs = [item.split(":") for item in items] if ":" in args.costs else zip((1, 2, 4, 8, 16), items)
+    table = {int(w): float(ms) / 1000 for w, ms in pairs}
     results = json.loads(args.results.read_text())
     tokenizer = load_tokenizer(results["meta"]["target"])
     vocab_size = read_config(resolve_checkpoint(results["meta"]["target"]))["vocab_size"]

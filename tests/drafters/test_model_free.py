@@ -288,6 +288,22 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
     assert len(hybrid.propose([1, 2], 8, GREEDY, GEN).tokens) == 8
 
 
+def test_adaptive_sampling_q_is_the_point_mass_of_the_kept_tokens_only():
+    """Under sampling a model-free proposal's q is the one-hot of each token the rule keeps, built after the cut
+    (not a [k, vocab] one-hot of the whole proposal: that cost milliseconds a round for nothing)."""
+    seq = list(range(10, 40)) + [10, 11, 12, 13, 14, 15]                 # a 6-token match, 24 tokens to copy
+    sampling = SamplingParams(temperature=0.8)
+    for cost, kept in ((ForwardCost({1: 0.05, 2: 0.05, 33: 0.05}), 6), (ForwardCost({1: 0.01, 2: 1.0}), 0)):
+        hybrid = Hybrid([SuffixDrafter(100, depth=32, cache_requests=0, memory=False)], cost)
+        proposal = hybrid.propose(seq, 32, sampling, GEN)
+        assert proposal.tokens == list(range(16, 16 + kept))            # flat cost: the factor's 6; steep: none
+        if kept:
+            assert proposal.q.shape == (kept, 100) and torch.equal(proposal.q.argmax(-1), torch.tensor(proposal.tokens))
+            assert torch.equal(proposal.q.sum(-1), torch.ones(kept))
+        else:
+            assert proposal.q is None
+
+
 def test_adaptive_model_drafter_is_probed_after_plain_rounds():
     model = Fixed("model", [7] * 8, False)
     hybrid = Hybrid([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost({1: 0.02})})
