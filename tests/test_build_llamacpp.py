@@ -33,8 +33,12 @@ PATCH = """a comment about why, which patch ignores
 
 
 def test_the_wheel_is_patched_and_its_key_follows_the_patches(build, tmp_path):
-    assert [p.name for p in build.PATCHES] == ["llamacpp-0.3.36-invariant-gemv.patch"]
+    assert [p.name for p in build.PATCHES] == ["llamacpp-0.3.36-invariant-gemv.patch",
+                                               "llamacpp-0.3.36-invariant-tiled-kquants.patch"]
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/repack.cpp" in build.PATCHES[0].read_text()
+    tiled = build.PATCHES[1].read_text()
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/quants.c" in tiled
+    assert "+__paraspec_tiled_kquants__ = True" in tiled      # the mark the backend trusts the tiled matmul by
     args = build.WHEEL_CMAKE_ARGS
     one, same, other = tmp_path / "one.patch", tmp_path / "renamed.patch", tmp_path / "other.patch"
     one.write_text(PATCH)
