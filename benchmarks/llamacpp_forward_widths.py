@@ -154,7 +154,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per width and round (median)")
     p.add_argument("--default-lib", help="a folder holding another llama_cpp package, for the default config")
-    p.add_argument("--check", action="store_true", help="also check widths 2..max(16, widest) bitwise against 1-token forwards")
+    p.add_argument("--check", action="store_true",
+                   help="also check widths 2..max(16, widest) bitwise against 1-token forwards")
     p.add_argument("--wait-quiet", type=float, default=600, help="seconds to wait for a quiet machine before a run")
     p.add_argument("--max-others", type=float, default=0.1, help="other processes' CPU share that spoils a run")
     p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)

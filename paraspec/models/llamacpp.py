@@ -8,9 +8,9 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
 
 1. runs a configuration made batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): a build without
    llamafile and with paraspec's patches (`scripts/build_llamacpp.py wheel`; a llamafile build is refused) to the
-   repacked Q4_K one-row kernel and, on AVX512-VNNI builds, to the one-row Q6_K kernel (so that it rounds like the
-   tiled K-quant matmul llama.cpp uses from 8 rows on: `GGML_CPU_TILED_MM` is left on there, and set to 0 on
-   other builds and CPUs, before the first matrix product), flash attention off, and weight repacking
+   repacked Q4_K one-row kernel and, on AVX512-VNNI builds, to the one-row Q6_K and Q4_K kernels (so that they
+   round like the tiled K-quant matmul llama.cpp uses from 8 rows on: `GGML_CPU_TILED_MM` is left on there, and set
+   to 0 on other builds and CPUs, before the first matrix product), flash attention off, and weight repacking
    (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured exact**, else off
    (`kernels`: "repacked" or "plain");
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
@@ -77,7 +77,7 @@ def _llama_cpp():
                 f"`python scripts/build_llamacpp.py wheel --python {sys.executable}`, or use backend='native'"
             ) from None
         info = llama_cpp.llama_print_system_info().decode(errors="replace")
-        # ggml reads GGML_CPU_TILED_MM at its first matrix product, once per process: decided here, before any
+        # ggml reads GGML_CPU_TILED_MM at its first matrix product, once per process: decided here, before one
         tiled_exact = tiled_matmul_patched(llama_cpp, info)
         asked = os.environ.setdefault("GGML_CPU_TILED_MM", "1" if tiled_exact else "0")
         if asked != "0" and not tiled_exact:
@@ -110,7 +110,7 @@ def _log(level, text, user_data):
 
 def tiled_matmul_patched(llama_cpp, system_info: str) -> bool:
     """Whether llama.cpp's tiled K-quant matmul rounds like its one-row kernels in this build on this CPU:
-    paraspec's patch (scripts/patches/*tiled-q6K*, which marks the package) covers the tiled kernel of AVX512-VNNI
+    paraspec's patch (scripts/patches/*tiled-kquants*, which marks the package) covers the tiled kernel of AVX512-VNNI
     builds. Elsewhere the tiled matmul is turned off (GGML_CPU_TILED_MM=0); either way the load-time probe judges."""
     return bool(getattr(llama_cpp, "__paraspec_tiled_kquants__", False)) and "AVX512_VNNI = 1" in system_info
 
@@ -484,8 +484,8 @@ def probe_exact_width(model: LlamaCppModel) -> int:
               f"thread(s), {model.kernels} kernels (once; cached)", file=sys.stderr, flush=True)
     start = time.perf_counter()
     width, rows = measure_exact_width(model)
-    record = {"exact_width": width, "kernels": model.kernels, "tiled_matmul": tiled_matmul(), "model": str(model.path), "threads": model.n_threads,
-              "seconds": round(time.perf_counter() - start, 2), "rows": rows}
+    record = {"exact_width": width, "kernels": model.kernels, "tiled_matmul": tiled_matmul(), "model": str(model.path),
+              "threads": model.n_threads, "seconds": round(time.perf_counter() - start, 2), "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1))
