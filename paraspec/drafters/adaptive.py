@@ -190,8 +190,8 @@ CALIBRATE_EVERY_WIDTH = 20  # widths measured one by one at start-up; beyond, ev
 def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
     """Widths measured at start-up: every width up to CALIBRATE_EVERY_WIDTH, then every 4th up to pending + max_k.
     A CPU's cost by width need not be smooth: llama.cpp's AVX-512 kernels take activations in 16-row blocks, so
-    on a Zen 5 a 16-token forward costs less than a 15-token one (and 17-32 tokens about as much as 16), which
-    an interpolation between every third width would miss."""
+    on a Zen 5 a 16-token forward costs less than a 15-token one, which an interpolation between every third
+    width would miss."""
     top = pending + max_k
     return sorted(set(range(1, min(top, CALIBRATE_EVERY_WIDTH) + 1)) |
                   set(range(CALIBRATE_EVERY_WIDTH + 4, top + 1, 4)) | {top})

@@ -23,9 +23,9 @@ frequency. How long a proposal is comes from the evidence, as in SuffixDecoding:
                  right as far as it was checked is not held to the factor (drafters/memory.py; chains only);
     copy         a chain that followed the request's trie to the depth the trie holds continues, past it, as the
                  text continued after the latest earlier occurrence of its last COPY_KEY tokens (prompt lookup,
-                 llama.cpp's ngram-simple): a copied span is longer than any trie depth, and where verifying 32
-                 tokens costs what verifying 16 does (llama.cpp's 16-row kernels on AVX-512) the adaptive rule
-                 takes it. A match as long as the trie can see (depth // 2) is not held to the factor either.
+                 llama.cpp's ngram-simple): a copied span is longer than any trie depth, and the adaptive rule
+                 verifies as much of it as pays (on a Zen 5, 32 tokens cost 1.5x 16). A match as long as the trie
+                 can see (depth // 2) is not held to the factor either.
 
 q: proposals are deterministic functions of the sequence and the cache, so each token's q is the point mass on
 it (a tree's siblings are distinct fixed tokens: verify_tree judges each with its own point mass).
@@ -42,7 +42,7 @@ import torch
 
 from paraspec.drafters.base import Drafter, Proposal, point_mass
 from paraspec.drafters.memory import PatternMemory
-from paraspec.drafters.ngram import SequenceIndex
+from paraspec.drafters.ngram import NGramIndex
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
@@ -111,34 +111,25 @@ class SuffixTrie:
         return count
 
 
-class RequestTrie(SequenceIndex):
+class RequestTrie(NGramIndex):
     """A SuffixTrie of the current request's sequence but its last token, extended as the sequence grows: a
-    match of the sequence's suffix is then always an earlier occurrence (never the suffix itself). Beside it, where
-    the text after the latest occurrence of every COPY_KEY tokens starts (to copy past the trie's depth)."""
+    match of the sequence's suffix is then always an earlier occurrence (never the suffix itself). Beside it, the
+    n-gram index of every COPY_KEY tokens (where the text after their latest occurrence starts: `lookup`), to copy
+    past the trie's depth."""
 
     def __init__(self, depth: int):
         self.depth = depth
-        super().__init__()
-        self.restart()
+        super().__init__(COPY_KEY, COPY_KEY)
 
     def restart(self) -> None:
         super().restart()
         self.trie = SuffixTrie(self.depth)
         self._active: list[_Node] = []
-        self.after: dict[tuple, int] = {}
 
     def append(self, token: int) -> None:
-        i = len(self.tokens)
         super().append(token)
         if len(self.tokens) >= 2:
             self._active = self.trie._step(self._active, self.tokens[-2], 1)
-        if i >= COPY_KEY:
-            self.after[tuple(self.tokens[i - COPY_KEY:i])] = i
-
-    def copy(self, context: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the last COPY_KEY tokens of `context`."""
-        start = self.after.get(tuple(context[-COPY_KEY:])) if len(context) >= COPY_KEY else None
-        return [] if start is None else self.tokens[start:start + k]
 
 
 class SuffixDrafter(Drafter):
@@ -161,7 +152,6 @@ class SuffixDrafter(Drafter):
         self.cached: deque[list[int]] = deque()  # the outputs in the cache, oldest first
         self.prompt_len: int | None = None
         self.last_match = 0
-        self._from_request = False               # the last match was the request trie's
 
     # -- requests ---------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -183,7 +173,8 @@ class SuffixDrafter(Drafter):
         while len(self.cached) > self.cache_requests:
             self.cache.add(self.cached.popleft(), sign=-1)
 
-    def _match(self, sequence: list[int]) -> tuple[_Node | None, int]:
+    def _match(self, sequence: list[int]) -> tuple[_Node | None, int, bool]:
+        """The deeper of the two tries' matches: (node, length, whether it is the request's)."""
         if self.prompt_len is None:
             self.prompt_len = len(sequence)
         self.request.sync(sequence)
@@ -192,8 +183,7 @@ class SuffixDrafter(Drafter):
         theirs = self.cache.match(sequence, longest)
         node, n = mine if mine[1] >= theirs[1] else theirs
         self.last_match = n
-        self._from_request = node is not None and node is mine[0]
-        return node, n
+        return node, n, node is not None and node is mine[0]
 
     # -- proposals --------------------------------------------------------------------------------------------
     def max_length(self, matched: int) -> int:
@@ -204,7 +194,7 @@ class SuffixDrafter(Drafter):
                 pending: int = 1) -> Proposal:
         if k <= 0:
             return Proposal([])
-        node, n = self._match(sequence)
+        node, n, from_request = self._match(sequence)
         tokens, prob = [], 1.0
         while node is not None and node.children and len(tokens) < min(k, self.depth - n):
             token, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
@@ -213,10 +203,10 @@ class SuffixDrafter(Drafter):
                 break
             tokens.append(token)
             node = child
-        if self._from_request and tokens and len(tokens) == self.depth - n < k:
+        if from_request and tokens and len(tokens) == self.depth - n < k:
             # the trie's depth ended a confident chain: continue as the text did after its last occurrence
-            tokens += itertools.takewhile(lambda t: t < self.vocab_size,
-                                          self.request.copy(sequence + tokens, k - len(tokens)))
+            copied, _ = self.request.lookup(k - len(tokens), sequence[-COPY_KEY:] + tokens)
+            tokens += itertools.takewhile(lambda t: t < self.vocab_size, copied)
         cap, extend = self.memory.consult(sequence, n, tokens) if self.memory else (None, False)
         if not extend and n < self.depth // 2:          # a match as long as the trie sees is not capped
             tokens = tokens[:self.max_length(n)]
@@ -230,7 +220,7 @@ class SuffixDrafter(Drafter):
         """Best first by the path's empirical probability: at most `width` children a node (its most frequent),
         `depth` levels, `budget` nodes. The children of a node come out in decreasing frequency."""
         tree = TokenTree()
-        root, n = self._match(sequence)
+        root, n, _ = self._match(sequence)
         if root is None:
             return tree
         depth = min(depth, self.depth - n, self.max_length(n))

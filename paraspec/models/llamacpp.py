@@ -228,7 +228,7 @@ class LlamaCppModel:
         prompts = self.fast_prefills              # the probe's prompts are not the user's
         # with the tiled matmul on, a model holding K-quants the patch does not cover is inexact from 8 rows on
         # whatever the repacking (every K-quant that is not repacked goes tiled): plain kernels could do no better
-        floor = TILED_MIN_ROWS - 1 if tiled_matmul() else PROBE_WIDTH
+        floor = TILED_MIN_ROWS - 1 if self.tiled_matmul else PROBE_WIDTH
         width = probe_exact_width(self)
         if width < floor and self.kernels == "repacked" and self._asked["kernels"] == "auto":
             print(f"paraspec: llama.cpp's repacked kernels are not batch-invariant for {self.path.name} here (forwards "
@@ -240,8 +240,8 @@ class LlamaCppModel:
         if width < PROBE_WIDTH:
             print(f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
                   f"forwards for {self.path.name} here ({self.kernels} kernels, tiled matmul "
-                  f"{'on' if tiled_matmul() else 'off'}); verification is split into sub-forwards of <= {width}"
-                  + ("; GGML_CPU_TILED_MM=0 may make every width exact" if tiled_matmul() else ""),
+                  f"{'on' if self.tiled_matmul else 'off'}); verification is split into sub-forwards of <= {width}"
+                  + ("; GGML_CPU_TILED_MM=0 may make every width exact" if self.tiled_matmul else ""),
                   file=sys.stderr, flush=True)
         self.exact_width = width
         self.fast_prefills = prompts
