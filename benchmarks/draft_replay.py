@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -77,17 +78,21 @@ def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead
     out = []
     for prompt, answer in answers:
         hybrid.reset()
+        spent = [0.0]
 
         def propose(sequence, k, pending):
-            return hybrid.propose(sequence, min(k, lookahead), params, generator, pending=pending,
-                                  remaining=len(prompt) + len(answer) - len(sequence)).tokens if k > 0 else []
+            start = time.perf_counter()
+            tokens = hybrid.propose(sequence, min(k, lookahead), params, generator, pending=pending,
+                                    remaining=len(prompt) + len(answer) - len(sequence)).tokens if k > 0 else []
+            spent[0] += time.perf_counter() - start
+            return tokens
 
         def settle(sequence, width, drafts, accepted, committed):
             if drafts:
                 hybrid.accept(len(sequence), list(range(accepted)))
             hybrid.observe(width, cost(width), committed)
 
-        out.append(replay_answer(prompt, answer, cost, propose, settle))
+        out.append(replay_answer(prompt, answer, cost, propose, settle) | {"draft_s": spent[0]})
         hybrid.finish(prompt + answer)
     return out
 
@@ -102,8 +107,10 @@ def summary(rows: list[dict]) -> str:
     speed = sum(r["ar_seconds"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
     rounds = sum(r["draft_rounds"] for r in rows)
     accepted, drafted = sum(r["accepted"] for r in rows), sum(r["drafted"] for r in rows)
+    drafting = (f", proposing {1e3 * statistics.mean(r['draft_s'] for r in rows):.1f} ms per answer (this machine)"
+                if "draft_s" in rows[0] else "")
     return (f"{speed:.3f}x (min {min(r['ar_seconds'] / max(r['seconds'], 1e-9) for r in rows):.2f}), "
-            f"accepted {accepted / rounds if rounds else 0:.2f} per drafting round, {accepted}/{drafted}")
+            f"accepted {accepted / rounds if rounds else 0:.2f} per drafting round, {accepted}/{drafted}{drafting}")
 
 
 def main() -> None:

@@ -18,7 +18,11 @@ frequency. How long a proposal is comes from the evidence, as in SuffixDecoding:
                  `suffix_decoding_min_token_prob`, 0.1): after a short, common context the continuations are too
                  spread to pay;
     match        at most `factor` x the matched length (SuffixDecoding's MAX_SPEC = alpha * p, vLLM's
-                 `suffix_decoding_max_spec_factor`; 0: no cap): a 2-token match says little about 10 tokens on;
+                 `suffix_decoding_max_spec_factor`, 1.0 there): a 2-token match says little about 10 tokens on.
+                 paraspec's default is 0, no cap: the adaptive rule keeps an acceptance per match length and cuts
+                 each proposal where its tokens stop paying, and the cap only threw away the tokens it would have
+                 kept (replayed over 16 ar answers each, Zen 5 costs: +8% code-edit, +6% HumanEval, summarize and
+                 MT-Bench unchanged; `benchmarks/draft_replay.py --variant suffix_factor=1`);
     memory       a pattern whose last proposal went wrong after r tokens proposes r; one whose last proposal was
                  right as far as it was checked is not held to the factor (drafters/memory.py; chains only);
     copy         a chain that followed the request's trie to the depth the trie holds continues, past it, as the
@@ -42,12 +46,12 @@ import torch
 
 from paraspec.drafters.base import Drafter, Proposal, point_mass
 from paraspec.drafters.memory import PatternMemory
-from paraspec.drafters.ngram import NGramIndex
+from paraspec.drafters.ngram import BULK, NGramIndex, gc_paused
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
 MIN_PROB = 0.1          # vLLM's default suffix_decoding_min_token_prob
-SPEC_FACTOR = 1.0       # vLLM's default suffix_decoding_max_spec_factor
+SPEC_FACTOR = 0.0       # no cap by the match length (vLLM's suffix_decoding_max_spec_factor is 1.0): see above
 COPY_KEY = 8            # tokens whose latest earlier occurrence continues a chain past the trie's depth
 
 
@@ -71,8 +75,9 @@ class SuffixTrie:
     def add(self, tokens, sign: int = 1) -> None:
         """Count every substring of `tokens` (up to `depth` long) once per occurrence; sign=-1 removes them."""
         active: list[_Node] = []          # active[d - 1]: the node of the last d tokens
-        for token in tokens:
-            active = self._step(active, int(token), sign)
+        with gc_paused(len(tokens) >= BULK):
+            for token in tokens:
+                active = self._step(active, int(token), sign)
 
     def _step(self, active: list[_Node], token: int, sign: int) -> list[_Node]:
         new = []

@@ -56,8 +56,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
                                     "(matched context up to half of it, then the proposal)", minimum=2),
     Option("suffix_cache", int, 128, "sd, tree, dsi with --draft suffix: earlier outputs kept in the shared "
                                      "suffix cache (0: this request only)", minimum=0),
-    Option("suffix_factor", float, 1.0, "sd, tree, dsi with --draft suffix: a proposal is at most this many times "
-                                        "as long as the matched context (SuffixDecoding's alpha; 0: no cap)",
+    Option("suffix_factor", float, 0.0, "sd, tree, dsi with --draft suffix: a proposal is at most this many times "
+                                        "as long as the matched context (SuffixDecoding's alpha, vLLM's 1.0; "
+                                        "0: no cap, the default: the adaptive rule's acceptance by match length "
+                                        "decides)",
            minimum=0),
     Option("suffix_min_prob", float, 0.1, "sd, tree, dsi with --draft suffix: stop a proposal where the empirical "
                                           "probability of its path (counts in the suffix tries) falls below this",

@@ -294,7 +294,7 @@ def test_adaptive_sampling_q_is_the_point_mass_of_the_kept_tokens_only():
     seq = list(range(10, 40)) + [10, 11, 12, 13, 14, 15]                 # a 6-token match, 24 tokens to copy
     sampling = SamplingParams(temperature=0.8)
     for cost, kept in ((ForwardCost({1: 0.05, 2: 0.05, 33: 0.05}), 6), (ForwardCost({1: 0.01, 2: 1.0}), 0)):
-        hybrid = Hybrid([SuffixDrafter(100, depth=32, cache_requests=0, memory=False)], cost)
+        hybrid = Hybrid([SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=False)], cost)
         proposal = hybrid.propose(seq, 32, sampling, GEN)
         assert proposal.tokens == list(range(16, 16 + kept))            # flat cost: the factor's 6; steep: none
         if kept:
@@ -490,3 +490,41 @@ def test_chain_and_tree_with_point_masses_follow_the_target():
         tree[[1, 3][path[0]] if path else nxt] += 1
     p = np.array([0.1, 0.5, 0.2, 0.2])
     assert chisquare(chain, p * n).pvalue > 1e-3 and chisquare(tree, p * n).pvalue > 1e-3
+
+
+def test_bulk_indexing_pauses_the_garbage_collector_and_restores_it():
+    """A prompt's worth of appends runs with the cyclic collector off (its scans of the nodes built so far were 80%
+    of a suffix trie's build); the collector's state is restored after, also when it was off or the build fails."""
+    import gc
+
+    from paraspec.drafters.ngram import BULK, gc_paused
+    from paraspec.drafters.suffix import RequestTrie
+
+    seen = []
+
+    class Spy(RequestTrie):
+        def append(self, token):
+            seen.append(gc.isenabled())
+            super().append(token)
+
+    assert gc.isenabled()
+    Spy(8).sync(list(range(BULK)))                               # a prompt: paused throughout
+    assert seen == [False] * BULK and gc.isenabled()
+    seen.clear()
+    index = Spy(8)
+    index.sync([1, 2])                                           # a round's few tokens: not paused
+    assert seen == [True, True]
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()                                # off before: left off
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            raise RuntimeError
+    assert gc.isenabled()
+    trie = SuffixTrie(4)
+    trie.add(list(range(BULK)) * 2)
+    assert gc.isenabled() and trie.match([0, 1, 2], 3)[1] == 3
