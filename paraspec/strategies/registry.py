@@ -52,7 +52,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("calibration", bool, True, "easyspec: recompute the draft's KV exactly after each verification"),
     Option("ngram_min", int, 2, "sd, tree, dsi with --draft ngram: shortest n-gram matched (prompt lookup)"),
     Option("ngram_max", int, 4, "sd, tree, dsi with --draft ngram: longest n-gram matched (the longest match wins)"),
-    Option("suffix_depth", int, 32, "sd, tree, dsi with --draft suffix: longest substring the suffix tries keep "
+    Option("suffix_depth", int, 16, "sd, tree, dsi with --draft suffix: longest substring the suffix tries keep "
                                     "(matched context up to half of it, then the proposal)", minimum=2),
     Option("suffix_cache", int, 128, "sd, tree, dsi with --draft suffix: earlier outputs kept in the shared "
                                      "suffix cache (0: this request only)", minimum=0),
