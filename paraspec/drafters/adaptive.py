@@ -57,6 +57,7 @@ LOWER_Z = 0.5                # the rule drafts by the estimate less this many st
 OBSERVED_WIDTHS = 64         # a forward wider than this (a prompt) does not move the per-width costs
 # context lengths grouped for the per-position acceptance of model-free drafters: 1, 2, 3, 4, 5-7, 8-11, 12-15, 16+
 MATCH_BUCKETS = (1, 2, 3, 4, 5, 8, 12, 16)
+SOURCE_STRIDE = 1000         # bucket ids of a drafter's second source of evidence start here (Drafter.sources)
 
 
 def match_bucket(n: int) -> int:

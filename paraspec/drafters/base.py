@@ -45,6 +45,11 @@ class Drafter:
     name = "drafter"
     free = False      # True: proposing costs next to nothing (no model): the adaptive rule may ask every round
     last_match = 0    # a model-free drafter: the context length its last proposal continued (0: none, a model)
+    # a model-free drafter with several sources of evidence: which one its last proposal came from (an index into
+    # `sources`); the adaptive rule keeps a separate acceptance for each (the suffix drafter's output cache of
+    # other requests is right less often than the request's own text at the same match length)
+    last_source = 0
+    sources: tuple[str, ...] = ("",)
     memory = None     # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
     timings: tuple = ()   # a draft model: (width, seconds) of the forwards of its last proposal
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from paraspec.drafters.adaptive import (MATCH_BUCKETS, PROBE_SHARE, PROBE_START, Acceptance, ForwardCost,
-                                        best_length, bucket_label, catch_up_pays, match_bucket)
+from paraspec.drafters.adaptive import (MATCH_BUCKETS, PROBE_SHARE, PROBE_START, SOURCE_STRIDE, Acceptance,
+                                        ForwardCost, best_length, bucket_label, catch_up_pays, match_bucket)
 from paraspec.drafters.base import Drafter, Proposal, point_mass
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
@@ -141,11 +141,12 @@ class Hybrid(Drafter):
 
     def buckets(self, i: int, k: int) -> list[int]:
         """The acceptance bucket of each of drafter i's next k tokens: a model-free drafter's j-th token continues
-        the matched context and the j - 1 tokens drafted before it; a model drafter's are all bucket 0."""
+        the matched context and the j - 1 tokens drafted before it (bucket ids of its second source of evidence
+        start at SOURCE_STRIDE, and so on); a model drafter's are all bucket 0."""
         if not self.drafters[i].free:
             return [0] * k
-        n = self.drafters[i].last_match
-        return [match_bucket(n + j) for j in range(k)]
+        n, base = self.drafters[i].last_match, SOURCE_STRIDE * self.drafters[i].last_source
+        return [base + match_bucket(n + j) for j in range(k)]
 
     def stats(self, i: int, bucket: int = 0) -> Acceptance:
         return self.acceptance.setdefault((i, bucket), Acceptance())
@@ -158,7 +159,8 @@ class Hybrid(Drafter):
         """Drafter i's acceptance in every bucket up to `longest`, shortest first, each bucket's estimate the
         prior of the next; `lower`: what the rule drafts by (Acceptance.lower), else the estimates."""
         out, prior = {}, 0.5
-        for bucket in (0,) + MATCH_BUCKETS:
+        base = longest - longest % SOURCE_STRIDE         # the buckets of the same source of evidence
+        for bucket in (base + b for b in (0,) + MATCH_BUCKETS):
             if bucket > longest:
                 break
             stats = self.acceptance.get((i, bucket)) or Acceptance()
@@ -255,12 +257,20 @@ class Hybrid(Drafter):
             counts = by_k.setdefault(d["drafter"], {})
             counts[d["k"]] = counts.get(d["k"], 0) + 1
         return {"rule": "k* = argmax_k (1 + a1 + a1 a2 + ... + a1..ak) / (k d + c(w + k)), catch-up priced",
-                "alpha": {self.drafters[i].name + ("" if not self.drafters[i].free else f"/{bucket_label(b)}"):
-                          round(self.alpha(i, b), 3) for (i, b) in sorted(self.acceptance)},
+                "alpha": {self._label(i, b): round(self.alpha(i, b), 3) for (i, b) in sorted(self.acceptance)},
                 "rounds_by_k": by_k,
                 "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self.cost.seconds.items())},
                 "draft_cost_ms": {self.drafters[i].name: {w: round(s * 1e3, 2) for w, s in sorted(c.seconds.items())}
                                   for i, c in self.draft_costs.items()}}
+
+
+    def _label(self, i: int, bucket: int) -> str:
+        """`suffix/match5-7`, `suffix/cache/match1` (a second source's), `model` (report keys)."""
+        drafter = self.drafters[i]
+        if not drafter.free:
+            return drafter.name
+        source = drafter.sources[bucket // SOURCE_STRIDE] if bucket // SOURCE_STRIDE < len(drafter.sources) else ""
+        return "/".join(filter(None, (drafter.name, source, bucket_label(bucket % SOURCE_STRIDE))))
 
 
 def _truncate(proposal: Proposal, k: int) -> Proposal:

@@ -7,8 +7,8 @@ from scipy.stats import chisquare
 
 from paraspec import SamplingParams
 from paraspec.drafters import Hybrid, NGramDrafter, Proposal, SuffixDrafter
-from paraspec.drafters.adaptive import (Acceptance, ForwardCost, best_length, bucket_label, catch_up_pays,
-                                        expected_tokens, match_bucket)
+from paraspec.drafters.adaptive import (SOURCE_STRIDE, Acceptance, ForwardCost, best_length, bucket_label,
+                                        catch_up_pays, expected_tokens, match_bucket)
 from paraspec.drafters.base import Drafter
 from paraspec.drafters.hybrid import prune
 from paraspec.drafters.suffix import SuffixTrie
@@ -528,3 +528,31 @@ def test_bulk_indexing_pauses_the_garbage_collector_and_restores_it():
     trie = SuffixTrie(4)
     trie.add(list(range(BULK)) * 2)
     assert gc.isenabled() and trie.match([0, 1, 2], 3)[1] == 3
+
+
+def test_adaptive_keeps_an_acceptance_per_source_of_evidence():
+    """The suffix drafter's proposals from its output cache (other requests) are judged apart from the request's
+    own: a cache whose proposals are always wrong stops being drafted while the request's right ones, at the same
+    match length, still are; the report names both."""
+    context = list(range(10, 20))
+    request_text = context + [1, 2, 3, 4, 5, 6] + context            # the request repeats itself: right proposals
+    suffix = SuffixDrafter(100, depth=16, cache_requests=4, memory=False)
+    suffix.reset()
+    suffix.propose([50, 51], 4, GREEDY, GEN)                          # an earlier request's prompt, and its output:
+    suffix.finish([50, 51] + context + [7, 7, 7, 7, 7, 7])              # the context, then the wrong continuation
+    cost = ForwardCost({1: 0.05, 2: 0.07, 7: 0.12})
+    hybrid = Hybrid([suffix], ForwardCost(dict(cost.seconds)))
+    hybrid.reset()
+    for _ in range(12):                                               # the cache's: always rejected
+        proposal = hybrid.propose([60, 61] + context, 6, GREEDY, GEN)
+        assert suffix.last_source == 1
+        hybrid.accept(12, [])
+        hybrid.observe(1 + len(proposal.tokens), cost(1 + len(proposal.tokens)), [9])
+    assert len(hybrid.propose([60, 61] + context, 6, GREEDY, GEN).tokens) == 0
+    assert hybrid.alpha(0, SOURCE_STRIDE + 8) < 0.2 and hybrid.alpha(0, 8) == 0.5     # the request's: untouched
+    hybrid.reset()
+    for bucket in (8, 12):                                            # the request's own proposals: always right
+        hybrid.acceptance[(0, bucket)] = Acceptance(judged=50, accepted=50)
+    proposal = hybrid.propose(request_text, 6, GREEDY, GEN)           # same match length, the request's own text
+    assert suffix.last_source == 0 and proposal.tokens == [1, 2, 3, 4, 5, 6]
+    assert {"suffix/cache/match8-11", "suffix/match8-11"} <= set(hybrid.report()["alpha"])
