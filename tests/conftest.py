@@ -1,3 +1,4 @@
+import signal
 import time
 from pathlib import Path
 
@@ -9,6 +10,14 @@ from tests.tiny import make_checkpoint
 
 # shared by the strategy, engine, runtime and multi-node tests
 PROMPT = "def fib(n):\n    return"
+
+
+def pytest_configure(config):
+    """Ctrl-C as a terminal delivers it, also when the suite was started in the background of a shell without job
+    control (`make test &`, `nohup ... &`): such a shell starts it with SIGINT ignored, which Python and every
+    child process inherit, and the Ctrl-C tests (test_misuse.py) would see their signals ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # children exec'd from here get SIG_DFL
 
 
 @pytest.fixture(scope="session")
