@@ -82,10 +82,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
 
     Inverse CDF: the first token whose running sum (float64) exceeds u x the total, u uniform in [0, 1) from
     `generator`; a token of probability 0 is never drawn (its running sum equals its predecessor's). Exact as
-    torch.multinomial is, and 20x cheaper on a real vocabulary (151,936 tokens: 0.12 vs 2.4 ms, which was 8% of
-    a decode step on the llamacpp backend)."""
+    torch.multinomial is, and cheaper on a real vocabulary (151,936 tokens, Zen 5: 1.0 ms in a decode loop, 0.12
+    in a fresh process, against 2.4-2.5 ms, which was 8% of a sampled decode step on the llamacpp backend)."""
     cdf = probs.reshape(-1).double().cumsum(0)
-    total = float(cdf[-1]) if len(cdf) else 0.0
+    if not len(cdf):
+        raise ValueError("cannot sample from an empty vector of probabilities")
+    total = float(cdf[-1])
     if not (total > 0 and math.isfinite(total)) or bool(probs.min() < 0):
         raise ValueError(f"cannot sample from these probabilities (sum {total}, min {float(probs.min())}): "
                          f"they must be finite, >= 0 and not all 0")

@@ -263,7 +263,6 @@ class Hybrid(Drafter):
                 "draft_cost_ms": {self.drafters[i].name: {w: round(s * 1e3, 2) for w, s in sorted(c.seconds.items())}
                                   for i, c in self.draft_costs.items()}}
 
-
     def _label(self, i: int, bucket: int) -> str:
         """`suffix/match5-7`, `suffix/cache/match1` (a second source's), `model` (report keys)."""
         drafter = self.drafters[i]
