@@ -268,7 +268,7 @@ class Hybrid(Drafter):
         drafter = self.drafters[i]
         if not drafter.free:
             return drafter.name
-        source = drafter.sources[bucket // SOURCE_STRIDE] if bucket // SOURCE_STRIDE < len(drafter.sources) else ""
+        source = drafter.sources[bucket // SOURCE_STRIDE]
         return "/".join(filter(None, (drafter.name, source, bucket_label(bucket % SOURCE_STRIDE))))
 
 

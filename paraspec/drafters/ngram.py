@@ -31,9 +31,9 @@ BULK = 64          # appends that pause the cyclic garbage collector (a prompt's
 def gc_paused(enabled: bool = True):
     """Python's cyclic garbage collector off for a bulk build of an index (restored after, if it was on).
 
-    Indexing a prompt allocates tens of thousands of small containers (a suffix trie's nodes: 60 000 for 2 000
-    tokens at depth 32); the allocations trigger collections that scan every node built so far, 80% of the
-    build's time (104 vs 21 ms for 1 500 tokens, measured). None of them is garbage: pausing loses nothing."""
+    Indexing a prompt allocates many small containers (a suffix trie: up to `depth` nodes per token); the
+    allocations trigger collections that scan every node built so far, 80% of the build's time (1,500 random
+    tokens at depth 32: 104 vs 21 ms). None of them is garbage: pausing loses nothing."""
     if not enabled or not gc.isenabled():
         yield
         return

@@ -194,10 +194,10 @@ class SuffixDrafter(Drafter):
         longest = self.depth // 2
         mine = self.request.trie.match(sequence, longest)
         theirs = self.cache.match(sequence, longest)
-        node, n = mine if mine[1] >= theirs[1] else theirs
-        from_request = node is not None and node is mine[0]
-        self.last_match, self.last_source = n, 0 if from_request or node is None else 1
-        return node, n, from_request
+        from_request = mine[1] >= theirs[1]
+        node, n = mine if from_request else theirs
+        self.last_match, self.last_source = n, 0 if from_request else 1
+        return node, n, from_request and node is not None
 
     # -- proposals --------------------------------------------------------------------------------------------
     def max_length(self, matched: int) -> int:

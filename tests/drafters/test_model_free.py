@@ -525,9 +525,16 @@ def test_bulk_indexing_pauses_the_garbage_collector_and_restores_it():
         with gc_paused():
             raise RuntimeError
     assert gc.isenabled()
-    trie = SuffixTrie(4)
-    trie.add(list(range(BULK)) * 2)
-    assert gc.isenabled() and trie.match([0, 1, 2], 3)[1] == 3
+    stepped = []
+
+    class SpyTrie(SuffixTrie):
+        def _step(self, active, token, sign):
+            stepped.append(gc.isenabled())
+            return super()._step(active, token, sign)
+
+    trie = SpyTrie(4)
+    trie.add(list(range(BULK)) * 2)                              # an output joining the cache: paused too
+    assert stepped == [False] * 2 * BULK and gc.isenabled() and trie.match([0, 1, 2], 3)[1] == 3
 
 
 def test_adaptive_keeps_an_acceptance_per_source_of_evidence():
