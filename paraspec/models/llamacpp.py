@@ -14,8 +14,8 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured exact**, else off
    (`kernels`: "repacked" or "plain");
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
-   and thread count (`probe_exact_width`, cached per model file, build, kernels, CPU and threads) at a short and
-   a long context: the repacked kernels are kept only if every width is exact, else the model is opened again
+   and thread count (`probe_exact_width`, in a child process where a native crash cannot take the caller down,
+   cached per model file, build, kernels, CPU and threads) at a short and a long context: the repacked kernels are kept only if every width is exact, else the model is opened again
    with repacking off and measured again (an unpatched build, or a CPU whose repacked kernels the patch does not
    cover, is never run near-exact), and
 3. splits every forward after the prompt into sub-forwards no wider than that width. Verification is
@@ -469,9 +469,22 @@ def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
     return exact, rows
 
 
+def run_probe(model: LlamaCppModel) -> tuple[int, list[dict]]:
+    """measure_exact_width for `model`'s file, kernels, threads and context, in a child process
+    (models/llamacpp_child.py): the first probe of a build on a CPU is the first time its kernels run there, and a
+    kernel that kills its process (SIGILL) must not kill the caller. The child loads its own copy of the model."""
+    from paraspec.models.llamacpp_child import run_child
+    spec = {"path": str(model.path), "max_context": model._asked["max_context"], "n_threads": model.n_threads,
+            "kv_f32": model._asked["kv_f32"], "kernels": model.kernels}
+    answer = run_child(["probe", json.dumps(spec)],
+                       f"llama.cpp's exactness probe of {model.path.name} ({model.kernels} kernels, "
+                       f"{model.n_threads} thread(s))")
+    return int(answer["exact_width"]), answer["rows"]
+
+
 def probe_exact_width(model: LlamaCppModel) -> int:
-    """measure_exact_width once per (build, kernels, tiled matmul, CPU, model file, threads, context size); the
-    result is cached."""
+    """The probe's verdict, measured once per (build, kernels, tiled matmul, CPU, model file, threads, context size)
+    in a child process (run_probe) and cached."""
     path = _probe_cache(model)
     if path.exists():
         try:
@@ -481,9 +494,9 @@ def probe_exact_width(model: LlamaCppModel) -> int:
     big = model.path.stat().st_size > 50 << 20
     if big:
         print(f"paraspec: checking llama.cpp batch invariance for {model.path.name} at {model.n_threads} "
-              f"thread(s), {model.kernels} kernels (once; cached)", file=sys.stderr, flush=True)
+              f"thread(s), {model.kernels} kernels (once, in a child process; cached)", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    width, rows = measure_exact_width(model)
+    width, rows = run_probe(model)
     record = {"exact_width": width, "kernels": model.kernels, "tiled_matmul": tiled_matmul(), "model": str(model.path),
               "threads": model.n_threads, "seconds": round(time.perf_counter() - start, 2), "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from paraspec.models.crashes import describe_death
 from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device
 from paraspec.runtime.errors import WorkerClosed
@@ -77,7 +78,7 @@ def _monitor(state: _RuntimeState) -> None:
             noted.add(worker.name)
             if not state.closing and not worker._closed:
                 code = worker._exitcode()
-                state.stop_all(f"worker {worker.name!r} ({worker.device}) died with exit code {code}")
+                state.stop_all(f"worker {worker.name!r} ({worker.device}) died{describe_death(code)}")
         if tick is not None and not state.closing:
             for worker in workers:
                 if worker.name not in noted and worker._check_heartbeat(state.worker_timeout):

@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
+from paraspec.models.crashes import describe_death, signal_name
 from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device, DeviceError, parse_device
 from paraspec.runtime.errors import WorkerClosed, WorkerDied, WorkerError, WorkerTimeout, remote_error
@@ -358,16 +359,13 @@ class Worker(abc.ABC):
             return
         code = self._exitcode()
         how = "closed" if self._closed else "died"
-        if code is not None and code < 0:
-            try:
-                how += f" with signal {signal.Signals(-code).name}"
-            except ValueError:
-                how += f" with signal {-code}"
-        elif code is not None:
-            how += f" with exit code {code}"
-        if self._info is None and self._ready_error is None:
-            how += (" before its model was ready; its stderr says why (a script that starts workers needs "
-                    "`if __name__ == '__main__':`, and the model factory must be importable by module name)")
+        early = self._info is None and self._ready_error is None
+        if early:
+            how += " before its model was ready"
+        how += describe_death(code)
+        if early and signal_name(code) is None:
+            how += ("; its stderr says why (a script that starts workers needs `if __name__ == '__main__':`, and "
+                    "the model factory must be importable by module name)")
         self._death = WorkerDied(f"worker {self.name!r} ({self.device}, pid {self.pid}) {how}", self.name, code)
 
 

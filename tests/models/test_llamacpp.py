@@ -101,7 +101,7 @@ def test_probe_measures_and_is_cached(gguf_pair, monkeypatch, tmp_path):
 
     def fail(*a, **k):
         raise AssertionError("measured again")
-    monkeypatch.setattr(llamacpp, "measure_exact_width", fail)
+    monkeypatch.setattr(llamacpp, "run_probe", fail)
     assert LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2).exact_width == width   # from the cache
     with pytest.raises(AssertionError, match="measured again"):       # another thread count is another key
         LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)

@@ -123,12 +123,12 @@ def test_auto_falls_back_to_plain_kernels_where_repacked_ones_are_not_exact(gguf
     """A build or CPU whose repacked kernels the probe finds inexact (here: the probe made to say so) runs with
     repacking off, measured again; asked for explicitly, the repacked kernels stay, split to their width."""
     monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
-    real = llamacpp.measure_exact_width
+    real = llamacpp.run_probe
 
-    def repacked_inexact(model, *a, **k):
-        width, rows = real(model, *a, **k)
+    def repacked_inexact(model):
+        width, rows = real(model)
         return (3 if model.kernels == "repacked" else width), rows
-    monkeypatch.setattr(llamacpp, "measure_exact_width", repacked_inexact)
+    monkeypatch.setattr(llamacpp, "run_probe", repacked_inexact)
     auto = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
     assert auto.kernels == "plain" and auto.exact_width == PROBE_WIDTH and auto._fast is not None
     asked = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1, kernels="repacked")

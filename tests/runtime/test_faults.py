@@ -15,7 +15,7 @@ import pytest
 from paraspec.runtime import ChannelStopped, RemoteError, Runtime, WorkerClosed, WorkerDied
 from tests.runtime import loops
 from tests.runtime.conftest import process_running, segments_of
-from tests.runtime.toy_model import broken_factory, make_toy
+from tests.runtime.toy_model import broken_factory, illegal_instruction_factory, make_toy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +117,24 @@ def test_process_factory_failure_and_exit():
             worker.wait_ready(timeout=60)
         assert "broken_factory" in info.value.remote_traceback
         pid = worker.pid
+    assert_nothing_left([pid])
+
+
+def test_a_worker_killed_by_sigill_is_an_error_that_says_what_and_how_to_rebuild():
+    """A native kernel the CPU refuses kills the worker with SIGILL (injected here): the caller gets WorkerDied
+    naming the signal, what it means and the command that rebuilds llama.cpp, within seconds, not a bare code."""
+    with Runtime("process") as rt:
+        worker = rt.add_worker("target", "cpu:0", illegal_instruction_factory)
+        start = time.perf_counter()
+        with pytest.raises(WorkerDied) as info:
+            worker.wait_ready(timeout=60)
+        pid = worker.pid
+    assert info.value.exitcode == -signal.SIGILL
+    message = str(info.value)
+    assert "before its model was ready with signal SIGILL" in message
+    assert "an instruction this CPU or VM refuses" in message
+    assert "scripts/build_llamacpp.py wheel --force" in message and "stderr says why" not in message
+    assert time.perf_counter() - start < 60
     assert_nothing_left([pid])
 
 

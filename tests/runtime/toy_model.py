@@ -71,3 +71,10 @@ def make_toy(**kwargs) -> ToyModel:
 
 def broken_factory(**kwargs):
     raise RuntimeError("factory exploded on purpose")
+
+
+def illegal_instruction_factory(**kwargs):
+    """A model whose loading kills its process the way a kernel the CPU refuses does (SIGILL)."""
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGILL)

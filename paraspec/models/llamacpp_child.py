@@ -1,0 +1,180 @@
+"""llama.cpp work that may kill its process, run in a child: a crash there becomes an error here.
+
+    python -m paraspec.models.llamacpp_child probe '{"path": ..., "kernels": ..., "n_threads": ..., ...}'
+    python -m paraspec.models.llamacpp_child smoke [--threads 1,2]
+
+- `probe`: the exactness probe (`measure_exact_width`) of one (model, kernels, threads, context). The first
+  probe of a (build, CPU, model) is the first time those kernels run on this CPU, so it runs here, where a native
+  crash (SIGILL from an instruction the CPU or VM refuses) cannot take down the caller: a pytest run, a server,
+  a notebook. Its verdict is cached by the caller; later loads read the cache and run in-process.
+- `smoke`: after a build, tiny random GGUF files (Q4_K_M, Q4_0, Q8_0: every kind of quantized weight llama.cpp
+  moves to its repacked or AMX kernels) are loaded with weight repacking on and decoded at widths 1 and 8, at 1
+  and 2 threads, with a bf16 torch matmul (oneDNN, which uses AMX where the CPU has it) between two of the
+  forwards on the same thread. scripts/build_llamacpp.py runs it and rebuilds without the instructions that crash.
+Each prints one JSON line on success.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from paraspec.models.crashes import NativeCrash, describe_death
+
+# the child's command line (tests replace it with a child that crashes on purpose)
+COMMAND = [sys.executable, "-m", "paraspec.models.llamacpp_child"]
+
+
+def run_child(args: list[str], what: str, timeout: float | None = None) -> dict:
+    """Run `COMMAND + args` and return its JSON answer; a child killed by a signal raises NativeCrash naming the
+    signal and what it means, any other failure a RuntimeError with the child's last lines of stderr."""
+    try:
+        proc = subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} did not finish in {timeout:g} s") from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        death = describe_death(proc.returncode)
+        if proc.returncode < 0:
+            raise NativeCrash(f"{what} died{death}" + (f"\n--- its stderr ---\n{tail}" if tail else ""),
+                              proc.returncode)
+        raise RuntimeError(f"{what} failed{death}:\n{tail}")
+    lines = proc.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"{what} gave no answer (stdout: {proc.stdout[-500:]!r})") from None
+
+
+# -- probe ------------------------------------------------------------------------------------------------
+def probe(spec: dict) -> dict:
+    from paraspec.models.llamacpp import LlamaCppModel, measure_exact_width
+    model = LlamaCppModel(Path(spec["path"]), spec["max_context"], (), n_threads=spec["n_threads"], probe=False,
+                          kv_f32=spec["kv_f32"], fast_prefill=False, kernels=spec["kernels"])
+    try:
+        width, rows = measure_exact_width(model)
+    finally:
+        model.close()
+    return {"exact_width": width, "rows": rows}
+
+
+# -- smoke ------------------------------------------------------------------------------------------------
+SMOKE_KINDS = ("Q4_K_M", "Q4_0", "Q8_0")
+# shapes llama.cpp's AMX and repacked kernels take (rows a multiple of 32, K-quant rows of 256 values)
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 288, 2
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's printable spelling of the 256 bytes (a byte-level BPE vocabulary with no merges)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    extra = [b for b in range(256) if b not in bs]
+    spelled = dict(zip(bs, map(chr, bs)))
+    spelled.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return [spelled[b] for b in range(256)]
+
+
+def write_random_gguf(path: Path, seed: int = 0) -> Path:
+    """A random 2-layer llama-architecture model in f32 with a byte-level vocabulary of VOCAB tokens."""
+    import gguf
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    tokens = _byte_tokens() + [f"<|special{i}|>" for i in range(VOCAB - 256)]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("paraspec smoke model")
+    w.add_block_count(LAYERS)
+    w.add_context_length(1024)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 256 + [3] * (VOCAB - 256))
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+
+    def matrix(rows: int, cols: int):
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    kv = HIDDEN // HEADS * KV_HEADS
+    w.add_tensor("token_embd.weight", matrix(VOCAB, HIDDEN))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    w.add_tensor("output.weight", matrix(VOCAB, HIDDEN))
+    for i in range(LAYERS):
+        for name, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (kv, HIDDEN)), ("attn_v", (kv, HIDDEN)),
+                            ("attn_output", (HIDDEN, HIDDEN)), ("ffn_gate", (FFN, HIDDEN)),
+                            ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))):
+            w.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def quantize(src: Path, dst: Path, kind: str) -> Path:
+    """`src` quantized by llama.cpp's own quantizer to `kind` (Q4_K_M: llama.cpp's mix of Q4_K and Q6_K)."""
+    from paraspec.models.llamacpp import _llama_cpp
+    lib = _llama_cpp()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = {"Q4_K_M": lib.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q4_0": lib.LLAMA_FTYPE_MOSTLY_Q4_0,
+                    "Q8_0": lib.LLAMA_FTYPE_MOSTLY_Q8_0}[kind]
+    params.nthread = 1
+    if lib.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {kind}")
+    return dst
+
+
+def smoke(threads: tuple[int, ...] = (1, 2)) -> dict:
+    import torch
+
+    from paraspec.models.llamacpp import LlamaCppModel
+    ran = []
+    with tempfile.TemporaryDirectory(prefix="paraspec-smoke-") as tmp:
+        f32 = write_random_gguf(Path(tmp) / "f32.gguf")
+        for kind in SMOKE_KINDS:
+            path = quantize(f32, Path(tmp) / f"{kind}.gguf", kind)
+            for n in threads:
+                model = LlamaCppModel(path, 256, (), n_threads=n, probe=False, fast_prefill=False,
+                                      kernels="repacked")
+                try:
+                    ids = [(7 * i + 3) % 256 for i in range(40)]
+                    model.prefill(ids[:24])                  # a prompt: the multi-row kernels
+                    model.forward(ids[24:25])                # width 1: the one-row kernels
+                    model.forward(ids[25:33])                # width 8
+                    # oneDNN on this thread (AMX on CPUs that have it), then llama.cpp's tiles again
+                    x = torch.ones(256, 256, dtype=torch.bfloat16)
+                    torch.nn.functional.linear(x, x)
+                    logits = model.forward(ids[33:40])
+                    if not torch.isfinite(logits).all():
+                        raise RuntimeError(f"{kind} at {n} thread(s): non-finite logits")
+                finally:
+                    model.close()
+                ran.append(f"{kind}@{n}t")
+    return {"ok": True, "ran": ran}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["probe"] and len(argv) == 2:
+        answer = probe(json.loads(argv[1]))
+    elif argv[:1] == ["smoke"]:
+        threads = (1, 2)
+        if argv[1:2] == ["--threads"]:
+            threads = tuple(int(t) for t in argv[2].split(","))
+        answer = smoke(threads)
+    else:
+        raise SystemExit(__doc__)
+    print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()
