@@ -80,7 +80,7 @@ def write_random_gguf(path: Path, seed: int = 0) -> Path:
     import gguf
     import numpy as np
     rng = np.random.default_rng(seed)
-    tokens = _byte_tokens() + [f"<|special{i}|>" for i in range(VOCAB - 256)]
+    tokens = _byte_tokens() + ["Ġt"] + [f"<|special{i}|>" for i in range(VOCAB - 257)]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("paraspec smoke model")
     w.add_block_count(LAYERS)
@@ -95,10 +95,10 @@ def write_random_gguf(path: Path, seed: int = 0) -> Path:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3] * (VOCAB - 256))
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
+    w.add_token_types([1] * 257 + [3] * (VOCAB - 257))
+    w.add_token_merges(["Ġ t"])                   # llama.cpp wants at least one
+    w.add_bos_token_id(257)
+    w.add_eos_token_id(258)
 
     def matrix(rows: int, cols: int):
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)

@@ -257,9 +257,16 @@ def test_fast_prefill_hands_its_kv_cache_to_the_exact_context(gguf_pair, kind):
         model.close()
     if kind == "target":
         assert torch.equal(runs[True], runs[False])
-    else:                                  # Q8_0 may be repacked: close, and the same greedy tokens
-        assert float((runs[True] - runs[False]).abs().max()) < 0.2
-        assert torch.equal(runs[True].argmax(-1), runs[False].argmax(-1))
+    else:
+        # Q8_0 may be repacked (CPU_REPACK, or AMX kernels on CPUs that have it): the prompt's KV cache comes from
+        # other kernels, so the logits are close, and the greedy token is the same wherever the exact context's
+        # top-2 margin is wider than the largest difference (a near tie may go either way)
+        diff = float((runs[True] - runs[False]).abs().max())
+        assert diff < 0.2
+        top2 = runs[False].topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        assert clear.sum() >= len(clear) // 2, "too few clear choices for the check to mean anything"
+        assert torch.equal(runs[True].argmax(-1)[clear], runs[False].argmax(-1)[clear])
 
 
 def test_fast_prefill_is_one_and_the_same_for_every_strategy(gguf_pair, monkeypatch):
