@@ -90,6 +90,18 @@ def peer_binaries(build: bool = True) -> Path:
     return script.build_peer()
 
 
+def peer_build_label(binaries: Path) -> str:
+    """'llama.cpp default build', plus the crash fixes it was built with (scripts/patches/*-fix-*: they change no
+    result), as its build.json records them."""
+    try:
+        patches = json.loads((Path(binaries).parent / "build.json").read_text()).get("patches") or []
+    except (OSError, ValueError):
+        patches = []
+    fixes = [p.removesuffix(".patch").split("-fix-", 1)[-1] for p in patches]
+    return "llama.cpp default build" + (f" + crash fix{'es' if len(fixes) > 1 else ''} {', '.join(fixes)}"
+                                        if fixes else "")
+
+
 def gguf_file(spec: str | os.PathLike, role: str = "target") -> Path:
     """The GGUF file behind a model argument: a .gguf path, or a checkpoint folder or hub id that paraspec
     converted from a GGUF (its paraspec_source.json records gguf_path; the reference pair's does)."""
@@ -372,7 +384,7 @@ class LlamaCppPeer:
         self.grid = [(int(n), float(p)) for n, p in spec_grid] if name == "llamacpp-spec" else \
             [(str(t), int(n), int(m)) for t, n, m in ngram_grid] if name == "llamacpp-ngram" else []
         self.setting: tuple | None = self.grid[0] if self.grid else None
-        self.settings = {"dtype": summary["quantization"], "program": "llama-server (llama.cpp default build)",
+        self.settings = {"dtype": summary["quantization"], "program": f"llama-server ({peer_build_label(self.binaries)})",
                          "target_gguf": str(self.target_gguf), "threads": threads,
                          "cores": list(self.cores) if self.cores else "all"}
         if self.draft_gguf:

@@ -59,6 +59,10 @@ def markdown_table(result: BenchResult, rows: list[dict]) -> str:
             lines.append(f"- {variant} on {d['prompt_id']} at output token {d['index']}: {reference} "
                          f"{_tok(d['reference_token'])} vs {_tok(d['token'])}, gap {_num(d['reference_margin'], '.4f')}"
                          f" ({reference}) / {_num(d['margin'], '.4f')} ({variant})")
+    programs = sorted({info["settings"]["program"] for info in result.contenders.values()
+                       if "program" in info.get("settings", {})})
+    if programs:
+        lines += ["", f"The llama.cpp peers ran {', '.join(programs)}."]
     lines += _spec_grid_lines(result)
     return "\n".join(lines) + "\n"
 

@@ -321,3 +321,11 @@ def test_peer_names_are_bench_variants():
     assert names == ["ar@1t", "llamacpp-ar@1t", "llamacpp-spec@2t", "llamacpp-ngram@1t"]
     with pytest.raises(ValueError, match="llamacpp-spec needs a draft"):
         LlamaCppPeer("llamacpp-spec", "x.gguf")
+
+
+def test_the_peer_is_labelled_with_the_crash_fixes_it_was_built_with(tmp_path):
+    from paraspec.bench.llamacpp_peers import peer_build_label
+    (tmp_path / "bin").mkdir()
+    assert peer_build_label(tmp_path / "bin") == "llama.cpp default build"       # no build.json: nothing claimed
+    (tmp_path / "build.json").write_text('{"patches": ["llamacpp-0.3.36-fix-amx-tile-config.patch"]}')
+    assert peer_build_label(tmp_path / "bin") == "llama.cpp default build + crash fix amx-tile-config"
