@@ -1,5 +1,7 @@
 """llama.cpp's repacked weight kernels, made batch-invariant by scripts/patches/ (docs/BENCHMARKS.md).
 
+- AMX CPUs: tests/llamacpp_kernels/amx_invariance.c, the same for the weights llama.cpp puts in its AMX buffer
+  (one row on AVX512-VNNI, more on AMX tiles), skipped with its reason elsewhere;
 - the kernels alone: tests/llamacpp_kernels/repack_invariance.c, compiled against the installed llama-cpp-python's
   ggml, multiplies repacked weights with 1..16 activation rows: every row of an M-row product (4-row gemm + one-row
   gemv for the rest) must be bitwise the row computed alone (gemv), for Q4_K (patched) and Q4_0 / IQ4_NL; and
@@ -29,12 +31,11 @@ from paraspec.models.llamacpp import PROBE_WIDTH, LlamaCppModel
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import quantize_gguf, tiny_hf_model, tiny_vocab, write_gguf
 
-PROGRAM = Path(__file__).resolve().parents[1] / "llamacpp_kernels" / "repack_invariance.c"
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "llamacpp_kernels"
 
 
-@pytest.fixture(scope="module")
-def kernel_program(tmp_path_factory) -> Path:
-    """repack_invariance.c built against the ggml that llama-cpp-python ships (headers and shared libraries)."""
+def build_kernel_program(tmp_path_factory, name: str) -> Path:
+    """tests/llamacpp_kernels/NAME.c built against the ggml that llama-cpp-python ships (headers and libraries)."""
     spec = importlib.util.find_spec("llama_cpp")
     compiler = shutil.which("cc") or shutil.which("gcc")
     if spec is None or compiler is None:
@@ -43,10 +44,20 @@ def kernel_program(tmp_path_factory) -> Path:
     lib, include = package / "lib", package.parent / "include"
     if not (include / "ggml-backend.h").exists() or not list(lib.glob("libggml-cpu.so*")):
         pytest.skip(f"llama-cpp-python's ggml headers or libraries are not installed ({include}, {lib})")
-    exe = tmp_path_factory.mktemp("kernels") / "repack_invariance"
-    subprocess.run([compiler, "-O2", "-o", str(exe), str(PROGRAM), f"-I{include}", f"-L{lib}", "-lggml",
-                    "-lggml-base", "-lggml-cpu", "-lm", f"-Wl,-rpath,{lib}"], check=True)
+    exe = tmp_path_factory.mktemp("kernels") / name
+    subprocess.run([compiler, "-O2", "-o", str(exe), str(KERNELS_DIR / f"{name}.c"), f"-I{include}", f"-L{lib}",
+                    "-lggml", "-lggml-base", "-lggml-cpu", "-lm", f"-Wl,-rpath,{lib}"], check=True)
     return exe
+
+
+@pytest.fixture(scope="module")
+def kernel_program(tmp_path_factory) -> Path:
+    return build_kernel_program(tmp_path_factory, "repack_invariance")
+
+
+@pytest.fixture(scope="module")
+def amx_program(tmp_path_factory) -> Path:
+    return build_kernel_program(tmp_path_factory, "amx_invariance")
 
 
 def tiled_build() -> bool:
@@ -73,6 +84,30 @@ def test_rows_equal_one_row_products(kernel_program, kind, n, nc, threads):
         assert len([x for x in lines if x.startswith("width ")]) == 16, proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{kind} {nc}x{n}, {threads} thread(s), seed {seed}:\n{proc.stdout}"
         # the product is the product: near a double-precision one of the same quantized values
+        assert lines[-1].startswith("reference_max_rel_diff") and float(lines[-1].split()[-1]) < 1e-4, proc.stdout
+
+
+AMX_SHAPES = [(256, 96), (1536, 256), (8960, 64)]       # (columns of the weight: K, its rows); rows % 32 == 0
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs"])
+@pytest.mark.parametrize("n,nc", AMX_SHAPES + [(32, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_rows_equal_one_row_products(amx_program, kind, n, nc, threads):
+    """On CPUs with AMX, llama.cpp multiplies the weights it places in its AMX buffer with AVX512-VNNI for one
+    activation row and with AMX tiles (blocks of 32 rows, a tail unpacked) for more: M = 1..40 rows, every row
+    bitwise the row alone. K = 32 (one block of the 32-value types) is the case paraspec's patch
+    (scripts/patches/*invariant-amx*) fixes: a full 32-row block added its product to stale memory."""
+    if n % 256 and kind not in ("q4_0", "q4_1", "q8_0"):
+        pytest.skip(f"{kind} rows hold 256-value super blocks")
+    for seed in (1, 2):
+        proc = subprocess.run([str(amx_program), kind, str(n), str(nc), str(threads), str(seed)],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode == 2:
+            pytest.skip(f"no AMX here: {proc.stdout.strip()}")
+        lines = proc.stdout.splitlines()
+        assert len([x for x in lines if x.startswith("width ")]) == 40, proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{kind} {nc}x{n}, {threads} thread(s), seed {seed}:\n{proc.stdout}"
         assert lines[-1].startswith("reference_max_rel_diff") and float(lines[-1].split()[-1]) < 1e-4, proc.stdout
 
 
