@@ -108,7 +108,10 @@ def test_amx_rows_equal_one_row_products(amx_program, kind, n, nc, threads):
         lines = proc.stdout.splitlines()
         assert len([x for x in lines if x.startswith("width ")]) == 40, proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{kind} {nc}x{n}, {threads} thread(s), seed {seed}:\n{proc.stdout}"
-        assert lines[-1].startswith("reference_max_rel_diff") and float(lines[-1].split()[-1]) < 1e-4, proc.stdout
+        # q4_1's min term uses the activations' block sums as q8_1 stores them (s, in fp16), which the reference
+        # (dequantized weights times dequantized activations) does not round: ~1e-3 there, ~1e-7 for the others
+        tolerance = 3e-3 if kind == "q4_1" else 1e-4
+        assert lines[-1].startswith("reference_max_rel_diff") and float(lines[-1].split()[-1]) < tolerance, proc.stdout
 
 
 # -- whole models on repacked kernels ---------------------------------------------------------------------------
