@@ -1,5 +1,5 @@
 """What a process killed by a signal means, in words a user can act on (workers, the exactness probe, the build's
-smoke run).
+smoke run); `run_child`, which runs llama.cpp work that may crash in a child process.
 
 Native kernels (llama.cpp, oneDNN) can kill the process that runs them: an instruction the CPU or the VM refuses
 (SIGILL: an AMX, AVX-512 or VNNI instruction of a build made for another CPU, or one the hypervisor does not
@@ -8,7 +8,9 @@ happened and what rebuilds the library, never as a bare exit code.
 """
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,3 +78,29 @@ def describe_death(exitcode: int | None) -> str:
                  f"CPU: rebuild it with `{rebuild_command()}` (the build is checked in a child process and made "
                  f"again without the instructions that crash), or use backend='native'")
     return text
+
+
+# the child that runs llama.cpp work which may crash (tests replace it with a child that crashes on purpose)
+CHILD_COMMAND = [sys.executable, "-m", "paraspec.models.llamacpp_child"]
+
+
+def run_child(args: list[str], what: str, timeout: float | None = None) -> dict:
+    """Run `CHILD_COMMAND + args` (models/llamacpp_child.py) and return its JSON answer; a child killed by a
+    signal raises NativeCrash naming the signal and what it means, any other failure a RuntimeError with the
+    child's last lines of stderr."""
+    try:
+        proc = subprocess.run([*CHILD_COMMAND, *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} did not finish in {timeout:g} s") from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        death = describe_death(proc.returncode)
+        if proc.returncode < 0:
+            raise NativeCrash(f"{what} died{death}" + (f"\n--- its stderr ---\n{tail}" if tail else ""),
+                              proc.returncode)
+        raise RuntimeError(f"{what} failed{death}:\n{tail}")
+    lines = proc.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"{what} gave no answer (stdout: {proc.stdout[-500:]!r})") from None

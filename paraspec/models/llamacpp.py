@@ -471,9 +471,9 @@ def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
 
 def run_probe(model: LlamaCppModel) -> tuple[int, list[dict]]:
     """measure_exact_width for `model`'s file, kernels, threads and context, in a child process
-    (models/llamacpp_child.py): the first probe of a build on a CPU is the first time its kernels run there, and a
+    (models/llamacpp_child.py `probe`): the first probe of a build on a CPU is the first time its kernels run there, and a
     kernel that kills its process (SIGILL) must not kill the caller. The child loads its own copy of the model."""
-    from paraspec.models.llamacpp_child import run_child
+    from paraspec.models.crashes import run_child
     spec = {"path": str(model.path), "max_context": model._asked["max_context"], "n_threads": model.n_threads,
             "kv_f32": model._asked["kv_f32"], "kernels": model.kernels}
     answer = run_child(["probe", json.dumps(spec)],

@@ -11,42 +11,14 @@
   moves to its repacked or AMX kernels) are loaded with weight repacking on and decoded at widths 1 and 8, at 1
   and 2 threads, with a bf16 torch matmul (oneDNN, which uses AMX where the CPU has it) between two of the
   forwards on the same thread. scripts/build_llamacpp.py runs it and rebuilds without the instructions that crash.
-Each prints one JSON line on success.
+Each prints one JSON line on success; `crashes.run_child` runs them.
 """
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-from paraspec.models.crashes import NativeCrash, describe_death
-
-# the child's command line (tests replace it with a child that crashes on purpose)
-COMMAND = [sys.executable, "-m", "paraspec.models.llamacpp_child"]
-
-
-def run_child(args: list[str], what: str, timeout: float | None = None) -> dict:
-    """Run `COMMAND + args` and return its JSON answer; a child killed by a signal raises NativeCrash naming the
-    signal and what it means, any other failure a RuntimeError with the child's last lines of stderr."""
-    try:
-        proc = subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{what} did not finish in {timeout:g} s") from None
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        death = describe_death(proc.returncode)
-        if proc.returncode < 0:
-            raise NativeCrash(f"{what} died{death}" + (f"\n--- its stderr ---\n{tail}" if tail else ""),
-                              proc.returncode)
-        raise RuntimeError(f"{what} failed{death}:\n{tail}")
-    lines = proc.stdout.strip().splitlines()
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, ValueError):
-        raise RuntimeError(f"{what} gave no answer (stdout: {proc.stdout[-500:]!r})") from None
-
 
 # -- probe ------------------------------------------------------------------------------------------------
 def probe(spec: dict) -> dict:

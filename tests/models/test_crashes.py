@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from paraspec.models import crashes, llamacpp, llamacpp_child
+from paraspec.models import crashes, llamacpp
 from paraspec.models.crashes import NativeCrash, describe_death, signal_name
 
 
@@ -33,21 +33,21 @@ def test_sigill_names_the_build_and_the_command_that_rebuilds_it(monkeypatch, tm
 
 def crash_with(monkeypatch, sig: signal.Signals) -> None:
     """Every llama.cpp child from now on dies with `sig` before it answers."""
-    monkeypatch.setattr(llamacpp_child, "COMMAND",
+    monkeypatch.setattr(crashes, "CHILD_COMMAND",
                         [sys.executable, "-c", f"import os, signal; os.kill(os.getpid(), signal.{sig.name})"])
 
 
 def test_a_child_killed_by_a_signal_is_a_native_crash_here(monkeypatch):
     crash_with(monkeypatch, signal.SIGILL)
     with pytest.raises(NativeCrash, match="the probe died with signal SIGILL") as info:
-        llamacpp_child.run_child(["probe", "{}"], "the probe")
+        crashes.run_child(["probe", "{}"], "the probe")
     assert info.value.exitcode == -signal.SIGILL
 
 
 def test_a_child_that_fails_without_a_signal_shows_its_stderr(monkeypatch):
-    monkeypatch.setattr(llamacpp_child, "COMMAND", [sys.executable, "-c", "raise SystemExit('no model here')"])
+    monkeypatch.setattr(crashes, "CHILD_COMMAND", [sys.executable, "-c", "raise SystemExit('no model here')"])
     with pytest.raises(RuntimeError, match="no model here") as info:
-        llamacpp_child.run_child([], "the probe")
+        crashes.run_child([], "the probe")
     assert not isinstance(info.value, NativeCrash)
 
 
