@@ -13,6 +13,11 @@ same KV cache (and so the same logits for the tokens decoded after it) at 1 and 
 dsi's targets run on one core while `ar` runs on two, and every strategy must return `ar`'s tokens. Printed: the
 largest difference of the logits of 8 tokens decoded one at a time after the prompt, 1 thread vs 2, per setting.
 Quote timings only from a quiet machine (the load average is printed).
+
+    python benchmarks/llamacpp_prefill.py --compare-models [--prompt-tokens 157]
+
+instead times the draft's and the target's prompts on paraspec's own contexts (LlamaCppModel, repacking on),
+interleaved: sd's TTFT is the sum of the two.
 """
 from __future__ import annotations
 
@@ -65,13 +70,37 @@ class Context:
         self.lib.llama_free(self.ctx)
 
 
+def compare_models(args) -> None:
+    from paraspec.models.llamacpp import LlamaCppModel
+    models = {role: LlamaCppModel(gguf_file(name), 4096, (), n_threads=args.threads, kernels="repacked", probe=False)
+              for role, name in MODELS.items()}
+    print(f"repacking on, {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")
+    for p in args.prompt_tokens:
+        ids = np.random.default_rng(p).integers(0, 150000, size=p).tolist()
+        times = {role: [] for role in models}
+        for model in models.values():
+            model.prefill(ids)              # warm-up
+        for _ in range(args.rounds):
+            for role, model in models.items():
+                start = time.perf_counter()
+                model.prefill(ids)
+                times[role].append((time.perf_counter() - start) * 1000)
+        print(f"{p} prompt tokens: " + ", ".join(f"{role} {statistics.median(t):.0f} ms" for role, t in times.items()))
+    for model in models.values():
+        model.close()
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="target")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[400, 1000])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--compare-models", action="store_true", help="the draft's prompt against the target's")
     args = ap.parse_args()
+    if args.compare_models:
+        return compare_models(args)
     lib = _llama_cpp()
     path = gguf_file(MODELS.get(args.model, args.model))
     mp = lib.llama_model_default_params()
