@@ -15,9 +15,9 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    (`kernels`: "repacked" or "plain");
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
    and thread count (`probe_exact_width`, in a child process where a native crash cannot take the caller down,
-   cached per model file, build, kernels, CPU and threads) at a short and a long context: the repacked kernels are kept only if every width is exact, else the model is opened again
-   with repacking off and measured again (an unpatched build, or a CPU whose repacked kernels the patch does not
-   cover, is never run near-exact), and
+   cached per model file, build, kernels, CPU and threads) at a short and a long context: the repacked kernels
+   are kept only if every width is exact, else the model is opened again with repacking off and measured again
+   (an unpatched build, or a CPU whose repacked kernels the patch does not cover, is never run near-exact), and
 3. splits every forward after the prompt into sub-forwards no wider than that width. Verification is
    compute-bound on CPUs, so a split costs little; with width 1 it would cost the speculation, and the probe's
    result is reported (`exact_width`) so that a user sees it.
@@ -471,8 +471,9 @@ def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
 
 def run_probe(model: LlamaCppModel) -> tuple[int, list[dict]]:
     """measure_exact_width for `model`'s file, kernels, threads and context, in a child process
-    (models/llamacpp_child.py `probe`): the first probe of a build on a CPU is the first time its kernels run there, and a
-    kernel that kills its process (SIGILL) must not kill the caller. The child loads its own copy of the model."""
+    (models/llamacpp_child.py `probe`): the first probe of a build on a CPU is the first time its kernels run there,
+    and a kernel that kills its process (SIGILL) must not kill the caller. The child loads its own copy of the
+    model."""
     from paraspec.models.crashes import run_child
     spec = {"path": str(model.path), "max_context": model._asked["max_context"], "n_threads": model.n_threads,
             "kv_f32": model._asked["kv_f32"], "kernels": model.kernels}

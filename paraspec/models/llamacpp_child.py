@@ -40,7 +40,7 @@ HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 288, 2
 
 def _byte_tokens() -> list[str]:
     """GPT-2's printable spelling of the 256 bytes (a byte-level BPE vocabulary with no merges)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = [b for b in range(256) if b not in bs]
     spelled = dict(zip(bs, map(chr, bs)))
     spelled.update({b: chr(256 + n) for n, b in enumerate(extra)})
