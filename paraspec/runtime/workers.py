@@ -410,7 +410,9 @@ class ProcessWorker(Worker):
         return self._process.is_alive()
 
     def _exitcode(self) -> int | None:
-        self._process.join(0.5)   # the sentinel fired: the exit status is a waitpid away
+        # its pipe closed or its sentinel fired: the exit status is a waitpid away, unless the kernel is still
+        # writing a core dump (SIGILL, SIGSEGV: seconds for a process holding a model)
+        self._process.join(5.0)
         return self._process.exitcode
 
     def _kill(self) -> None:
