@@ -196,9 +196,9 @@ def smoke_verdict(python: str, out: Path, force: bool = False) -> dict:
     """Whether the build installed in `python` survives its smoke run (paraspec/models/llamacpp_child.py `smoke`:
     tiny GGUF files on the repacked/AMX kernels at widths 1 and 8, 1 and 2 threads, after a oneDNN matmul), run
     in a child process; recorded next to the wheel (the build's key includes this CPU's flags)."""
-    record = out / "smoke.json"
-    if record.exists() and not force:
-        return json.loads(record.read_text())
+    known = {} if force else recorded_verdict(out)
+    if known:
+        return known
     check = subprocess.run([python, "-c", "import paraspec.models.llamacpp_child"], capture_output=True)
     if check.returncode != 0:
         print("llama-cpp-python: paraspec is not installed in this environment; the build's smoke run is skipped",
@@ -213,8 +213,14 @@ def smoke_verdict(python: str, out: Path, force: bool = False) -> dict:
                    "stderr": "\n".join(proc.stderr.strip().splitlines()[-10:])}
         if name is None:   # not a crash of the kernels: a bug to see, not a build to change
             raise SystemExit(f"llama-cpp-python's smoke run failed (exit code {proc.returncode}):\n{proc.stderr}")
-    record.write_text(json.dumps(verdict, indent=1))
+    (out / "smoke.json").write_text(json.dumps(verdict, indent=1))
     return verdict
+
+
+def recorded_verdict(out: Path) -> dict:
+    """The smoke run's verdict recorded next to the build in `out` ({} if none)."""
+    record = out / "smoke.json"
+    return json.loads(record.read_text()) if record.exists() else {}
 
 
 def signal_name(returncode: int) -> str | None:
@@ -234,8 +240,7 @@ def build_wheel(python: str, force: bool, install: bool = True) -> Path:
     names = list(WHEEL_VARIANTS)
     for i, name in enumerate(names):
         out = wheel_dir(tag, WHEEL_VARIANTS[name])
-        known = json.loads((out / "smoke.json").read_text()) if (out / "smoke.json").exists() else {}
-        if known.get("ok") is False and not force:
+        if recorded_verdict(out).get("ok") is False and not force:
             continue            # this CPU already killed this build
         wheels = sorted(out.glob("llama_cpp_python-*.whl"))
         if force or not wheels:

@@ -384,7 +384,8 @@ class LlamaCppPeer:
         self.grid = [(int(n), float(p)) for n, p in spec_grid] if name == "llamacpp-spec" else \
             [(str(t), int(n), int(m)) for t, n, m in ngram_grid] if name == "llamacpp-ngram" else []
         self.setting: tuple | None = self.grid[0] if self.grid else None
-        self.settings = {"dtype": summary["quantization"], "program": f"llama-server ({peer_build_label(self.binaries)})",
+        self.settings = {"dtype": summary["quantization"],
+                         "program": f"llama-server ({peer_build_label(self.binaries)})",
                          "target_gguf": str(self.target_gguf), "threads": threads,
                          "cores": list(self.cores) if self.cores else "all"}
         if self.draft_gguf:

@@ -30,7 +30,7 @@ NATIVE = ("SIGILL", "SIGSEGV", "SIGBUS", "SIGFPE")
 
 
 class NativeCrash(RuntimeError):
-    """A child process running native kernels was killed by a signal (or exited without an answer)."""
+    """A child process running native kernels was killed by a signal."""
 
     def __init__(self, message: str, exitcode: int | None):
         super().__init__(message)

@@ -38,13 +38,12 @@ SMOKE_KINDS = ("Q4_K_M", "Q4_0", "Q8_0")
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 288, 2
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's printable spelling of the 256 bytes (a byte-level BPE vocabulary with no merges)."""
+def gpt2_byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what byte-level BPE vocabularies are spelled in), printable bytes
+    first (the tests' tiny vocabularies take their token order from it)."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = [b for b in range(256) if b not in bs]
-    spelled = dict(zip(bs, map(chr, bs)))
-    spelled.update({b: chr(256 + n) for n, b in enumerate(extra)})
-    return [spelled[b] for b in range(256)]
+    return dict(zip(bs + extra, map(chr, bs + [256 + n for n in range(len(extra))])))
 
 
 def write_random_gguf(path: Path, seed: int = 0) -> Path:
@@ -52,7 +51,7 @@ def write_random_gguf(path: Path, seed: int = 0) -> Path:
     import gguf
     import numpy as np
     rng = np.random.default_rng(seed)
-    tokens = _byte_tokens() + ["Ġt"] + [f"<|special{i}|>" for i in range(VOCAB - 257)]
+    tokens = list(gpt2_byte_spelling().values()) + ["Ġt"] + [f"<|special{i}|>" for i in range(VOCAB - 257)]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("paraspec smoke model")
     w.add_block_count(LAYERS)

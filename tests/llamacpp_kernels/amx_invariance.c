@@ -22,8 +22,6 @@
 // CPU), 3 usage or setup error.
 #include "ggml_check.h"
 
-#include <math.h>
-
 #define MAX_ROWS 40
 
 int main(int argc, char ** argv) {
@@ -55,76 +53,23 @@ int main(int argc, char ** argv) {
         return 2;
     }
 
-    // weights: random, a few rows scaled up so that the per-block scales vary
-    float * wf = malloc(sizeof(float) * (size_t) n * nc);
-    for (size_t i = 0; i < (size_t) n * nc; i++) wf[i] = uniform() * (i % 97 == 0 ? 4.0f : 1.0f);
-    const size_t qsize = ggml_row_size(type, n) * nc;
-    void * q = malloc(qsize);
-    ggml_quantize_chunk(type, wf, q, 0, nc, n, NULL);
+    size_t qsize;
+    void * q = random_quantized_weight(type, n, nc, &qsize);
 
-    struct ggml_init_params wparams = { ggml_tensor_overhead() * 2, NULL, true };
-    struct ggml_context * ctx_w = ggml_init(wparams);
-    struct ggml_tensor * w = ggml_new_tensor_2d(ctx_w, type, n, nc);
-    ggml_backend_buffer_t buf_w = ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, amx);
+    struct ggml_context * ctx_w;
+    ggml_backend_buffer_t buf_w;
+    struct ggml_tensor * w = weight(amx, type, n, nc, &ctx_w, &buf_w);
     if (!buf_w || w->extra == NULL) {
         printf("%s %dx%d is not placed in the AMX buffer on this CPU\n", argv[1], nc, n);
         return 2;
     }
     ggml_backend_tensor_set(w, q, 0, qsize);   // the AMX buffer's set_tensor packs the weight for the kernels
 
-    // activations: random, with some large values (as hidden states have)
-    float * x = malloc(sizeof(float) * (size_t) n * MAX_ROWS);
-    for (size_t i = 0; i < (size_t) n * MAX_ROWS; i++) x[i] = uniform() * (i % 61 == 0 ? 8.0f : 1.0f);
-
-    float * single = malloc(sizeof(float) * (size_t) nc * MAX_ROWS);   // row r computed alone
-    for (int r = 0; r < MAX_ROWS; r++) matmul(backend, w, x + (size_t) r * n, n, 1, single + (size_t) r * nc);
-
-    float * got = malloc(sizeof(float) * (size_t) nc * MAX_ROWS);
-    int bad = 0;
-    for (int m = 1; m <= MAX_ROWS; m++) {
-        matmul(backend, w, x, n, m, got);
-        int rows = 0;
-        double worst = 0.0;
-        for (int r = 0; r < m; r++) {
-            const float * a = got + (size_t) r * nc, * b = single + (size_t) r * nc;
-            if (memcmp(a, b, sizeof(float) * nc) != 0) rows++;
-            for (int j = 0; j < nc; j++) worst = fmax(worst, fabs((double) a[j] - b[j]));
-        }
-        printf("width %d rows_differing %d max_abs_diff %.9g\n", m, rows, worst);
-        bad |= rows != 0;
-    }
-
-    // sanity: a double-precision product of the dequantized weight and the activations quantized as the kernels
-    // quantize them (to the type's vec_dot type) is nearly the same
-    // (f16: the AMX buffer's kernel takes the float activations as they are)
-    const enum ggml_type act_type = type == GGML_TYPE_F16 ? GGML_TYPE_F32 : ggml_get_type_traits_cpu(type)->vec_dot_type;
-    float * wd = malloc(sizeof(float) * (size_t) n * nc);
-    float * xd = malloc(sizeof(float) * (size_t) n * MAX_ROWS);
-    void * xq = malloc(ggml_row_size(act_type, n) * MAX_ROWS);
-    ggml_get_type_traits(type)->to_float(q, wd, (int64_t) n * nc);
-    if (act_type == GGML_TYPE_F32) {
-        memcpy(xd, x, sizeof(float) * (size_t) n * MAX_ROWS);
-    } else {
-        for (int r = 0; r < MAX_ROWS; r++) {      // as the kernels quantize activations, row by row
-            ggml_get_type_traits_cpu(act_type)->from_float(x + (size_t) r * n, (char *) xq + ggml_row_size(act_type, n) * r, n);
-        }
-        dequantize(act_type, xq, xd, (int64_t) n * MAX_ROWS);
-    }
-    double rel = 0.0, scale = 0.0;
-    for (int r = 0; r < MAX_ROWS; r++) {
-        for (int j = 0; j < nc; j++) {
-            double ref = 0.0;
-            for (int i = 0; i < n; i++) ref += (double) wd[(size_t) j * n + i] * xd[(size_t) r * n + i];
-            scale = fmax(scale, fabs(ref));
-            rel = fmax(rel, fabs(ref - got[(size_t) r * nc + j]));
-        }
-    }
-    printf("reference_max_rel_diff %.3g\n", scale > 0 ? rel / scale : 0.0);
+    const int bad = check_rows(backend, w, type, q, n, nc, MAX_ROWS);
 
     ggml_backend_buffer_free(buf_w);
     ggml_free(ctx_w);
-    free(wd); free(xd); free(xq);
     ggml_backend_free(backend);
-    free(wf); free(q); free(x); free(single); free(got);
+    free(q);
     return bad;
 }

@@ -130,14 +130,11 @@ def repacked_files(tmp_path_factory) -> dict[str, Path]:
 REPACKED = {"Q4_K": "q4_K_8x8", "Q4_0": "q4_0_8x8"}      # x86 with AVX2 (CPU_REPACK)
 
 
-def repacked_as(log: str, kind: str) -> str | None:
-    """How llama.cpp's log says it repacked `kind` weights: for the CPU_REPACK kernels, or (CPUs with AMX) for
+def repacked(log: str, kind: str) -> bool:
+    """Whether llama.cpp's log says it repacked `kind` weights: for the CPU_REPACK kernels, or (CPUs with AMX) for
     its AMX kernels (`amx repack tensor ... of type q4_K`)."""
-    if f"with {REPACKED[kind]}" in log:
-        return "cpu-repack"
-    if f"amx repack tensor blk.0.attn_q.weight of type {kind.lower().replace('_k', '_K')}" in log:
-        return "amx"
-    return None
+    amx_type = kind.lower().replace("_k", "_K")
+    return f"with {REPACKED[kind]}" in log or f"amx repack tensor blk.0.attn_q.weight of type {amx_type}" in log
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q4_0"])
@@ -146,7 +143,7 @@ def test_repacked_forward_is_bitwise_one_token_forwards(repacked_files, kind, th
     monkeypatch.setenv("PARASPEC_LLAMACPP_LOG", "all")      # llama.cpp says which tensors it repacks
     model = LlamaCppModel(repacked_files[kind], 2048, (), n_threads=threads, probe=False, kernels="repacked")
     monkeypatch.delenv("PARASPEC_LLAMACPP_LOG")
-    assert repacked_as(capsys.readouterr().err, kind), f"no {kind} weight was repacked on this CPU"
+    assert repacked(capsys.readouterr().err, kind), f"no {kind} weight was repacked on this CPU"
     assert model.kernels == "repacked" and model.exact_width == PROBE_WIDTH   # no probe: no split either
     for context in (40, 600):
         ids = np.random.default_rng(context).integers(0, model.vocab_size, size=context + 16).tolist()
