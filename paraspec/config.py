@@ -32,6 +32,8 @@ class EngineConfig:
                                                   # another), "shm", or "tcp" (tests, benchmarks)
     ray_address: str | None = None                # runtime="ray": the cluster to join (else RAY_ADDRESS, else local)
     link_latency_ms: float = 0.0                  # tests and benchmarks: delay per message on the network transport
+    static_width: Any = "auto"                    # native models: pad every forward to this many rows (models/static.py);
+                                                  # "auto": measured on CUDA, off on CPU; None: off
     draft_specs: tuple[DraftSpec, ...] = field(init=False, default=())   # `draft` in order, each marked (below)
     model_backend: str = field(init=False, default="")   # `backend` with "auto" resolved for this strategy
 
@@ -70,6 +72,8 @@ class EngineConfig:
         _check_seconds("worker_timeout", self.worker_timeout, "no watchdog")
         _check_seconds("wait_timeout", self.wait_timeout, "wait as long as it takes")
         parse_dtype(self.dtype)
+        from paraspec.models.static import check_width
+        self.static_width = check_width(self.static_width)
         if self.backend not in MODEL_BACKENDS + ("auto",):
             raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
         if self.runtime not in RUNTIMES:
@@ -89,6 +93,10 @@ class EngineConfig:
                                  f"D{len(models) - 1}")
         self._check_placement(cls)
         self.model_backend = self._resolve_backend(cls)
+        if isinstance(self.static_width, int) and self.model_backend != "native":
+            raise ValueError(f"static_width={self.static_width} pads the native decoder's forwards; the "
+                             f"{self.model_backend} backend runs its own kernels: pass backend='native' "
+                             f"(--backend native) or leave static_width='auto'")
         cls.check_config(self)
 
     def _check_placement(self, cls) -> None:

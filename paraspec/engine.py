@@ -146,7 +146,7 @@ class Engine:
                  draft_devices=("cpu",), backend: str = "auto", max_context: int = 4096,
                  allow_vocab_mismatch: bool = False, runtime: str = "process", on_busy: str = "wait",
                  worker_timeout: float | None = 60.0, wait_timeout: float | None = None, transport: str = "auto",
-                 ray_address: str | None = None, link_latency_ms: float = 0.0, **options):
+                 ray_address: str | None = None, link_latency_ms: float = 0.0, static_width="auto", **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
@@ -160,11 +160,15 @@ class Engine:
         Across machines (runtime="ray"; README "Across machines"): a device `NODE/cpu:0-3` runs its worker on that
         Ray node; `ray_address` joins a cluster (else RAY_ADDRESS, else a local Ray); `transport` is how workers'
         loops reach the token channels: "auto" (shared memory on this host, TCP to another), "shm" or "tcp";
-        `link_latency_ms` (tests, benchmarks) delays every network message by that much."""
+        `link_latency_ms` (tests, benchmarks) delays every network message by that much.
+        `static_width` (native backend): pad every forward to W rows, so that a token's logits do not depend on
+        how many tokens its forward carried (one kernel shape; a CUDA graph on GPUs; models/static.py): an int,
+        "auto" (a width measured on CUDA devices, off on CPUs) or None (off)."""
         self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
                                  max_context, allow_vocab_mismatch, runtime, options, on_busy=on_busy,
                                  worker_timeout=worker_timeout, wait_timeout=wait_timeout, transport=transport,
-                                 ray_address=ray_address, link_latency_ms=link_latency_ms))
+                                 ray_address=ray_address, link_latency_ms=link_latency_ms,
+                                 static_width=static_width))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -196,7 +200,8 @@ class Engine:
         draft_dirs = [d.spec for d in drafts if not d.model_free]
         self.tokenizer = load_tokenizer_if_any(target_dir)
         self._placement = Placement(target_dir, drafts, self.target_devices, self.draft_devices,
-                                    dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context),
+                                    dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context,
+                                         static_width=config.static_width),
                                     config.runtime, config.worker_timeout, config.runtime_options)
         try:
             self.strategy.setup(self._placement)

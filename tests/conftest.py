@@ -1,3 +1,4 @@
+import os
 import signal
 import time
 from pathlib import Path
@@ -10,6 +11,29 @@ from tests.tiny import make_checkpoint
 
 # shared by the strategy, engine, runtime and multi-node tests
 PROMPT = "def fib(n):\n    return"
+
+# where the lossless suite, the verify/sampling tests and the native-model tests put their models and tensors:
+# `PARASPEC_TEST_DEVICE=cuda:0 pytest ...` runs them on a GPU (make gpu-check does); CPU by default
+TEST_DEVICE = os.environ.get("PARASPEC_TEST_DEVICE", "cpu")
+ON_CUDA = TEST_DEVICE.startswith("cuda")
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs PARASPEC_TEST_DEVICE=cuda:N (a CUDA device)")
+on_cpu_only = pytest.mark.skipif(ON_CUDA, reason="CPU core sets and pinning: not what a CUDA run checks")
+
+
+def on_device(**placement) -> dict:
+    """Engine keyword arguments that put every model on TEST_DEVICE (nothing on CPU: the defaults), or, given
+    CPU placements (e.g. target_devices=["cpu:0", "cpu:1"]), the same number of devices on TEST_DEVICE."""
+    if not ON_CUDA:
+        return placement
+    out = dict(target_devices=[TEST_DEVICE], draft_devices=[TEST_DEVICE])
+    out.update({key: [TEST_DEVICE] * len(value) for key, value in placement.items()})
+    return out
+
+
+def devices(n: int = 1) -> list[str]:
+    """n devices for a strategy's workers: CPU core sets cpu:0, cpu:1 (one core each) here, the one test GPU
+    n times under PARASPEC_TEST_DEVICE=cuda:N (workers then share it)."""
+    return [TEST_DEVICE] * n if ON_CUDA else [f"cpu:{i}" for i in range(n)]
 
 
 def pytest_configure(config):

@@ -42,6 +42,10 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
                         "LM; auto (default): llamacpp for GGUF-backed models on CPU with --dtype auto and a "
                         "strategy without token trees, else native")
     p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens")
+    p.add_argument("--static-width", type=static_width, default="auto", metavar="W",
+                   help="native backend: pad every forward to W rows (one kernel shape, a CUDA graph on GPUs, so "
+                        "a token's logits do not depend on the forward's width); 'auto' (default): measured on "
+                        "CUDA, off on CPU; 'none': off")
     p.add_argument("--runtime", default="process", choices=["process", "inprocess", "ray"],
                    help="where the workers of amusd, dsi and easyspec (its extra --draft-devices) run: one process "
                         "per device group, threads (tests), or Ray actors (pip install 'paraspec[ray]'); ar, sd "
@@ -64,6 +68,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
+def static_width(text: str):
+    """--static-width's values: an integer, 'auto' or 'none'."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, 'auto' or 'none', got {text!r}") from None
+
+
 def given_options(args) -> dict:
     """The strategy options given on the command line (a flag left out is None: the strategy's default applies)."""
     from paraspec.strategies import OPTIONS
@@ -81,7 +95,8 @@ def engine_config(args, strategy: str | None = None, options: dict | None = None
                         runtime=getattr(args, "runtime", "process"),
                         options=given_options(args) if options is None else options,
                         transport=getattr(args, "transport", "auto"), ray_address=getattr(args, "ray_address", None),
-                        link_latency_ms=getattr(args, "link_latency_ms", 0.0))
+                        link_latency_ms=getattr(args, "link_latency_ms", 0.0),
+                        static_width=getattr(args, "static_width", "auto"))
 
 
 def sampling_params(args):

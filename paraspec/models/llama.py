@@ -128,8 +128,9 @@ class KVCache:
     which is why rollback is O(1).
     """
 
-    def __init__(self, cfg: DecoderConfig, max_context: int, dtype: torch.dtype, device: torch.device):
-        shape = (cfg.num_layers, cfg.num_kv_heads, max_context, cfg.head_dim)
+    def __init__(self, cfg: DecoderConfig, max_context: int, dtype: torch.dtype, device: torch.device,
+                 slots: int | None = None):
+        shape = (cfg.num_layers, cfg.num_kv_heads, slots or max_context, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
@@ -219,9 +220,16 @@ class Decoder(nn.Module):
 
 
 class NativeModel:
-    """Implements the Model protocol (`models/base.py`) over a Decoder and its static KV cache."""
+    """Implements the Model protocol (`models/base.py`) over a Decoder and its static KV cache.
 
-    def __init__(self, decoder: Decoder, max_context: int, eos_token_ids: tuple[int, ...] = ()):
+    static_width: an int W pads every forward to W rows (models/static.py: one shape, so a row's logits do not
+    depend on the others; graph-captured on CUDA); None runs each forward at its own width; "auto" is W measured
+    once on a CUDA device and None on a CPU, where padding costs compute. `graph` (None: on CUDA) captures the
+    W-row step in a CUDA graph."""
+
+    def __init__(self, decoder: Decoder, max_context: int, eos_token_ids: tuple[int, ...] = (),
+                 static_width: int | str | None = None, graph: bool | None = None):
+        from paraspec.models.static import check_width
         cfg = decoder.cfg
         self.decoder, self.cfg = decoder, cfg
         param = decoder.lm_head.weight
@@ -229,11 +237,28 @@ class NativeModel:
         self.max_context = max_context
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or cfg.eos_token_ids)
-        self.cache = KVCache(cfg, max_context, self.dtype, self.device)
+        width = check_width(static_width)
+        if width == "auto" and self.device.type != "cuda":
+            width = None
+        # a padded forward writes up to W - 1 rows past the last real one; "auto" may pick up to 32
+        spare = 0 if width is None else 32 if width == "auto" else width
+        slots = -(-(max_context + spare) // 64) * 64 if spare else max_context   # aligned rows for fused kernels
+        self.cache = KVCache(cfg, max_context, self.dtype, self.device, slots)
         inv_freq = rope_inv_freq(cfg).to(self.device)
-        angles = torch.outer(torch.arange(max_context, dtype=torch.float32, device=self.device), inv_freq)
+        angles = torch.outer(torch.arange(slots, dtype=torch.float32, device=self.device), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        self.static = None
+        if width is not None:
+            from paraspec.models.static import StaticForward, measured_width
+            if width == "auto":
+                width = measured_width(self)
+            self.static = StaticForward(self, width, graph)
+
+    @property
+    def static_width(self) -> int | None:
+        """W when every forward is padded to W rows, else None."""
+        return None if self.static is None else self.static.width
 
     @property
     def length(self) -> int:
@@ -297,6 +322,8 @@ class NativeModel:
         if start + n > self.max_context:
             raise ValueError(f"context full: {start} cached + {n} new tokens exceed max_context "
                              f"{self.max_context}; create the engine with a larger max_context")
+        if self.static is not None:
+            return self.static.forward(token_ids, positions, tree_mask, last_n)
         pos = torch.arange(start, start + n, device=self.device) if positions is None \
             else torch.tensor(positions, device=self.device)
         cos, sin = self.rope(pos)

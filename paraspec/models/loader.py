@@ -186,7 +186,8 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_native(folder: Path, dtype: torch.dtype, max_context: int | None = None,
-                device: str = "cpu") -> NativeModel:
+                device: str = "cpu", static_width: int | str | None = "auto", graph: bool | None = None
+                ) -> NativeModel:
     cfg = DecoderConfig.from_hf(read_config(folder))
     state = load_state_dict(folder)
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
@@ -211,12 +212,14 @@ def load_native(folder: Path, dtype: torch.dtype, max_context: int | None = None
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
     decoder.eval().requires_grad_(False)
     ctx = min(max_context or 4096, cfg.max_position_embeddings)
-    return NativeModel(decoder, ctx, eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids))
+    return NativeModel(decoder, ctx, eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids),
+                       static_width=static_width, graph=graph)
 
 
 def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int | None = None,
-               device: str = "cpu"):
-    """Load `spec` as a Model (protocol in models/base.py) with the given backend."""
+               device: str = "cpu", static_width: int | str | None = "auto"):
+    """Load `spec` as a Model (protocol in models/base.py) with the given backend. `static_width` applies to the
+    native backend (NativeModel: "auto" pads forwards to a measured width on CUDA, not on CPU)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     torch_dtype = parse_dtype(dtype, device)
@@ -232,7 +235,7 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
     if backend == "hf":
         from paraspec.models.hf import HFModel
         return HFModel.load(folder, torch_dtype, max_context=max_context, device=device)
-    return load_native(folder, torch_dtype, max_context=max_context, device=device)
+    return load_native(folder, torch_dtype, max_context=max_context, device=device, static_width=static_width)
 
 
 def load_tokenizer(spec, dtype="bfloat16"):

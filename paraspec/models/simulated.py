@@ -111,6 +111,6 @@ class SimulatedModel:
 
 
 def load_simulated(spec: SimulatedSpec, dtype=None, backend: str = "native", max_context: int | None = None,
-                   device: str = "cpu") -> SimulatedModel:
+                   device: str = "cpu", static_width=None) -> SimulatedModel:
     """load_model's signature, so the Engine and the runtime build a simulated model like a real one."""
     return SimulatedModel(spec, max_context)

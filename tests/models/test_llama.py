@@ -7,22 +7,25 @@ from transformers import AutoModelForCausalLM
 
 from paraspec.models.llama import UnsupportedModelError
 from paraspec.models.loader import load_model, load_native
+from tests.conftest import TEST_DEVICE
 
 FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]
 
 
 def hf_logits(folder, ids):
+    """transformers' logits (on CPU), moved to the test device to compare with the native decoder's there."""
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
+        return model(torch.tensor([ids])).logits[0].to(TEST_DEVICE)
 
 
+@pytest.mark.parametrize("static_width", [None, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_native_matches_hf_prefill_decode_and_rollback(family, request):
+def test_native_matches_hf_prefill_decode_and_rollback(family, static_width, request):
     folder = request.getfixturevalue(family)
     ids = torch.randint(0, 100, (48,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = hf_logits(folder, ids)
-    model = load_native(folder, torch.float32)
+    model = load_native(folder, torch.float32, device=TEST_DEVICE, static_width=static_width)
 
     assert (model.prefill(ids[:20]) - ref[19]).abs().max() <= 1e-4
     for i in range(20, 30):                                   # one token at a time
@@ -50,9 +53,10 @@ def test_hf_backend_matches_hf(qwen2_target):
         model.forward([1, 2], tree_mask=torch.ones(2, 2, dtype=torch.bool))
 
 
-def test_tree_mask_and_positions(qwen2_target):
+@pytest.mark.parametrize("static_width", [None, 3])
+def test_tree_mask_and_positions(qwen2_target, static_width):
     """Two branches after a shared prefix, in one forward, give each branch's own sequential logits."""
-    model = load_native(qwen2_target, torch.float32)
+    model = load_native(qwen2_target, torch.float32, device=TEST_DEVICE, static_width=static_width)
     prefix, a, b = [10, 11, 12, 13], [20, 21], [30, 31]
     ref_a, ref_b = hf_logits(qwen2_target, prefix + a), hf_logits(qwen2_target, prefix + b)
     model.prefill(prefix)

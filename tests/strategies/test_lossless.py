@@ -17,7 +17,7 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
 from paraspec.strategies.base import LocalStrategy
-from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint, inject_flat_costs
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint, inject_flat_costs, on_device
 
 SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
 
@@ -47,13 +47,17 @@ DEVICES = {"dsi": dict(target_devices=["cpu:0", "cpu:1"]), "easyspec": dict(draf
 
 def engine(name: str, target, draft, runtime: str | None = None, **options) -> Engine:
     runtime = runtime or ("inprocess" if "inprocess" in STRATEGIES[name].runtimes else "process")
-    return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **DEVICES.get(name, {}),
+    return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **on_device(**DEVICES.get(name, {})),
                   **options)
+
+
+def ar(target, **options) -> Engine:
+    return Engine(target, strategy="ar", dtype="float32", **on_device(), **options)
 
 
 @pytest.fixture(scope="module")
 def ar_engine(qwen2_target):
-    with Engine(qwen2_target, strategy="ar", dtype="float32") as e:
+    with ar(qwen2_target) as e:
         yield e
 
 
@@ -112,6 +116,44 @@ def test_streams_equal_generate_over_several_requests(ar_engine, qwen2_target, q
             assert text == streamed.text == e.generate(prompt, params).text
 
 
+# -- the static-shape forward (models/static.py): every forward padded to W rows, as on GPUs ----------------------
+
+STATIC_WIDTH = 4          # narrower than most verifications here: they run in several padded steps
+
+
+@pytest.fixture(scope="module")
+def static_ar_engine(qwen2_target):
+    with ar(qwen2_target, static_width=STATIC_WIDTH) as e:
+        assert e.target.static_width == STATIC_WIDTH
+        yield e
+
+
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_static_width_greedy_equals_ar(static_ar_engine, qwen2_target, qwen2_partial, name):
+    """Every forward of every model padded to W rows, the way a GPU runs them (graph-captured there, eager here):
+    exactly ar's tokens, with rejections repaired, at the strategy's longest chunks (several steps of W)."""
+    params = SamplingParams(max_new_tokens=40)
+    reference = static_ar_engine.generate(PROMPT, params).token_ids
+    with engine(name, qwen2_target, qwen2_partial, static_width=STATIC_WIDTH, **long_chunks(name)) as e:
+        result = e.generate(PROMPT, params)
+        assert result.token_ids == reference
+        assert e.generate("xyz" * 5, params).token_ids == static_ar_engine.generate("xyz" * 5, params).token_ids
+    assert 0 < result.stats.accepted < result.stats.drafted
+
+
+@pytest.mark.parametrize("name", ["sd", "tree"])
+def test_static_width_sampling_matches_target_distribution(slow_target_pair, name):
+    """Sampling through padded forwards (chains, and trees whose mask spans several steps of W): the first two
+    tokens follow the target's exact joint distribution."""
+    target, draft = slow_target_pair
+    prompt = [1, 2, 3]
+    with engine(name, target, draft, static_width=2, **shapes(name)[1]) as e, ar(target) as reference:
+        joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
+        counts, drafted, accepted = sample_first_two(e, prompt)
+    assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted
+    assert_matches(counts, joint)
+
+
 # -- sampling ---------------------------------------------------------------------------------------------------
 
 N_SAMPLES = 1_200
@@ -138,8 +180,8 @@ def test_sampling_matches_target_distribution(slow_target_pair, name):
     alone); the first two tokens follow the target's exact joint distribution, and drafts were really judged."""
     target, draft = slow_target_pair
     prompt = [1, 2, 3]
-    with engine(name, target, draft, **shapes(name)[1]) as e, Engine(target, strategy="ar", dtype="float32") as ar:
-        joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
+    with engine(name, target, draft, **shapes(name)[1]) as e, ar(target) as reference:
+        joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt)
     assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted   # both branches ran
     assert_matches(counts, joint)
@@ -160,8 +202,8 @@ def test_worker_processes(ar_engine, qwen2_target, qwen2_partial, slow_target_pa
     target, draft = slow_target_pair
     prompt = [1, 2, 3]
     with engine("dsi", target, draft, runtime="process", **shapes("dsi")[1]) as e, \
-            Engine(target, strategy="ar", dtype="float32") as ar:
-        joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
+            ar(target) as reference:
+        joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt, PROCESS_SAMPLES)
     assert drafted > PROCESS_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted
     assert_matches(counts, joint)
@@ -251,12 +293,12 @@ def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive, rul
     several requests (the suffix cache and the pattern memory carry across rounds and requests)."""
     target, draft = slow_target_pair
     with free_engine(name, target, draft, kind, adaptive, rules) as e, \
-            Engine(target, strategy="ar", dtype="float32") as ar:
+            ar(target) as reference:
         drafted = accepted = 0
         for prompt in (SMALL_PROMPT, SMALL_PROMPT[:7], [4, 4, 5, 4, 4]):
             params = SamplingParams(max_new_tokens=40)
             result = e.generate(prompt, params)
-            assert result.token_ids == ar.generate(prompt, params).token_ids
+            assert result.token_ids == reference.generate(prompt, params).token_ids
             drafted += result.stats.drafted
             accepted += result.stats.accepted
     assert drafted > 0
@@ -281,8 +323,8 @@ def test_model_free_sampling_matches_target_distribution(slow_target_pair, name,
     target, draft = slow_target_pair
     prompt = SAMPLED_PROMPT
     with free_engine(name, target, draft, kind, adaptive, rules) as e, \
-            Engine(target, strategy="ar", dtype="float32") as ar:
-        joint = exact_joint(ar, prompt, SamplingParams(**SAMPLING))
+            ar(target) as reference:
+        joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt)
     assert drafted > (0 if adaptive else N_SAMPLES / 4)
     if not adaptive:    # both branches ran (the rule may learn to draft only where drafts are rarely right)
