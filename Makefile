@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TARGET := Qwen/Qwen2.5-Coder-1.5B-Instruct
 DRAFT := Qwen/Qwen2.5-Coder-0.5B-Instruct
 
-.PHONY: setup llamacpp peer models test test-fast demo bench bench-model-free clean
+.PHONY: setup llamacpp peer models test test-fast demo bench bench-model-free gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -91,6 +91,16 @@ bench-model-free: setup models peer
 			--dataset code-edit summarize humaneval mt-bench --num-prompts 3 --max-new-tokens 128 \
 			--out out/model-free-t$$t || exit 1; \
 	done
+
+# What a borrowed GPU should tell us, in one command of under 8 minutes (paraspec/bench/gpu_check.py): forward cost
+# by width (eager vs CUDA graph) of random-weight decoders of the reference shapes, ar/sd/amusd/dsi through the
+# Engine with oracle acceptance, the planner's prediction for 2, 4 and 8 GPUs, and the lossless suite on the GPU;
+# $(OUT)/gpu_check.json and gpu_check.md, written section by section. No venv, no downloads: the machine's own
+# python3 with torch, transformers and pytest. `make gpu-check DEVICE=cpu` runs it with tiny shapes.
+DEVICE ?= cuda:0
+OUT ?= out/gpu-check
+gpu-check:
+	PYTHONPATH=. $(PY) -m paraspec.bench.gpu_check --device $(DEVICE) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams
 from paraspec.trace import Trace
 
@@ -107,13 +108,19 @@ class Run:
             self.worker_reports["tree_nodes"] = self.worker_reports.get("tree_nodes", 0) + tree_nodes
 
     @contextmanager
-    def timed(self, device: str, kind: str, tokens: int = 0):
+    def timed(self, device: str, kind: str, tokens: int = 0, on=None):
         """Record a trace event around a block and add its duration to draft_s / verify_s. The block may set
-        `event.tokens` when it learns the count only at its end."""
+        `event.tokens` when it learns the count only at its end.
+
+        `on`: the torch device the block computes on (what runtime.devices.sync takes), waited for at both
+        ends: a GPU forward returns once queued, and its time must not land in the next event. A block that
+        reads its result back as numbers (tokens, an accepted path) has waited already and needs none."""
         event = SimpleNamespace(tokens=tokens, seconds=0.0)
+        sync(on)
         start = self.trace.now()
         try:
             yield event
+            sync(on)
         finally:
             end = self.trace.now()
             event.seconds = end - start

@@ -83,15 +83,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     Inverse CDF: the first token whose running sum (float64) exceeds u x the total, u uniform in [0, 1) from
     `generator`; a token of probability 0 is never drawn (its running sum equals its predecessor's). Exact as
     torch.multinomial is, and cheaper on a real vocabulary (151,936 tokens, Zen 5, in a loop: 0.9-1.1 ms against
-    2.4-2.5 ms, which was 8% of a sampled decode step on the llamacpp backend)."""
+    2.4-2.5 ms, which was 8% of a sampled decode step on the llamacpp backend).
+
+    `generator` is a CPU generator (make_generator) wherever `probs` are: u is drawn on the CPU and searched for
+    as a number, so one seed gives the same token on every device. On a GPU this reads back twice (the total
+    and the minimum in one transfer, then the index): the index is needed as an int anyway."""
     cdf = probs.reshape(-1).double().cumsum(0)
     if not len(cdf):
         raise ValueError("cannot sample from an empty vector of probabilities")
-    total = float(cdf[-1])
-    if not (total > 0 and math.isfinite(total)) or bool(probs.min() < 0):
-        raise ValueError(f"cannot sample from these probabilities (sum {total}, min {float(probs.min())}): "
+    total, smallest = torch.stack((cdf[-1], probs.min().double())).tolist()
+    if not (total > 0 and math.isfinite(total)) or smallest < 0:
+        raise ValueError(f"cannot sample from these probabilities (sum {total}, min {smallest}): "
                          f"they must be finite, >= 0 and not all 0")
-    u = torch.rand((), dtype=torch.float64, generator=generator)
+    u = torch.rand((), dtype=torch.float64, generator=generator, device="cpu").item()
     i = int(torch.searchsorted(cdf, u * total, right=True))
     if i >= len(cdf):                    # u x total rounded up to the total: the last token with mass
         i = int(torch.nonzero(probs.reshape(-1))[-1])

@@ -3,6 +3,10 @@
 Notation follows Leviathan et al. 2023 (Algorithm 1) and Chen et al. 2023: q_i is the draft distribution the i-th
 drafted token was sampled from, p_i the target distribution at the same position (both already processed by
 temperature / top-k / top-p), p_{k+1} the target distribution after the last draft.
+
+Devices: p is on the target's device; q may arrive elsewhere (a channel's q, read from shared memory, is on the
+CPU), so each entry point brings q to p's device once. The generator is a CPU generator (sampling.make_generator):
+its uniforms are drawn on the CPU and compared as numbers, so a seed gives the same tokens on every device.
 """
 from __future__ import annotations
 
@@ -42,10 +46,11 @@ def accept_one(token: int, p: torch.Tensor, q: torch.Tensor, generator: torch.Ge
     Returns None when kept, or the replacement drawn from the residual when rejected. The output is then
     distributed exactly as p (Leviathan et al., Theorem 3.5).
     """
+    q = q.to(p.device)
     p_x, q_x = float(p[token]), float(q[token])
     if q_x <= 0:
         raise ValueError(f"draft token {token} has q = 0: it was not sampled from this q")
-    if p_x >= q_x or torch.rand((), generator=generator).item() * q_x < p_x:
+    if p_x >= q_x or torch.rand((), generator=generator, device="cpu").item() * q_x < p_x:
         return None
     return sample(residual(p, q), generator)
 
@@ -57,6 +62,7 @@ def speculative_accept(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor
     q: [k, vocab] distributions the drafts were sampled from; p: [k + 1, vocab] target distributions.
     Returns (accepted, next_token): the resampled token at the first rejection, or a bonus token from p_{k+1}.
     """
+    q = q.to(p.device)                     # all k rows at once, not one per accept_one
     for i, token in enumerate(draft_tokens):
         replacement = accept_one(token, p[i], q[i], generator)
         if replacement is not None:
@@ -133,11 +139,12 @@ def multi_step_accept(candidates: list[int], p: torch.Tensor, q: torch.Tensor,
     Why it is exact: by induction from the last step, if steps i+1.. output p_{i+1}, step i outputs
     min(q, p_i)(x) + (sum_y max(0, p_i - q)(y)) * p_{i+1}(x) = min(q, p_i)(x) + max(0, p_i - q)(x) = p_i(x).
     """
+    q = q.to(p.device)
     for i, token in enumerate(candidates):
         p_x, q_x = float(p[token]), float(q[token])
         if q_x <= 0:
             raise ValueError(f"draft token {token} has q = 0: it was not sampled from this q")
-        if p_x >= q_x or torch.rand((), generator=generator).item() * q_x < p_x:
+        if p_x >= q_x or torch.rand((), generator=generator, device="cpu").item() * q_x < p_x:
             return i, token
         p = residual(p, q)
     return None, sample(p, generator)
@@ -153,7 +160,7 @@ def point_mass_accept(candidates: list[int], p: torch.Tensor, generator: torch.G
     """
     for i, token in enumerate(candidates):
         p_x = float(p[token]) if token < p.shape[-1] else 0.0
-        if p_x >= 1.0 or torch.rand((), generator=generator).item() < p_x:
+        if p_x >= 1.0 or torch.rand((), generator=generator, device="cpu").item() < p_x:
             return i, token
         if p_x > 0:
             p = p.clone()

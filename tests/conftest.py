@@ -157,7 +157,7 @@ def exact_joint(engine, prompt, params):
     joint = np.zeros((VOCAB, VOCAB))
     for x1 in range(VOCAB):
         p2 = logits_to_probs(model.prefill(prompt + [x1]), params)
-        joint[x1] = p1[x1].item() * p2.double().numpy()
+        joint[x1] = p1[x1].item() * p2.double().cpu().numpy()
     return joint / joint.sum()
 
 

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from paraspec import Engine, SamplingParams
 from paraspec.engine import IncompatibleModelsError
@@ -61,8 +62,12 @@ def test_unknown_strategy(qwen2_target):
         Engine(qwen2_target, strategy="nope")
 
 
+# the first GPU index this machine lacks (cuda:0 where it has none)
+MISSING_GPU = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+
+
 @pytest.mark.parametrize("device,match", [("gpu:0", "unknown device"), ("cpu:99", "names core"),
-                                          ("cuda:0", "not available"), ("cpu:x", "bad device")])
+                                          (MISSING_GPU, "not available"), ("cpu:x", "bad device")])
 def test_bad_devices(qwen2_target, device, match):
     with pytest.raises(DeviceError, match=match):
         Engine(qwen2_target, strategy="ar", target_devices=[device])

@@ -44,9 +44,11 @@ def test_sample_draws_from_the_given_probabilities():
     from scipy.stats import chisquare
 
     from paraspec.sampling import sample
+    from tests.conftest import TEST_DEVICE
     probs = torch.tensor([0.0, 0.1, 0.0, 0.45, 0.3, 0.15, 0.0])
     gen = torch.Generator().manual_seed(0)
-    counts = np.bincount([sample(probs, gen) for _ in range(40_000)], minlength=len(probs))
+    on_device = probs.to(TEST_DEVICE)              # drawn where the logits are, with the CPU generator
+    counts = np.bincount([sample(on_device, gen) for _ in range(40_000)], minlength=len(probs))
     assert counts[[0, 2, 6]].sum() == 0
     kept = probs > 0
     assert chisquare(counts[kept.numpy()], 40_000 * probs[kept].numpy()).pvalue > 1e-3
@@ -59,3 +61,28 @@ def test_sample_draws_from_the_given_probabilities():
                 torch.tensor([float("inf"), 1.0])):
         with pytest.raises(ValueError, match="cannot sample"):
             sample(bad, gen)
+
+
+def test_sample_on_a_gpu_draws_from_the_cpu_generator():
+    """Probabilities on cuda, the generator on the CPU (make_generator's): the uniform is drawn there and searched
+    for as a number, so each seed gives the token it gives on the CPU, with two read-backs per draw (the total and
+    the minimum together, then the index). tests/fake_cuda.py raises where CUDA would mix devices."""
+    from paraspec.sampling import make_generator, sample
+    from tests.fake_cuda import fake_cuda
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.45, 0.3, 0.15, 0.0])
+    on_cpu = [sample(probs, make_generator(seed)) for seed in range(200)]
+    with fake_cuda() as cuda:
+        on_cuda = [sample(cuda.tensor(probs), make_generator(seed)) for seed in range(200)]
+        assert cuda.reads == 2 * 200
+        with pytest.raises(ValueError, match="cannot sample"):
+            sample(cuda.tensor([1.5, -0.5]), make_generator(0))
+    assert on_cuda == on_cpu and set(on_cpu) == {1, 3, 4, 5}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sample_on_a_real_gpu_gives_the_cpu_tokens():
+    from paraspec.sampling import make_generator, sample
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.8, top_k=100, top_p=0.9))
+    on_cpu = [sample(probs, make_generator(seed)) for seed in range(100)]
+    assert [sample(probs.to("cuda:0"), make_generator(seed)) for seed in range(100)] == on_cpu

@@ -5,6 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from paraspec.verify import accept_one, greedy_accept, residual, speculative_accept
+from tests.conftest import TEST_DEVICE
 
 N_SAMPLES = 20_000
 
@@ -20,9 +21,11 @@ def test_greedy_accept():
 
 
 def emitted_distribution(p, q, seed):
-    """Draw from q, apply one acceptance step, count the emitted token."""
+    """Draw from q, apply one acceptance step, count the emitted token. p is judged on the test device, q stays
+    on the CPU (as a channel's q arrives)."""
     g = torch.Generator().manual_seed(seed)
     counts = np.zeros(len(p))
+    p = p.to(TEST_DEVICE)
     for _ in range(N_SAMPLES):
         token = int(torch.multinomial(q, 1, generator=g))
         replacement = accept_one(token, p, q, g)
@@ -79,7 +82,7 @@ def test_chain_speculative_accept_marginals():
     first, accepted_lengths = np.zeros(vocab), []
     for _ in range(N_SAMPLES):
         drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-        n, nxt = speculative_accept(drafts, q, p, gen)
+        n, nxt = speculative_accept(drafts, q, p.to(TEST_DEVICE), gen)
         first[drafts[0] if n >= 1 else nxt] += 1
         accepted_lengths.append(n)
     assert chisquare(first, expected_counts(p[0])).pvalue > 1e-3
@@ -98,3 +101,52 @@ def test_residual():
 def test_token_with_zero_q_is_refused():
     with pytest.raises(ValueError, match="q = 0"):
         accept_one(2, torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.5, 0.5, 0.0]), torch.Generator())
+
+
+
+def acceptance_case():
+    """Drafts and the q they came from, all on the CPU (a channel's q, a tree's q): a chain of 2, and a tree whose
+    root has 2 children drawn from q and whose first child has 2 point-mass children (a model-free drafter's).
+    q is far from the target's p below, so rejections (and residuals) are common."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.stack([random_dist(8, g) for _ in range(2)])
+    drafts = [int(torch.multinomial(row, 1, generator=g)) for row in q]
+    root_q = random_dist(8, g)
+    tree = [int(t) for t in torch.multinomial(root_q, 2, generator=g)] + [5, 6], [-1, -1, 0, 0], {-1: root_q}
+    return drafts, q, tree
+
+
+def verdicts(target_logits: torch.Tensor, case, seeds=range(60)) -> list:
+    """What verify_chain, verify_token and verify_tree decide for each seed, the target's logits wherever they are."""
+    from paraspec.sampling import SamplingParams, make_generator
+    from paraspec.verify import verify_chain, verify_token, verify_tree
+    drafts, q, (tokens, parents, tree_q) = case
+    params = SamplingParams(temperature=1.0)
+    out = []
+    for seed in seeds:
+        gen = make_generator(seed)
+        out.append((verify_chain(drafts, q, target_logits[:3], params, gen),
+                    verify_token(drafts[0], q[0], target_logits[0], params, gen),
+                    verify_tree(tokens, parents, tree_q, target_logits, params, gen)))
+    return out
+
+
+def test_acceptance_on_a_gpu_takes_q_from_the_cpu():
+    """p on cuda, q on the CPU: each entry point brings q to p's device, and the uniforms come from the CPU
+    generator (also where torch's default device is cuda), so every seed decides as on the CPU.
+    tests/fake_cuda.py raises where CUDA would mix devices."""
+    from tests.fake_cuda import fake_cuda
+    logits, case = torch.randn(5, 8, generator=torch.Generator().manual_seed(1)) * 3, acceptance_case()
+    on_cpu = verdicts(logits, case)
+    assert len({chain for chain, _, _ in on_cpu}) > 2 and any(token is not None for _, token, _ in on_cpu)
+    with fake_cuda() as cuda:
+        p = cuda.tensor(logits)
+        assert verdicts(p, case) == on_cpu
+        with torch.device("cuda"):
+            assert verdicts(p, case, seeds=range(10)) == on_cpu[:10]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_acceptance_on_a_real_gpu_decides_as_on_the_cpu():
+    logits, case = torch.randn(5, 8, generator=torch.Generator().manual_seed(1)) * 3, acceptance_case()
+    assert verdicts(logits.to("cuda:0"), case) == verdicts(logits, case)

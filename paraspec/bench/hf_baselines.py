@@ -21,6 +21,7 @@ from paraspec.engine import GenerationResult
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
 from paraspec.run import Run
+from paraspec.runtime.devices import sync
 from paraspec.trace import Trace
 
 HF_STRATEGIES = {
@@ -90,7 +91,8 @@ class _Progress:
 
 
 class _ForwardTimer:
-    """Forward hooks that add one trace event per model call: (device, kind of the first call, kind after)."""
+    """Forward hooks that add one trace event per model call: (device, kind of the first call, kind after).
+    Each hook waits for the model's device first, so a GPU forward is timed whole."""
 
     def __init__(self, trace: Trace):
         self.trace, self.calls, self._handles, self._start = trace, {}, [], {}
@@ -98,9 +100,11 @@ class _ForwardTimer:
 
     def watch(self, module, device: str, first_kind: str, kind: str) -> None:
         def before(mod, args, kwargs):
+            sync(mod.device)
             self._start[device] = self.trace.now()
 
         def after(mod, args, kwargs, output):
+            sync(mod.device)
             end = self.trace.now()
             start = self._start.pop(device, end)
             ids = kwargs.get("input_ids", args[0] if args else None)
@@ -199,7 +203,7 @@ class HFBaseline:
             **{k: v for k, v in self.lookup.items() if v is not None})
         if not params.greedy and params.seed is not None:
             torch.manual_seed(params.seed)
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids]).to(self.target.device)
         trace = Trace()
         progress, timer = _Progress(trace), _ForwardTimer(trace)
         # the target's first call takes the prompt (with the first candidates, when speculating): its prefill
@@ -208,10 +212,12 @@ class HFBaseline:
             timer.watch(self.draft, "draft", "draft", "draft")
         extra = {"assistant_model": self.draft} if self.draft is not None else {}
         try:
+            sync(self.target.device)
             start = time.perf_counter()
             trace.t0 = start
             out = self.target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                        generation_config=config, streamer=progress, **extra)
+            sync(self.target.device)
             total = time.perf_counter() - start
         finally:
             timer.remove()

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from paraspec.runtime.devices import Device, pinned
+from paraspec.runtime.devices import Device, pinned, sync
 
 WIDTHS = (1, 2, 4, 8, 16)
 
@@ -29,7 +29,9 @@ def _argmax(logits) -> int:
 
 @torch.inference_mode()
 def time_generation(model, prompt_ids: list[int], tokens: int) -> tuple[float, float]:
-    """(TTFT, TPOT) in seconds for `tokens` greedy tokens: prefill + argmax, then one-token forwards."""
+    """(TTFT, TPOT) in seconds for `tokens` greedy tokens: prefill + argmax, then one-token forwards (each
+    argmax is read back, so every clock read after one finds the GPU done)."""
+    sync(getattr(model, "device", None))
     start = time.perf_counter()
     token = _argmax(model.prefill(prompt_ids))
     ttft = time.perf_counter() - start
@@ -41,7 +43,9 @@ def time_generation(model, prompt_ids: list[int], tokens: int) -> tuple[float, f
 
 @torch.inference_mode()
 def time_forwards(model, prompt_ids: list[int], widths=WIDTHS, repeats: int = 3) -> dict[str, float]:
-    """Median seconds of one forward of n tokens after the prompt (rolled back after each)."""
+    """Median seconds of one forward of n tokens after the prompt (rolled back after each); a GPU is waited for
+    before each clock read (a forward returns once queued)."""
+    device = getattr(model, "device", None)     # llama.cpp and simulated models return when done
     model.prefill(prompt_ids)
     base = model.length
     out = {}
@@ -52,8 +56,10 @@ def time_forwards(model, prompt_ids: list[int], widths=WIDTHS, repeats: int = 3)
         chunk = (prompt_ids * n)[:n]
         times = []
         for _ in range(repeats):
+            sync(device)
             start = time.perf_counter()
             model.forward(chunk)
+            sync(device)
             times.append(time.perf_counter() - start)
             model.rollback(base)
         out[str(n)] = statistics.median(times)

@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from paraspec.runtime.devices import sync
+
 DECAY = 0.9                  # weight of a round's observation after each later round (about the last 10 rounds)
 COST_EMA = 0.2               # weight of a new measurement of a forward width
 PROBE_START = 8              # plain rounds before a model drafter is probed again
@@ -168,16 +170,19 @@ class ForwardCost:
     @classmethod
     def measure(cls, model, widths, context: int = 32, repeats: int = 2) -> "ForwardCost":
         """Time forwards of each width after a `context`-token prefix (the fastest of `repeats`); the model's
-        cache is left empty."""
+        cache is left empty. A GPU is waited for before each clock read (a forward returns once queued)."""
         tokens = [i % max(model.vocab_size, 1) for i in range(context + max(widths))]
+        device = getattr(model, "device", None)     # llama.cpp, simulated and remote models return when done
         model.rollback(0)
         model.forward(tokens[:context], last_n=1)
         cost = cls()
         for width in sorted(set(widths)):
             best = float("inf")
             for _ in range(repeats):
+                sync(device)
                 start = time.perf_counter()
                 model.forward(tokens[context:context + width], last_n=width)
+                sync(device)
                 best = min(best, time.perf_counter() - start)
                 model.rollback(context)
             cost.seconds[width] = best

@@ -62,8 +62,8 @@ class DraftRank:
     """What a draft worker process holds: a replica of the draft and its end of the exchange."""
 
     def __init__(self, spec: str, dtype: str, max_context: int, groups: list[list[int]], segment: str,
-                 rank: int, world: int, max_bytes: int):
-        self.model = load_model(spec, dtype=dtype, max_context=max_context)
+                 rank: int, world: int, max_bytes: int, device: str = "cpu"):
+        self.model = load_model(spec, dtype=dtype, max_context=max_context, device=device)
         parent = os.getppid()
         self.exchange = ShmExchange.attach(segment, rank, world, max_bytes, alive=lambda: os.getppid() == parent)
         self.groups = groups
@@ -121,7 +121,8 @@ class DeviceGroupDrafter(FuzzyDrafter):
         try:
             self.workers = [runtime.add_worker(f"draft{rank}", device, DraftRank, dict(
                 spec=str(checkpoint), dtype=dtype, max_context=model.max_context, groups=groups,
-                segment=self.exchange.segment.name, rank=rank, world=world, max_bytes=self.max_bytes))
+                segment=self.exchange.segment.name, rank=rank, world=world, max_bytes=self.max_bytes,
+                device=device.torch_device))
                 for rank, device in enumerate(self.devices[1:], start=1)]
             for worker in self.workers:
                 worker.wait_ready()

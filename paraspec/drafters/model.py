@@ -14,6 +14,7 @@ import torch
 from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.token_tree import DraftTreeCache, TokenTree, draft_tree
 from paraspec.models.base import embeddable, widen
+from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -36,6 +37,8 @@ class ModelDrafter(Drafter):
         self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
         self._tree: DraftTreeCache | None = None      # the slots of the last proposed tree's nodes
         self.timings: list[tuple[int, float]] = []    # (width, seconds) of each forward of the last proposal
+        self.device = getattr(model, "device", None)  # waited for around each timed forward (None: a model
+                                                      # whose calls return when done: llama.cpp, a worker)
 
     @property
     def length(self) -> int:
@@ -86,8 +89,10 @@ class ModelDrafter(Drafter):
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Feed token_ids; the draft's logits after the last one, over exactly the target's vocab_size ids (a
         draft with fewer embedding rows than the target: models.base.embeddable / widen)."""
+        sync(self.device)
         start = time.perf_counter()
         logits = self.model.forward(embeddable(token_ids, self.model.vocab_size), last_n=1)[-1]
+        sync(self.device)
         self.timings.append((len(token_ids), time.perf_counter() - start))
         return widen(logits, self.vocab_size)[:self.vocab_size]
 
@@ -99,8 +104,10 @@ class ModelDrafter(Drafter):
     def expand(self, token_ids, positions, mask) -> torch.Tensor:
         """Logits of tree nodes fed with explicit positions and a mask over the whole cache."""
         from paraspec.models.fuzzy import exact_forward
+        sync(self.device)
         start = time.perf_counter()
         logits = exact_forward(self.model, token_ids, positions, mask)
+        sync(self.device)
         self.timings.append((len(token_ids), time.perf_counter() - start))
         return logits
 

@@ -112,8 +112,11 @@ def draft_tree(root_logits: torch.Tensor, expand: Callable, params: SamplingPara
                     continue
                 q = logits_to_probs(logits, params)
                 tree.draft_probs[node] = q
-                for token in torch.multinomial(q, m, replacement=True, generator=generator).tolist():
-                    new_nodes.append((tree.add(token, node), path_prob * float(q[token])))
+                # drawn on the CPU, where the generator is (sampling.make_generator): one read-back of q, and a
+                # seed gives the same tree on every device
+                q_cpu = q.cpu()
+                for token in torch.multinomial(q_cpu, m, replacement=True, generator=generator).tolist():
+                    new_nodes.append((tree.add(token, node), path_prob * float(q_cpu[token])))
         if level == depth or len(tree) >= budget:
             break
         logits = expand([node for node, _ in new_nodes], tree)

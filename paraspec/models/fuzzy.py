@@ -51,7 +51,8 @@ def format_groups(groups: list[list[int]]) -> str:
 
 class Exchange(Protocol):
     """How the devices of one draft share attention outputs: rank r of `world` computes the attention of the
-    layers group[r::world]; all_gather returns every rank's tensor, indexed by rank."""
+    layers group[r::world]; all_gather takes a CPU tensor and returns every rank's, indexed by rank, on the CPU
+    (ShmExchange moves shared memory)."""
     rank: int
     world: int
 
@@ -135,10 +136,11 @@ def _gather(exchange: Exchange, group: list[int], outputs: dict, n: int, h: torc
     """All-gather one group's attention outputs: each rank sends its layers' outputs stacked in layer order."""
     per_rank = [group[r::exchange.world] for r in range(exchange.world)]
     width = max(len(layers) for layers in per_rank)
-    send = torch.zeros(width, n, h.shape[-1], dtype=h.dtype)
+    send = h.new_zeros(width, n, h.shape[-1])
     for j, i in enumerate(per_rank[exchange.rank]):
         send[j] = outputs[i]
-    received = exchange.all_gather(send)
+    # the exchange moves CPU tensors: one copy out of h's device, one copy back per rank
+    received = [t.to(h.device) for t in exchange.all_gather(send.cpu())]
     return {i: received[r][j] for r, layers in enumerate(per_rank) for j, i in enumerate(layers)}
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from paraspec.models.base import check_rollback, eos_ids
 from paraspec.models.kernels import Linear
+from paraspec.models.static import StaticForward, check_width, measured_width
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                            "MistralForCausalLM": "mistral"}
@@ -164,6 +165,27 @@ class Attention(nn.Module):
             attn_mask=mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
         return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim))
 
+    def over_whole_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                         slots: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """The static-shape forward's attention (models/static.py): x [W, hidden] (normed), keys and values
+        written at `slots` (a tensor), attention over every cache slot under the additive `bias` [W, slots].
+
+        Grouped-query attention as plain attention per KV head: the query heads that share a KV head are stacked
+        along the sequence axis (one [G*W, slots] mask), so no KV head is copied and the fused kernels apply."""
+        cfg, W = self.cfg, x.shape[0]
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = self.q_proj(x).view(W, H, D).transpose(0, 1)
+        k = self.k_proj(x).view(W, KV, D).transpose(0, 1)
+        v = self.v_proj(x).view(W, KV, D).transpose(0, 1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.k[layer].index_copy_(1, slots, k)
+        cache.v[layer].index_copy_(1, slots, v)
+        G = H // KV
+        out = F.scaled_dot_product_attention(q.reshape(KV, G * W, D), cache.k[layer], cache.v[layer],
+                                             attn_mask=bias.repeat(G, 1))
+        return self.o_proj(out.view(H, W, D).transpose(0, 1).reshape(W, H * D))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
@@ -229,7 +251,6 @@ class NativeModel:
 
     def __init__(self, decoder: Decoder, max_context: int, eos_token_ids: tuple[int, ...] = (),
                  static_width: int | str | None = None, graph: bool | None = None):
-        from paraspec.models.static import check_width
         cfg = decoder.cfg
         self.decoder, self.cfg = decoder, cfg
         param = decoder.lm_head.weight
@@ -250,7 +271,6 @@ class NativeModel:
         self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         self.static = None
         if width is not None:
-            from paraspec.models.static import StaticForward, measured_width
             if width == "auto":
                 width = measured_width(self)
             self.static = StaticForward(self, width, graph)

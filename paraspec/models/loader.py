@@ -188,6 +188,13 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def load_native(folder: Path, dtype: torch.dtype, max_context: int | None = None,
                 device: str = "cpu", static_width: int | str | None = "auto", graph: bool | None = None
                 ) -> NativeModel:
+    from paraspec.models.static import cuda_setup
+    with cuda_setup(device):           # one CUDA model set up at a time per process (models/static.py)
+        return _load_native(folder, dtype, max_context, device, static_width, graph)
+
+
+def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, device: str,
+                 static_width: int | str | None, graph: bool | None) -> NativeModel:
     cfg = DecoderConfig.from_hf(read_config(folder))
     state = load_state_dict(folder)
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}

@@ -8,6 +8,10 @@ measuring what the runtime itself costs.
                 `draft_seed`), else a different token -- the event simulator's acceptance model (sim/events.py)
     latency     every forward sleeps cost(n) seconds for n new tokens (a `sim.profile.ForwardCost`; None: no
                 sleep, which isolates the orchestration overhead)
+    shape       every forward also runs a real forward of the same tokens through a random-weight native decoder
+                of that shape (models/shapes.py) on the model's device, and waits for it; its logits are
+                dropped. The runs then pay a real model's compute (and its static width: load_simulated takes
+                `static_width` like load_model) while acceptance stays the configured one (`make gpu-check`).
 
 The logits are a peak of height `peak` on the predicted token, so greedy decoding and acceptance behave as in the
 simulator; with sampling the acceptance rate is not `acceptance_rate`. The KV "cache" is just a length.
@@ -25,7 +29,7 @@ import numpy as np
 import torch
 
 from paraspec.models.base import check_rollback
-
+from paraspec.models.shapes import check_shape
 from paraspec.sim.costs import ForwardCost
 
 
@@ -41,8 +45,11 @@ class SimulatedSpec:
     max_context: int = 4096
     eos_token_ids: tuple[int, ...] = ()
     peak: float = 20.0
+    shape: str | None = None                   # also pay a real forward of this decoder shape (models/shapes.py)
 
     def __post_init__(self):
+        if self.shape is not None:
+            check_shape(self.shape)
         if self.role not in ("target", "draft"):
             raise ValueError(f"simulated role {self.role!r} must be 'target' or 'draft'")
         if not 0 <= self.acceptance_rate <= 1:
@@ -52,7 +59,8 @@ class SimulatedSpec:
 
 
 class SimulatedModel:
-    def __init__(self, spec: SimulatedSpec, max_context: int | None = None):
+    def __init__(self, spec: SimulatedSpec, max_context: int | None = None, device="cpu", dtype=None,
+                 static_width: int | str | None = None):
         self.spec = spec
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = tuple(spec.eos_token_ids)
@@ -70,6 +78,12 @@ class SimulatedModel:
         self.predicted = truth                                # predicted[i]: the token this model says at i
         self._length = 0
         self.forwards = 0
+        self.real = None                                      # the NativeModel whose forwards it pays
+        if spec.shape is not None:
+            from paraspec.models.llama import NativeModel
+            from paraspec.models.shapes import random_decoder
+            self.real = NativeModel(random_decoder(spec.shape, device, dtype, seed=spec.seed), self.max_context,
+                                    static_width=static_width)
 
     @property
     def length(self) -> int:
@@ -78,12 +92,16 @@ class SimulatedModel:
     def rollback(self, length: int) -> None:
         check_rollback(length, self._length)
         self._length = length
+        if self.real is not None:
+            self.real.rollback(length)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         """Predictions depend only on positions, so moving entries is just the new length."""
         if not 0 <= prefix_len <= self._length or any(not prefix_len <= s < self._length for s in slots):
             raise ValueError(f"keep_path({prefix_len}, {slots}) outside the cache of {self._length} tokens")
         self._length = prefix_len + len(slots)
+        if self.real is not None:
+            self.real.keep_path(prefix_len, slots)
 
     def prefill(self, token_ids) -> torch.Tensor:
         self._length = 0
@@ -99,6 +117,8 @@ class SimulatedModel:
             raise ValueError(f"the cache holds {self.max_context} tokens; {self._length} + {n} do not fit")
         if self.spec.cost is not None:
             time.sleep(self.spec.cost(n))
+        if self.real is not None:
+            self._pay_real_forward(token_ids, last_n)
         rows = n if last_n is None else min(last_n, n)
         # the row of the input token at position p predicts position p + 1
         end = self._length + n
@@ -109,8 +129,17 @@ class SimulatedModel:
         self.forwards += 1
         return logits
 
+    def _pay_real_forward(self, token_ids, last_n: int | None) -> None:
+        real = self.real
+        real.rollback(self._length)           # a prefill starts over
+        real.forward([int(t) % real.vocab_size for t in token_ids], last_n=last_n)
+        if real.device.type == "cuda":
+            torch.cuda.synchronize(real.device)   # a real strategy reads the logits: the forward is paid now
+
 
 def load_simulated(spec: SimulatedSpec, dtype=None, backend: str = "native", max_context: int | None = None,
-                   device: str = "cpu", static_width=None) -> SimulatedModel:
-    """load_model's signature, so the Engine and the runtime build a simulated model like a real one."""
-    return SimulatedModel(spec, max_context)
+                   device: str = "cpu", static_width: int | str | None = "auto") -> SimulatedModel:
+    """load_model's signature, so the Engine and the runtime build a simulated model like a real one. `device`,
+    `dtype` and `static_width` apply to the real decoder of a spec with a `shape` ("auto" dtype: bfloat16 on
+    CUDA, float32 on CPU)."""
+    return SimulatedModel(spec, max_context, device=device, dtype=dtype, static_width=static_width)

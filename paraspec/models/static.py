@@ -19,11 +19,13 @@ default stays the dynamic forward.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import warnings
 
 import torch
-import torch.nn.functional as F
 
 from paraspec.models.cache import cache_dir
 
@@ -50,6 +52,16 @@ def choose_width(costs: dict[int, float], tolerance: float = AUTO_TOLERANCE) -> 
     return max(w for w, c in costs.items() if c <= tolerance * floor)
 
 
+_CUDA_SETUP = threading.RLock()
+
+
+def cuda_setup(device) -> contextlib.AbstractContextManager:
+    """Held while a model is put on a CUDA device, measured and captured: two threads of one process (the
+    in-process runtime's workers) capturing graphs at once, or one loading weights while another captures, can
+    invalidate a capture or abort the process. Nothing on a CPU."""
+    return _CUDA_SETUP if torch.device(device).type == "cuda" else contextlib.nullcontext()
+
+
 class StaticForward:
     """The fixed-width forward of one NativeModel: its input buffers, the step, and (on CUDA) the step's graph."""
 
@@ -61,6 +73,8 @@ class StaticForward:
         self.host_key_slots = torch.arange(slots)
         self.inputs = torch.zeros(3, width, dtype=torch.long, device=device)    # ids, positions, slots
         self.visible = torch.zeros(width, slots, dtype=torch.bool, device=device)
+        self.inputs[1:] = torch.arange(width, device=device)         # until the first forward: a causal chain at
+        self._causal_visibility(self.inputs[2], model.cfg.sliding_window)   # slot 0 (no all-masked row: no NaN)
         self.out: torch.Tensor | None = None
         self.graph = None
         if graph and device.type != "cuda":
@@ -84,23 +98,33 @@ class StaticForward:
             ~self.visible, float("-inf"))
         h = m.decoder.model.embed_tokens(ids)
         for i, layer in enumerate(m.decoder.model.layers):
-            h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, m.cache, i, slots, bias)
+            h = h + layer.self_attn.over_whole_cache(layer.input_layernorm(h), cos, sin, m.cache, i, slots, bias)
             h = h + layer.mlp_block(h)
         return m.logits(h)
 
     def _capture(self) -> None:
         """Warm up on a side stream (cuBLAS handles, allocator), then capture one step. The cache is empty here:
-        the warm-up's writes land in slots that the first forward replaces."""
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):
-                self.step()
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph):
-            self.out = self.step()
-        self.graph = graph
+        the warm-up's writes land in slots that the first forward replaces. A capture that fails leaves the
+        eager step (same shapes, so still exact; only slower), with a warning that says so."""
+        device = self.model.device
+        with cuda_setup(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.step()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: a worker's other threads (heartbeats, channels) may call CUDA while this one captures
+                with torch.inference_mode(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self.out = self.step()
+            except RuntimeError as e:
+                warnings.warn(f"CUDA graph capture of the {self.width}-row forward failed on {device} ({e}); "
+                              f"running it eagerly (exact, slower)", RuntimeWarning, stacklevel=2)
+                self.out = None
+                return
+            self.graph = graph
 
     def run(self) -> torch.Tensor:
         if self.graph is None:
@@ -165,28 +189,6 @@ class StaticForward:
         return visible
 
 
-def attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int, slots: torch.Tensor,
-              bias: torch.Tensor) -> torch.Tensor:
-    """The attention sub-block over the whole cache: x [W, hidden] (normed), keys and values written at `slots`.
-
-    Grouped-query attention as plain attention per KV head: the query heads that share a KV head are stacked
-    along the sequence axis (one [G*W, slots] mask), so no KV head is copied and the fused kernels apply."""
-    from paraspec.models.llama import rotate_half
-    cfg, W = attn.cfg, x.shape[0]
-    H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = attn.q_proj(x).view(W, H, D).transpose(0, 1)
-    k = attn.k_proj(x).view(W, KV, D).transpose(0, 1)
-    v = attn.v_proj(x).view(W, KV, D).transpose(0, 1)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    cache.k[layer].index_copy_(1, slots, k)
-    cache.v[layer].index_copy_(1, slots, v)
-    G = H // KV
-    out = F.scaled_dot_product_attention(q.reshape(KV, G * W, D), cache.k[layer], cache.v[layer],
-                                         attn_mask=bias.repeat(G, 1))
-    return attn.o_proj(out.view(H, W, D).transpose(0, 1).reshape(W, H * D))
-
-
 # -- "auto": the width measured on the device, once per (device, model shape, dtype) -----------------------------
 
 def measured_width(model, widths=WIDTHS) -> int:
@@ -201,7 +203,7 @@ def measured_width(model, widths=WIDTHS) -> int:
         pass
     import fcntl
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
+    with cuda_setup(model.device), open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)           # one process measures; the others read its answer
         try:
             return int(json.loads(path.read_text())["width"])

@@ -151,6 +151,23 @@ def apply_device(device: Device) -> None:
         torch.cuda.set_device(device.index)
 
 
+def sync(device) -> None:
+    """Wait until `device` has run the work queued on it, before a clock is read: a CUDA call returns once its
+    kernels are queued, so a duration read without this times the launch, not the work. Nothing to do on the CPU,
+    nor for None (a model without a torch device: llama.cpp, a remote worker, whose calls return when done).
+
+    device: a torch.device, a device string (`cuda:1`, `NODE/cuda:1`, `cpu:0-3`) or a Device."""
+    if isinstance(device, str):
+        device = _parse_local(device.strip().lower().rpartition("/")[2], device, None)
+    if isinstance(device, Device):
+        if device.kind == "cuda":
+            import torch
+            torch.cuda.synchronize(device.index)
+    elif device is not None and device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+
+
 @contextmanager
 def pinned(device: Device):
     """Run a block on `device` (cores and threads), then give the process its previous cores and threads."""

@@ -21,7 +21,8 @@ Placing a worker: a device `NODE/cpu:0-3` (or `NODE/cuda:1`) runs on the node NO
 a node's name (`ray start --node-name`), a prefix of its node id (6+ hex digits), or a custom resource only that
 node has (`ray start --resources='{"gpu-box": 1}'`). Anything else is an error before the worker starts, listing
 the cluster's nodes. A device without a node goes wherever Ray schedules it (num_cpus=0: on the driver's node
-when it can).
+when it can). A `cuda:N` worker asks Ray for one GPU (so Ray places it on a node with a free one), and keeps
+seeing the node's GPUs by their own indices: `cuda:N` is GPU N there, not the one Ray would have picked.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import socket
 import threading
 import time
 
-from paraspec.runtime.devices import DeviceError
+from paraspec.runtime.devices import Device, DeviceError
 from paraspec.runtime.errors import WorkerError
 from paraspec.runtime.wire import Wire
 from paraspec.runtime.worker_main import serve
@@ -96,6 +97,20 @@ def resolve_node(name: str) -> str:
                       f"one node has, or head); the cluster has: {describe_nodes()}")
 
 
+def actor_options(device: Device, node_id: str | None = None) -> dict:
+    """The Ray options of the actor serving a worker on `device` (on the node `node_id`, when given).
+
+    A GPU device reserves one of Ray's GPUs, and tells Ray not to set CUDA_VISIBLE_DEVICES to the GPU it
+    reserved: that would hide GPU N from a worker the user put on cuda:N."""
+    options = dict(name=None, max_concurrency=1, num_cpus=0)
+    if device.kind == "cuda":
+        options.update(num_gpus=1, runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}})
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return options
+
+
 class _WorkerActor:
     def whereabouts(self) -> tuple[int, tuple[str, str], str]:
         return os.getpid(), host_identity(), ray.get_runtime_context().get_node_id()
@@ -120,11 +135,7 @@ class RayWorker(Worker):
         self._their_sock.close()            # the actor connects over TCP instead of inheriting a socket
         self._pidfd = None
         self._node_id = resolve_node(self.device.node) if self.device.node else None
-        options = dict(name=None, max_concurrency=1)
-        if self._node_id is not None:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._node_id, soft=False)
-        self._actor = ray.remote(num_cpus=0)(_WorkerActor).options(**options).remote()
+        self._actor = ray.remote(_WorkerActor).options(**actor_options(self.device, self._node_id)).remote()
         listener = None
         try:
             self._pid, host, self._node_id = ray.get(self._actor.whereabouts.remote(), timeout=self.connect_timeout)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from paraspec.runtime.channels import StopSignal, TokenChannel, release_attached
-from paraspec.runtime.devices import Device, apply_device, check_available, parse_device
+from paraspec.runtime.devices import Device, apply_device, check_available, parse_device, sync
 from paraspec.runtime.errors import error_payload
 from paraspec.runtime.wire import Wire
 from paraspec.trace import Trace
@@ -108,6 +108,7 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
                             f"resolved: put it at the same path there, e.g. `make models` on that node, or use a "
                             f"shared filesystem)",)
             raise
+        sync(device)               # build_s includes the weights' copies to a GPU, not only their launch
         import torch
         info = WorkerInfo(
             name=name, device=str(device), pid=os.getpid(),

@@ -69,7 +69,7 @@ def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop
             channel.commit(kept, start=len(run.sequence) - len(kept))
 
     try:
-        with run.timed(device, "prefill", len(prompt_ids)):
+        with run.timed(device, "prefill", len(prompt_ids), on=ctx.device):
             next_logits = target.prefill(prompt_ids)   # the target distribution at the first open position
         while not run.done:
             position = len(run.sequence)
@@ -101,7 +101,7 @@ def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop
             q = torch.from_numpy(channel.read_q(position, position + len(drafts), version=snap.version)) \
                 if sampling and drafts else None
             pending = run.sequence[target.length:]      # committed tokens the target has not cached yet
-            with run.timed(device, "verify", len(pending) + len(drafts)):
+            with run.timed(device, "verify", len(pending) + len(drafts), on=ctx.device):
                 logits = target.forward(pending + drafts, last_n=len(drafts) + 1)
             run.observe_target(len(run.tokens), logits)
             accepted, correction = verify_chain(drafts, q, logits, params, run.generator)

@@ -58,6 +58,7 @@ import torch
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
 from paraspec.run import Run, common_prefix
 from paraspec.runtime.channels import ChannelStopped
+from paraspec.runtime.devices import sync
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import Placement, WorkerStrategy
 from paraspec.trace import Trace, TraceEvent
@@ -131,6 +132,7 @@ def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, greedy: bo
     with ctx.trace.span("prefill" if keep == 0 else "verify", len(tokens)):    # an empty cache: the prompt
         target.rollback(keep)
         logits = target.forward(tokens, last_n=rows)[-rows:]
+        sync(ctx.device)            # the event ends when the GPU has run the forward, not when it was queued
     reply = {"argmax": logits.argmax(-1).tolist(), "logits": None if greedy else logits, "margins": None}
     if margins:
         top2 = logits.float().topk(2, dim=-1).values

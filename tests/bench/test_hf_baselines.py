@@ -127,3 +127,36 @@ def test_hf_assisted_needs_a_draft(setup):
     _, _, hf_ar, _ = setup
     with pytest.raises(ValueError, match="hf-assisted needs a draft model"):
         HFBaseline("hf-assisted", hf_ar.target)
+
+
+def test_prompt_goes_to_the_models_gpu_and_forwards_are_timed_whole(monkeypatch):
+    """A model on a GPU gets its prompt there, and each forward hook (and the total) waits for the GPU before
+    reading the clock. tests/fake_cuda.py stands in for the GPU (a CPU prompt would raise there)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from tests.fake_cuda import CUDA, Timeline, fake_cuda
+
+    class OnGPU(torch.nn.Module):
+        device = CUDA
+        generation_config = GenerationConfig(eos_token_id=[0], pad_token_id=0)
+
+        def forward(self, input_ids):
+            timeline.work()
+            return input_ids + 1
+
+        def generate(self, input_ids, attention_mask, generation_config, streamer):
+            assert input_ids.device == attention_mask.device == CUDA
+            streamer.put(input_ids)
+            for _ in range(3):
+                input_ids = torch.cat((input_ids, self(input_ids)[:, -1:]), dim=-1)
+                streamer.put(input_ids[0, -1:])
+            return SimpleNamespace(sequences=input_ids)
+
+    timeline = Timeline(monkeypatch)
+    with fake_cuda(timeline.events):
+        result = HFBaseline("hf-ar", OnGPU()).generate([5, 6], SamplingParams(max_new_tokens=3))
+    assert result.token_ids == [7, 8, 9]
+    assert [e.kind for e in result.trace.events] == ["prefill", "decode", "decode"]
+    assert timeline.unsynced_clocks() == 0, timeline.events

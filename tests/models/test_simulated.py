@@ -3,6 +3,7 @@ through the real Engine and runtime close to the event simulator's predictions."
 import time
 
 import pytest
+import torch
 
 from benchmarks.dsi_simulated import Case, measure, predict
 from paraspec import Engine, SamplingParams
@@ -80,3 +81,22 @@ def test_wall_time_is_close_to_the_event_simulator(name):
         if 0.85 < ratios[-1] < 1.3:
             return
     pytest.fail(f"{name}: measured / simulated = {', '.join(f'{r:.3f}' for r in ratios)} (want 0.85 to 1.3)")
+
+
+def test_a_shape_pays_a_real_forward_in_step_with_the_oracle():
+    from paraspec.models.simulated import load_simulated
+    spec = SimulatedSpec(seed=2, shape="tiny-draft")
+    model = load_simulated(spec, max_context=64, static_width=4)
+    oracle = SimulatedModel(SimulatedSpec(seed=2), max_context=64)
+    real = model.real
+    assert real.static_width == 4 and real.vocab_size == 256
+    assert torch.equal(model.prefill([1, 2, 3]), oracle.prefill([1, 2, 3]))    # the logits stay the oracle's
+    assert torch.equal(model.forward([4, 5], last_n=2), oracle.forward([4, 5], last_n=2))
+    assert real.length == model.length == 5                                    # its cache moves with the oracle's
+    model.rollback(2)
+    assert real.length == 2
+    model.forward([6, 7, 8])
+    model.keep_path(2, [3, 4])
+    assert real.length == model.length == 4
+    with pytest.raises(ValueError, match="decoder shape"):
+        SimulatedSpec(shape="gpt-5")

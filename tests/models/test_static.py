@@ -90,9 +90,10 @@ def test_bad_static_width_names_the_choices(bad):
         check_width(bad)
 
 
-def test_static_width_is_for_the_native_backend(gguf_pair):
-    with pytest.raises(ValueError, match="backend='native'"):
-        Engine(str(gguf_pair["target"]), strategy="ar", backend="llamacpp", static_width=4)
+def test_static_width_is_for_the_native_backend(tmp_path):
+    """Refused when the configuration is checked, before any model is read."""
+    with pytest.raises(ValueError, match="static_width=4 pads the native decoder's forwards.*backend='native'"):
+        Engine(str(tmp_path / "model.gguf"), strategy="ar", backend="llamacpp", static_width=4)
 
 
 @pytest.mark.skipif(ON_CUDA, reason="checks the CPU defaults")

@@ -1,0 +1,145 @@
+"""`make gpu-check` on the CPU with tiny shapes, so the command a borrowed GPU runs cannot rot between sessions:
+every section's content, ar's tokens from every strategy, nothing imported that the GPU machine lacks."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paraspec.bench import gpu_check
+from paraspec.models.static import WIDTHS
+
+ROOT = Path(__file__).resolve().parents[2]
+ABSENT_ON_GPU_MACHINE = ("ray", "fastapi", "uvicorn", "openai", "llama_cpp")
+MEASURED = ("environment", "forward_cost", "strategies", "planner")     # the suite runs in CI anyway
+
+
+def without_modules(tmp_path: Path) -> dict:
+    """An environment whose Python (and every process it spawns) fails to import the GPU machine's missing
+    packages: a sitecustomize.py that puts None in sys.modules for each."""
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nfor name in {ABSENT_ON_GPU_MACHINE!r}:\n    sys.modules[name] = None\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out, site = tmp_path_factory.mktemp("gpu-check"), tmp_path_factory.mktemp("site")
+    env = without_modules(site)
+    blocked = subprocess.run([sys.executable, "-c", "import fastapi"], env=env, capture_output=True, text=True)
+    assert blocked.returncode != 0 and "halted" in blocked.stderr        # the blocking itself works
+    proc = subprocess.run([sys.executable, "-m", "paraspec.bench.gpu_check", "--device", "cpu", "--out", str(out),
+                           "--sections", ",".join(MEASURED), "--budget-s", "150"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, json.loads((out / "gpu_check.json").read_text()), proc.stdout
+
+
+def test_every_section_ran_without_the_missing_packages(cpu_run):
+    out, report, stdout = cpu_run
+    sections = report["sections"]
+    assert {name: sections[name]["status"] for name in MEASURED} == dict.fromkeys(MEASURED, "ok"), \
+        {name: sections[name].get("error") for name in MEASURED}
+    assert "suite" not in sections and report["settings"]["quick"] is True
+    assert "strategies: dsi a=0.8: TPOT" in stdout                         # progress is printed as it goes
+    files = list(out.iterdir())
+    assert len(files) <= 8 and all(f.is_file() for f in files)
+
+
+def test_environment_names_the_versions(cpu_run):
+    env = cpu_run[1]["sections"]["environment"]
+    import torch
+    assert env["torch"] == torch.__version__ and env["device"].startswith("cpu")
+    assert env["git_commit"] == "unknown" or len(env["git_commit"]) == 40
+
+
+def test_forward_costs_are_measured_at_every_width(cpu_run):
+    models = cpu_run[1]["sections"]["forward_cost"]["models"]
+    assert set(models) == set(gpu_check.QUICK_SHAPES)
+    for shape, m in models.items():
+        for key in ("dynamic_ms", "static_eager_ms"):
+            assert sorted(map(int, m[key])) == list(WIDTHS)
+            assert all(ms > 0 for ms in m[key].values()), (shape, key, m[key])
+        assert "static_graph_ms" not in m                                # no CUDA graph on a CPU
+        assert m["chosen_width"] in WIDTHS
+
+
+def test_every_strategy_returns_ar_tokens(cpu_run):
+    record = cpu_run[1]["sections"]["strategies"]
+    runs = record["runs"]
+    assert [(r["strategy"], r["acceptance_rate"]) for r in runs] == \
+        [("ar", None), ("sd", 0.6), ("sd", 0.8), ("sd", 0.95), ("amusd", 0.8), ("dsi", 0.8)]
+    for r in runs:
+        assert "error" not in r, r["error"]
+        assert r["tokens_match_ar"] is True and r["tokens_match_truth"] is True, r
+        assert r["tpot_ms"] > 0 and r["new_tokens"] == record["new_tokens"]
+        assert (r["measured_acceptance"] is None) == (r["strategy"] == "ar")
+
+
+def test_the_planner_answers_for_each_device_count(cpu_run):
+    plans = cpu_run[1]["sections"]["planner"]["plans"]
+    assert [(p["acceptance_rate"], p["devices"]) for p in plans] == \
+        [(a, n) for a in gpu_check.ACCEPTANCE for n in gpu_check.PLANNER_DEVICES]
+    for p in plans:
+        assert p["recommended"] in ("ar", "sd", "amusd", "dsi") and p["tpot_ms"] > 0
+        assert (p["best_tpot_ms"]["dsi"] is None) == (p["devices"] == 1)   # dsi needs a second device
+
+
+def test_the_summary_has_every_table(cpu_run):
+    md = (cpu_run[0] / "gpu_check.md").read_text()
+    for heading in ("## Environment", "## Forward cost by width", "## Strategies through the Engine",
+                    "## Planner predictions", "predicted vs measured"):
+        assert heading in md
+
+
+def test_a_failing_section_leaves_the_others_running(tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no device here")
+    monkeypatch.setattr(gpu_check, "environment", broken)
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--sections", "environment,planner"]) == 0
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert sections["environment"]["status"] == "failed"
+    assert "RuntimeError: no device here" in sections["environment"]["error"]
+    assert sections["planner"]["status"] == "ok"                          # ran, and says what it lacked
+    assert "no forward_cost measurement" in sections["planner"]["plans"][0]["error"]
+    assert "no device here" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_no_section_starts_past_the_budget(tmp_path):
+    gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--budget-s", "0"])
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert {s["status"] for s in sections.values()} == {"skipped"} and set(sections) == set(gpu_check.SECTIONS)
+
+
+def test_the_suite_runs_on_the_device_and_is_cut_at_its_cap(tmp_path, monkeypatch):
+    tests = tmp_path / "test_sample.py"
+    tests.write_text("import os, time, pytest\n"
+                     "def test_device():\n    assert os.environ['PARASPEC_TEST_DEVICE'] == 'cpu'\n"
+                     "@pytest.mark.skip\ndef test_skipped():\n    pass\n"
+                     "def test_slow():\n    time.sleep(float(os.environ.get('SLOW_S', '0')))\n")
+    monkeypatch.setattr(gpu_check, "SUITE_FILES", (str(tests), "tests/not_there.py"))
+    check = gpu_check.Check("cpu", tmp_path, quick=True, budget_s=60, sections=("suite",))
+    record = {}
+    gpu_check.suite(check, record, gpu_check.time.perf_counter() + 60, lambda: None)
+    assert record["outcome"] == "passed", record["tail"]
+    assert record["counts"]["passed"] == 2 and record["counts"]["skipped"] == 1
+    assert record["missing"] == ["tests/not_there.py"]
+
+    monkeypatch.setenv("SLOW_S", "60")
+    record = {}
+    gpu_check.suite(check, record, gpu_check.time.perf_counter() + 4, lambda: None)
+    assert record["outcome"].startswith("timeout") and record["counts"] is None
+
+
+@pytest.mark.parametrize("output, counts", [
+    ("....F\n!!! stopping after 1 failures !!!\n3 failed, 40 passed, 2 skipped, 1 warning in 12.34s\n",
+     dict(passed=40, failed=3, skipped=2, error=0, warning=1, seconds=12.34)),
+    ("===== 5 passed in 75.12s (0:01:15) =====", dict(passed=5, failed=0, skipped=0, error=0, seconds=75.12)),
+    ("1 passed, 2 errors in 0.10s\n\n", dict(passed=1, failed=0, skipped=0, error=2, seconds=0.1)),
+    ("no tests ran in 0.01s", dict(passed=0, failed=0, skipped=0, error=0, seconds=0.01)),
+    ("collecting ... 3 passed so far\ntests/x.py ..", None),               # killed before its summary
+])
+def test_pytest_summary_parser(output, counts):
+    assert gpu_check.parse_pytest_summary(output) == counts

@@ -1,0 +1,92 @@
+"""runtime.devices.sync, and every timer of device work waiting for the device before it reads its clock.
+
+Without a GPU, tests/fake_cuda.py stands in for one: QueuedModel's forwards queue work on a fake cuda:0,
+torch.cuda.synchronize is recorded, and a clock read that finds work still queued fails the check (on a GPU that
+timer would measure the launch of the kernels, not the kernels)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from paraspec.runtime.devices import Device, sync
+from tests.fake_cuda import QueuedModel, Timeline, fake_cuda
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "NODE/cuda:1", Device("cuda", index=1), torch.device("cuda", 1)])
+def test_sync_waits_for_the_gpu_named(monkeypatch, device):
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    sync(device)
+    assert [torch.device("cuda", w) if isinstance(w, int) else w for w in waited] == [torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0-1", Device("cpu", cores=(0,)), torch.device("cpu"), None])
+def test_sync_on_the_cpu_does_nothing(monkeypatch, device):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronized the CPU"))
+    sync(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sync_on_a_real_gpu_returns_when_its_work_is_done():
+    x = torch.randn(2048, 2048, device="cuda:0")
+    for _ in range(8):
+        x = x @ x
+        x = x / x.norm()
+    sync("cuda:0")
+    assert torch.cuda.current_stream(0).query()
+
+
+# -- the timers -------------------------------------------------------------------------------------------------
+
+def measure_forward_cost(model):
+    from paraspec.drafters.adaptive import ForwardCost
+    ForwardCost.measure(model, [1, 2])
+
+
+def profile_forwards(model):
+    from paraspec.bench.pair_profile import time_forwards
+    time_forwards(model, [1, 2, 3], widths=(1, 2))
+
+
+def profile_generation(model):
+    from paraspec.bench.pair_profile import time_generation
+    time_generation(model, [1, 2, 3], 4)
+
+
+def draft_a_chain(model):
+    """ModelDrafter times each draft forward (the adaptive rule's draft costs)."""
+    from paraspec.drafters.model import ModelDrafter
+    from paraspec.sampling import SamplingParams, make_generator
+    drafter = ModelDrafter(model, model.vocab_size)
+    drafter.propose([1, 2, 3], 3, SamplingParams(), make_generator(0))
+    assert len(drafter.timings) == 3
+
+
+def decode_ar(model):
+    """ar's prefill and decode events (Run.timed)."""
+    from paraspec.run import Run
+    from paraspec.sampling import SamplingParams, make_generator
+    from paraspec.strategies.ar import AR
+    strategy = AR({})
+    strategy.target = model
+    run = Run([1, 2, 3], SamplingParams(max_new_tokens=3), frozenset(), make_generator(0), model.max_context)
+    assert sum(list(strategy.decode(run)), []) == [3, 3, 3]
+    assert {e.kind for e in run.trace.events} == {"prefill", "decode"}
+
+
+def serve_a_dsi_chunk(model):
+    """A dsi target server's prefill/verify event (Trace.span in the worker)."""
+    from paraspec.strategies.dsi import serve_chunk
+    from paraspec.trace import Trace
+    ctx = SimpleNamespace(trace=Trace(), device=Device("cuda"))
+    serve_chunk(model, ctx, 0, [1, 2, 3], 2, greedy=True, margins=False)
+    assert [e.kind for e in ctx.trace.events] == ["prefill"]
+
+
+@pytest.mark.parametrize("timer", [measure_forward_cost, profile_forwards, profile_generation, draft_a_chain,
+                                   decode_ar, serve_a_dsi_chunk], ids=lambda f: f.__name__)
+def test_timers_of_gpu_work_wait_for_the_gpu(monkeypatch, timer):
+    timeline = Timeline(monkeypatch)
+    with fake_cuda(timeline.events):
+        timer(QueuedModel(timeline))
+    assert timeline.unsynced_clocks() == 0, timeline.events
