@@ -152,12 +152,12 @@ class Engine:
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
         (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `runtimes`).
         `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU where the strategy allows
-        them, else the native decoder), "native", "hf" or "llamacpp" (README "Backends").
+        them, else the native decoder), "native", "hf" or "llamacpp" (docs/LLAMACPP.md).
         `on_busy`: what a request does while another is running: "wait" its turn or raise EngineBusy ("error").
         `wait_timeout`: with on_busy="wait", seconds a request waits before EngineBusy (None: no limit).
         `worker_timeout`: seconds a worker may go without a sign of life (heartbeats, also while it loads)
         before WorkerTimeout is raised and the worker killed; None disables the watchdog.
-        Across machines (runtime="ray"; README "Across machines"): a device `NODE/cpu:0-3` runs its worker on that
+        Across machines (runtime="ray"; docs/SERVING.md): a device `NODE/cpu:0-3` runs its worker on that
         Ray node; `ray_address` joins a cluster (else RAY_ADDRESS, else a local Ray); `transport` is how workers'
         loops reach the token channels: "auto" (shared memory on this host, TCP to another), "shm" or "tcp";
         `link_latency_ms` (tests, benchmarks) delays every network message by that much.
