@@ -41,7 +41,7 @@ from paraspec.runtime.errors import RemoteError, WorkerError
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import GenerationStats, compute_stats
 from paraspec.strategies.base import Placement
-from paraspec.text_stream import TextDeltas
+from paraspec.text_stream import IncrementalText, TextDeltas
 from paraspec.trace import Trace
 
 
@@ -293,11 +293,12 @@ class Engine:
     def _stream(self, run: Run, request: _Request) -> Iterator[str]:
         self._acquire(request)
         batches = self._decode(run, request)
-        text = TextDeltas(run.params.stop)
+        text, decoder = TextDeltas(run.params.stop), IncrementalText(self.tokenizer)
         start = run.trace.t0 = time.perf_counter()
         try:
             for _ in batches:
-                delta = text.update(output_text(self.tokenizer, run), final=run.done)
+                # the last batch's text decoded whole: a held-back half character may complete a stop string
+                delta = text.update(output_text(self.tokenizer, run, None if run.done else decoder), final=run.done)
                 if delta:
                     yield delta
         finally:

@@ -78,9 +78,11 @@ def stop_string_check(tokenizer, stop: tuple[str, ...]) -> Callable[[list[int]],
     return check
 
 
-def output_text(tokenizer, run: Run) -> str:
-    """The output text of a run: without a final stop token, and cut before a stop string."""
+def output_text(tokenizer, run: Run, decoder=None) -> str:
+    """The output text of a run: without a final stop token, and cut before a stop string. `decoder` (a
+    text_stream.IncrementalText) decodes only what is new since its last call: a stream asks after every batch."""
+    decode = decoder.of if decoder is not None else lambda tokens: decode_text(tokenizer, tokens)
     if run.stop_string is not None:
-        text = decode_text(tokenizer, run.tokens)
+        text = decode(run.tokens)
         return text[:min((i for s in run.params.stop if (i := text.find(s)) >= 0), default=len(text))]
-    return decode_text(tokenizer, run.tokens[:-1] if run.finish_reason == "stop" else run.tokens)
+    return decode(run.tokens[:-1] if run.finish_reason == "stop" else run.tokens)
