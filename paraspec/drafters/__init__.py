@@ -16,7 +16,9 @@
     adaptive.py  the adaptive draft length rule: k* maximising expected tokens per second
 
 A draft is named like a checkpoint: a model's folder / .gguf / hub id, or "ngram" / "suffix" (MODEL_FREE).
-A new drafter subclasses Drafter and implements propose(); strategies need no edit.
+A new drafter subclasses Drafter and implements propose(); a model-free one is also named in MODEL_FREE (its
+spec), built by `model_free` (its options) and listed in DRAFTER_OPTIONS (strategies/registry.py) if it takes
+options of its own. Strategies need no edit.
 """
 from dataclasses import dataclass
 from typing import Any

@@ -7,6 +7,7 @@
     ray_backend.py  the Ray backend (optional extra), registered by name
     runtime.py   Runtime: owns workers and channels, stops every channel when a worker dies, closes it all
     channels.py  TokenChannel (versioned token exchange, optional q ring) and StopSignal
+    net_channel.py  the same channels over TCP, for workers on other hosts (ChannelServer, RemoteChannel)
     exchange.py  ShmExchange: an all-gather among processes through one shared-memory segment
     remote.py    RemoteModel: the Model protocol over a worker (imports torch; import it from there)
     wire.py      message framing between a caller and a worker (arrays out-of-band)

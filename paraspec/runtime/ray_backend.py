@@ -44,8 +44,14 @@ except ImportError:     # the backend is optional: `pip install paraspec[ray]`
     ray = None
 
 
+_RAY = threading.Lock()
+_ray_users = 0                 # RayWorkers started and not yet stopped
+_ray_ours = False              # whether paraspec called ray.init (then the last worker's stop calls ray.shutdown)
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join (or start) Ray unless this process already has: `address`, else RAY_ADDRESS, else a local Ray."""
+    global _ray_ours
     if ray is None:
         raise WorkerError("the ray backend needs Ray: pip install 'paraspec[ray]' (or pip install ray)")
     if ray.is_initialized():
@@ -57,6 +63,27 @@ def ensure_ray(address: str | None = None) -> None:
         raise WorkerError(f"cannot join the Ray cluster at {address!r}: {exc}; start it with `ray start --head` "
                           f"(and `ray start --address=HEAD:6379` on the other nodes) or pass the right "
                           f"--ray-address") from None
+    _ray_ours = True
+
+
+def acquire_ray(address: str | None) -> None:
+    """A RayWorker starts: join or start Ray (ensure_ray) and count the worker."""
+    global _ray_users
+    with _RAY:
+        ensure_ray(address)
+        _ray_users += 1
+
+
+def release_ray() -> None:
+    """A RayWorker has stopped. After the last one, leave the Ray that paraspec joined or started: a local Ray it
+    started (raylet, GCS, agents: 7 processes) stops with it, instead of running until the interpreter exits. A
+    Ray the caller initialised is the caller's to shut down."""
+    global _ray_users, _ray_ours
+    with _RAY:
+        _ray_users -= 1
+        if _ray_users == 0 and _ray_ours:
+            _ray_ours = False
+            ray.shutdown()
 
 
 def host_identity() -> tuple[str, str]:
@@ -131,7 +158,20 @@ class RayWorker(Worker):
     connect_timeout = 120.0
 
     def _start(self) -> None:
-        ensure_ray(self.options.get("address"))
+        acquire_ray(self.options.get("address"))
+        self._holds_ray = True
+        try:
+            self._start_actor()
+        except BaseException:
+            self._release_ray()
+            raise
+
+    def _release_ray(self) -> None:
+        if getattr(self, "_holds_ray", False):
+            self._holds_ray = False
+            release_ray()
+
+    def _start_actor(self) -> None:
         self._their_sock.close()            # the actor connects over TCP instead of inheriting a socket
         self._pidfd = None
         self._node_id = resolve_node(self.device.node) if self.device.node else None
@@ -221,6 +261,7 @@ class RayWorker(Worker):
             ray.kill(self._actor)           # ends the actor's process (Ray reaps it)
         except Exception:
             pass
+        self._release_ray()
         if self._pidfd is not None:
             end = time.monotonic() + 2.0
             while time.monotonic() < end and not select.select([self._pidfd], [], [], 0.05)[0]:

@@ -1,6 +1,5 @@
-"""RemoteModel: the Model protocol over a worker, so synchronous strategies (sd, tree) can run the target on
-another device unchanged. Every method is one round trip; `submit_*` returns a Handle instead, to overlap a
-remote forward with local work (e.g. drafting the next tokens while the target verifies)."""
+"""RemoteModel: the Model protocol over a worker: the caller's handle on a model that lives in a worker process
+(dsi's target servers and drafters, amusd's workers between requests). Every method is one round trip."""
 from __future__ import annotations
 
 import torch
@@ -30,19 +29,16 @@ class RemoteModel:
     def forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
         return self.submit_forward(token_ids, positions, tree_mask, last_n).result()
 
+    def submit_forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> Handle:
+        """forward() as a Handle: the caller may work while the worker computes."""
+        extra = {} if last_n is None else {"last_n": last_n}     # a model may serve forward without last_n
+        return self.worker.submit("forward", token_ids, positions, tree_mask, **extra)
+
     def rollback(self, length: int) -> None:
         self.worker.call("rollback", length)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.worker.call("keep_path", prefix_len, list(slots))
-
-    def submit_prefill(self, token_ids) -> Handle:
-        return self.worker.submit("prefill", token_ids)
-
-    def submit_forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> Handle:
-        # last_n only when given, so models that predate it keep working
-        extra = {} if last_n is None else {"last_n": last_n}
-        return self.worker.submit("forward", token_ids, positions, tree_mask, **extra)
 
     def __repr__(self) -> str:
         return f"<RemoteModel on {self.worker!r}>"

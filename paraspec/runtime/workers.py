@@ -4,7 +4,7 @@ worker backends by name.
     Worker.call / submit(method, *args)   the model's methods in the worker, synchronously or as a Handle
     Worker.start_loop(fn, **kwargs)       fn(model, ctx, **kwargs) runs inside the worker until it returns
 
-Backends subclass Worker and only change where `serve.serve` runs: "process" (default; spawn, one process per
+Backends subclass Worker and only change where `worker_main.serve` runs: "process" (default; spawn, one process per
 device group, pinned), "inprocess" (a thread of the caller's process, no pinning: tests and single-device
 runs), "ray" (a Ray actor; ray_backend.py, an optional extra). Register another in `BACKENDS`.
 
@@ -144,7 +144,7 @@ class Worker(abc.ABC):
 
     @abc.abstractmethod
     def _start(self) -> None:
-        """Start serving `_their_sock` (the other end of `_wire`) with serve.serve()."""
+        """Start serving `_their_sock` (the other end of `_wire`) with worker_main.serve()."""
 
     @abc.abstractmethod
     def _is_alive(self) -> bool: ...

@@ -9,8 +9,9 @@ request in flight (`Run`) and the rules for committing tokens are in paraspec/ru
 
 The Engine turns the batches into streamed text and, at the end, into stats. Committing goes through
 `Run.commit`, the one place that enforces stop tokens and `max_new_tokens`, so no strategy can overshoot.
-A new strategy subclasses LocalStrategy (models in the caller's process) or Strategy, and registers itself with
-`paraspec.strategies.register`; nothing else changes.
+A new strategy subclasses LocalStrategy (models in the caller's process) or Strategy and registers itself with
+`paraspec.strategies.register` (a built-in one is also imported by strategies/__init__.py, so that importing
+paraspec registers it); the Engine, the config, the CLI and the lossless suite then take it with no other edit.
 """
 from __future__ import annotations
 

@@ -52,6 +52,31 @@ def test_ray_backend_joins_ray_or_names_the_fix(monkeypatch):
             rt.add_worker("w", "cpu", dict, {})
 
 
+def test_the_ray_paraspec_started_stops_with_its_last_worker(monkeypatch):
+    """A Ray that paraspec joined or started itself (no Ray in the process before) is shut down when its last
+    worker stops, so a local one's processes do not outlive the Engine; a Ray the caller initialised is left
+    alone. (The actors run on the session's cluster: only the bookkeeping is faked.)"""
+    from paraspec.runtime import Runtime
+    import paraspec.runtime.ray_backend as ray_backend
+    calls = []
+    monkeypatch.setattr(ray_backend.ray, "shutdown", lambda: calls.append("shutdown"))
+    with Runtime(backend="ray") as rt:                  # the caller's Ray (the fixture's): never shut down
+        rt.add_worker("w", "cpu", dict, {})
+        rt["w"].wait_ready(60)
+    assert calls == []
+    joined = []                                         # as if no Ray ran here until paraspec's ray.init
+    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: bool(joined))
+    monkeypatch.setattr(ray_backend.ray, "init", lambda **kwargs: joined.append(1) or calls.append("init"))
+    with Runtime(backend="ray") as rt:
+        rt.add_worker("a", "cpu", dict, {})
+        rt.add_worker("b", "cpu", dict, {})
+        rt["a"].wait_ready(60)
+        rt["b"].wait_ready(60)
+        rt["a"].close()
+        assert calls == ["init"]                        # one worker still runs on it
+    assert calls == ["init", "shutdown"]
+
+
 def test_dsi_with_simulated_models_and_a_killed_actor():
     before = own_segments()
     target = SimulatedSpec(seed=7, cost=ForwardCost.constant(0.002))
