@@ -20,6 +20,13 @@ from paraspec.sampling import SamplingParams
 from paraspec.trace import Trace
 
 
+def top2_margins(logits: torch.Tensor) -> list[float]:
+    """Each row's top-1 minus top-2 logit: how near a tie the target's greedy choice was (a bf16 difference
+    between strategies is only allowed where this is small)."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return (top2[..., 0] - top2[..., 1]).reshape(-1).tolist()
+
+
 @dataclass
 class Run:
     prompt_ids: list[int]
@@ -64,8 +71,7 @@ class Run:
         """Record the target's top-2 margins for output indices first_index, first_index + 1, ..."""
         if self.margins is None:
             return
-        top2 = logits.topk(2, dim=-1).values
-        for i, gap in enumerate((top2[..., 0] - top2[..., 1]).reshape(-1).tolist()):
+        for i, gap in enumerate(top2_margins(logits)):
             self.margins[first_index + i] = gap   # the last observation is the one on the committed prefix
 
     def commit(self, new_tokens: list[int]) -> list[int]:

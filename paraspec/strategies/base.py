@@ -98,6 +98,14 @@ class Strategy(abc.ABC):
     def decode(self, run: "Run") -> Iterator[list[int]]:
         """Decode one request; yield each batch of committed tokens (Run.commit's return value)."""
 
+    def make_drafters(self, for_model, models=None) -> list:
+        """One entry per draft spec, in order: `for_model(model)` for the next draft model (of `models`, default
+        self.drafts), else the model-free Drafter the spec names."""
+        from paraspec.drafters import model_free
+        models = iter(self.drafts if models is None else models)
+        return [model_free(d.spec, self.target.vocab_size, self.options) if d.model_free
+                else for_model(next(models)) for d in self.draft_specs]
+
     def open_runtime(self, placement: Placement):
         """The Runtime for this strategy's workers (`self.runtime`): on the placement's backend, with its
         worker_timeout watchdog. Every worker a strategy starts goes in it, so Engine.health() sees them,
@@ -180,13 +188,6 @@ class LocalStrategy(Strategy):
         cost = ForwardCost.measure(self.target, calibration_widths(widest))
         draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS) for i, d in enumerate(drafters) if not d.free}
         self.hybrid = Hybrid(drafters, cost, draft_costs)
-
-    def make_drafters(self, for_model) -> list:
-        """One Drafter per draft spec, in order: `for_model(model)` for a draft model, else the model-free one."""
-        from paraspec.drafters import model_free
-        models = iter(self.drafts)
-        return [model_free(d.spec, self.target.vocab_size, self.options) if d.model_free
-                else for_model(next(models)) for d in self.draft_specs]
 
     def close(self) -> None:
         super().close()

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
-from paraspec.run import Run, common_prefix
+from paraspec.run import Run, common_prefix, top2_margins
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.runtime.devices import sync
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
@@ -83,7 +83,6 @@ class DSI(WorkerStrategy):
     def setup(self, placement: Placement) -> None:
         """One target server per target device (group), target0..N-1; drafters draft, draft1, ..., each on its
         own draft device or all on one, each with its own channel (tokens, tokens1, ...)."""
-        from paraspec.drafters import model_free
         devices, models = placement.draft_devices, placement.model_drafts
         self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
         self.drafter_names = [drafter_name(i) for i in range(len(models))]
@@ -98,9 +97,8 @@ class DSI(WorkerStrategy):
         for name in self.channel_names:
             self.runtime.channel(name, capacity=capacity, vocab_size=self.target.vocab_size, q_window=64)
         # every drafter in the given order: a model's channel index, or a model-free Drafter (run in the caller)
-        channel_index = iter(range(len(models)))
-        self.order = [model_free(d.spec, self.target.vocab_size, self.options) if d.model_free
-                      else next(channel_index) for d in placement.drafts]
+        self.draft_specs = list(placement.drafts)
+        self.order = self.make_drafters(lambda index: index, models=range(len(models)))
 
     def decode(self, run: Run):
         return decode(run, self.runtime, self.server_names, self.drafter_names, self.channel_names,
@@ -133,11 +131,8 @@ def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, greedy: bo
         target.rollback(keep)
         logits = target.forward(tokens, last_n=rows)[-rows:]
         sync(ctx.device)            # the event ends when the GPU has run the forward, not when it was queued
-    reply = {"argmax": logits.argmax(-1).tolist(), "logits": None if greedy else logits, "margins": None}
-    if margins:
-        top2 = logits.float().topk(2, dim=-1).values
-        reply["margins"] = (top2[:, 0] - top2[:, 1]).tolist()
-    return reply
+    return {"argmax": logits.argmax(-1).tolist(), "logits": None if greedy else logits,
+            "margins": top2_margins(logits) if margins else None}
 
 
 @dataclass
