@@ -72,8 +72,6 @@ class EngineConfig:
         _check_seconds("worker_timeout", self.worker_timeout, "no watchdog")
         _check_seconds("wait_timeout", self.wait_timeout, "wait as long as it takes")
         parse_dtype(self.dtype)
-        from paraspec.models.static import check_width
-        self.static_width = check_width(self.static_width)
         if self.backend not in MODEL_BACKENDS + ("auto",):
             raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
         if self.runtime not in RUNTIMES:
@@ -93,10 +91,7 @@ class EngineConfig:
                                  f"D{len(models) - 1}")
         self._check_placement(cls)
         self.model_backend = self._resolve_backend(cls)
-        if isinstance(self.static_width, int) and self.model_backend != "native":
-            raise ValueError(f"static_width={self.static_width} pads the native decoder's forwards; the "
-                             f"{self.model_backend} backend runs its own kernels: pass backend='native' "
-                             f"(--backend native) or leave static_width='auto'")
+        self._check_static_width()
         cls.check_config(self)
 
     def _check_placement(self, cls) -> None:
@@ -118,6 +113,15 @@ class EngineConfig:
         if self.link_latency_ms and self.transport != "tcp" and not on_nodes:
             raise ValueError("link_latency_ms delays messages of the network transport; with every worker on this "
                              "host pass transport='tcp' too")
+
+    def _check_static_width(self) -> None:
+        """static_width is the native decoder's: another backend with a fixed width is an error."""
+        from paraspec.models.static import check_width
+        self.static_width = check_width(self.static_width)
+        if isinstance(self.static_width, int) and self.model_backend != "native":
+            raise ValueError(f"static_width={self.static_width} pads the native decoder's forwards; the "
+                             f"{self.model_backend} backend runs its own kernels: pass backend='native' "
+                             f"(--backend native) or leave static_width='auto'")
 
     @property
     def runtime_options(self) -> dict:

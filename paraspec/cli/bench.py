@@ -13,6 +13,11 @@ from paraspec.strategies import STRATEGIES
 
 
 def add_commands(subparsers) -> None:
+    add_bench_command(subparsers)
+    add_profile_command(subparsers)
+
+
+def add_bench_command(subparsers) -> None:
     from paraspec.cli.main import add_model_args, add_sampling_args
     bench = subparsers.add_parser(
         "bench", help="benchmark strategies side by side (and against transformers) on a dataset",
@@ -42,6 +47,15 @@ def add_commands(subparsers) -> None:
     bench.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                        help="apply the chat template (default: when the target's tokenizer has one)")
     bench.add_argument("--warmup-tokens", type=int, default=8, help="tokens of each variant's warm-up run")
+    add_peer_args(bench)
+    bench.add_argument("--plot-prompt", type=int, default=0, help="index of the prompt drawn in the plots")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--out", required=True, help="folder for report.md, results.json and the PNGs")
+    bench.set_defaults(func=cmd_bench)
+
+
+def add_peer_args(bench) -> None:
+    """The peers' own settings: transformers' assisted generation and prompt lookup, llama-server's modes."""
     bench.add_argument("--hf-assistant-tokens", type=int,
                        help="hf-assisted: drafted tokens per round (default: transformers' own, 20, cut short "
                             "by its confidence threshold)")
@@ -62,11 +76,9 @@ def add_commands(subparsers) -> None:
                             "dataset, the fastest kept: TYPE ngram-simple, ngram-map-k, ngram-map-k4v or ngram-mod, "
                             "N tokens looked up, at most M drafted (default: ngram-simple:12:48, ngram-mod:24:64 "
                             "(llama.cpp's defaults), ngram-simple:4:16, ngram-simple:3:8)")
-    bench.add_argument("--plot-prompt", type=int, default=0, help="index of the prompt drawn in the plots")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.add_argument("--out", required=True, help="folder for report.md, results.json and the PNGs")
-    bench.set_defaults(func=cmd_bench)
 
+
+def add_profile_command(subparsers) -> None:
     prof = subparsers.add_parser(
         "profile", help="measure TTFT/TPOT, forward widths and acceptance of a pair (the planner's JSON)",
         description="The DSI paper's measurements: TTFT and TPOT of target and draft over N prompts x "

@@ -65,111 +65,99 @@ def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_proces
     """A worker's life: build the model, then answer requests until shutdown or the caller goes away.
     With heartbeat_s, a thread sends a heartbeat that often from the start (model loading included): the
     caller's watchdog tells a slow worker from a stopped or stuck one."""
-    wire = Wire(sock)
-    requests: queue.SimpleQueue = queue.SimpleQueue()
-    shutting_down = threading.Event()
+    worker = _Worker(Wire(sock), name, device)
     if heartbeat_s is not None:
-        threading.Thread(target=_beat, args=(wire, heartbeat_s, shutting_down), name=f"paraspec-{name}-heartbeat",
-                         daemon=True).start()
+        worker.start_heartbeats(heartbeat_s)
+    worker.start_reading()
+    if worker.build(spec, in_process):
+        worker.answer_requests()
 
-    def read_requests():
-        # Reading on its own thread keeps the socket drained while the main thread computes, so a caller
-        # that sends while the worker sends never deadlocks on two full socket buffers.
-        while True:
-            try:
-                envelope, load_body = wire.recv()
-            except Exception:   # EOF, or a stream garbled by a caller interrupted mid-send: stop serving
-                requests.put((("eof",), None))
-                return
-            if envelope[0] == "shutdown":
-                shutting_down.set()   # requests still queued are dropped: nobody will read their replies
-                requests.put((envelope, None))
-                try:
-                    wire.send(("closing",))   # tells the caller it may now stop our loop without a race
-                except OSError:
-                    pass
-                return
-            requests.put((envelope, load_body))
 
-    threading.Thread(target=read_requests, name=f"paraspec-{name}-reader", daemon=True).start()
-    label = f"{name}:{device}"
-    try:
-        t_build = time.perf_counter()
-        if device.node:           # a device on a named node: its cores and GPUs are checked here, on it
-            check_available(device, f"node {device.node!r}")
-        if not in_process or device.kind == "cuda":
-            apply_device(device)   # CPU pinning is per process: the in-process backend leaves it alone
-        factory, factory_args = pickle.loads(spec)
+class _Worker:
+    """One worker's state while it serves: its end of the wire, the requests its reader thread queued, the
+    shutdown flag the reader and heartbeat threads share, the model once built, and the simulated link latency."""
+
+    def __init__(self, wire: Wire, name: str, device: Device):
+        self.wire, self.name, self.device = wire, name, device
+        self.label = f"{name}:{device}"
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.shutting_down = threading.Event()
+        self.model = None
+        self.link_latency_s = 0.0   # a simulated link (tests, benchmarks): each request arrives, and each reply
+                                    # leaves, this much later; the caller is not held up meanwhile, as on a real link
+
+    # The threads get the wire, queue and flag, not the worker: a thread that outlives serve() (a heartbeat
+    # until its next send fails) must not keep the model alive.
+    def start_heartbeats(self, interval: float) -> None:
+        threading.Thread(target=_beat, args=(self.wire, interval, self.shutting_down),
+                         name=f"paraspec-{self.name}-heartbeat", daemon=True).start()
+
+    def start_reading(self) -> None:
+        threading.Thread(target=_read_requests, args=(self.wire, self.requests, self.shutting_down),
+                         name=f"paraspec-{self.name}-reader", daemon=True).start()
+
+    def build(self, spec: bytes, in_process: bool) -> bool:
+        """Build the model and tell the caller: "ready" with a WorkerInfo, or "ready_error" (and close) if the
+        build failed. Returns whether the worker is ready to answer requests."""
         try:
-            model = factory(**factory_args)
-        except (OSError, ValueError) as exc:
-            if device.node:       # a checkpoint missing on that node, say: name the node and the fix
-                exc.args = (f"on node {device.node!r}: {exc} (a node loads the checkpoint from the path the caller "
-                            f"resolved: put it at the same path there, e.g. `make models` on that node, or use a "
-                            f"shared filesystem)",)
-            raise
-        sync(device)               # build_s includes the weights' copies to a GPU, not only their launch
-        import torch
-        info = WorkerInfo(
-            name=name, device=str(device), pid=os.getpid(),
-            cores=tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (),
-            num_threads=torch.get_num_threads(), model_type=type(model).__qualname__,
-            vocab_size=getattr(model, "vocab_size", None),
-            eos_token_ids=(tuple(model.eos_token_ids) if hasattr(model, "eos_token_ids") else None),
-            max_context=getattr(model, "max_context", None), build_s=time.perf_counter() - t_build)
-    except BaseException as exc:
-        wire.send(("ready_error",), error_payload(exc))
-        wire.close()
-        return
-    wire.send(("ready",), info)
+            self.model, info = _build_model(self.name, self.device, spec, in_process)
+        except BaseException as exc:
+            self.wire.send(("ready_error",), error_payload(exc))
+            self.wire.close()
+            return False
+        self.wire.send(("ready",), info)
+        return True
 
-    link_latency_s = 0.0      # a simulated link (tests, benchmarks): each request arrives, and each reply leaves,
-                              # this much later; the caller is not held up meanwhile, as on a real link
-    try:
-        while True:
-            envelope, load_body = requests.get()
-            kind = envelope[0]
-            if kind in ("shutdown", "eof") or shutting_down.is_set():
-                break
-            _, request_id, t0 = envelope
-            if link_latency_s > 0 and kind != "link":
-                time.sleep(link_latency_s)
-            recorder = Trace(t0=t0, device=label)
-            try:
-                body = load_body()
-                if kind == "call":
-                    method, args, kwargs = body
-                    attribute = getattr(model, method)
-                    if callable(attribute):
-                        result = attribute(*args, **kwargs)
-                    elif args or kwargs:
-                        raise TypeError(f"{type(model).__name__}.{method} is not callable; it takes no arguments")
-                    else:
-                        result = attribute
-                elif kind == "loop":
-                    loop_fn, kwargs, channels, stop = body
-                    result = loop_fn(model, LoopContext(name, device, channels, stop, recorder), **kwargs)
-                elif kind == "release":
-                    release_attached(body[0])
-                    result = None
-                elif kind == "link":
-                    link_latency_s = float(body[0])
-                    result = None
-                else:
-                    raise ValueError(f"unknown request {kind!r}")
-                status = "ok"
-            except BaseException as exc:
-                status, result = "error", error_payload(exc)
-            if link_latency_s > 0:
-                time.sleep(link_latency_s)
-            try:
-                wire.send((status, request_id, recorder.event_tuples(), recorder.progress), result)
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:   # an unpicklable result
-                wire.send(("error", request_id, recorder.event_tuples(), recorder.progress), error_payload(exc))
-    except (BrokenPipeError, ConnectionResetError):
-        pass   # the caller is gone
-    finally:
-        wire.close()
+    def answer_requests(self) -> None:
+        """Answer requests in arrival order until shutdown, EOF or a broken socket; then close the wire."""
+        try:
+            while True:
+                envelope, load_body = self.requests.get()
+                if envelope[0] in ("shutdown", "eof") or self.shutting_down.is_set():
+                    break
+                self._answer(envelope, load_body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass   # the caller is gone
+        finally:
+            self.wire.close()
+
+    def _answer(self, envelope: tuple, load_body) -> None:
+        """Run one request and send its reply; a failure becomes an error reply, never the worker's end."""
+        kind, request_id, t0 = envelope
+        if self.link_latency_s > 0 and kind != "link":
+            time.sleep(self.link_latency_s)
+        recorder = Trace(t0=t0, device=self.label)
+        try:
+            result = self._run(kind, load_body(), recorder)
+            status = "ok"
+        except BaseException as exc:
+            status, result = "error", error_payload(exc)
+        if self.link_latency_s > 0:
+            time.sleep(self.link_latency_s)
+        try:
+            self.wire.send((status, request_id, recorder.event_tuples(), recorder.progress), result)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:   # an unpicklable result
+            self.wire.send(("error", request_id, recorder.event_tuples(), recorder.progress), error_payload(exc))
+
+    def _run(self, kind: str, body, recorder: Trace):
+        if kind == "call":
+            method, args, kwargs = body
+            attribute = getattr(self.model, method)
+            if callable(attribute):
+                return attribute(*args, **kwargs)
+            if args or kwargs:
+                raise TypeError(f"{type(self.model).__name__}.{method} is not callable; it takes no arguments")
+            return attribute
+        if kind == "loop":
+            loop_fn, kwargs, channels, stop = body
+            return loop_fn(self.model, LoopContext(self.name, self.device, channels, stop, recorder), **kwargs)
+        if kind == "release":
+            release_attached(body[0])
+            return None
+        if kind == "link":
+            self.link_latency_s = float(body[0])
+            return None
+        raise ValueError(f"unknown request {kind!r}")
 
 
 def _beat(wire: Wire, interval: float, shutting_down: threading.Event) -> None:
@@ -178,6 +166,54 @@ def _beat(wire: Wire, interval: float, shutting_down: threading.Event) -> None:
             wire.send(("heartbeat",))
         except OSError:
             return
+
+
+def _read_requests(wire: Wire, requests: queue.SimpleQueue, shutting_down: threading.Event) -> None:
+    # Reading on its own thread keeps the socket drained while the main thread computes, so a caller
+    # that sends while the worker sends never deadlocks on two full socket buffers.
+    while True:
+        try:
+            envelope, load_body = wire.recv()
+        except Exception:   # EOF, or a stream garbled by a caller interrupted mid-send: stop serving
+            requests.put((("eof",), None))
+            return
+        if envelope[0] == "shutdown":
+            shutting_down.set()   # requests still queued are dropped: nobody will read their replies
+            requests.put((envelope, None))
+            try:
+                wire.send(("closing",))   # tells the caller it may now stop our loop without a race
+            except OSError:
+                pass
+            return
+        requests.put((envelope, load_body))
+
+
+def _build_model(name: str, device: Device, spec: bytes, in_process: bool):
+    """Pin this worker to its device and run the model factory; returns the model and the WorkerInfo to report."""
+    t_build = time.perf_counter()
+    if device.node:           # a device on a named node: its cores and GPUs are checked here, on it
+        check_available(device, f"node {device.node!r}")
+    if not in_process or device.kind == "cuda":
+        apply_device(device)   # CPU pinning is per process: the in-process backend leaves it alone
+    factory, factory_args = pickle.loads(spec)
+    try:
+        model = factory(**factory_args)
+    except (OSError, ValueError) as exc:
+        if device.node:       # a checkpoint missing on that node, say: name the node and the fix
+            exc.args = (f"on node {device.node!r}: {exc} (a node loads the checkpoint from the path the caller "
+                        f"resolved: put it at the same path there, e.g. `make models` on that node, or use a "
+                        f"shared filesystem)",)
+        raise
+    sync(device)               # build_s includes the weights' copies to a GPU, not only their launch
+    import torch
+    info = WorkerInfo(
+        name=name, device=str(device), pid=os.getpid(),
+        cores=tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (),
+        num_threads=torch.get_num_threads(), model_type=type(model).__qualname__,
+        vocab_size=getattr(model, "vocab_size", None),
+        eos_token_ids=(tuple(model.eos_token_ids) if hasattr(model, "eos_token_ids") else None),
+        max_context=getattr(model, "max_context", None), build_s=time.perf_counter() - t_build)
+    return model, info
 
 
 def process_main(sock: socket.socket, name: str, device: str, spec: bytes, heartbeat_s: float | None = None) -> None:
