@@ -221,12 +221,7 @@ def shared_model_loads():
 def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     """Engines and baselines for every variant, each built once; returns them, the engines to close, and the
     smallest context (prompt + new tokens) any of them holds."""
-    from paraspec.models.loader import parse_dtype, resolve_checkpoint
-    needs_draft = [v.name for v in config.variants
-                   if v.strategy in ("hf-assisted", "llamacpp-spec") or "model" in (v.drafts or ())
-                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft and v.drafts is None)]
-    if needs_draft and config.engine.draft is None:
-        raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
+    check_drafts_given(config)
     # one engine per (strategy, drafters), shared by that variant's thread counts; every config is checked
     # before any model loads
     engine_configs = {engine_key(v): variant_engine_config(config, v) for v in config.variants
@@ -244,50 +239,70 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
                 # an in-process engine pins this process to its cores; undo it, or the next engine could not
                 # even name the other cores (device parsing checks them against the current affinity)
                 set_pinning(start_affinity, start_threads)
-            hf_wanted = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in HF_STRATEGIES))
-            if hf_wanted:
-                torch_dtype = parse_dtype(config.engine.dtype, _torch_device(config.engine.target_devices[0]))
-                device = _torch_device(config.engine.target_devices[0])
-                # transformers' baselines need torch weights: the native decoder's (same names), whatever the
-                # paraspec engines run on
-                hf_backend = "hf" if config.engine.backend == "hf" else "native"
-                target_model = load(config.engine.target, config.engine.dtype, backend=hf_backend,
-                                    max_context=config.engine.max_context, device=device)
-                limits.append(target_model.max_context)
-                target = hf_causal_lm(target_model, resolve_checkpoint(config.engine.target, torch_dtype))
-                draft = None
-                if "hf-assisted" in hf_wanted:
-                    draft_model = load(config.engine.draft, config.engine.dtype, backend=hf_backend,
-                                       max_context=config.engine.max_context,
-                                       device=_torch_device(config.engine.draft_devices[0]))
-                    limits.append(draft_model.max_context)
-                    draft = hf_causal_lm(draft_model, resolve_checkpoint(config.engine.draft, torch_dtype))
-                for name in hf_wanted:
-                    baseline = HFBaseline(name, target, draft, max_context=min(limits),
-                                          num_assistant_tokens=config.hf_assistant_tokens,
-                                          confidence_threshold=config.hf_confidence_threshold,
-                                          prompt_lookup_tokens=config.hf_prompt_lookup_tokens,
-                                          prompt_lookup_ngram=config.hf_prompt_lookup_ngram)
-                    built[(name, None)] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
-                                       affinity=start_affinity, default_threads=start_threads,
-                                       settings=baseline.settings())
+            built.update(_hf_contenders(config, load, limits, start_affinity, start_threads))
         for v in [v for v in config.variants if v.strategy in LLAMACPP_STRATEGIES]:
             built[v] = _peer_contender(config, v, start_affinity, engines, limits)
     except BaseException:
         for engine in engines:
             engine.close()
         raise
-    contenders = []
-    for v in config.variants:
-        kwargs = dict(built[v] if v in built else built[engine_key(v)])
-        if v.threads is not None:
-            # an explicit thread count runs on every core this process may use, not the engine's pinned set
-            kwargs["affinity"] = start_affinity
-        model_drafts = kwargs.pop("model_drafts", False)     # paraspec engines say it; baselines and peers not
-        if kwargs["devices"] is None:             # an in-process engine: its models run where this process does
-            kwargs["devices"] = in_process_devices(kwargs["affinity"], model_drafts)
-        contenders.append(Contender(v, **kwargs))
-    return contenders, engines, min(limits)
+    return [_contender(v, built, start_affinity) for v in config.variants], engines, min(limits)
+
+
+def check_drafts_given(config: BenchConfig) -> None:
+    """Variants that draft with a model need --draft: said before anything loads."""
+    needs_draft = [v.name for v in config.variants
+                   if v.strategy in ("hf-assisted", "llamacpp-spec") or "model" in (v.drafts or ())
+                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft and v.drafts is None)]
+    if needs_draft and config.engine.draft is None:
+        raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
+
+
+def _hf_contenders(config: BenchConfig, load, limits: list, start_affinity, start_threads) -> dict:
+    """transformers' baselines, on the native decoder's weight tensors (the same names) whatever the paraspec
+    engines run on, loaded through the bench's shared loads."""
+    from paraspec.models.loader import parse_dtype, resolve_checkpoint
+    hf_wanted = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in HF_STRATEGIES))
+    if not hf_wanted:
+        return {}
+    engine = config.engine
+    device = _torch_device(engine.target_devices[0])
+    torch_dtype = parse_dtype(engine.dtype, device)
+    hf_backend = "hf" if engine.backend == "hf" else "native"
+    target_model = load(engine.target, engine.dtype, backend=hf_backend, max_context=engine.max_context,
+                        device=device)
+    limits.append(target_model.max_context)
+    target = hf_causal_lm(target_model, resolve_checkpoint(engine.target, torch_dtype))
+    draft = None
+    if "hf-assisted" in hf_wanted:
+        draft_model = load(engine.draft, engine.dtype, backend=hf_backend, max_context=engine.max_context,
+                           device=_torch_device(engine.draft_devices[0]))
+        limits.append(draft_model.max_context)
+        draft = hf_causal_lm(draft_model, resolve_checkpoint(engine.draft, torch_dtype))
+    built = {}
+    for name in hf_wanted:
+        baseline = HFBaseline(name, target, draft, max_context=min(limits),
+                              num_assistant_tokens=config.hf_assistant_tokens,
+                              confidence_threshold=config.hf_confidence_threshold,
+                              prompt_lookup_tokens=config.hf_prompt_lookup_tokens,
+                              prompt_lookup_ngram=config.hf_prompt_lookup_ngram)
+        built[(name, None)] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
+                                   affinity=start_affinity, default_threads=start_threads,
+                                   settings=baseline.settings())
+    return built
+
+
+def _contender(v: Variant, built: dict, start_affinity) -> Contender:
+    """Variant v's contender from what was built for it (its engine's, a baseline's or a peer's)."""
+    kwargs = dict(built[v] if v in built else built[engine_key(v)])
+    if v.threads is not None:
+        # an explicit thread count runs on every core this process may use, not the engine's pinned set
+        kwargs["affinity"] = start_affinity
+    model_drafts = kwargs.pop("model_drafts", False)     # paraspec engines say it; baselines and peers not
+    if kwargs["devices"] is None:             # an in-process engine: its models run where this process does
+        kwargs["devices"] = in_process_devices(kwargs["affinity"], model_drafts)
+    return Contender(v, **kwargs)
+
 
 
 def in_process_devices(cores, model_drafts: bool) -> str:

@@ -55,122 +55,127 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
     metrics = ServerMetrics(model_name, engine.strategy.name)
     queue = GenerationQueue(engine, metrics, max_queue, request_timeout)
     app.state.queue, app.state.metrics = queue, metrics
-    created = int(time.time())
+    served = ServedModel(engine, model_name, queue, metrics, api_key)
+    app.middleware("http")(served.authorize_and_count)
+    app.exception_handler(APIError)(api_error)
+    app.exception_handler(RequestValidationError)(invalid_request)
+    app.get("/health")(served.health)
+    app.get("/metrics")(served.prometheus)
+    app.get("/v1/models")(served.models)
+    app.post("/v1/completions")(served.completions)
+    app.post("/v1/chat/completions")(served.chat_completions)
+    return app
 
-    @app.middleware("http")
-    async def authorize_and_count(request: Request, call_next):
+
+async def api_error(request: Request, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def invalid_request(request: Request, exc: RequestValidationError):
+    message, param = describe_validation_error(exc.errors()[0])
+    return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+class ServedModel:
+    """The route handlers of one served model: they share its engine, generation queue, metrics, name and API
+    key, so they are methods over that state; `create_app` only wires them to paths."""
+
+    def __init__(self, engine, model_name: str, queue: GenerationQueue, metrics: ServerMetrics,
+                 api_key: str | None):
+        self.engine, self.model_name, self.queue, self.metrics, self.api_key = \
+            engine, model_name, queue, metrics, api_key
+        self.created = int(time.time())
+
+    async def authorize_and_count(self, request: Request, call_next):
         path = request.url.path
-        if api_key is not None and path.startswith("/v1/") \
-                and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if self.api_key is not None and path.startswith("/v1/") \
+                and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             response = JSONResponse(error_body(
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the --api-key the "
                 "server was started with", code="invalid_api_key"), status_code=401)
         else:
             response = await call_next(request)
         if path.startswith("/v1/"):
-            metrics.request(path, response.status_code)
+            self.metrics.request(path, response.status_code)
         return response
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError):
-        message, param = describe_validation_error(exc.errors()[0])
-        return JSONResponse(error_body(message, param=param), status_code=400)
-
-    @app.get("/health")
-    async def health():
-        problem = queue.health()
+    async def health(self):
+        problem = self.queue.health()
         if problem is not None:
             return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
+    async def prometheus(self):
+        return PlainTextResponse(self.metrics.render(), media_type=self.metrics.content_type)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "paraspec", "max_model_len": engine.max_context}]}
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "paraspec", "max_model_len": self.engine.max_context}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompt_ids = encode(engine, body.prompt, "prompt")
-        return await respond(body, request, prompt_ids, chat=False)
+    async def completions(self, body: CompletionRequest, request: Request):
+        prompt_ids = encode(self.engine, body.prompt, "prompt")
+        return await self.respond(body, request, prompt_ids, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prompt_ids = encode(engine, [m.as_template_message() for m in body.messages], "messages")
-        return await respond(body, request, prompt_ids, chat=True)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        prompt_ids = encode(self.engine, [m.as_template_message() for m in body.messages], "messages")
+        return await self.respond(body, request, prompt_ids, chat=True)
 
-    async def respond(body, request: Request, prompt_ids: list[int], chat: bool):
-        if body.model != model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r} "
-                                f"(GET /v1/models)", param="model", code="model_not_found")
-        job = Job(prompt_ids, sampling_params(body, prompt_ids, engine.max_context, chat), body.stream)
+    async def respond(self, body, request: Request, prompt_ids: list[int], chat: bool):
+        """Queue the generation, then stream it or answer once it ends."""
+        if body.model != self.model_name:
+            raise APIError(400, f"model {body.model!r} is not served here; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+        job = Job(prompt_ids, sampling_params(body, prompt_ids, self.engine.max_context, chat), body.stream)
         try:
-            await queue.start(job)
+            await self.queue.start(job)
         except QueueFull:
-            raise APIError(429, f"the server's queue is full ({queue.max_queue} requests waiting for the one "
+            raise APIError(429, f"the server's queue is full ({self.queue.max_queue} requests waiting for the one "
                                 f"running); retry later or start the server with a larger --max-queue",
                            type="rate_limit_error", code="queue_full") from None
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", type="server_error") from None
         ids = (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}", int(time.time()))
         if body.stream:
-            return EventStream(stream_events(job, body, ids, chat), on_close=lambda: job.cancel("disconnect"))
-        ended = False
-        try:
-            while not ended:                          # a client that leaves cancels its generation
-                try:
-                    ended = (await asyncio.wait_for(job.events.get(), 0.5))[0] == "end"
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel("disconnect")
-        finally:
-            if not ended:
-                job.cancel("disconnect")
+            return EventStream(self.stream_events(job, body, ids, chat), on_close=lambda: job.cancel("disconnect"))
+        await wait_for_end(job, request)
         failure = job_failure(job)
         if failure is not None:
             raise failure
-        return whole_response(job, body, ids, chat)
+        return self.whole_response(job, body, ids, chat)
 
-    async def stream_events(job: Job, body, ids, chat: bool):
+    async def stream_events(self, job: Job, body, ids, chat: bool):
         if chat:
-            yield sse(chunk(ids, {"role": "assistant", "content": ""}, None, chat))
+            yield sse(self.chunk(ids, {"role": "assistant", "content": ""}, None, chat))
         while True:
             kind, delta = await job.events.get()
             if kind == "end":
                 break
             if delta:
-                yield sse(chunk(ids, {"content": delta} if chat else delta, None, chat))
+                yield sse(self.chunk(ids, {"content": delta} if chat else delta, None, chat))
         failure = job_failure(job)
         if failure is not None:
             yield sse(failure.body())
         else:
             result = job.result
-            last = chunk(ids, {} if chat else "", finish_reason(result), chat)
+            last = self.chunk(ids, {} if chat else "", finish_reason(result), chat)
             last["paraspec"] = extension(job)
             if body.return_token_ids:
                 last["choices"][0]["token_ids"] = result.token_ids
             yield sse(last)
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield sse({**chunk(ids, None, None, chat), "choices": [], "usage": usage(job),
+                yield sse({**self.chunk(ids, None, None, chat), "choices": [], "usage": usage(job),
                            "paraspec": extension(job)})
         yield "data: [DONE]\n\n"
 
-    def chunk(ids, delta, reason, chat: bool) -> dict:
+    def chunk(self, ids, delta, reason, chat: bool) -> dict:
         if chat:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
         return {"id": ids[0], "object": "chat.completion.chunk" if chat else "text_completion", "created": ids[1],
-                "model": model_name, "choices": [choice]}
+                "model": self.model_name, "choices": [choice]}
 
-    def whole_response(job: Job, body, ids, chat: bool) -> dict:
+    def whole_response(self, job: Job, body, ids, chat: bool) -> dict:
         result = job.result
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
@@ -180,9 +185,23 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
         if body.return_token_ids:
             choice["token_ids"] = result.token_ids
         return {"id": ids[0], "object": "chat.completion" if chat else "text_completion", "created": ids[1],
-                "model": model_name, "choices": [choice], "usage": usage(job), "paraspec": extension(job)}
+                "model": self.model_name, "choices": [choice], "usage": usage(job), "paraspec": extension(job)}
 
-    return app
+
+async def wait_for_end(job: Job, request: Request) -> None:
+    """Wait for a non-streamed job's end, polling the connection so that a client that leaves cancels its
+    generation (and so does this coroutine being cancelled)."""
+    ended = False
+    try:
+        while not ended:
+            try:
+                ended = (await asyncio.wait_for(job.events.get(), 0.5))[0] == "end"
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel("disconnect")
+    finally:
+        if not ended:
+            job.cancel("disconnect")
 
 
 class EventStream(StreamingResponse):
