@@ -294,29 +294,75 @@ def _eos_ids(gf: GGUFFile, tokens: list[str] | None, token_types: list[int] | No
     return ids
 
 
-def gguf_to_hf_config(gf: GGUFFile, *, tensors: dict | None = None, dtype: str = "bfloat16"):
-    """A transformers `PretrainedConfig` for the model in `gf` (raises UnsupportedGGUFError for others)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+def _required(gf: GGUFFile, key: str) -> Any:
+    """An architecture metadata entry the config cannot do without; its absence names the missing key."""
+    v = gf.arch(key)
+    if v is None:
+        raise GGUFConversionError(f"{gf.path.name} lacks the metadata entry {gf.architecture}.{key}")
+    return v
 
-    family = _family(gf)
-    tensors = tensors if tensors is not None else {t.name: t for t in gf.tensors}
-    if "token_embd.weight" not in tensors:
-        raise GGUFConversionError(f"{gf.path.name} has no token_embd.weight tensor; it is not a complete model")
 
-    def need(key: str) -> Any:
-        v = gf.arch(key)
-        if v is None:
-            raise GGUFConversionError(f"{gf.path.name} lacks the metadata entry {gf.architecture}.{key}")
-        return v
-
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
+def _kv_head_count(gf: GGUFFile, heads: int) -> int:
+    """The number of KV heads; some files list it per layer, which the supported models keep constant."""
     kv_heads = gf.arch("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer list in some files; the supported models have one value
         if len(set(kv_heads)) != 1:
             raise _unsupported(gf, "per-layer numbers of KV heads are not supported")
         kv_heads = kv_heads[0]
-    kv_heads = int(kv_heads)
+    return int(kv_heads)
+
+
+def _family_config_class(gf: GGUFFile, family: str, tensors: dict, hidden: int, heads: int, head_dim: int,
+                         n_layers: int) -> tuple[Any, str, dict[str, Any]]:
+    """(config class, HF architecture name, family-only config fields): the families differ in head_dim,
+    biases and sliding windows, and each HF class rejects what its family cannot express."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if family == "qwen2":
+        if head_dim != hidden // heads:
+            raise _unsupported(gf, f"a qwen2 model with head_dim {head_dim} != hidden/heads is not supported")
+        return Qwen2Config, "Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=None,
+                                                     max_window_layers=n_layers)
+    has = lambda suffix: any(n.endswith(suffix) for n in tensors)  # noqa: E731
+    if has(".attn_q.bias") != has(".attn_output.bias"):
+        raise _unsupported(gf, "llama-family attention with biases on only some projections is not supported")
+    extra = dict(head_dim=head_dim, attention_bias=has(".attn_q.bias"), mlp_bias=has(".ffn_up.bias"))
+    if family == "mistral":
+        window = gf.arch("attention.sliding_window")
+        extra["sliding_window"] = int(window) if window else None
+        extra.pop("attention_bias"), extra.pop("mlp_bias")
+        if has(".attn_q.bias") or has(".ffn_up.bias"):
+            raise _unsupported(gf, "a Mistral model with biases is not supported")
+        return MistralConfig, "MistralForCausalLM", extra
+    extra["pretraining_tp"] = 1
+    return LlamaConfig, "LlamaForCausalLM", extra
+
+
+def _instantiate_config(cls, arch_name: str, common: dict, extra: dict, theta: float, scaling: dict | None,
+                        dtype: str):
+    """Build the config in the spelling the installed transformers reads: 5.x takes `rope_parameters` and
+    `dtype`, 4.x takes `rope_theta` / `rope_scaling` and `torch_dtype`."""
+    rope = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
+    if "rope_parameters" in inspect.signature(cls.__init__).parameters:
+        return cls(architectures=[arch_name], rope_parameters=rope, **common, **extra)
+    common.pop("dtype")
+    return cls(architectures=[arch_name], torch_dtype=dtype, rope_theta=theta, rope_scaling=scaling,
+               **common, **extra)
+
+
+def gguf_to_hf_config(gf: GGUFFile, *, tensors: dict | None = None, dtype: str = "bfloat16"):
+    """A transformers `PretrainedConfig` for the model in `gf` (raises UnsupportedGGUFError for others).
+
+    The GGUF metadata gives the sizes; the tensors themselves settle what metadata leaves implicit (vocab
+    size, tied embeddings, biases, llama-3 rope factors)."""
+    family = _family(gf)
+    tensors = tensors if tensors is not None else {t.name: t for t in gf.tensors}
+    if "token_embd.weight" not in tensors:
+        raise GGUFConversionError(f"{gf.path.name} has no token_embd.weight tensor; it is not a complete model")
+
+    hidden = int(_required(gf, "embedding_length"))
+    heads = int(_required(gf, "attention.head_count"))
+    kv_heads = _kv_head_count(gf, heads)
     head_dim = int(gf.arch("attention.key_length") or gf.arch("rope.dimension_count") or hidden // heads)
     vocab_size = _tensor_shape(tensors["token_embd.weight"])[0]
     theta = _f32(gf.arch("rope.freq_base", 10000.0))
@@ -327,42 +373,16 @@ def gguf_to_hf_config(gf: GGUFFile, *, tensors: dict | None = None, dtype: str =
     eos = gf.get("tokenizer.ggml.eos_token_id")
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")), num_attention_heads=heads, num_key_value_heads=kv_heads,
-        hidden_act="silu", max_position_embeddings=n_ctx, rms_norm_eps=eps, tie_word_embeddings=tied,
-        bos_token_id=bos, eos_token_id=eos, dtype=dtype, initializer_range=0.02, use_cache=True,
-        attention_dropout=0.0,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(_required(gf, "feed_forward_length")),
+        num_hidden_layers=int(_required(gf, "block_count")), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, hidden_act="silu", max_position_embeddings=n_ctx, rms_norm_eps=eps,
+        tie_word_embeddings=tied, bos_token_id=bos, eos_token_id=eos, dtype=dtype, initializer_range=0.02,
+        use_cache=True, attention_dropout=0.0,
     )
     scaling = _rope_scaling(gf, theta, head_dim, tensors)
-    rope = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
-    extra: dict[str, Any] = {}
-    if family == "qwen2":
-        if head_dim != hidden // heads:
-            raise _unsupported(gf, f"a qwen2 model with head_dim {head_dim} != hidden/heads is not supported")
-        cls, arch_name = Qwen2Config, "Qwen2ForCausalLM"
-        extra = dict(use_sliding_window=False, sliding_window=None, max_window_layers=common["num_hidden_layers"])
-    else:
-        has = lambda suffix: any(n.endswith(suffix) for n in tensors)  # noqa: E731
-        if has(".attn_q.bias") != has(".attn_output.bias"):
-            raise _unsupported(gf, "llama-family attention with biases on only some projections is not supported")
-        extra = dict(head_dim=head_dim, attention_bias=has(".attn_q.bias"), mlp_bias=has(".ffn_up.bias"))
-        if family == "mistral":
-            cls, arch_name = MistralConfig, "MistralForCausalLM"
-            window = gf.arch("attention.sliding_window")
-            extra["sliding_window"] = int(window) if window else None
-            extra.pop("attention_bias"), extra.pop("mlp_bias")
-            if has(".attn_q.bias") or has(".ffn_up.bias"):
-                raise _unsupported(gf, "a Mistral model with biases is not supported")
-        else:
-            cls, arch_name = LlamaConfig, "LlamaForCausalLM"
-            extra["pretraining_tp"] = 1
-    if "rope_parameters" in inspect.signature(cls.__init__).parameters:
-        config = cls(architectures=[arch_name], rope_parameters=rope, **common, **extra)
-    else:  # transformers 4.x: rope_theta / rope_scaling instead of rope_parameters, torch_dtype for dtype
-        common.pop("dtype")
-        config = cls(architectures=[arch_name], torch_dtype=dtype, rope_theta=theta, rope_scaling=scaling,
-                     **common, **extra)
-    return config
+    cls, arch_name, extra = _family_config_class(gf, family, tensors, hidden, heads, head_dim,
+                                                 common["num_hidden_layers"])
+    return _instantiate_config(cls, arch_name, common, extra, theta, scaling, dtype)
 
 
 # --------------------------------------------------------------------------------------------- tensors
@@ -571,6 +591,60 @@ def _write_generation_config(gf: GGUFFile, out: Path, eos_ids: list[int]) -> Non
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
+def _check_destination(gguf_path: Path, out_dir: Path, overwrite: bool) -> None:
+    """Refuse before any work when the source is missing or `out_dir` holds something convert_gguf did not make
+    (replacing a folder of the user's must be asked for)."""
+    if not gguf_path.exists():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not made_by_paraspec(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists, is not empty and was not made by convert_gguf; choose another "
+                              f"folder or pass overwrite=True to replace it")
+
+
+def _token_types(gf: GGUFFile) -> list[int] | None:
+    """The vocabulary's token types (3 = control), decoded here because read_gguf skips the big arrays."""
+    if "tokenizer.ggml.token_type" in gf.reader.fields:
+        return _field_value(gf.reader.fields["tokenizer.ggml.token_type"])
+    return None
+
+
+def _write_configs(gf: GGUFFile, out: Path, config, eos_ids: list[int], context: int) -> None:
+    """config.json and generation_config.json. Without weights (config None) config.json only names the
+    architecture and context: the runtime that reads the GGUF itself finds the rest in the GGUF."""
+    if config is not None:
+        _write_config(config, out, _config_rope_scaling(config))
+    else:
+        (out / "config.json").write_text(json.dumps({"gguf_architecture": gf.architecture,
+                                                     "max_position_embeddings": context}, indent=2) + "\n")
+    _write_generation_config(gf, out, eos_ids)
+
+
+def _source_record(gf: GGUFFile, digest: str, held: str, config, with_tokenizer: bool,
+                   extra_record: dict | None) -> dict[str, Any]:
+    """What paraspec_source.json records: enough to tell later whether the folder still matches a GGUF file."""
+    quant: dict[str, int] = {}
+    for t in gf.tensors:
+        quant[t.tensor_type.name] = quant.get(t.tensor_type.name, 0) + 1
+    return {
+        "source": "gguf",
+        "gguf_file": gf.path.name,
+        "gguf_path": str(gf.path),
+        "gguf_size": gf.path.stat().st_size,
+        "gguf_sha256": digest,
+        "dtype": held,
+        "architecture": gf.architecture,
+        "model_type": config.model_type if config is not None else None,
+        "general_name": gf.get("general.name"),
+        "gguf_tensor_types": quant,
+        "tokenizer": bool(with_tokenizer),
+        "converter": "paraspec.models.gguf.convert_gguf",
+        "versions": _versions(),
+        **(extra_record or {}),
+    }
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = "bfloat16", *,
                  sha256: str | None = None, overwrite: bool = False, with_tokenizer: bool = True,
                  progress: bool = True, max_shard_size: int = 5 * 2**30,
@@ -589,13 +663,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     dtype = normalize_dtype(dtype)
     gguf_path = Path(gguf_path).expanduser().resolve()
     out_dir = Path(out_dir).expanduser().absolute()
-    if not gguf_path.exists():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not made_by_paraspec(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists, is not empty and was not made by convert_gguf; choose another "
-                              f"folder or pass overwrite=True to replace it")
+    _check_destination(gguf_path, out_dir, overwrite)
 
     gf = read_gguf(gguf_path, with_vocab=True)  # fails fast on non-GGUF files
     family = _family(gf) if weights else gf.architecture   # without weights any architecture will do
@@ -605,48 +673,20 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         logger.info("%s is already a conversion of %s to %s", out_dir, gguf_path.name, dtype)
         return out_dir
 
-    tensors = {t.name: t for t in gf.tensors}
-    config = gguf_to_hf_config(gf, tensors=tensors, dtype=dtype) if weights else None
+    # everything that can reject the file is checked here, before a partial folder exists
+    config = gguf_to_hf_config(gf, tensors={t.name: t for t in gf.tensors}, dtype=dtype) if weights else None
     plan = _plan_tensors(gf, config) if weights else []
-    tokens = gf.get("tokenizer.ggml.tokens")
-    token_types = None
-    if "tokenizer.ggml.token_type" in gf.reader.fields:
-        token_types = _field_value(gf.reader.fields["tokenizer.ggml.token_type"])
-    eos_ids = _eos_ids(gf, tokens, token_types)
-    scaling = _config_rope_scaling(config) if weights else None
+    eos_ids = _eos_ids(gf, gf.get("tokenizer.ggml.tokens"), _token_types(gf))
     context = config.max_position_embeddings if weights else int(gf.arch("context_length", 4096) or 4096)
 
     tmp = make_partial_dir(out_dir)
     try:
-        if weights:
-            _write_config(config, tmp, scaling)
-        else:   # what the runtime that reads the GGUF itself needs to know is in the GGUF
-            (tmp / "config.json").write_text(json.dumps({"gguf_architecture": gf.architecture,
-                                                         "max_position_embeddings": context}, indent=2) + "\n")
-        _write_generation_config(gf, tmp, eos_ids)
+        _write_configs(gf, tmp, config, eos_ids, context)
         if with_tokenizer:
             _write_tokenizer(gf, tmp, model_max_length=context)
         if weights:
             _write_weights(gf, config, family, plan, tmp, dtype, max_shard_size, progress)
-        quant: dict[str, int] = {}
-        for t in gf.tensors:
-            quant[t.tensor_type.name] = quant.get(t.tensor_type.name, 0) + 1
-        write_marker(tmp, {
-            "source": "gguf",
-            "gguf_file": gguf_path.name,
-            "gguf_path": str(gguf_path),
-            "gguf_size": gguf_path.stat().st_size,
-            "gguf_sha256": digest,
-            "dtype": held,
-            "architecture": gf.architecture,
-            "model_type": config.model_type if weights else None,
-            "general_name": gf.get("general.name"),
-            "gguf_tensor_types": quant,
-            "tokenizer": bool(with_tokenizer),
-            "converter": "paraspec.models.gguf.convert_gguf",
-            "versions": _versions(),
-            **(extra_record or {}),
-        })
+        write_marker(tmp, _source_record(gf, digest, held, config, with_tokenizer, extra_record))
         publish_dir(tmp, out_dir)
     finally:
         if tmp.exists():

@@ -56,70 +56,94 @@ def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop
                 max_context: int, verify_chunk: int, seed: int | None, t0: float,
                 record_margins: bool = False) -> dict:
     """Runs in the target worker: verifies drafts and commits tokens until the request is done."""
-    channel = ctx.channels[CHANNEL]
     run = Run(prompt_ids, params, stop_ids, make_generator(seed), max_context, trace=Trace(t0=t0),
               margins={} if record_margins else None)
-    device = f"target:{ctx.device}"
-    sampling = not params.greedy
-    judged_at_once = bonus = 0              # tokens settled from a distribution already in hand
-
-    def commit(tokens: list[int]) -> None:
-        kept = run.commit(tokens)
-        if kept:
-            channel.commit(kept, start=len(run.sequence) - len(kept))
-
+    verifier = Verifier(target, ctx, run, verify_chunk)
     try:
-        with run.timed(device, "prefill", len(prompt_ids), on=ctx.device):
-            next_logits = target.prefill(prompt_ids)   # the target distribution at the first open position
-        while not run.done:
-            position = len(run.sequence)
-            if next_logits is not None:
-                # a full acceptance (or the prefill) left p for `position` in hand: judge the draft's token
-                # there at once, or take the target's own token if the draft has not got that far
-                snap = channel.snapshot(position, position + 1)
-                draft = int(snap.tokens[0]) if len(snap.tokens) else None
-                q = torch.from_numpy(channel.read_q(position, position + 1, version=snap.version)[0]) \
-                    if sampling and draft is not None else None
-                token, verdict = judge_in_hand(draft, q, next_logits, params, run.generator)
-                if verdict is None:
-                    bonus += 1
-                else:
-                    run.count_round(1, verdict, verified=False)   # judged without a forward of its own
-                    judged_at_once += 1
-                commit([token])
-                next_logits = None
-                continue
-
-            room = min(verify_chunk, run.remaining - 1)   # the forward also yields one target token
-            if room > 0:
-                start = run.trace.now()
-                snap = channel.wait_for_draft(position + 1, start=position, max_length=position + room)
-                run.trace.add(device, "wait", start, run.trace.now())
-                drafts = [int(t) for t in snap.tokens]
-            else:
-                drafts = []
-            q = torch.from_numpy(channel.read_q(position, position + len(drafts), version=snap.version)) \
-                if sampling and drafts else None
-            pending = run.sequence[target.length:]      # committed tokens the target has not cached yet
-            with run.timed(device, "verify", len(pending) + len(drafts), on=ctx.device):
-                logits = target.forward(pending + drafts, last_n=len(drafts) + 1)
-            run.observe_target(len(run.tokens), logits)
-            accepted, correction = verify_chain(drafts, q, logits, params, run.generator)
-            target.rollback(position + accepted)
-            run.count_round(len(drafts), accepted)
-            if accepted == len(drafts):
-                commit(drafts)
-                next_logits = logits[-1]              # p for the position after the chunk (Alg. 1's bonus)
-            else:
-                commit(drafts[:accepted] + [correction])
+        verifier.run_to_end()
     except ChannelStopped:                  # the caller cancelled the request
         run.finish_reason = "cancelled"
     finally:
-        channel.stop("done")
-    return {"tokens": run.tokens, "finish_reason": run.finish_reason, "drafted": run.drafted,
-            "accepted": run.accepted, "rounds": run.rounds, "verified_tokens": run.verified_tokens,
-            "rollbacks": run.rollbacks, "verify_s": run.verify_s, "trace": run.trace.to_dict(),
-            "margins": run.margins, "judged_at_once": judged_at_once, "bonus": bonus}
+        verifier.channel.stop("done")
+    return verifier.report()
+
+
+class Verifier:
+    """AMUSD's verification side, in the target worker: take whatever the draft has put in the channel (up to
+    `verify_chunk` tokens, waiting only for the first), verify it in one forward, commit the accepted prefix and
+    the target's token; the drafter sees the commit and rolls back on its own (McDanel 2024, Algorithm 1)."""
+
+    def __init__(self, target, ctx, run: Run, verify_chunk: int):
+        self.target, self.ctx, self.run, self.verify_chunk = target, ctx, run, verify_chunk
+        self.channel = ctx.channels[CHANNEL]
+        self.device = f"target:{ctx.device}"
+        self.sampling = not run.params.greedy
+        self.judged_at_once = self.bonus = 0      # tokens settled from a distribution already in hand
+
+    def run_to_end(self) -> None:
+        run = self.run
+        with run.timed(self.device, "prefill", len(run.prompt_ids), on=self.ctx.device):
+            in_hand = self.target.prefill(run.prompt_ids)   # the target distribution at the first open position
+        while not run.done:
+            if in_hand is not None:
+                self.settle_in_hand(in_hand)
+                in_hand = None
+            else:
+                in_hand = self.verify_next_chunk()
+
+    def commit(self, tokens: list[int]) -> None:
+        kept = self.run.commit(tokens)
+        if kept:
+            self.channel.commit(kept, start=len(self.run.sequence) - len(kept))
+
+    def settle_in_hand(self, logits: torch.Tensor) -> None:
+        """A full acceptance (or the prefill) left p for the next position in hand: judge the draft's token there
+        at once, or take the target's own token if the draft has not got that far."""
+        run, position = self.run, len(self.run.sequence)
+        snap = self.channel.snapshot(position, position + 1)
+        draft = int(snap.tokens[0]) if len(snap.tokens) else None
+        q = torch.from_numpy(self.channel.read_q(position, position + 1, version=snap.version)[0]) \
+            if self.sampling and draft is not None else None
+        token, verdict = judge_in_hand(draft, q, logits, run.params, run.generator)
+        if verdict is None:
+            self.bonus += 1
+        else:
+            run.count_round(1, verdict, verified=False)   # judged without a forward of its own
+            self.judged_at_once += 1
+        self.commit([token])
+
+    def verify_next_chunk(self) -> torch.Tensor | None:
+        """Wait for a draft, verify what is there in one forward, commit; p for the position after the chunk
+        when every draft was accepted (Algorithm 1's bonus), else None."""
+        run, channel, position = self.run, self.channel, len(self.run.sequence)
+        room = min(self.verify_chunk, run.remaining - 1)   # the forward also yields one target token
+        drafts, q = [], None
+        if room > 0:
+            start = run.trace.now()
+            snap = channel.wait_for_draft(position + 1, start=position, max_length=position + room)
+            run.trace.add(self.device, "wait", start, run.trace.now())
+            drafts = [int(t) for t in snap.tokens]
+            if self.sampling and drafts:
+                q = torch.from_numpy(channel.read_q(position, position + len(drafts), version=snap.version))
+        pending = run.sequence[self.target.length:]      # committed tokens the target has not cached yet
+        with run.timed(self.device, "verify", len(pending) + len(drafts), on=self.ctx.device):
+            logits = self.target.forward(pending + drafts, last_n=len(drafts) + 1)
+        run.observe_target(len(run.tokens), logits)
+        accepted, correction = verify_chain(drafts, q, logits, run.params, run.generator)
+        self.target.rollback(position + accepted)
+        run.count_round(len(drafts), accepted)
+        if accepted == len(drafts):
+            self.commit(drafts)
+            return logits[-1]
+        self.commit(drafts[:accepted] + [correction])
+        return None
+
+    def report(self) -> dict:
+        run = self.run
+        return {"tokens": run.tokens, "finish_reason": run.finish_reason, "drafted": run.drafted,
+                "accepted": run.accepted, "rounds": run.rounds, "verified_tokens": run.verified_tokens,
+                "rollbacks": run.rollbacks, "verify_s": run.verify_s, "trace": run.trace.to_dict(),
+                "margins": run.margins, "judged_at_once": self.judged_at_once, "bonus": self.bonus}
 
 
 def decode(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
