@@ -41,17 +41,10 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
         while True:
             if snap is None:
                 snap = channel.read_since(len(cached), version)   # one round trip on the network transport
-            if snap.version != version:
-                # a new request or a rejection (the read is the whole sequence): keep the longest cached prefix
-                # that is still the sequence
-                keep = common_prefix(cached, snap.tokens)
-                if keep < len(cached):
-                    start = trace.now()
-                    drafter.rollback(keep)
-                    trace.add(device, "rollback", start, trace.now(), len(cached) - keep)
-                    discarded += len(cached) - keep
-                    del cached[keep:]
-                    rollbacks += 1
+            if snap.version != version:       # a new request or a rejection: the read is the whole sequence
+                dropped = roll_back_to(snap.tokens, drafter, cached, trace, device)
+                discarded += dropped
+                rollbacks += dropped > 0
                 version = snap.version
                 snap = snap._replace(start=len(cached), tokens=snap.tokens[len(cached):],
                                      stamps=snap.stamps[len(cached):])
@@ -87,3 +80,16 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
     return {"drafted": drafted, "published": published, "rollbacks": rollbacks, "fed": fed,
             "discarded": discarded, "cache_length": drafter.length, "cached": list(cached),
             "trace": trace.to_dict()}
+
+
+def roll_back_to(sequence, drafter: ModelDrafter, cached: list[int], trace: Trace, device: str) -> int:
+    """Keep the longest cached prefix that is still `sequence` (the draft's cache and `cached` both); returns how
+    many cached tokens were dropped."""
+    keep = common_prefix(cached, sequence)
+    dropped = len(cached) - keep
+    if dropped:
+        start = trace.now()
+        drafter.rollback(keep)
+        trace.add(device, "rollback", start, trace.now(), dropped)
+        del cached[keep:]
+    return dropped
