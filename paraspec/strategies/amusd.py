@@ -49,7 +49,8 @@ class AMUSD(WorkerStrategy):
                                             vocab_size=self.target.vocab_size, q_window=64)
 
     def decode(self, run: Run):
-        return decode(run, self.runtime, self.channel, self.options["max_ahead"], self.options["verify_chunk"])
+        return run_request(run, self.runtime, self.channel, self.options["max_ahead"],
+                           self.options["verify_chunk"])
 
 
 def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
@@ -146,7 +147,7 @@ class Verifier:
                 "margins": run.margins, "judged_at_once": self.judged_at_once, "bonus": self.bonus}
 
 
-def decode(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
+def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
     """Caller side: start both loops, stream committed tokens, then merge the workers' reports into `run`."""
     channel.reset(run.prompt_ids)
     t0 = run.trace.t0

@@ -9,8 +9,9 @@ while N target servers verify successive chunks of its drafts in parallel (sever
                      cache back to the longest prefix that is still the sequence (at most up to the token
                      before the chunk), then ONE forward over the tokens it lacks -- verified ones and the
                      still-speculative drafts of earlier chunks -- followed by the chunk itself.
-    caller           the paper's main thread (`_MainThread`): cuts the drafts into chunks of `lookahead`, hands
-                     each to a free server, and resolves the results strictly in chunk order:
+    caller           the paper's main thread (`_Orchestrator`, run in the caller's own thread): cuts the drafts
+                     into chunks of `lookahead`, hands each to a free server, and resolves the results strictly in
+                     chunk order:
                      - chunk j rejects a draft: commit the accepted prefix plus the correction. The channel bumps
                        its version, so the drafter restarts from the corrected prefix; every chunk after j is
                        preempted (its result is discarded when it comes; its server rolls back when it is next
@@ -101,7 +102,7 @@ class DSI(WorkerStrategy):
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
 
     def decode(self, run: Run):
-        return decode(run, self.runtime, self.server_names, self.drafter_names, self.channel_names,
+        return run_request(run, self.runtime, self.server_names, self.drafter_names, self.channel_names,
                       self.options["lookahead"], self.options["max_ahead"], self.order)
 
 
@@ -226,7 +227,10 @@ def _watch_channel(channel, events: queue.SimpleQueue) -> None:
         events.put(("stopped",))
 
 
-class _MainThread:
+class _Orchestrator:
+    """The DSI paper's main thread (run in the caller's thread, not a thread of its own): chunks, servers,
+    acceptance and preemption for one request."""
+
     def __init__(self, run: Run, runtime, server_names: list[str], channels: list, lookahead: int,
                  order: list | None = None, drafter_names: list[str] | None = None):
         """order: every drafter in priority order, a channel index (a model drafter) or a model-free Drafter;
@@ -435,16 +439,16 @@ class _MainThread:
                 "judged_at_once_by_drafter": [d.judged_at_once for d in self.drafters]}
 
 
-def decode(run: Run, runtime, server_names: list[str], drafter_names: list[str], channel_names: list[str],
+def run_request(run: Run, runtime, server_names: list[str], drafter_names: list[str], channel_names: list[str],
            lookahead: int, max_ahead: int, order: list | None = None):
     """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
     Drafter drafter_names[i] drafts into the channel channel_names[i]; `order` puts them and the model-free
-    drafters in priority order (_MainThread)."""
+    drafters in priority order (_Orchestrator)."""
     channels = [runtime.channels[name] for name in channel_names]
     local = [d for d in order or [] if not isinstance(d, int)]
     for drafter in local:
         drafter.reset()
-    main = _MainThread(run, runtime, server_names, channels, lookahead, order, drafter_names)
+    main = _Orchestrator(run, runtime, server_names, channels, lookahead, order, drafter_names)
     vocab_size = main.servers[0].worker.info.vocab_size
     drafting = []
     for i in range(len(channels)):
@@ -475,7 +479,7 @@ def decode(run: Run, runtime, server_names: list[str], drafter_names: list[str],
     run.worker_reports = dict(zip(drafter_names, draft_reports)) | {"dsi": main.report()}
 
 
-def _raise_worker_failure(main: _MainThread) -> None:
+def _raise_worker_failure(main: _Orchestrator) -> None:
     """The loop ended early: if a server died or failed, raise that (a dead drafter raises in gather)."""
     for server in main.servers:
         if not server.worker.alive:
