@@ -18,6 +18,7 @@ import torch
 from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams
 from paraspec.trace import Trace
+from paraspec.verify import judge_in_hand
 
 
 def top2_margins(logits: torch.Tensor) -> list[float]:
@@ -96,6 +97,15 @@ class Run:
                 self.first_token_s = now
             self.trace.commit(len(self.tokens), now)
         return kept
+
+    def settle_in_hand(self, draft: int | None, q, target) -> tuple[int, bool]:
+        """verify.judge_in_hand on this run, counted: p for the next position is in hand after a full acceptance,
+        so the draft there (if any) is judged at once -- a round that no forward of its own verified. Returns
+        (the token to commit, judged): judged is False when there was no draft (the target's own token, a bonus)."""
+        token, verdict = judge_in_hand(draft, q, target, self.params, self.generator)
+        if verdict is not None:
+            self.count_round(1, verdict, verified=False)
+        return token, verdict is not None
 
     def count_round(self, drafted: int, accepted: int, verified: bool = True, tree_nodes: int | None = None) -> None:
         """The one place a verification round is counted: `drafted` tokens judged, `accepted` of them kept, a

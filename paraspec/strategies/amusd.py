@@ -29,7 +29,7 @@ from paraspec.sampling import SamplingParams, make_generator
 from paraspec.strategies.registry import register
 from paraspec.strategies.base import Placement, WorkerStrategy
 from paraspec.trace import Trace
-from paraspec.verify import judge_in_hand, verify_chain
+from paraspec.verify import verify_chain
 
 
 @register
@@ -105,12 +105,9 @@ class Verifier:
         draft = int(snap.tokens[0]) if len(snap.tokens) else None
         q = torch.from_numpy(self.channel.read_q(position, position + 1, version=snap.version)[0]) \
             if self.sampling and draft is not None else None
-        token, verdict = judge_in_hand(draft, q, logits, run.params, run.generator)
-        if verdict is None:
-            self.bonus += 1
-        else:
-            run.count_round(1, verdict, verified=False)   # judged without a forward of its own
-            self.judged_at_once += 1
+        token, judged = run.settle_in_hand(draft, q, logits)
+        self.judged_at_once += judged
+        self.bonus += not judged
         self.commit([token])
 
     def verify_next_chunk(self) -> torch.Tensor | None:

@@ -63,7 +63,7 @@ from paraspec.runtime.devices import sync
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import Placement, WorkerStrategy
 from paraspec.trace import Trace, TraceEvent
-from paraspec.verify import greedy_match, judge_in_hand, verify_chain
+from paraspec.verify import greedy_match, verify_chain
 
 
 @register
@@ -376,12 +376,9 @@ class _Orchestrator:
         run, row = self.run, self.next_row
         self.next_row = None
         draft, q, drafter = self.draft_at(len(run.sequence))
-        token, verdict = judge_in_hand(draft, q, row.logits if self.sampling else row.argmax, run.params,
-                                       run.generator)
-        if verdict is None:
-            self.bonus += 1
-        else:
-            run.count_round(1, verdict, verified=False)    # judged without a forward of its own
+        token, judged = run.settle_in_hand(draft, q, row.logits if self.sampling else row.argmax)
+        self.bonus += not judged
+        if judged:
             self.judged_at_once += 1
             drafter.judged_at_once += 1
         return self.commit([token])
