@@ -17,7 +17,7 @@ from torch import nn
 
 from paraspec.models.base import check_rollback, eos_ids
 from paraspec.models.kernels import Linear
-from paraspec.models.static import StaticForward, check_width, measured_width
+from paraspec.models.static import WIDTHS, StaticForward, check_width, measured_width
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                            "MistralForCausalLM": "mistral"}
@@ -261,8 +261,8 @@ class NativeModel:
         width = check_width(static_width)
         if width == "auto" and self.device.type != "cuda":
             width = None
-        # a padded forward writes up to W - 1 rows past the last real one; "auto" may pick up to 32
-        spare = 0 if width is None else 32 if width == "auto" else width
+        # a padded forward writes up to W - 1 rows past the last real one; "auto" picks one of WIDTHS
+        spare = 0 if width is None else max(WIDTHS) if width == "auto" else width
         slots = -(-(max_context + spare) // 64) * 64 if spare else max_context   # aligned rows for fused kernels
         self.cache = KVCache(cfg, max_context, self.dtype, self.device, slots)
         inv_freq = rope_inv_freq(cfg).to(self.device)

@@ -159,7 +159,7 @@ class StaticForward:
                 pos[:real] = key_positions[base:base + real]
             self.inputs.copy_(torch.stack((ids, pos, slot)))
             if new_visible is None:
-                self._causal_visibility(slot, window)
+                self._causal_visibility(self.inputs[2], window)     # the slots, already on the device
             else:
                 self.visible.copy_(self._visibility(start, first, real, slot, pos, new_visible, key_positions, window))
             logits = self.run()
@@ -169,8 +169,9 @@ class StaticForward:
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def _causal_visibility(self, slot: torch.Tensor, window: int | None) -> None:
-        """A chain (positions = slots): each row sees every slot up to its own (within the window)."""
-        own = slot.to(self.visible.device)[:, None]
+        """A chain (positions = slots): each row sees every slot up to its own (within the window). `slot`: the
+        rows' slots on the model's device."""
+        own = slot[:, None]
         torch.le(self.key_slots[None, :], own, out=self.visible)
         if window is not None:
             self.visible &= (own - self.key_slots[None, :]) < window
