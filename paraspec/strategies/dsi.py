@@ -322,6 +322,8 @@ class _Orchestrator:
             free = [i for i, s in enumerate(self.servers) if not s.busy]
             if not free:
                 return sent
+            for i in free:                  # a busy server's death reaches us through its reply; an idle one's here
+                _raise_if_dead(self.servers[i].worker)
             position = len(run.sequence)
             start = max(self.next_start, position)
             size = min(self.lookahead, position + run.remaining - 1 - start)   # the last token is the target's
@@ -479,8 +481,7 @@ def run_request(run: Run, runtime, server_names: list[str], drafter_names: list[
 def _raise_worker_failure(main: _Orchestrator) -> None:
     """The loop ended early: if a server died or failed, raise that (a dead drafter raises in gather)."""
     for server in main.servers:
-        if not server.worker.alive:
-            server.worker.call("length", timeout=2.0)     # raises the worker's WorkerDied
+        _raise_if_dead(server.worker)
     while True:
         try:
             event = main.events.get_nowait()
@@ -488,3 +489,8 @@ def _raise_worker_failure(main: _Orchestrator) -> None:
             return
         if event[0] == "done" and event[2].exception() is not None:
             raise event[2].exception()
+
+
+def _raise_if_dead(worker) -> None:
+    if not worker.alive:
+        worker.call("length", timeout=2.0)     # raises the worker's WorkerDied
