@@ -6,10 +6,10 @@
 
 For each dataset of a `paraspec bench` results.json, the prompts are rebuilt (dataset loader and the target's
 tokenizer, as the bench built them) and `ar`'s recorded tokens are the target's answers. Each round runs the real
-drafters and Hybrid (paraspec's rule, sd's round: propose with the pending tokens, verify, accept, observe the
+drafters and DraftPolicy (paraspec's rule, sd's round: propose with the pending tokens, verify, accept, observe the
 committed tokens), a draft token is accepted iff it equals the recorded token at its position (greedy's exact
 rule; under sampling the recorded tokens are one sample and the replay is an approximation), and a round costs
-c(pending + drafts) from the table (w = 1, 2, 4, 8, 16 in ms, interpolated). One Hybrid per variant is kept across
+c(pending + drafts) from the table (w = 1, 2, 4, 8, 16 in ms, interpolated). One DraftPolicy per variant is kept across
 a dataset's prompts, as the bench's engine does. Beside paraspec's drafters it replays llama.cpp's ngram-simple
 (`llama-server --spec-type ngram-simple`: the last occurrence of the last n tokens, the m tokens after it, all
 verified) under the same costs. Printed per dataset: decode speed-up over ar (ar's cost / the replay's, prompt
@@ -27,7 +27,7 @@ import torch
 
 from paraspec import SamplingParams
 from paraspec.bench.datasets import encode_prompt, load_prompts
-from paraspec.drafters import Hybrid, adaptive, model_free
+from paraspec.drafters import DraftPolicy, adaptive, model_free
 from paraspec.drafters.adaptive import ForwardCost
 from paraspec.models.loader import load_tokenizer, read_config, resolve_checkpoint
 from paraspec.run import common_prefix
@@ -72,28 +72,28 @@ def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propo
 
 def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead: int, vocab_size: int
                     ) -> list[dict]:
-    hybrid = Hybrid([model_free(drafter, vocab_size, options)], ForwardCost(dict(table)))
+    policy = DraftPolicy([model_free(drafter, vocab_size, options)], ForwardCost(dict(table)))
     params, generator = SamplingParams(max_new_tokens=1), torch.Generator().manual_seed(0)
     cost = ForwardCost(dict(table))
     out = []
     for prompt, answer in answers:
-        hybrid.reset()
+        policy.reset()
         spent = [0.0]
 
         def propose(sequence, k, pending):
             start = time.perf_counter()
-            tokens = hybrid.propose(sequence, min(k, lookahead), params, generator, pending=pending,
+            tokens = policy.propose(sequence, min(k, lookahead), params, generator, pending=pending,
                                     remaining=len(prompt) + len(answer) - len(sequence)).tokens if k > 0 else []
             spent[0] += time.perf_counter() - start
             return tokens
 
         def settle(sequence, width, drafts, accepted, committed):
             if drafts:
-                hybrid.accept(len(sequence), list(range(accepted)))
-            hybrid.observe(width, cost(width), committed)
+                policy.accept(len(sequence), list(range(accepted)))
+            policy.observe(width, cost(width), committed)
 
         out.append(replay_answer(prompt, answer, cost, propose, settle) | {"draft_s": spent[0]})
-        hybrid.finish(prompt + answer)
+        policy.finish(prompt + answer)
     return out
 
 

@@ -6,9 +6,8 @@ as verify time: it is all target time).
 
 Every strategy gets the same hardware budget, both cores: ar, sd and tree run in this process with 2 threads
 (cpu:0-1); easyspec drafts with one rank on cpu:0 (this process, 1 thread) and one worker on cpu:1, and
-verifies with 2 threads. The models load once: the strategies share one Engine whose strategy is switched
-between runs (all four are in-process strategies with the same decode signature). Prompts are interleaved
-across strategies after a warm-up.
+verifies with 2 threads. Each variant has its own Engine (the pair loads once per variant); prompts are
+interleaved across variants after a warm-up.
 """
 from __future__ import annotations
 
@@ -36,73 +35,58 @@ def main(argv=None) -> int:
 
     from paraspec import Engine, SamplingParams
     from paraspec.bench.datasets import load_prompts
-    from paraspec.models.loader import parse_dtype, resolve_checkpoint
-    from paraspec.config import EngineConfig
-    from paraspec.runtime.devices import parse_devices
-    from paraspec.strategies import get_strategy
 
-    draft_dir = resolve_checkpoint(args.draft, parse_dtype(args.dtype))
     prompts = [bp.as_input(chat=True) for bp in load_prompts("humaneval", args.num_prompts)]
+    tree = dict(tree_width=args.tree_width, tree_depth=args.tree_depth, tree_budget=args.tree_width * args.tree_depth)
     variants = {
-        "ar": ("ar", {}),
-        "sd": ("sd", dict(lookahead=args.lookahead)),
-        "tree": ("tree", dict(tree_width=args.tree_width, tree_depth=args.tree_depth,
-                              tree_budget=args.tree_width * args.tree_depth)),
-        "easyspec": ("easyspec", dict(tree_width=args.tree_width, tree_depth=args.tree_depth,
-                                      tree_budget=args.tree_width * args.tree_depth, lp_size=args.lp_size,
-                                      layer_groups="", calibration=True)),
+        "ar": dict(strategy="ar"),
+        "sd": dict(strategy="sd", lookahead=args.lookahead),
+        "tree": dict(strategy="tree", **tree),
+        # drafting spread over cpu:0 (this process) and cpu:1 (a worker), one rank each
+        "easyspec": dict(strategy="easyspec", draft_devices=["cpu:0", "cpu:1"], lp_size=args.lp_size,
+                         layer_groups="", calibration=True, **tree),
     }
-    engine = Engine(args.target, args.draft, strategy="sd", dtype=args.dtype, target_devices=["cpu:0-1"],
-                    draft_devices=["cpu:0-1"])
-    models = engine.strategy
-    strategies = {}
-
-    def use(name):
-        """Every variant shares the engine's loaded pair: a Strategy object per variant over the same models."""
-        if name not in strategies:
-            strategy, options = variants[name]
-            s = get_strategy(strategy)(EngineConfig(args.target, args.draft, strategy, options=options).strategy_options)
-            s.target, s.drafts = models.target, models.drafts
-            if strategy == "easyspec":      # drafting spread over cpu:0 and cpu:1, one rank each
-                s.draft_devices, s.runtime_backend, s.draft_checkpoint = parse_devices(["cpu:0", "cpu:1"]), \
-                    "process", draft_dir
-            strategies[name] = s
-        engine.strategy = strategies[name]
-
+    engines = {}
     rows = []
     try:
-        for name in variants:                              # warm-up (and start easyspec's draft worker)
-            use(name)
-            engine.generate(prompts[0], SamplingParams(max_new_tokens=4))
+        for name, kwargs in variants.items():              # load, then warm up (easyspec starts its draft worker)
+            kwargs = {"draft_devices": ["cpu:0-1"]} | kwargs
+            engines[name] = Engine(args.target, None if name == "ar" else args.draft, dtype=args.dtype,
+                                   target_devices=["cpu:0-1"], **kwargs)
+            engines[name].generate(prompts[0], SamplingParams(max_new_tokens=4))
         for temperature in args.temperature:
-            results = {name: [] for name in variants}
-            for i, prompt in enumerate(prompts):
-                for name in variants:
-                    use(name)
-                    params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=i)
-                    results[name].append(engine.generate(prompt, params))
-                    print(f"T={temperature} prompt {i} {name}: {results[name][-1].stats.summary()}", flush=True,
-                          file=sys.stderr)
-            ar_ms = _total(results["ar"])["ms_per_token"]
-            for name, res in results.items():
-                row = dict(temperature=temperature, strategy=name, **_total(res))
-                row["speedup"] = ar_ms / row["ms_per_token"]
-                if temperature == 0:
-                    row["same_tokens_as_ar"] = all(a.token_ids == b.token_ids for a, b in zip(res, results["ar"]))
-                if name == "ar":                            # every second of ar is target time
-                    row["verify_s_per_100"] = row["total_s_per_100"]
-                rows.append(row)
+            rows += _measure(engines, prompts, temperature, args.max_new_tokens)
     finally:
-        for s in strategies.values():
-            if s is not models and hasattr(s, "close_device_group"):
-                s.close_device_group()
-        engine.strategy = models
-        engine.close()
+        for engine in engines.values():
+            engine.close()
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _measure(engines: dict, prompts: list, temperature: float, max_new_tokens: int) -> list[dict]:
+    """One interleaved pass: each prompt through every variant in turn."""
+    from paraspec import SamplingParams
+    results = {name: [] for name in engines}
+    for i, prompt in enumerate(prompts):
+        for name, engine in engines.items():
+            params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=i)
+            results[name].append(engine.generate(prompt, params))
+            print(f"T={temperature} prompt {i} {name}: {results[name][-1].stats.summary()}", flush=True,
+                  file=sys.stderr)
+    ar_ms = _total(results["ar"])["ms_per_token"]
+    rows = []
+    for name, res in results.items():
+        row = dict(temperature=temperature, strategy=name, **_total(res))
+        row["speedup"] = ar_ms / row["ms_per_token"]
+        if temperature == 0:
+            row["same_tokens_as_ar"] = all(a.token_ids == b.token_ids for a, b in zip(res, results["ar"]))
+        if name == "ar":                            # every second of ar is target time
+            row["verify_s_per_100"] = row["total_s_per_100"]
+        rows.append(row)
+    return rows
 
 
 def _total(results) -> dict:

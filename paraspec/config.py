@@ -1,15 +1,20 @@
 """EngineConfig: everything that defines an Engine, validated in one place (`__post_init__`) before any model
 loads or any worker starts. The Engine, the CLI (`cli.engine_config`) and the bench (`BenchConfig.engine`)
 build from it.
+
+What a configuration asks of its strategy (`capability_asks`: a draft or none, several, model-free drafters, the
+runtime, devices on nodes, the backend) is checked against the strategy's declared `Capabilities` by one loop
+(`check_capabilities`), which names the fix and the strategies that accept it; a new strategy needs no edit here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from paraspec.drafters import DraftSpec
 from paraspec.runtime.devices import parse_devices
 from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
+from paraspec.strategies.base import Capabilities
 
 
 @dataclass
@@ -23,7 +28,7 @@ class EngineConfig:
     backend: str = "auto"                         # models.loader.BACKENDS, or "auto" (resolved here)
     max_context: int = 4096
     allow_vocab_mismatch: bool = False
-    runtime: str = "process"                      # runtime.workers.BACKENDS: where workers run
+    runtime: str = "process"                      # runtime.workers.RUNTIMES: where workers run
     options: dict = field(default_factory=dict)   # strategy options by OPTIONS name (only the strategy's own)
     on_busy: str = "wait"                         # a request while another runs: "wait" its turn or "error"
     worker_timeout: float | None = 60.0           # seconds without a worker's heartbeat -> WorkerTimeout; None: off
@@ -35,30 +40,22 @@ class EngineConfig:
     static_width: Any = "auto"                    # native models: pad every forward to this many rows (models/static.py);
                                                   # "auto": measured on CUDA, off on CPU; None: off
     draft_specs: tuple[DraftSpec, ...] = field(init=False, default=())   # `draft` in order, each marked (below)
-    model_backend: str = field(init=False, default="")   # `backend` with "auto" resolved for this strategy
+    model_backend: str = field(init=False, default="")   # `backend` checked; "auto" where the checkpoints
+                                                         # decide (the Engine resolves them)
 
     def __post_init__(self):
         from paraspec.models.loader import BACKENDS as MODEL_BACKENDS, parse_dtype
-        from paraspec.runtime.workers import BACKENDS as RUNTIMES
+        from paraspec.runtime.workers import RUNTIMES
         cls = get_strategy(self.strategy)
-        drafts = self.drafts
-        self.draft_specs = tuple(DraftSpec.of(d) for d in drafts)
-        if cls.needs_draft and not drafts:
-            raise ValueError(f"strategy {self.strategy!r} needs a draft model; pass draft=... (--draft)")
-        if drafts and not cls.needs_draft:
-            raise ValueError(f"strategy {self.strategy!r} decodes the target alone and takes no draft, got "
-                             f"{self.draft!r}; drop draft=... (--draft) or pick a speculative strategy "
-                             f"({', '.join(n for n, s in STRATEGIES.items() if s.needs_draft)})")
-        if len(drafts) > 1 and not cls.several_drafts:
-            takes = [name for name, s in STRATEGIES.items() if s.several_drafts]
-            raise ValueError(f"strategy {self.strategy!r} takes one draft model, got {len(drafts)}; only "
-                             f"{', '.join(takes)} takes several (pass --draft once)")
-        free = [d.spec for d in self.draft_specs if d.model_free]
-        if free and not cls.model_free_drafts:
-            takes = [name for name, s in STRATEGIES.items() if s.model_free_drafts]
-            raise ValueError(f"strategy {self.strategy!r} needs a draft model, not {free[0]!r}"
-                             f"{': ' + cls.no_model_free_reason if cls.no_model_free_reason else ''}; model-free "
-                             f"drafters run with {', '.join(takes)}")
+        self.draft_specs = tuple(DraftSpec.of(d) for d in as_list(self.draft))
+        if self.backend not in MODEL_BACKENDS + ("auto",):
+            raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
+        self.target_devices = tuple(parse_devices(self.target_devices))
+        if cls.caps.needs_draft:
+            self.draft_devices = tuple(parse_devices(self.draft_devices))
+        check_capabilities(self, cls.caps)
         if not isinstance(self.max_context, int) or self.max_context < 2:
             raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")
         unknown = sorted(set(self.options) - set(OPTIONS))
@@ -72,39 +69,23 @@ class EngineConfig:
         _check_seconds("worker_timeout", self.worker_timeout, "no watchdog")
         _check_seconds("wait_timeout", self.wait_timeout, "wait as long as it takes")
         parse_dtype(self.dtype)
-        if self.backend not in MODEL_BACKENDS + ("auto",):
-            raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
-        if self.runtime not in RUNTIMES:
-            raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
-        if self.runtime not in cls.runtimes:
-            raise ValueError(f"strategy {self.strategy!r} runs its models in this process and starts no workers, so "
-                             f"runtime={self.runtime!r} does not apply to it; pass runtime='process' (the default), "
-                             f"or pick a strategy that runs workers "
-                             f"({', '.join(n for n, s in STRATEGIES.items() if self.runtime in s.runtimes)})")
-        self.target_devices = tuple(parse_devices(self.target_devices))
-        if cls.needs_draft:
-            self.draft_devices = tuple(parse_devices(self.draft_devices))
-            models = self.model_drafts
-            if len(models) > 1 and len(self.draft_devices) not in (1, len(models)):
-                raise ValueError(f"{len(models)} draft models take one draft device group (shared) or one per "
-                                 f"model, got {len(self.draft_devices)}; pass --draft-devices D0 ... "
-                                 f"D{len(models) - 1}")
-        self._check_placement(cls)
+        models = self.draft_checkpoints
+        if cls.caps.needs_draft and len(models) > 1 and len(self.draft_devices) not in (1, len(models)):
+            raise ValueError(f"{len(models)} draft models take one draft device group (shared) or one per "
+                             f"model, got {len(self.draft_devices)}; pass --draft-devices D0 ... D{len(models) - 1}")
+        self._check_placement()
         self.model_backend = self._resolve_backend(cls)
         self._check_static_width()
         cls.check_config(self)
 
-    def _check_placement(self, cls) -> None:
-        """Devices on named nodes, the transport and the Ray address: checked together, naming the fix."""
+    def _check_placement(self) -> None:
+        """Devices on named nodes, the transport and the Ray address: checked together, naming the fix (whether
+        the strategy may run across nodes at all is its Capabilities', checked before)."""
         from paraspec.runtime.runtime import check_transport
         check_transport(self.transport, self.link_latency_ms)
         if self.ray_address is not None and self.runtime != "ray":
             raise ValueError(f"ray_address applies to runtime='ray' (--runtime ray), not runtime={self.runtime!r}")
-        devices = list(self.target_devices) + (list(self.draft_devices) if cls.needs_draft else [])
-        on_nodes = [str(d) for d in devices if d.node]
-        if on_nodes and not cls.across_nodes:
-            raise ValueError(f"strategy {self.strategy!r} cannot run across nodes ({cls.across_nodes_reason}); "
-                             f"give its devices without a node, or use amusd or dsi to place workers on nodes")
+        on_nodes = self.devices_on_nodes
         if on_nodes and self.runtime != "ray":
             raise ValueError(f"device {on_nodes[0]} names a node: place workers on nodes with runtime='ray' "
                              f"(--runtime ray)")
@@ -132,24 +113,18 @@ class EngineConfig:
         return options
 
     def _resolve_backend(self, cls) -> str:
-        """"auto" made concrete, and the backend checked against the strategy and the dtype."""
-        from paraspec.models.loader import CheckpointError, choose_backend, resolve_checkpoint
+        """The backend checked against the dtype (the strategy's backends are its Capabilities', checked before).
+        "auto" is "native" where llama.cpp cannot apply; else it stays "auto": the Engine chooses from the
+        checkpoints when it resolves them, each once (models.loader.resolve_models). No checkpoint is read here."""
         from paraspec.models.simulated import SimulatedSpec
-        models = [self.target] + (self.model_drafts if cls.needs_draft else [])
+        models = [self.target] + (self.draft_checkpoints if cls.caps.needs_draft else [])
         backend = self.backend
         if backend == "auto":
             if any(isinstance(m, SimulatedSpec) for m in models) or str(self.dtype) != "auto" \
-                    or "llamacpp" not in cls.backends:
-                return "native"      # a dtype asks for torch weights; trees need the native decoder
-            try:
-                folders = [resolve_checkpoint(m, backend="auto") for m in models]   # never converts weights
-            except CheckpointError:
-                return "native"      # the Engine reports the bad checkpoint where it resolves it
-            devices = list(self.target_devices) + list(self.draft_devices if cls.needs_draft else [])
-            return choose_backend("auto", folders, devices, trees=False)
-        if backend not in cls.backends:
-            raise ValueError(f"strategy {self.strategy!r} runs on the {', '.join(cls.backends)} backend, not "
-                             f"{backend!r}; pass backend='native' (--backend native)")
+                    or "llamacpp" not in cls.caps.backends or isinstance(self.static_width, int):
+                return "native"      # a dtype asks for torch weights, a static width for the native decoder;
+                                     # trees need the native decoder
+            return "auto"
         if backend == "llamacpp" and str(self.dtype) != "auto":
             raise ValueError(f"dtype={self.dtype!r} does not apply to the llamacpp backend (it runs the GGUF's own "
                              f"quantized weights); leave dtype='auto' or use backend='native'")
@@ -161,20 +136,20 @@ class EngineConfig:
         cls = get_strategy(strategy)
         options = self.options if options is None else options
         draft = self.draft if draft is None else draft
-        return replace(self, strategy=strategy, draft=draft if cls.needs_draft else None,
+        return replace(self, strategy=strategy, draft=draft if cls.caps.needs_draft else None,
                        options={name: value for name, value in options.items() if name in cls.options})
 
     @property
-    def drafts(self) -> list:
-        """The draft models as a list (empty, one, or several)."""
-        if self.draft is None:
-            return []
-        return list(self.draft) if isinstance(self.draft, (list, tuple)) else [self.draft]
-
-    @property
-    def model_drafts(self) -> list:
+    def draft_checkpoints(self) -> list:
         """The drafts that are models (checkpoints), without the model-free drafters ("ngram", "suffix")."""
         return [d.spec for d in self.draft_specs if not d.model_free]
+
+    @property
+    def devices_on_nodes(self) -> list[str]:
+        """The devices the strategy uses that name a node (`NODE/cpu:0`), as written."""
+        devices = list(self.target_devices) + (list(self.draft_devices) if self.strategy_class.caps.needs_draft
+                                               else [])
+        return [str(d) for d in devices if d.node]
 
     @property
     def strategy_class(self):
@@ -188,7 +163,7 @@ class EngineConfig:
     @property
     def used_draft_devices(self) -> list:
         """The parsed draft devices, or none for a strategy without a draft model."""
-        return list(self.draft_devices) if self.strategy_class.needs_draft and self.model_drafts else []
+        return list(self.draft_devices) if self.strategy_class.caps.needs_draft and self.draft_checkpoints else []
 
 
 def _check_seconds(name: str, value, none_means: str) -> None:
@@ -205,3 +180,61 @@ def check_strategy_takes(strategy: str, options: dict) -> None:
         taken = "; ".join(f"{name} is taken by {', '.join(t) or 'no strategy'}" for name, t in takers.items())
         raise ValueError(f"strategy {strategy!r} does not take option(s) {', '.join(foreign)} ({taken}); its options "
                          f"are {', '.join(cls.options) or 'none'}")
+
+
+# -- what a configuration asks of its strategy, checked against the strategy's Capabilities -------------------
+
+class Ask(NamedTuple):
+    """One thing a configuration may ask of its strategy."""
+    asked: bool                                  # this configuration asks it
+    accepts: Callable[[Capabilities], bool]      # whether a strategy's Capabilities accept it
+    refusal: Callable[[Capabilities, str], str]  # what is wrong and the fix, from the refusing strategy's
+                                                 # Capabilities and the names of the strategies that accept it
+
+
+def capability_asks(config: EngineConfig) -> list[Ask]:
+    """What `config` asks of its strategy, in the order it is checked."""
+    drafts, free = [d.spec for d in config.draft_specs], [d.spec for d in config.draft_specs if d.model_free]
+    runtime, backend, on_nodes = config.runtime, config.backend, config.devices_on_nodes
+    return [
+        Ask(not drafts, lambda caps: not caps.needs_draft,
+            lambda caps, takers: f"needs a draft model; pass draft=... (--draft), or decode the target alone with "
+                                 f"{takers}"),
+        Ask(bool(drafts), lambda caps: caps.needs_draft,
+            lambda caps, takers: f"decodes the target alone and takes no draft, got {config.draft!r}; drop "
+                                 f"draft=... (--draft) or pick a speculative strategy ({takers})"),
+        Ask(len(drafts) > 1, lambda caps: caps.drafts == "several",
+            lambda caps, takers: f"takes one draft model, got {len(drafts)}; only {takers} takes several (pass "
+                                 f"--draft once)"),
+        Ask(bool(free), lambda caps: caps.model_free,
+            lambda caps, takers: f"needs a draft model, not {free[0]!r}"
+                                 f"{': ' + caps.why_not_model_free if caps.why_not_model_free else ''}; model-free "
+                                 f"drafters run with {takers}"),
+        Ask(True, lambda caps: runtime in caps.runtimes,
+            lambda caps, takers: f"runs on runtime {' or '.join(map(repr, caps.runtimes))}, so runtime={runtime!r} "
+                                 f"does not apply to it; pass runtime={caps.runtimes[0]!r}, or pick a strategy "
+                                 f"that runs on {runtime!r} ({takers})"),
+        Ask(bool(on_nodes), lambda caps: caps.across_nodes,
+            lambda caps, takers: f"cannot run across nodes ({caps.why_not_across_nodes}); give its devices without "
+                                 f"a node, or use {takers} to place workers on nodes"),
+        Ask(backend != "auto", lambda caps: backend in caps.backends,
+            lambda caps, takers: f"runs on the {', '.join(caps.backends)} backend, not {backend!r}; pass "
+                                 f"backend={caps.backends[0]!r} (--backend {caps.backends[0]}), or pick a strategy "
+                                 f"that runs on {backend} ({takers})"),
+    ]
+
+
+def check_capabilities(config: EngineConfig, caps: Capabilities) -> None:
+    """Refuse the first thing `config` asks that its strategy's `caps` do not accept, naming the fix and the
+    registered strategies whose Capabilities accept it."""
+    for asked, accepts, refusal in capability_asks(config):
+        if asked and not accepts(caps):
+            takers = ", ".join(name for name, s in STRATEGIES.items() if accepts(s.caps)) or "no strategy"
+            raise ValueError(f"strategy {config.strategy!r} {refusal(caps, takers)}")
+
+
+def as_list(draft) -> list:
+    """`draft` as given -- None, one, or a list -- as a list (empty, one, or several)."""
+    if draft is None:
+        return []
+    return list(draft) if isinstance(draft, (list, tuple)) else [draft]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from paraspec.config import EngineConfig
-from paraspec.models.loader import load_tokenizer_if_any, parse_dtype, resolve_spec
+from paraspec.models.loader import load_tokenizer_if_any, output_rows, parse_dtype, resolve_models
 from paraspec.prompts import decode_text, encode_prompt, output_text, stop_string_check
 from paraspec.run import Run
 from paraspec.runtime.errors import RemoteError, WorkerError
@@ -150,7 +150,7 @@ class Engine:
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
-        (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `runtimes`).
+        (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `caps.runtimes`).
         `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU where the strategy allows
         them, else the native decoder), "native", "hf" or "llamacpp" (docs/LLAMACPP.md).
         `on_busy`: what a request does while another is running: "wait" its turn or raise EngineBusy ("error").
@@ -178,39 +178,54 @@ class Engine:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
-        self.last_result: GenerationResult | None = None   # the latest request's (read a Stream's own .result)
         self.target_devices = list(config.target_devices)
         self.draft_devices = config.used_draft_devices
         self._busy = threading.Condition()        # guards _active, _closed, _failure
         self._active: _Request | None = None
         self._closed = False
         self._failure: WorkerError | None = None  # a dead or stuck worker: requests refused until restart_workers()
+        # nothing loads and no worker starts before every checkpoint is resolved and the vocabularies agree
+        self._placement = self._resolve(config)
+        self.tokenizer = load_tokenizer_if_any(self._placement.target)
+        late = [] if config.allow_vocab_mismatch else self._check_vocabularies()
         self.strategy = config.strategy_class(config.strategy_options)
-        self.options = self.strategy.options
         # close() runs on garbage collection and at interpreter exit too (and retries what an interrupted close left)
         self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
-        # resolve (and convert, for .gguf) in this process first, each checkpoint once: bad paths fail before any
-        # worker starts
-        self.backend = config.model_backend        # "auto" resolved by the config
-        target_dir = resolve_spec(config.target, parse_dtype(config.dtype, self.target_devices[0].torch_device),
-                                  self.backend)
-        draft_dtype = parse_dtype(config.dtype, self.draft_devices[0].torch_device) if self.draft_devices else None
-        drafts = [d if d.model_free else replace(d, spec=resolve_spec(d.spec, draft_dtype, self.backend))
-                  for d in config.draft_specs]          # in order; model-free drafters ("ngram") stay names
-        draft_dirs = [d.spec for d in drafts if not d.model_free]
-        self.tokenizer = load_tokenizer_if_any(target_dir)
-        self._placement = Placement(target_dir, drafts, self.target_devices, self.draft_devices,
-                                    dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context,
-                                         static_width=config.static_width),
-                                    config.runtime, config.worker_timeout, config.runtime_options)
         try:
             self.strategy.setup(self._placement)
-            if not config.allow_vocab_mismatch:
-                for model, folder in zip(self.drafts, draft_dirs):
-                    check_compatible(self.target, model, self.tokenizer, load_tokenizer_if_any(folder))
+            for i, draft_tokenizer in late:   # an output layer config.json does not state: known once loaded
+                check_compatible(self.target.vocab_size, self.draft_models[i].vocab_size, self.tokenizer, draft_tokenizer)
         except BaseException:
             self.close()
             raise
+
+    def _resolve(self, config: EngineConfig) -> Placement:
+        """Each checkpoint resolved (and, for a .gguf, converted) once, in this process: a bad path fails before any
+        worker starts; the backend "auto" chosen from them (models.loader.resolve_models)."""
+        draft_dtype = parse_dtype(config.dtype, self.draft_devices[0].torch_device) if self.draft_devices else None
+        specs = [config.target] + config.draft_checkpoints
+        dtypes = [parse_dtype(config.dtype, self.target_devices[0].torch_device)] + [draft_dtype] * (len(specs) - 1)
+        self.backend, resolved = resolve_models(specs, dtypes, config.model_backend,
+                                                self.target_devices + self.draft_devices)
+        folders = iter(resolved[1:])
+        drafts = [d if d.model_free else replace(d, spec=next(folders))
+                  for d in config.draft_specs]          # in order; model-free drafters ("ngram") stay names
+        return Placement(resolved[0], drafts, self.target_devices, self.draft_devices,
+                         dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context,
+                              static_width=config.static_width),
+                         config.runtime, config.worker_timeout, config.runtime_options)
+
+    def _check_vocabularies(self) -> list[tuple[int, object]]:
+        """Draft and target share one token space: checked from their tokenizers and config.json (output_rows)
+        before any model loads. Returns what only the loaded models can tell: (draft index, its tokenizer) for a
+        checkpoint whose config.json does not state its output rows."""
+        target_rows, late = output_rows(self._placement.target), []
+        for i, folder in enumerate(self._placement.draft_checkpoints):
+            draft_tokenizer, rows = load_tokenizer_if_any(folder), output_rows(folder)
+            check_compatible(target_rows, rows, self.tokenizer, draft_tokenizer)
+            if target_rows is None or rows is None:
+                late.append((i, draft_tokenizer))
+        return late
 
     def restart_workers(self) -> None:
         """Stop the strategy's workers and start new ones (models reloaded), e.g. after WorkerDied or
@@ -220,7 +235,6 @@ class Engine:
             self.strategy.close()
             self._finalizer.detach()
             self.strategy = self.config.strategy_class(self.config.strategy_options)
-            self.options = self.strategy.options
             self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
             self.strategy.setup(self._placement)
             self._failure = None
@@ -229,15 +243,25 @@ class Engine:
 
     def set_options(self, **options) -> None:
         """Change strategy options between requests (the models stay loaded), checked like the Engine's own
-        arguments (EngineConfig); EngineBusy while a request runs. The strategy reads them at its next decode()."""
+        arguments (EngineConfig); EngineBusy while a request runs. The strategy takes them now
+        (Strategy.set_options: what it built from the old ones, e.g. its kept drafters, is built again)."""
         config = replace(self.config, options={**self.config.options, **options})
+        request = _Request("set_options()")
         with self._busy:
             self._check_usable(failed_ok=True)
             if self._active is not None:
                 raise EngineBusy(f"options cannot change while {self._active} runs; "
                                  f"{self._active.how_to_end()}")
-            self.config = config
-            self.options.update(config.strategy_options)
+            self._active, self.config = request, config    # no request starts while the strategy rebuilds
+        try:
+            self.strategy.set_options(config.strategy_options)
+        finally:
+            self._release(request)
+
+    @property
+    def options(self) -> dict:
+        """The strategy's options (given values, defaults for the rest); change them with set_options()."""
+        return self.strategy.options
 
     # the models and workers are the strategy's; these name them for callers and tests
     @property
@@ -245,12 +269,12 @@ class Engine:
         return self.strategy.target
 
     @property
-    def drafts(self) -> list:
-        return self.strategy.drafts
+    def draft_models(self) -> list:
+        return self.strategy.draft_models
 
     @property
     def draft(self):
-        return self.strategy.drafts[0] if self.strategy.drafts else None
+        return self.strategy.draft_models[0] if self.strategy.draft_models else None
 
     @property
     def runtime(self):
@@ -266,7 +290,7 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        return min(m.max_context for m in (self.target, *self.drafts))
+        return min(m.max_context for m in (self.target, *self.draft_models))
 
     # -- generation ----------------------------------------------------------------------------------------
     def _new_run(self, prompt, params: SamplingParams | None, record_margins: bool = False) -> Run:
@@ -419,10 +443,9 @@ class Engine:
 
     def _finish(self, run: Run, start: float) -> GenerationResult:
         total = time.perf_counter() - start
-        self.last_result = GenerationResult(
+        return GenerationResult(
             output_text(self.tokenizer, run), list(run.tokens), compute_stats(run, self.strategy.name, total),
             run.trace, run.finish_reason or "length", run.prompt_ids, run.margins, run.worker_reports)
-        return self.last_result
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
@@ -460,19 +483,21 @@ def _close_strategy(strategy) -> None:
     strategy.close()
 
 
-def check_compatible(target, draft, target_tok, draft_tok) -> None:
-    """Draft and target must share one token space; only the padding rows of the output layers may differ."""
+def check_compatible(target_rows: int | None, draft_rows: int | None, target_tok, draft_tok) -> None:
+    """Draft and target must share one token space; only the padding rows of the output layers may differ.
+    `*_rows` are the output layers' rows (None: not known yet, that part is left for later)."""
+    rows = [r for r in (target_rows, draft_rows) if r is not None]
     if target_tok is not None and draft_tok is not None:
         tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
         if tv != dv:
             raise IncompatibleModelsError(
                 f"draft and target tokenizers differ (vocab {len(dv)} vs {len(tv)}); pass a draft from the "
                 f"same family or allow_vocab_mismatch=True (--allow-vocab-mismatch)")
-        if min(target.vocab_size, draft.vocab_size) < len(tv):
+        if rows and min(rows) < len(tv):
             raise IncompatibleModelsError(
-                f"a model's output layer ({min(target.vocab_size, draft.vocab_size)} rows) is smaller than its "
-                f"tokenizer ({len(tv)} tokens); the checkpoint and tokenizer do not belong together")
-    elif target.vocab_size != draft.vocab_size:
+                f"a model's output layer ({min(rows)} rows) is smaller than its tokenizer ({len(tv)} tokens); the "
+                f"checkpoint and tokenizer do not belong together")
+    elif len(rows) == 2 and target_rows != draft_rows:
         raise IncompatibleModelsError(
-            f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size}) and there is no "
+            f"draft and target vocabularies differ ({draft_rows} vs {target_rows}) and there is no "
             f"tokenizer to show they agree; pass a draft from the same family or allow_vocab_mismatch=True")

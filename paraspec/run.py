@@ -3,7 +3,8 @@
 The Engine makes one per request; a strategy's decode() commits tokens through `Run.commit` (the one place that
 enforces stop tokens, stop strings, `max_new_tokens` and the context) and counts each verification round through
 `Run.count_round` (every strategy, workers included); stats (stats.py) and the benchmarks read the finished Run.
-Worker loops (amusd's verifier) keep a Run of their own and send its counters back.
+Worker loops (amusd's verifier and drafter, dsi's drafters and servers) keep no Run: the caller's Run counts what
+they report and folds their traces and reports in (`Run.merge_worker_reports`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams
-from paraspec.trace import Trace
+from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import judge_in_hand
 
 
@@ -122,6 +123,18 @@ class Run:
             self.verified_tokens += accepted + 1
         if tree_nodes is not None:
             self.worker_reports["tree_nodes"] = self.worker_reports.get("tree_nodes", 0) + tree_nodes
+
+    def merge_worker_reports(self, draft_reports: dict[str, dict], target_events: list[TraceEvent],
+                             **reports) -> None:
+        """Fold in what the worker loops of amusd and dsi sent back once they have ended: each drafter's trace
+        (its draft_loop report, keyed by worker name) and the target's events join this run's trace in time order,
+        draft_s becomes the drafters' drafting time and verify_s the target's verifying time, and the raw reports
+        (the drafters', then `reports`) go to worker_reports."""
+        draft_events = [e for report in draft_reports.values() for e in Trace.from_dict(report["trace"]).events]
+        self.draft_s = sum(e.duration_s for e in draft_events if e.kind == "draft")
+        self.verify_s = sum(e.duration_s for e in target_events if e.kind == "verify")
+        self.trace.events = sorted(self.trace.events + draft_events + target_events, key=lambda e: e.start_s)
+        self.worker_reports.update(draft_reports, **reports)
 
     @contextmanager
     def timed(self, device: str, kind: str, tokens: int = 0, on=None):

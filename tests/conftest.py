@@ -184,9 +184,9 @@ def inject_flat_costs(engine) -> None:
         def observe(self, width: int, seconds: float) -> None:
             pass
 
-    hybrid = engine.strategy.hybrid
-    hybrid.cost = FlatCost()
-    hybrid.draft_costs = {i: FlatCost() for i in hybrid.draft_costs}
+    policy = engine.strategy.policy
+    policy.cost = FlatCost()
+    policy.draft_costs = {i: FlatCost() for i in policy.draft_costs}
 
 
 # -- processes: what a test that kills or interrupts workers checks ---------------------------------------

@@ -1,5 +1,6 @@
 """Engine API: prompts of every kind, streaming, and a clear error for every bad input at the boundary."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from paraspec.engine import IncompatibleModelsError
 from paraspec.models.loader import CheckpointError
 from paraspec.runtime.devices import DeviceError
 from tests.tiny import make_checkpoint
+
+PROMPT_IDS = [5, 17, 33, 90]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def test_stream_deltas_add_up_to_the_text(engine):
     assert stream.result is None                     # not started: the request begins at the first next()
     deltas = list(stream)
     assert len(deltas) > 1
-    assert stream.result is engine.last_result       # last_result kept for older callers
+    assert stream.result is not None and stream.result.finish_reason == "length"
     assert "".join(deltas) == stream.result.text == engine.generate("def f(x):", params).text
 
 
@@ -73,11 +76,17 @@ def test_bad_devices(qwen2_target, device, match):
         Engine(qwen2_target, strategy="ar", target_devices=[device])
 
 
-def test_different_tokenizers(tmp_path, qwen2_target):
-    other = make_checkpoint(tmp_path / "other", "qwen2", seed=9)
+def other_tokenizer(folder):
+    """A checkpoint whose tokenizer spells one token differently from the tiny models'."""
+    other = make_checkpoint(folder, "qwen2", seed=9)
     vocab = json.loads((other / "tokenizer.json").read_text())
     vocab["model"]["vocab"] = {("Z" + k if k == "a" else k): v for k, v in vocab["model"]["vocab"].items()}
     (other / "tokenizer.json").write_text(json.dumps(vocab))
+    return other
+
+
+def test_different_tokenizers(tmp_path, qwen2_target):
+    other = other_tokenizer(tmp_path / "other")
     with pytest.raises(IncompatibleModelsError, match="tokenizers differ.*--allow-vocab-mismatch"):
         Engine(qwen2_target, other, strategy="sd")
     Engine(qwen2_target, other, strategy="sd", allow_vocab_mismatch=True).close()
@@ -98,6 +107,29 @@ def test_vocab_size_mismatch_without_tokenizers(tmp_path):
     b = make_checkpoint(tmp_path / "b", "qwen2", seed=2, tokenizer=False, vocab_size=48)
     with pytest.raises(IncompatibleModelsError, match="vocabularies differ \\(48 vs 32\\)"):
         Engine(a, b, strategy="sd")
+
+
+@pytest.mark.parametrize("strategy", ["sd", "amusd"])
+def test_a_vocab_mismatch_is_refused_before_any_model_loads(tmp_path, qwen2_target, monkeypatch, strategy):
+    """Tokenizers and config.json are compared before the strategy loads a model or starts a worker (its setup()
+    would fail here), with the same messages."""
+    from paraspec.strategies import STRATEGIES
+
+    def setup(self, placement):
+        raise AssertionError("a model was loaded or a worker started before the vocabularies were checked")
+    monkeypatch.setattr(STRATEGIES[strategy], "setup", setup)
+    devices = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"]) if strategy == "amusd" else {}
+    a = make_checkpoint(tmp_path / "a", "qwen2", seed=1, tokenizer=False, vocab_size=32)
+    b = make_checkpoint(tmp_path / "b", "qwen2", seed=2, tokenizer=False, vocab_size=48)
+    short = make_checkpoint(tmp_path / "short", "qwen2", seed=3, vocab_size=16)   # fewer rows than its tokenizer
+    with pytest.raises(IncompatibleModelsError, match="tokenizers differ"):
+        Engine(qwen2_target, other_tokenizer(tmp_path / "other"), strategy=strategy, **devices)
+    with pytest.raises(IncompatibleModelsError, match="vocabularies differ \\(48 vs 32\\)"):
+        Engine(a, b, strategy=strategy, **devices)
+    with pytest.raises(IncompatibleModelsError, match="output layer \\(16 rows\\) is smaller than its tokenizer"):
+        Engine(qwen2_target, short, strategy=strategy, **devices)
+    with pytest.raises(AssertionError, match="before the vocabularies were checked"):   # agreeing: setup() next
+        Engine(a, a, strategy=strategy, **devices)
 
 
 def test_prompt_longer_than_context(qwen2_target):
@@ -201,20 +233,57 @@ def test_in_process_pinning_is_undone_by_close(qwen2_target):
 
 
 def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target, qwen2_partial, monkeypatch):
+    """EngineConfig reads no checkpoint, also for backend "auto"; the Engine resolves them all in one call, each
+    once, before the strategy loads anything."""
     import paraspec.engine as engine_module
+    import paraspec.models.loader as loader
+    from paraspec.config import EngineConfig
     from paraspec.drafters import DraftSpec
-    resolved, resolve_spec = [], engine_module.resolve_spec
 
-    def counting(spec, dtype, backend="native"):
-        resolved.append(str(spec))
-        return resolve_spec(spec, dtype, backend)
-    monkeypatch.setattr(engine_module, "resolve_spec", counting)
-    with Engine(qwen2_target, ["ngram", qwen2_partial], strategy="sd", dtype="float32") as engine:
+    def refused(*args, **kwargs):
+        raise AssertionError("EngineConfig resolved a checkpoint")
+    with monkeypatch.context() as m:
+        m.setattr(loader, "resolve_checkpoint", refused)
+        config = EngineConfig(qwen2_target, ["ngram", qwen2_partial], strategy="sd")   # dtype and backend "auto"
+    assert config.model_backend == "auto"
+    calls, resolve_models = [], engine_module.resolve_models
+
+    def counting(specs, *args):
+        calls.append([str(s) for s in specs])
+        return resolve_models(specs, *args)
+    monkeypatch.setattr(engine_module, "resolve_models", counting)
+    with Engine.from_config(config) as engine:
+        assert calls == [[str(qwen2_target), str(qwen2_partial)]] and engine.backend == "native"
         assert engine.config.draft_specs == (DraftSpec("ngram", True), DraftSpec(qwen2_partial, False))
-        assert sorted(resolved) == sorted([str(qwen2_target), str(qwen2_partial)])
         placement = engine._placement
-        assert placement.drafts == [DraftSpec("ngram", True), DraftSpec(qwen2_partial, False)]
-        assert placement.model_drafts == [qwen2_partial]
-        assert engine.strategy.draft_specs == placement.drafts and len(engine.drafts) == 1
+        assert placement.draft_specs == [DraftSpec("ngram", True), DraftSpec(qwen2_partial, False)]
+        assert placement.draft_checkpoints == [qwen2_partial]
+        assert engine.strategy.draft_specs == placement.draft_specs and len(engine.draft_models) == 1
         assert engine.health() is None
+        engine.set_options(lookahead=3)                  # a new config: still nothing resolved again
+        assert len(calls) == 1
     assert engine.health() == "the Engine is closed"
+
+
+def test_a_gguf_is_converted_once_whichever_backend_auto_picks(gguf_pair, tmp_path, monkeypatch):
+    """"auto" with .gguf files: llama.cpp gets one folder without weights per file; without llama.cpp the native
+    decoder gets one conversion to weights per file, and no weightless folder is made first."""
+    import paraspec.models.gguf as gguf
+    import paraspec.models.loader as loader
+    from paraspec.runtime.devices import parse_devices
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    converted, convert = [], gguf.convert_gguf
+
+    def counting(path, out, *args, weights=True, **kwargs):
+        converted.append((Path(path).name, weights))
+        return convert(path, out, *args, weights=weights, **kwargs)
+    monkeypatch.setattr(gguf, "convert_gguf", counting)
+    monkeypatch.setattr(loader, "llamacpp_installed", lambda: True)
+    backend, (folder,) = loader.resolve_models([gguf_pair["target"]], [torch.float32], "auto", parse_devices(["cpu"]))
+    assert backend == "llamacpp" and loader.gguf_source(folder) == gguf_pair["target"]
+    assert converted == [("gguf-target.gguf", False)]
+    converted.clear()
+    monkeypatch.setattr(loader, "llamacpp_installed", lambda: False)
+    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="sd") as engine:
+        assert engine.backend == "native" and engine.generate(PROMPT_IDS, SamplingParams(max_new_tokens=4)).token_ids
+    assert sorted(converted) == [("gguf-draft.gguf", True), ("gguf-target.gguf", True)]

@@ -151,21 +151,20 @@ def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, q
 
 
 def test_a_checkpoint_missing_on_a_node_is_named(ray_cluster, qwen2_target, qwen2_partial, tmp_path, monkeypatch):
-    """The caller resolves the draft checkpoint (it is there), the node that loads it does not have it: every node
-    here shares this host's files, so the copy the caller resolved is removed before the workers load it."""
+    """The caller resolves the draft checkpoint and checks its vocabulary (it is there), the node that loads it does
+    not have it: every node here shares this host's files, so the copy is removed before the workers load it."""
     import shutil
-    import paraspec.engine
+    from paraspec.engine import Engine as EngineClass
     copy = tmp_path / "draft-only-on-the-caller"
     shutil.copytree(qwen2_partial, copy)
-    real = paraspec.engine.resolve_spec
+    real = EngineClass._check_vocabularies
 
-    def resolved_then_gone(spec, *args, **kwargs):
-        folder = real(spec, *args, **kwargs)
-        if Path(str(spec)) == copy:
-            shutil.rmtree(copy)
-        return folder
+    def checked_then_gone(engine):
+        late = real(engine)
+        shutil.rmtree(copy)
+        return late
 
-    monkeypatch.setattr(paraspec.engine, "resolve_spec", resolved_then_gone)
+    monkeypatch.setattr(EngineClass, "_check_vocabularies", checked_then_gone)
     before = own_segments()
     with pytest.raises(Exception, match=r"on node 'box-b'.*(same path|shared filesystem)") as err:
         Engine(qwen2_target, str(copy), strategy="amusd", dtype="float32", runtime="ray", transport="tcp",

@@ -32,7 +32,7 @@ from paraspec.strategies import STRATEGIES
 def runs_in_workers(strategy: str) -> bool:
     """Strategies whose models run in worker processes pinned to their devices: this process's thread count
     does not apply to them."""
-    return strategy in STRATEGIES and STRATEGIES[strategy].in_workers
+    return strategy in STRATEGIES and STRATEGIES[strategy].caps.in_workers
 
 
 # The drafters a variant may name in brackets: the model-free ones, and `model` = the bench's --draft checkpoint(s).
@@ -61,8 +61,8 @@ def parse_drafts(strategy: str, text: str, item: str) -> tuple[str, ...]:
     if not drafts or unknown:
         raise ValueError(f"bad drafter {(unknown or [''])[0]!r} in {item!r}; name drafters among "
                          f"{', '.join(DRAFTER_NAMES)} (model: the --draft checkpoint), e.g. sd[ngram,model]")
-    if strategy not in STRATEGIES or not STRATEGIES[strategy].needs_draft:
-        takes = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
+    if strategy not in STRATEGIES or not STRATEGIES[strategy].caps.needs_draft:
+        takes = [name for name, cls in STRATEGIES.items() if cls.caps.needs_draft]
         raise ValueError(f"{strategy} takes no drafters, so {item!r} does not apply; brackets go with "
                          f"{', '.join(takes)}")
     if len(set(drafts)) < len(drafts):
@@ -253,7 +253,7 @@ def check_drafts_given(config: BenchConfig) -> None:
     """Variants that draft with a model need --draft: said before anything loads."""
     needs_draft = [v.name for v in config.variants
                    if v.strategy in ("hf-assisted", "llamacpp-spec") or "model" in (v.drafts or ())
-                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].needs_draft and v.drafts is None)]
+                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].caps.needs_draft and v.drafts is None)]
     if needs_draft and config.engine.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
 
@@ -321,7 +321,7 @@ def engine_key(variant: Variant) -> tuple:
 def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConfig:
     """The bench's EngineConfig for the variant's strategy (with the options it takes) and drafters (validated
     here, before loading)."""
-    needs_draft = STRATEGIES[variant.strategy].needs_draft
+    needs_draft = STRATEGIES[variant.strategy].caps.needs_draft
     # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check
     return config.engine.for_strategy(variant.strategy, config.options,
                                       variant_drafts(variant, config.engine.draft) if needs_draft else None)
@@ -341,7 +341,7 @@ def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) 
             devices += f", draft {' '.join(map(str, engine.draft_devices))}"
     settings = dict(engine.options)
     settings["backend"] = engine.backend
-    settings["draft"] = [str(d) for d in engine_config.drafts] if engine_config.strategy_class.needs_draft else []
+    settings["draft"] = [str(d.spec) for d in engine_config.draft_specs] if engine_config.strategy_class.caps.needs_draft else []
     settings["dtype"] = "gguf" if engine.backend == "llamacpp" else _dtype_name(engine.target) or str(
         parse_dtype(engine_config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
     return dict(generate=engine.generate, devices=devices, model_drafts=bool(engine.draft_devices),

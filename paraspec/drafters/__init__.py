@@ -12,7 +12,7 @@
     suffix.py    SuffixDrafter: the most frequent continuation in suffix tries of the request and of earlier
                  outputs; trees of branches by frequency (model-free)
     memory.py    PatternMemory: how far a model-free drafter's last proposal from each pattern was right
-    hybrid.py    Hybrid: the drafters in order (model-free first, the model where it has nothing)
+    policy.py    DraftPolicy: the drafters in order (model-free first, the model where it has nothing)
     adaptive.py  the adaptive draft length rule: k* maximising expected tokens per second
 
 A draft is named like a checkpoint: a model's folder / .gguf / hub id, or "ngram" / "suffix" (MODEL_FREE).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraspec.drafters.base import Drafter, Proposal, point_mass
-from paraspec.drafters.hybrid import Hybrid
+from paraspec.drafters.policy import DraftPolicy
 from paraspec.drafters.model import ModelDrafter
 from paraspec.drafters.ngram import NGramDrafter
 from paraspec.drafters.suffix import SuffixDrafter
@@ -61,5 +61,5 @@ def model_free(spec: str, vocab_size: int, options: dict) -> Drafter:
                          options["suffix_min_prob"], memory)
 
 
-__all__ = ["DraftSpec", "Drafter", "Hybrid", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",
+__all__ = ["DraftSpec", "Drafter", "DraftPolicy", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",
            "TokenTree", "is_model_free", "model_free", "point_mass"]

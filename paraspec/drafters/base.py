@@ -61,7 +61,7 @@ class Drafter:
         """Up to `k` tokens continuing `sequence` (the prompt plus every committed token), with their q.
         `pending`: how many of the committed tokens the target has not cached yet (they go into the same
         verification forward as the drafts). Only a drafter that sizes its proposal by what the verification
-        will cost reads it (Hybrid's adaptive rule); the others ignore it."""
+        will cost reads it (DraftPolicy's adaptive rule); the others ignore it."""
         raise NotImplementedError
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,

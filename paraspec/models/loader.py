@@ -94,16 +94,18 @@ def llamacpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def choose_backend(backend: str, folders: list, devices: list, trees: bool) -> str:
-    """"auto": llama.cpp's quantized kernels where they apply (CPU devices, every model has a GGUF source,
-    llama-cpp-python installed, no token trees), else the native decoder. Other names are checked and kept."""
+def choose_backend(backend: str, found: list, devices: list) -> str:
+    """"auto": llama.cpp's quantized kernels where they apply (CPU devices, every model a .gguf file or a folder
+    with a GGUF source, llama-cpp-python installed), else the native decoder. Other names are checked and kept.
+    (EngineConfig has already made "auto" native where the strategy or the dtype rules llama.cpp out.)"""
     if backend not in BACKENDS + ("auto",):
         raise ValueError(f"unknown backend {backend!r}; use one of auto, {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     on_cpu = all(getattr(d, "kind", "cpu") == "cpu" for d in devices)
-    have_gguf = all(isinstance(f, Path) and gguf_source(f) is not None for f in folders)
-    return "llamacpp" if on_cpu and have_gguf and not trees and llamacpp_installed() else "native"
+    have_gguf = all(isinstance(f, Path) and ((f.suffix == ".gguf" and f.is_file()) or gguf_source(f) is not None)
+                    for f in found)
+    return "llamacpp" if on_cpu and have_gguf and llamacpp_installed() else "native"
 
 
 def _hub_download(repo_id: str) -> Path:
@@ -255,12 +257,34 @@ def load_tokenizer(spec, dtype="bfloat16"):
                               f"needs tokenizer.json or the tokenizer files of its model family") from None
 
 
-def resolve_spec(spec, dtype, backend: str = "native"):
-    """What a model spec loads from: a checkpoint folder (resolved, and converted for a .gguf on the native
-    backend), or a simulated model's spec as it is. The Engine calls it once per model, before any worker starts,
-    so that a bad path fails first."""
+def resolve_models(specs: list, dtypes: list, backend: str, devices: list) -> tuple[str, list]:
+    """Each model spec resolved once, in order, before any worker starts (so that a bad one fails first): a
+    checkpoint folder, or a simulated model's spec as it is. "auto" (which EngineConfig leaves to the checkpoints)
+    is chosen here (choose_backend); a file (a .gguf) is resolved after that choice, once: a folder without weights
+    for llamacpp, else converted weights in its `dtypes` entry. Returns the backend and the resolved specs."""
     from paraspec.models.simulated import SimulatedSpec
-    return spec if isinstance(spec, SimulatedSpec) else resolve_checkpoint(spec, dtype, backend)
+
+    def before_the_backend(spec):       # a folder or a hub id resolves the same for every backend and dtype
+        if isinstance(spec, SimulatedSpec):
+            return spec
+        path = Path(str(spec)).expanduser()
+        return path if path.is_file() else resolve_checkpoint(spec)
+    found = [before_the_backend(s) for s in specs]
+    backend = choose_backend(backend, found, devices)
+    return backend, [resolve_checkpoint(f, dtype, backend) if isinstance(f, Path) and f.is_file() else f
+                     for f, dtype in zip(found, dtypes)]
+
+
+def output_rows(spec) -> int | None:
+    """The rows of a model's output layer, read without loading it: a simulated model's vocab_size, else its
+    resolved folder's config.json `vocab_size` (a GGUF's token embedding rows once converted); None where
+    config.json does not say."""
+    from paraspec.models.simulated import SimulatedSpec
+    if isinstance(spec, SimulatedSpec):
+        return spec.vocab_size
+    cfg = read_config(Path(spec))
+    rows = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return rows if isinstance(rows, int) else None
 
 
 def load_tokenizer_if_any(folder):

@@ -2,9 +2,9 @@
 
     devices.py   device strings (cpu, cpu:N, cpu:A-B, cuda:N); pinning a process to one, and undoing it
     errors.py    WorkerError and its kinds (RemoteError, WorkerDied, WorkerTimeout, WorkerClosed); errors over the wire
-    worker_main.py  the worker side: serve() (every backend's entry point), WorkerInfo, LoopContext
-    workers.py   the caller side: Worker, Handle; backends (process, inprocess) and their registry BACKENDS
-    ray_backend.py  the Ray backend (optional extra), registered by name
+    worker_main.py  the worker side: serve() (every kind of worker's entry point), WorkerInfo, LoopContext
+    workers.py   the caller side: Worker, Handle; the kinds of runtime (process, inprocess) and their registry RUNTIMES
+    ray_backend.py  the Ray runtime's workers (optional extra), registered by name
     runtime.py   Runtime: owns workers and channels, stops every channel when a worker dies, closes it all
     channels.py  TokenChannel (versioned token exchange, optional q ring) and StopSignal
     net_channel.py  the same channels over TCP, for workers on other hosts (ChannelServer, RemoteChannel)
@@ -19,9 +19,9 @@ from paraspec.runtime.devices import Device, DeviceError, parse_device, parse_de
 from paraspec.runtime.errors import RemoteError, WorkerClosed, WorkerDied, WorkerError, WorkerTimeout
 from paraspec.runtime.runtime import Runtime
 from paraspec.runtime.worker_main import LoopContext, WorkerInfo
-from paraspec.runtime.workers import BACKENDS, Handle, ProcessWorker, ThreadWorker, Worker
+from paraspec.runtime.workers import RUNTIMES, Handle, ProcessWorker, ThreadWorker, Worker
 
-__all__ = ["BACKENDS", "ChannelFull", "ChannelState", "ChannelStopped", "CommitResult", "Device", "DeviceError",
-           "DraftSnapshot", "Handle", "LoopContext", "ProcessWorker", "RemoteError", "Runtime", "StaleVersion",
-           "StopSignal", "ThreadWorker", "TokenChannel", "Worker", "WorkerClosed", "WorkerDied", "WorkerError",
-           "WorkerInfo", "WorkerTimeout", "parse_device", "parse_devices"]
+__all__ = ["ChannelFull", "ChannelState", "ChannelStopped", "CommitResult", "Device", "DeviceError", "DraftSnapshot",
+           "Handle", "LoopContext", "ProcessWorker", "RemoteError", "RUNTIMES", "Runtime", "StaleVersion", "StopSignal",
+           "ThreadWorker", "TokenChannel", "Worker", "WorkerClosed", "WorkerDied", "WorkerError", "WorkerInfo",
+           "WorkerTimeout", "parse_device", "parse_devices"]

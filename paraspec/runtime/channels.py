@@ -91,14 +91,6 @@ def _attach(cls, name: str):
     return block
 
 
-def release_attached(names: Sequence[str] | None = None) -> None:
-    """Unmap channels this process attached to (all, or those named); the owner keeps them alive."""
-    for name in list(_attached if names is None else names):
-        block = _attached.pop(name, None)
-        if block is not None:
-            block.close()
-
-
 def _as_array(x, dtype) -> np.ndarray:
     if hasattr(x, "detach"):   # torch tensor, without importing torch here
         x = x.detach().cpu().numpy()

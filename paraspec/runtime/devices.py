@@ -22,7 +22,7 @@ class Device:
     kind: str                       # "cpu" or "cuda"
     cores: tuple[int, ...] = ()     # cpu: the pinned core set (empty = all cores, unpinned)
     index: int = 0                  # cuda: the GPU index
-    node: str | None = None         # a Ray node (runtime="ray"); None: wherever the backend puts the worker
+    node: str | None = None         # a Ray node (runtime="ray"); None: wherever the runtime puts the worker
 
     @property
     def torch_device(self) -> str:

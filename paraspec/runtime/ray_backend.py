@@ -1,8 +1,8 @@
-"""The Ray backend: the same workers, each served from a Ray actor, on this host or on any node of a Ray cluster
-(`Runtime(backend="ray")`, `Engine(..., runtime="ray")`; install `paraspec[ray]`).
+"""The Ray runtime: the same workers, each served from a Ray actor, on this host or on any node of a Ray cluster
+(`Runtime("ray")`, `Engine(..., runtime="ray")`; install `paraspec[ray]`).
 
 Only where the worker runs changes. The actor connects back to the caller over TCP and runs the very request
-loop the process backend runs (`worker_main.serve`), so requests, loops, traces, errors and the token protocol
+loop the process runtime runs (`worker_main.serve`), so requests, loops, traces, errors and the token protocol
 are unchanged.
 
     caller (driver)                              actor (a Ray worker process, on the device's node)
@@ -40,7 +40,7 @@ from paraspec.runtime.workers import Worker, remaining
 
 try:
     import ray
-except ImportError:     # the backend is optional: `pip install paraspec[ray]`
+except ImportError:     # the Ray runtime is optional: `pip install paraspec[ray]`
     ray = None
 
 
@@ -53,7 +53,7 @@ def ensure_ray(address: str | None = None) -> None:
     """Join (or start) Ray unless this process already has: `address`, else RAY_ADDRESS, else a local Ray."""
     global _ray_ours
     if ray is None:
-        raise WorkerError("the ray backend needs Ray: pip install 'paraspec[ray]' (or pip install ray)")
+        raise WorkerError("the ray runtime needs Ray: pip install 'paraspec[ray]' (or pip install ray)")
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -152,7 +152,7 @@ class _WorkerActor:
 class RayWorker(Worker):
     """A worker served from a Ray actor, on this host or on the node its device names."""
 
-    backend = "ray"
+    kind = "ray"
     options_taken = ("address",)
     places_on_nodes = True
     connect_timeout = 120.0
@@ -243,7 +243,7 @@ class RayWorker(Worker):
         done, _ = ray.wait([self._serving], timeout=0)
         return not done
 
-    def _exitcode(self) -> int | None:
+    def exit_code(self) -> int | None:
         return None                         # a Ray worker process is not our child: no exit status
 
     def _kill(self) -> None:

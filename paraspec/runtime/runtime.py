@@ -64,7 +64,7 @@ def _monitor(state: _RuntimeState) -> None:
     while not state.closing:
         with state.lock:
             workers = list(state.workers.values())
-        watched = {w._sentinel: w for w in workers if w._sentinel is not None and w.name not in noted}
+        watched = {w.sentinel: w for w in workers if w.sentinel is not None and w.name not in noted}
         ready = multiprocessing.connection.wait([state.wake_r, *watched], tick)
         if state.wake_r in ready:
             try:
@@ -76,14 +76,14 @@ def _monitor(state: _RuntimeState) -> None:
             if worker is None:
                 continue
             noted.add(worker.name)
-            if not state.closing and not worker._closed:
-                code = worker._exitcode()
+            if not state.closing and not worker.closed:
+                code = worker.exit_code()
                 state.stop_all(f"worker {worker.name!r} ({worker.device}) died{describe_death(code)}")
         if tick is not None and not state.closing:
             for worker in workers:
-                if worker.name not in noted and worker._check_heartbeat(state.worker_timeout):
+                if worker.name not in noted and worker.check_heartbeat(state.worker_timeout):
                     noted.add(worker.name)
-                    state.stop_all(str(worker._death))
+                    state.stop_all(str(worker.failure))
 
 
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -115,15 +115,10 @@ def _shutdown(state: _RuntimeState, timeout: float) -> None:
         workers = list(state.workers.values())
         deadline = time.monotonic() + timeout
         for worker in workers:   # ask them all first, so they exit in parallel
-            if not worker._closed:
-                worker._request_shutdown(deadline)
-                worker._closed = True
+            worker.request_exit(deadline)
         state.stop_all("runtime closed")   # now wake their loops
         for worker in workers:
-            try:
-                worker._stop_worker(deadline)
-            finally:
-                worker._wire.close()
+            worker.wait_exit(deadline)
         state.workers_stopped = True
     if state.server is not None:
         state.server.close()
@@ -154,6 +149,9 @@ class Runtime:
     garbage-collected unclosed, and at interpreter exit (including after Ctrl-C); a close() that was interrupted
     is finished by the next one.
 
+    kind: where its workers run, a key of workers.RUNTIMES: "process" (default: a pinned process per worker),
+    "inprocess" (threads of this process), "ray" (Ray actors, on any node of a cluster).
+
     worker_timeout (seconds, or None): the watchdog. Workers send heartbeats (also while their model loads); one
     silent for that long (stopped, or stuck holding the interpreter) fails every request to it with
     WorkerTimeout, its channels are stopped and its process killed.
@@ -161,14 +159,14 @@ class Runtime:
     transport: how workers' loops reach the channels. "auto": shared memory for a worker on this host, TCP
     (net_channel.py) for one on another host; "shm" refuses a worker on another host; "tcp" uses the network
     for every worker (tests and benchmarks of the network path on one host). link_latency_s delays every
-    network message by that much (tests and benchmarks only). `options` go to the backend (Ray: address).
+    network message by that much (tests and benchmarks only). `options` go to the kind's workers (Ray: address).
     """
 
-    def __init__(self, backend: str = "process", close_timeout: float = 3.0, worker_timeout: float | None = None,
+    def __init__(self, kind: str = "process", close_timeout: float = 3.0, worker_timeout: float | None = None,
                  transport: str = "auto", link_latency_s: float = 0.0, **options):
-        worker_class(backend)                # an unknown name fails here, before anything starts
+        worker_class(kind)                   # an unknown name fails here, before anything starts
         check_transport(transport, link_latency_s)
-        self.backend = backend
+        self.kind = kind
         self.transport, self.link_latency_s, self.options = transport, float(link_latency_s), options
         self.close_timeout = close_timeout
         state = _RuntimeState(stop=StopSignal("stop"), worker_timeout=worker_timeout)
@@ -187,7 +185,7 @@ class Runtime:
         if name in state.workers:
             raise ValueError(f"a worker named {name!r} already exists in this runtime")
         heartbeat = None if state.worker_timeout is None else heartbeat_interval(state.worker_timeout)
-        worker = worker_class(self.backend)(name, device, factory, factory_args, state.stop, state.channels,
+        worker = worker_class(self.kind)(name, device, factory, factory_args, state.stop, state.channels,
                                             heartbeat_s=heartbeat, **self.options)
         with state.lock:
             state.workers[name] = worker
@@ -238,24 +236,9 @@ class Runtime:
     def channels(self) -> dict[str, TokenChannel]:
         return dict(self._state.channels)
 
-    def close_channel(self, name: str) -> None:
-        channel = self._state.channels.pop(name)
-        channel.close()   # stops it first, so loops still using it wake up with ChannelStopped
-        for worker in self._state.workers.values():
-            if worker.alive:
-                worker.release_channels([channel.name])
-
-    @property
-    def stop_signal(self) -> StopSignal:
-        return self._state.stop
-
     def stop(self, reason: str = "stopped") -> None:
         """Set the stop signal and stop every channel: loops see ctx.stopped, waiters get ChannelStopped."""
         self._state.stop_all(reason)
-
-    def clear_stop(self) -> None:
-        """Clear the stop signal before the next request (channels are cleared by their reset())."""
-        self._state.stop.clear()
 
     # -- waiting on several handles ----------------------------------------------------------------------------
     def wait(self, handles: Iterable[Handle], timeout: float | None = None,
@@ -271,10 +254,9 @@ class Runtime:
             if (done and return_when == "first") or not pending or expired(deadline):
                 return done, pending
             workers = {h.worker for h in pending}
-            watched = {w._wire.sock: w for w in workers} | {w._sentinel: w for w in workers
-                                                            if w._sentinel is not None}
+            watched = {waitable: w for w in workers for waitable in w.waitables}
             for ready in multiprocessing.connection.wait(list(watched), remaining(deadline)):
-                watched[ready]._pump(0.0)
+                watched[ready].poll()
 
     def gather(self, *handles: Handle, timeout: float | None = None, grace: float = 5.0) -> list:
         """Results of all handles. On the first failure: stop the runtime (so the other loops end), give
@@ -313,4 +295,4 @@ class Runtime:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Runtime {self.backend} workers={list(self._state.workers)} channels={list(self._state.channels)}>"
+        return f"<Runtime {self.kind} workers={list(self._state.workers)} channels={list(self._state.channels)}>"

@@ -151,7 +151,7 @@ class Segment:
 def _require_posix() -> None:
     if _posixshmem is None:
         raise OSError("paraspec's multi-process runtime needs POSIX shared memory (Linux or macOS); "
-                      "use the in-process backend or a single device")
+                      "use the in-process runtime or a single device")
 
 
 # --- futex -----------------------------------------------------------------------------------------------

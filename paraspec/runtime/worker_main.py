@@ -1,9 +1,10 @@
 """The worker side: what runs inside a worker process (or thread, or Ray actor) -- build the model once, then
 answer requests until shutdown or until the caller goes away.
 
-`serve(sock, name, device, spec, in_process)` is the public entry point every backend runs: the process backend
-from `process_main` in a spawned child, the in-process backend on a thread, the Ray backend inside an actor.
-A request is a model call, a loop (`fn(model, ctx, **kwargs)` with a `LoopContext`), or a channel release.
+`serve(sock, name, device, spec, in_process)` is the public entry point every kind of worker runs: the process
+runtime's from `process_main` in a spawned child, the in-process runtime's on a thread, the Ray runtime's inside an
+actor.
+A request is a model call, a loop (`fn(model, ctx, **kwargs)` with a `LoopContext`), or the link's latency.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from paraspec.runtime.channels import StopSignal, TokenChannel, release_attached
+from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device, apply_device, check_available, parse_device, sync
 from paraspec.runtime.errors import error_payload
 from paraspec.runtime.wire import Wire
@@ -151,9 +152,6 @@ class _Worker:
         if kind == "loop":
             loop_fn, kwargs, channels, stop = body
             return loop_fn(self.model, LoopContext(self.name, self.device, channels, stop, recorder), **kwargs)
-        if kind == "release":
-            release_attached(body[0])
-            return None
         if kind == "link":
             self.link_latency_s = float(body[0])
             return None
@@ -194,7 +192,7 @@ def _build_model(name: str, device: Device, spec: bytes, in_process: bool):
     if device.node:           # a device on a named node: its cores and GPUs are checked here, on it
         check_available(device, f"node {device.node!r}")
     if not in_process or device.kind == "cuda":
-        apply_device(device)   # CPU pinning is per process: the in-process backend leaves it alone
+        apply_device(device)   # CPU pinning is per process: the in-process runtime leaves it alone
     factory, factory_args = pickle.loads(spec)
     try:
         model = factory(**factory_args)

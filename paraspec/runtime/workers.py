@@ -1,12 +1,12 @@
 """The caller's end of a worker: `Worker` (one per device group) and `Handle` (one outstanding request), and the
-worker backends by name.
+kinds of runtime by name (where workers run).
 
     Worker.call / submit(method, *args)   the model's methods in the worker, synchronously or as a Handle
     Worker.start_loop(fn, **kwargs)       fn(model, ctx, **kwargs) runs inside the worker until it returns
 
-Backends subclass Worker and only change where `worker_main.serve` runs: "process" (default; spawn, one process per
-device group, pinned), "inprocess" (a thread of the caller's process, no pinning: tests and single-device
-runs), "ray" (a Ray actor; ray_backend.py, an optional extra). Register another in `BACKENDS`.
+Each kind of runtime subclasses Worker and only changes where `worker_main.serve` runs: "process" (default; spawn,
+one process per device group, pinned), "inprocess" (a thread of the caller's process, no pinning: tests and
+single-device runs), "ray" (a Ray actor; ray_backend.py, an optional extra). Register another in `RUNTIMES`.
 
 Requests to one worker run one at a time, in submission order (a call submitted while a loop runs waits for
 the loop). Control messages and results travel over a socket pair (wire.py); logits come back as arrays
@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from paraspec.models.crashes import describe_death, signal_name
 from paraspec.runtime.channels import StopSignal, TokenChannel
@@ -51,14 +51,11 @@ class Handle:
 
     def done(self) -> bool:
         """True once result() would not block."""
-        if self._settled:
-            return True
-        self.worker._pump(0.0)
-        return self.request_id in self.worker._replies or self.worker._death is not None
+        return self._settled or self.worker.reply_ready(self.request_id)
 
     def result(self, timeout: float | None = None):
         if not self._settled:
-            self._settle(self.worker._reply_for(self.request_id, timeout))
+            self._settle(self.worker.reply_for(self.request_id, timeout))
         if self._error is not None:
             raise self._error
         return self._value
@@ -66,7 +63,7 @@ class Handle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error result() would raise (None on success); TimeoutError still propagates."""
         if not self._settled:
-            self._settle(self.worker._reply_for(self.request_id, timeout))
+            self._settle(self.worker.reply_for(self.request_id, timeout))
         return self._error
 
     def _settle(self, reply: tuple | WorkerDied) -> None:
@@ -95,10 +92,10 @@ class Handle:
 
 
 class Worker(abc.ABC):
-    """The caller's end of one worker. Backends subclass it and provide _start(), _sentinel, _is_alive(),
-    _exitcode() and _stop_worker()."""
+    """The caller's end of one worker. Each kind of runtime subclasses it and provides _start(), _sentinel,
+    _is_alive(), exit_code() and _stop_worker()."""
 
-    backend = ""
+    kind = ""                             # the kind of runtime it belongs to: a key of RUNTIMES
     options_taken: tuple[str, ...] = ()
     places_on_nodes = False               # it can run a worker on the node a device names (NODE/cpu:0)
 
@@ -106,10 +103,10 @@ class Worker(abc.ABC):
                  stop: StopSignal, channels: dict[str, TokenChannel], heartbeat_s: float | None = None,
                  **options):
         """heartbeat_s: the worker sends a heartbeat this often (None: never), for the Runtime's watchdog.
-        options: the backend's own (Ray: `address`); a backend that takes none refuses them."""
+        options: its kind's own (Ray: `address`); a kind that takes none refuses them."""
         unknown = set(options) - set(self.options_taken)
         if unknown:
-            raise TypeError(f"the {self.backend} backend takes no option(s) {sorted(unknown)}"
+            raise TypeError(f"the {self.kind} runtime takes no option(s) {sorted(unknown)}"
                             f"{' (it takes ' + ', '.join(self.options_taken) + ')' if self.options_taken else ''}")
         self.options = options
         self.name = name
@@ -117,7 +114,7 @@ class Worker(abc.ABC):
         self.device = parse_device(device)
         if self.device.node and not self.places_on_nodes:
             raise DeviceError(f"device {self.device} names a node: only runtime='ray' places workers on nodes "
-                              f"(--runtime ray), the {self.backend} backend runs them on this host")
+                              f"(--runtime ray), the {self.kind} runtime runs them on this host")
         try:
             self._spec = pickle.dumps((factory, dict(factory_args or {})))
         except Exception as exc:
@@ -139,7 +136,7 @@ class Worker(abc.ABC):
         self._heard = False                    # any message yet: before it, the process is starting up
         self._start()
 
-    # -- backend hooks ------------------------------------------------------------------------------------
+    # -- hooks of each kind --------------------------------------------------------------------------------
     _sentinel: int | None = None   # a process handle that becomes readable when the worker dies, if any
 
     @abc.abstractmethod
@@ -150,11 +147,12 @@ class Worker(abc.ABC):
     def _is_alive(self) -> bool: ...
 
     @abc.abstractmethod
-    def _exitcode(self) -> int | None: ...
+    def exit_code(self) -> int | None:
+        """The worker process's exit status once it has exited (None: unknown, or not our child)."""
 
     @abc.abstractmethod
     def _stop_worker(self, deadline: float) -> None:
-        """Wait for the worker to exit until `deadline` (monotonic), then force it if the backend can."""
+        """Wait for the worker to exit until `deadline` (monotonic), then force it if its kind can."""
 
     # -- public ---------------------------------------------------------------------------------------------
     @property
@@ -164,6 +162,26 @@ class Worker(abc.ABC):
     @property
     def alive(self) -> bool:
         return self._death is None and not self._closed and self._is_alive()
+
+    @property
+    def closed(self) -> bool:
+        """close() (or the Runtime's) has begun: it takes no further request."""
+        return self._closed
+
+    @property
+    def failure(self) -> WorkerDied | None:
+        """Why it stopped answering (WorkerDied, or WorkerTimeout from the watchdog), or None."""
+        return self._death
+
+    @property
+    def sentinel(self) -> int | None:
+        """A handle that becomes readable when the worker dies, if its kind has one (the Runtime's monitor)."""
+        return self._sentinel
+
+    @property
+    def waitables(self) -> list:
+        """What becomes ready when the worker sends something or dies (for multiprocessing.connection.wait)."""
+        return [self._wire.sock] + ([self._sentinel] if self._sentinel is not None else [])
 
     @property
     def info(self) -> WorkerInfo:
@@ -232,21 +250,49 @@ class Worker(abc.ABC):
         """An address of the caller that this worker's host can reach (where the channel server listens)."""
         return "127.0.0.1"
 
-    def release_channels(self, names: Iterable[str]) -> None:
-        """Have the worker unmap channels it attached, once it gets to it (queued behind earlier requests;
-        nobody waits for the reply). A worker on the network transport attached none."""
-        if self._link is None:
-            self._request("release", None, list(names), abandon=True)
-
     def close(self, timeout: float = 3.0) -> None:
         """Ask the worker to exit; terminate (then kill) it if it has not after `timeout` seconds."""
         if self._closed:
             return
-        self._closed = True
         deadline = time.monotonic() + timeout
+        self.request_exit(deadline)
+        self.wait_exit(deadline)
+
+    def request_exit(self, deadline: float) -> None:
+        """close()'s first half: mark it closed and ask it to exit once its current request ends (it confirms
+        it will take no further one). The Runtime asks all its workers first, so they exit in parallel."""
+        if self._closed:
+            return
+        self._closed = True
         self._request_shutdown(deadline)
-        self._stop_worker(deadline)
-        self._wire.close()
+
+    def wait_exit(self, deadline: float) -> None:
+        """close()'s second half: wait for it to exit until `deadline` (monotonic), then force it if its kind
+        can; drop the connection. Repeatable."""
+        try:
+            self._stop_worker(deadline)
+        finally:
+            self._wire.close()
+
+    # -- reading what it sent (Handle, the Runtime's wait and watchdog) ------------------------------------------
+    def poll(self) -> bool:
+        """Read what the worker has sent, without waiting; True if anything happened."""
+        return self._pump(0.0)
+
+    def reply_ready(self, request_id: int) -> bool:
+        """True once reply_for(request_id) would not block."""
+        self._pump(0.0)
+        return request_id in self._replies or self._death is not None
+
+    def reply_for(self, request_id: int, timeout: float | None) -> tuple | WorkerDied:
+        """The reply to a request (envelope, body loader), or the worker's death; it is taken: ask once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while request_id not in self._replies:
+            if self._death is not None:
+                return self._death
+            if not self._pump(remaining(deadline)) and expired(deadline):
+                raise TimeoutError(f"worker {self.name!r}: no reply to request {request_id} after {timeout} s")
+        return self._replies.pop(request_id)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("dead" if self._death else "alive")
@@ -277,17 +323,8 @@ class Worker(abc.ABC):
             self._wire.send((kind, request_id, t0), body)
         except (BrokenPipeError, ConnectionResetError):
             self._pump(1.0)
-            raise self._death or WorkerDied(f"worker {self.name!r} is gone", self.name, self._exitcode())
+            raise self._death or WorkerDied(f"worker {self.name!r} is gone", self.name, self.exit_code())
         return Handle(self, request_id, trace)
-
-    def _reply_for(self, request_id: int, timeout: float | None) -> tuple | WorkerDied:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while request_id not in self._replies:
-            if self._death is not None:
-                return self._death
-            if not self._pump(remaining(deadline)) and expired(deadline):
-                raise TimeoutError(f"worker {self.name!r}: no reply to request {request_id} after {timeout} s")
-        return self._replies.pop(request_id)
 
     def _pump(self, timeout: float | None) -> bool:
         """Read what the worker sent, waiting up to `timeout` s for something; True if anything happened.
@@ -297,8 +334,7 @@ class Worker(abc.ABC):
         try:
             if self._death is not None:
                 return False
-            watched = [self._wire.sock] + ([self._sentinel] if self._sentinel is not None else [])
-            ready = multiprocessing.connection.wait(watched, timeout)
+            ready = multiprocessing.connection.wait(self.waitables, timeout)
             if not ready:
                 return False
             if self._wire.sock in ready:
@@ -334,7 +370,7 @@ class Worker(abc.ABC):
         else:
             self._replies[envelope[1]] = (envelope, load_body)
 
-    def _check_heartbeat(self, timeout: float) -> bool:
+    def check_heartbeat(self, timeout: float) -> bool:
         """The watchdog (the Runtime's monitor thread): read what the worker sent if nobody else is reading; if
         it has been silent for `timeout` s, fail every request to it with WorkerTimeout and kill it. True then."""
         if self._closed or self._death is not None or self.heartbeat_s is None:
@@ -352,12 +388,12 @@ class Worker(abc.ABC):
         return True
 
     def _kill(self) -> None:
-        """Force the worker to stop now, if the backend can (the watchdog)."""
+        """Force the worker to stop now, if its kind can (the watchdog)."""
 
     def _note_death(self) -> None:
         if self._death is not None:
             return
-        code = self._exitcode()
+        code = self.exit_code()
         how = "closed" if self._closed else "died"
         early = self._info is None and self._ready_error is None
         if early:
@@ -384,7 +420,7 @@ def expired(deadline: float | None) -> bool:
 class ProcessWorker(Worker):
     """A worker in its own spawned process, pinned to its device."""
 
-    backend = "process"
+    kind = "process"
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -409,7 +445,7 @@ class ProcessWorker(Worker):
     def _is_alive(self) -> bool:
         return self._process.is_alive()
 
-    def _exitcode(self) -> int | None:
+    def exit_code(self) -> int | None:
         # its pipe closed or its sentinel fired: the exit status is a waitpid away, unless the kernel is still
         # writing a core dump (SIGILL, SIGSEGV: seconds for a process holding a model)
         self._process.join(5.0)
@@ -464,11 +500,11 @@ def sigint_ignored_by_children():
 
 
 class ThreadWorker(Worker):
-    """The in-process backend: the same protocol, served by a thread of the caller's process. No CPU pinning
+    """The in-process runtime: the same protocol, served by a thread of the caller's process. No CPU pinning
     (affinity and torch's thread count are per process); requests still run one at a time, concurrently with
     the caller and with other workers' loops."""
 
-    backend = "inprocess"
+    kind = "inprocess"
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=serve, name=f"paraspec-{self.name}", daemon=True,
@@ -483,28 +519,29 @@ class ThreadWorker(Worker):
     def _is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _exitcode(self) -> int | None:
+    def exit_code(self) -> int | None:
         return None
 
     def _stop_worker(self, deadline: float) -> None:
         self._thread.join(remaining(deadline))   # a thread cannot be killed; a stuck one stays (daemon)
 
 
-# The worker backends by name. A backend whose module needs an optional package is named as "module:Class" and
-# imported on first use (Ray is an optional extra), so importing the runtime never imports it.
-BACKENDS: dict[str, type[Worker] | str] = {
+# The kinds of runtime (where workers run) by name: `Runtime(kind)`, the Engine's `runtime=`. A kind whose module
+# needs an optional package is named as "module:Class" and imported on first use (Ray is an optional extra), so
+# importing the runtime never imports it.
+RUNTIMES: dict[str, type[Worker] | str] = {
     "process": ProcessWorker,
     "inprocess": ThreadWorker,
     "ray": "paraspec.runtime.ray_backend:RayWorker",
 }
 
 
-def worker_class(backend: str) -> type[Worker]:
-    """The Worker subclass of a backend name; ValueError names the choices."""
+def worker_class(kind: str) -> type[Worker]:
+    """The Worker subclass of a kind of runtime; ValueError names the choices."""
     try:
-        entry = BACKENDS[backend]
+        entry = RUNTIMES[kind]
     except KeyError:
-        raise ValueError(f"unknown runtime backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
+        raise ValueError(f"unknown runtime {kind!r}; choose one of {', '.join(RUNTIMES)}") from None
     if isinstance(entry, str):
         import importlib
         module, _, name = entry.partition(":")

@@ -9,7 +9,8 @@
                    version on a mismatch). After a full acceptance the distribution it already computed for the
                    next position judges the draft's token there at once, or, if the draft has not reached that
                    position yet, supplies the token itself (the bonus) instead of waiting.
-    caller         streams the committed tokens as they appear and merges both workers' traces and counters.
+    caller         streams the committed tokens as they appear through its Run (the one record of the request),
+                   then counts the verifier's verdicts and merges both workers' traces and reports.
 
 Two corrections to the published code: after a rollback the draft never re-feeds a token it has already cached
 (draft_loop's cache length always equals the tokens it really processed), and the verifier's bonus token is kept
@@ -20,16 +21,19 @@ position bumps the version and drops it.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
-from paraspec.run import Run
+from paraspec.run import Run, top2_margins
 from paraspec.runtime.channels import ChannelStopped
+from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.strategies.registry import register
-from paraspec.strategies.base import Placement, WorkerStrategy
+from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.trace import Trace
-from paraspec.verify import verify_chain
+from paraspec.verify import judge_in_hand, verify_chain
 
 
 @register
@@ -37,15 +41,16 @@ class AMUSD(WorkerStrategy):
     name = "amusd"
     summary = "draft and verify at the same time on separate devices (AMUSD)"
     options = ("max_ahead", "verify_chunk")
-    no_model_free_reason = ("its draft worker overlaps a draft model's forwards with verification on another "
-                            "device, and a model-free drafter costs microseconds, so there is nothing to overlap "
-                            "(use sd with the same draft, or dsi to put it beside a draft model)")
+    caps = Capabilities(runtimes=WITH_RAY, in_workers=True, across_nodes=True, why_not_model_free=(
+        "its draft worker overlaps a draft model's forwards with verification on another device, and a model-free "
+        "drafter costs microseconds, so there is nothing to overlap (use sd with the same draft, or dsi to put it "
+        "beside a draft model)"))
 
     def setup(self, placement: Placement) -> None:
         self.start_workers(placement, [("target", placement.target, placement.target_devices[0]),
-                                       ("draft", placement.model_drafts[0], placement.draft_devices[0])])
-        self.target, self.drafts = self.remote("target"), [self.remote("draft")]
-        self.channel = self.runtime.channel(CHANNEL, capacity=min(self.target.max_context, self.drafts[0].max_context),
+                                       ("draft", placement.draft_checkpoints[0], placement.draft_devices[0])])
+        self.target, self.draft_models = self.remote("target"), [self.remote("draft")]
+        self.channel = self.runtime.channel(CHANNEL, capacity=min(self.target.max_context, self.draft_models[0].max_context),
                                             vocab_size=self.target.vocab_size, q_window=64)
 
     def decode(self, run: Run):
@@ -53,39 +58,52 @@ class AMUSD(WorkerStrategy):
                            self.options["verify_chunk"])
 
 
-def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
-                max_context: int, verify_chunk: int, seed: int | None, t0: float,
-                record_margins: bool = False) -> dict:
-    """Runs in the target worker: verifies drafts and commits tokens until the request is done."""
-    run = Run(prompt_ids, params, stop_ids, make_generator(seed), max_context, trace=Trace(t0=t0),
-              margins={} if record_margins else None)
-    verifier = Verifier(target, ctx, run, verify_chunk)
+def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int], end: int,
+                verify_chunk: int, seed: int | None, record_margins: bool = False) -> dict:
+    """Runs in the target worker: verifies drafts and commits tokens until the request is done (or cancelled)."""
+    verifier = Verifier(target, ctx, prompt_ids, params, stop_ids, end, verify_chunk, make_generator(seed),
+                        margins={} if record_margins else None)
     try:
         verifier.run_to_end()
-    except ChannelStopped:                  # the caller cancelled the request
-        run.finish_reason = "cancelled"
+    except ChannelStopped:                  # the caller cancelled the request, or its Run matched a stop string
+        pass
     finally:
         verifier.channel.stop("done")
     return verifier.report()
 
 
 class Verifier:
-    """AMUSD's verification side, in the target worker: take whatever the draft has put in the channel (up to
-    `verify_chunk` tokens, waiting only for the first), verify it in one forward, commit the accepted prefix and
-    the target's token; the drafter sees the commit and rolls back on its own (McDanel 2024, Algorithm 1)."""
+    """AMUSD's verify process, in the target worker (McDanel 2024, Algorithm 1, lines 15-31): take whatever the
+    draft has put in the channel (up to `verify_chunk` tokens, waiting only for the first), verify it in one
+    forward, commit the accepted prefix and the target's token; the drafter sees the commit and rolls back on its
+    own. It keeps what verifying needs and no Run: the verified sequence V (prompt included), where it ends (a
+    stop token, or `end`: the token budget or the context), the generator that rejection sampling draws from, and
+    its verdicts, which the caller's Run counts (`count_verdicts`). The caller's Run.commit applies the stop rules
+    to the stream, so tokens committed here after a stop token in the same batch are cut there."""
 
-    def __init__(self, target, ctx, run: Run, verify_chunk: int):
-        self.target, self.ctx, self.run, self.verify_chunk = target, ctx, run, verify_chunk
-        self.channel = ctx.channels[CHANNEL]
-        self.device = f"target:{ctx.device}"
-        self.sampling = not run.params.greedy
+    def __init__(self, target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
+                 end: int, verify_chunk: int, generator: torch.Generator, margins: dict[int, float] | None = None):
+        self.target, self.ctx, self.params, self.verify_chunk = target, ctx, params, verify_chunk
+        self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace    # the trace's rows: target:<device>
+        self.sequence = list(prompt_ids)          # V after the prompt; its length is p_v
+        self.prompt_length = len(prompt_ids)
+        self.stop_ids, self.end = stop_ids, end
+        self.stop_token_seen = False
+        self.generator = generator
+        self.sampling = not params.greedy
+        self.verdicts: list[tuple[int, int, bool]] = []   # (drafted, accepted, by a forward of its own)
+        self.margins = margins                    # the target's top-2 margins by output index, if asked
         self.judged_at_once = self.bonus = 0      # tokens settled from a distribution already in hand
 
+    @property
+    def done(self) -> bool:
+        """Algorithm 1, line 28: a stop token is in V, or V has reached `end`."""
+        return self.stop_token_seen or len(self.sequence) >= self.end
+
     def run_to_end(self) -> None:
-        run = self.run
-        with run.timed(self.device, "prefill", len(run.prompt_ids), on=self.ctx.device):
-            in_hand = self.target.prefill(run.prompt_ids)   # the target distribution at the first open position
-        while not run.done:
+        with self.timed("prefill", len(self.sequence)):
+            in_hand = self.target.prefill(self.sequence)   # the target distribution at the first open position
+        while not self.done:
             if in_hand is not None:
                 self.settle_in_hand(in_hand)
                 in_hand = None
@@ -93,67 +111,81 @@ class Verifier:
                 in_hand = self.verify_next_chunk()
 
     def commit(self, tokens: list[int]) -> None:
-        kept = self.run.commit(tokens)
-        if kept:
-            self.channel.commit(kept, start=len(self.run.sequence) - len(kept))
+        """Append verified tokens to V and the channel (which bumps its version on a mismatch: Algorithm 1's R)."""
+        self.channel.commit(tokens, start=len(self.sequence))
+        self.sequence += tokens
+        self.stop_token_seen |= not self.stop_ids.isdisjoint(tokens)
 
     def settle_in_hand(self, logits: torch.Tensor) -> None:
         """A full acceptance (or the prefill) left p for the next position in hand: judge the draft's token there
         at once, or take the target's own token if the draft has not got that far."""
-        run, position = self.run, len(self.run.sequence)
+        position = len(self.sequence)
         snap = self.channel.snapshot(position, position + 1)
         draft = int(snap.tokens[0]) if len(snap.tokens) else None
         q = torch.from_numpy(self.channel.read_q(position, position + 1, version=snap.version)[0]) \
             if self.sampling and draft is not None else None
-        token, judged = run.settle_in_hand(draft, q, logits)
-        self.judged_at_once += judged
-        self.bonus += not judged
+        token, verdict = judge_in_hand(draft, q, logits, self.params, self.generator)
+        if verdict is not None:
+            self.verdicts.append((1, verdict, False))   # judged, but no forward of its own verified it
+        self.judged_at_once += verdict is not None
+        self.bonus += verdict is None
         self.commit([token])
 
     def verify_next_chunk(self) -> torch.Tensor | None:
-        """Wait for a draft, verify what is there in one forward, commit; p for the position after the chunk
-        when every draft was accepted (Algorithm 1's bonus), else None."""
-        run, channel, position = self.run, self.channel, len(self.run.sequence)
-        room = min(self.verify_chunk, run.remaining - 1)   # the forward also yields one target token
-        drafts, q = [], None
-        if room > 0:
-            start = run.trace.now()
-            snap = channel.wait_for_draft(position + 1, start=position, max_length=position + room)
-            run.trace.add(self.device, "wait", start, run.trace.now())
-            drafts = [int(t) for t in snap.tokens]
-            if self.sampling and drafts:
-                q = torch.from_numpy(channel.read_q(position, position + len(drafts), version=snap.version))
-        pending = run.sequence[self.target.length:]      # committed tokens the target has not cached yet
-        with run.timed(self.device, "verify", len(pending) + len(drafts), on=self.ctx.device):
+        """Lines 17-26: wait for drafts past p_v, verify them in one forward, commit; p for the position after the
+        chunk when every draft was accepted (Algorithm 1's bonus), else None."""
+        position = len(self.sequence)
+        drafts, q = self.take_drafts(position, min(self.verify_chunk, self.end - position - 1))  # + one target token
+        pending = self.sequence[self.target.length:]      # committed tokens the target has not cached yet
+        with self.timed("verify", len(pending) + len(drafts)):
             logits = self.target.forward(pending + drafts, last_n=len(drafts) + 1)
-        run.observe_target(len(run.tokens), logits)
-        accepted, correction = verify_chain(drafts, q, logits, run.params, run.generator)
+        if self.margins is not None:
+            self.margins.update(enumerate(top2_margins(logits), start=position - self.prompt_length))
+        accepted, correction = verify_chain(drafts, q, logits, self.params, self.generator)
         self.target.rollback(position + accepted)
-        run.count_round(len(drafts), accepted)
+        self.verdicts.append((len(drafts), accepted, True))
         if accepted == len(drafts):
             self.commit(drafts)
             return logits[-1]
         self.commit(drafts[:accepted] + [correction])
         return None
 
+    def take_drafts(self, position: int, room: int) -> tuple[list[int], torch.Tensor | None]:
+        """T_d = D[p_v:p_d], at most `room` tokens (waiting for the first), and their q when sampling."""
+        if room <= 0:
+            return [], None
+        start = self.trace.now()
+        snap = self.channel.wait_for_draft(position + 1, start=position, max_length=position + room)
+        self.trace.add(None, "wait", start, self.trace.now())
+        drafts = [int(t) for t in snap.tokens]
+        q = torch.from_numpy(self.channel.read_q(position, position + len(drafts), version=snap.version)) \
+            if self.sampling and drafts else None
+        return drafts, q
+
+    @contextmanager
+    def timed(self, kind: str, tokens: int):
+        """A trace event around a forward, waited for at both ends: a GPU forward returns once queued, and its
+        time must not land in the next event."""
+        sync(self.ctx.device)
+        with self.trace.span(kind, tokens):
+            yield
+            sync(self.ctx.device)
+
     def report(self) -> dict:
-        run = self.run
-        return {"tokens": run.tokens, "finish_reason": run.finish_reason, "drafted": run.drafted,
-                "accepted": run.accepted, "rounds": run.rounds, "verified_tokens": run.verified_tokens,
-                "rollbacks": run.rollbacks, "verify_s": run.verify_s, "trace": run.trace.to_dict(),
-                "margins": run.margins, "judged_at_once": self.judged_at_once, "bonus": self.bonus}
+        return {"verdicts": self.verdicts, "margins": self.margins, "judged_at_once": self.judged_at_once,
+                "bonus": self.bonus}
 
 
 def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
-    """Caller side: start both loops, stream committed tokens, then merge the workers' reports into `run`."""
+    """Caller side: start both loops, stream committed tokens, then count the verifier's verdicts and fold both
+    workers' reports and traces into `run`."""
     channel.reset(run.prompt_ids)
-    t0 = run.trace.t0
     target, draft = runtime["target"], runtime["draft"]
-    verify = target.start_loop(verify_loop, prompt_ids=run.prompt_ids, params=run.params, stop_ids=run.stop_ids,
-                               max_context=run.max_context, verify_chunk=verify_chunk, seed=run.params.seed, t0=t0,
-                               record_margins=run.margins is not None)
+    verify = target.start_loop(verify_loop, trace=Trace(t0=run.trace.t0), prompt_ids=run.prompt_ids,
+                               params=run.params, stop_ids=run.stop_ids, end=len(run.sequence) + run.remaining,
+                               verify_chunk=verify_chunk, seed=run.params.seed, record_margins=run.margins is not None)
     drafting = draft.start_loop(draft_loop, params=run.params, max_ahead=max_ahead,
-                                vocab_size=target.info.vocab_size, seed=run.params.seed, t0=t0)
+                                vocab_size=target.info.vocab_size, seed=run.params.seed, t0=run.trace.t0)
     seen = len(run.prompt_ids)
     finished = False
     try:
@@ -172,22 +204,14 @@ def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: i
     finally:
         if not finished:                    # the consumer stopped early (or failed): end both loops first
             channel.stop("cancelled by the caller")
-        reports = runtime.gather(verify, drafting)
-    merge_reports(run, *reports)
+        verify_report, draft_report = runtime.gather(verify, drafting)
+    count_verdicts(run, verify_report)
+    run.merge_worker_reports({"draft": draft_report}, verify.events, target=verify_report)
 
 
-def merge_reports(run: Run, verify_report: dict, draft_report: dict) -> None:
-    # a cancelled verifier may have counted a batch that its stopped channel then refused: the stream is the record
-    # a stop string ends the stream early: the verifier's record then only starts with it
-    record = verify_report["tokens"][:len(run.tokens)] if run.stop_string is not None else verify_report["tokens"]
-    if record != run.tokens and verify_report["finish_reason"] != "cancelled":
-        raise RuntimeError("amusd: the streamed tokens differ from the verifier's record")
-    for key in ("drafted", "accepted", "rounds", "verified_tokens", "rollbacks", "verify_s"):
-        setattr(run, key, verify_report[key])
-    draft_trace = Trace.from_dict(draft_report["trace"])
-    run.draft_s = draft_trace.busy_s("draft")
-    verify_trace = Trace.from_dict(verify_report["trace"])
-    run.trace.events = sorted(verify_trace.events + draft_trace.events, key=lambda e: e.start_s)
-    if verify_report["margins"] is not None and run.margins is not None:
+def count_verdicts(run: Run, verify_report: dict) -> None:
+    """Count the verifier's judgements into the caller's Run, the one record of the request."""
+    for drafted, accepted, by_forward in verify_report["verdicts"]:
+        run.count_round(drafted, accepted, verified=by_forward)
+    if run.margins is not None:
         run.margins.update(verify_report["margins"])
-    run.worker_reports = {"target": verify_report, "draft": draft_report}

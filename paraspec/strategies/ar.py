@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from paraspec.sampling import next_token
 from paraspec.strategies.registry import register
-from paraspec.strategies.base import LocalStrategy
+from paraspec.strategies.base import Capabilities, LocalStrategy
 from paraspec.run import Run
 
 
@@ -11,7 +11,7 @@ from paraspec.run import Run
 class AR(LocalStrategy):
     name = "ar"
     summary = "autoregressive decoding of the target"
-    needs_draft = False
+    caps = Capabilities(drafts="none")
 
     def decode(self, run: Run):
         target = self.target

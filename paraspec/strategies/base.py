@@ -3,6 +3,7 @@ request in flight (`Run`) and the rules for committing tokens are in paraspec/ru
 
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
     Strategy.decode(run)       a generator yielding each batch of newly committed token ids
+    Strategy.set_options(o)    new options between requests: stored, and what was built from the old ones rebuilt
     Strategy.cancel()          (any thread) wake a decode() blocked on its workers so it ends soon
     Strategy.health()          why a request would fail now because of its workers, or None
     Strategy.close()           stop its workers, unlink its segments, undo its pinning (idempotent, retryable)
@@ -12,6 +13,11 @@ The Engine turns the batches into streamed text and, at the end, into stats. Com
 A new strategy subclasses LocalStrategy (models in the caller's process) or Strategy and registers itself with
 `paraspec.strategies.register` (a built-in one is also imported by strategies/__init__.py, so that importing
 paraspec registers it); the Engine, the config, the CLI and the lossless suite then take it with no other edit.
+
+What a strategy accepts -- no draft, one or several, model-free drafters, runtimes, model backends, workers, nodes --
+is one declaration, `caps = Capabilities(...)`; EngineConfig checks every configuration against it generically
+(config.py, `capability_asks`) and names the strategies that accept what this one refuses. Its option names,
+`options`, sit beside it (registry.register checks them against OPTIONS).
 """
 from __future__ import annotations
 
@@ -24,24 +30,57 @@ from paraspec.run import Run
 from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
 
 
+# -- what a strategy accepts -------------------------------------------------------------------------------------
+
+DRAFT_COUNTS = ("none", "one", "several")
+IN_PROCESS = ("process", "inprocess")    # runtimes of a strategy that starts no workers: nothing for Ray to place
+WITH_RAY = IN_PROCESS + ("ray",)         # and of one that starts workers Ray can place
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy accepts, declared once per strategy (`Strategy.caps`). EngineConfig refuses a configuration
+    that asks for more, naming the fix and the strategies that accept it; the bench reads `in_workers`."""
+    drafts: str = "one"                        # "none" (decodes the target alone), "one" draft, "several" (a list)
+    model_free: bool = False                   # takes "ngram" / "suffix" (drafters.MODEL_FREE) as drafts
+    why_not_model_free: str = ""               # why not, when it does not (the error says it)
+    runtimes: tuple[str, ...] = IN_PROCESS     # the runtime= values it honours
+    backends: tuple[str, ...] = ("native", "hf", "llamacpp")   # model backends its forwards run on
+    in_workers: bool = False                   # its models run in pinned workers: the caller's thread count does
+                                               # not apply (the bench's @Nt)
+    across_nodes: bool = False                 # its workers may sit on other nodes (devices NODE/...)
+    why_not_across_nodes: str = "its models run in the caller's process"   # why not, when it may not
+
+    def __post_init__(self):
+        if self.drafts not in DRAFT_COUNTS:
+            raise ValueError(f"Capabilities(drafts={self.drafts!r}): say {', '.join(map(repr, DRAFT_COUNTS))}")
+        if self.model_free and self.drafts == "none":
+            raise ValueError("Capabilities(model_free=True) takes drafts: say drafts='one' or 'several'")
+
+    @property
+    def needs_draft(self) -> bool:
+        """The question most readers ask (the config, the bench, the lossless suite): does it speculate at all."""
+        return self.drafts != "none"
+
+
 # -- the Strategy interface -------------------------------------------------------------------------------------
 
 @dataclass
 class Placement:
     """What the Engine resolved before setup(): the checkpoints, the devices, how to load."""
     target: Any                        # a checkpoint folder, or a SimulatedSpec (models/simulated.py)
-    drafts: list                       # DraftSpecs in the order given: resolved checkpoints and model-free names
+    draft_specs: list                  # DraftSpecs in the order given: resolved checkpoints and model-free names
     target_devices: list[Device]
     draft_devices: list[Device]
     load: dict                         # load_model's keyword arguments: dtype, backend, max_context
-    runtime: str                       # the worker backend (runtime/workers.BACKENDS)
+    runtime: str                       # the kind of Runtime: where workers run (runtime/workers.RUNTIMES)
     worker_timeout: float | None = None   # the workers' watchdog (Runtime's worker_timeout)
     runtime_options: dict = field(default_factory=dict)   # the Runtime's transport, link latency, Ray address
 
     @property
-    def model_drafts(self) -> list:
+    def draft_checkpoints(self) -> list:
         """The drafts that are models (not "ngram" / "suffix")."""
-        return [d.spec for d in self.drafts if not d.model_free]
+        return [d.spec for d in self.draft_specs if not d.model_free]
 
     @staticmethod
     def loader(spec):
@@ -67,17 +106,8 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""
-    needs_draft: ClassVar[bool] = True
-    several_drafts: ClassVar[bool] = False            # takes a list of drafts
-    model_free_drafts: ClassVar[bool] = False         # takes "ngram" / "suffix" (drafters.MODEL_FREE) as drafts
-    no_model_free_reason: ClassVar[str] = ""          # why not, when it does not (the error says it)
-    options: ClassVar[tuple[str, ...]] = ()           # names in strategies.OPTIONS
-    runtimes: ClassVar[tuple[str, ...]] = ("process", "inprocess")   # the runtime= values it honours
-    backends: ClassVar[tuple[str, ...]] = ("native", "hf", "llamacpp")   # model backends its forwards run on
-    in_workers: ClassVar[bool] = False                # its models run in pinned workers: the caller's thread
-                                                      # count does not apply (the bench's @Nt)
-    across_nodes: ClassVar[bool] = False              # its workers may sit on other nodes (devices NODE/...)
-    across_nodes_reason: ClassVar[str] = "its models run in the caller's process"
+    caps: ClassVar[Capabilities] = Capabilities()    # what it accepts (above); EngineConfig checks it
+    options: ClassVar[tuple[str, ...]] = ()           # names in strategies.OPTIONS (composed by subclasses)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -86,9 +116,14 @@ class Strategy(abc.ABC):
     def __init__(self, options: dict):
         self.options = options         # the strategy's options, read at each decode()
         self.target = None             # Model protocol (a RemoteModel when it runs in a worker)
-        self.drafts: list = []         # the draft models (model-free drafters are not models)
+        self.draft_models: list = []         # the draft models (model-free drafters are not models)
         self.draft_specs: list = []    # every draft as given (DraftSpecs): checkpoints and model-free names, in order
         self.runtime = None            # the Runtime of its workers, if it has any
+
+    def set_options(self, options: dict) -> None:
+        """New options between requests (Engine.set_options, checked by EngineConfig), read from the next decode()
+        on. A strategy that built something from its options at setup() builds it again here."""
+        self.options = options
 
     @abc.abstractmethod
     def setup(self, placement: Placement) -> None:
@@ -100,18 +135,18 @@ class Strategy(abc.ABC):
 
     def make_drafters(self, for_model, models=None) -> list:
         """One entry per draft spec, in order: `for_model(model)` for the next draft model (of `models`, default
-        self.drafts), else the model-free Drafter the spec names."""
+        self.draft_models), else the model-free Drafter the spec names."""
         from paraspec.drafters import model_free
-        models = iter(self.drafts if models is None else models)
+        models = iter(self.draft_models if models is None else models)
         return [model_free(d.spec, self.target.vocab_size, self.options) if d.model_free
                 else for_model(next(models)) for d in self.draft_specs]
 
     def open_runtime(self, placement: Placement):
-        """The Runtime for this strategy's workers (`self.runtime`): on the placement's backend, with its
+        """The Runtime for this strategy's workers (`self.runtime`): of the placement's kind, with its
         worker_timeout watchdog. Every worker a strategy starts goes in it, so Engine.health() sees them,
         cancel() reaches their channels and close() stops them."""
         from paraspec.runtime import Runtime
-        self.runtime = Runtime(backend=placement.runtime, worker_timeout=placement.worker_timeout,
+        self.runtime = Runtime(kind=placement.runtime, worker_timeout=placement.worker_timeout,
                                **placement.runtime_options)
         return self.runtime
 
@@ -138,60 +173,64 @@ class Strategy(abc.ABC):
     def close(self) -> None:
         if self.runtime is not None:
             self.runtime.close()
-        self.target, self.drafts = None, []
+        self.target, self.draft_models = None, []
 
 
 class LocalStrategy(Strategy):
     """Models loaded in the caller's process, which is pinned to the union of the requested cores until close()
     (when every device is a CPU core set)."""
 
-    runtimes = ("process", "inprocess")    # it starts no workers: there is nothing for Ray to place
     _pinning = None
-    hybrid = None                          # the kept drafters (sd, tree): the suffix cache and the learned costs
-                                           # persist across requests
-    _hybrid_options: dict | None = None    # the options they were built with
+    policy = None                          # the kept drafters (sd, tree): the suffix cache and the learned costs
+                                           # persist across requests; built from the options
 
     def setup(self, placement: Placement) -> None:
-        devices = placement.target_devices + (placement.draft_devices if placement.model_drafts else [])
+        devices = placement.target_devices + (placement.draft_devices if placement.draft_checkpoints else [])
         cores = sorted({c for d in devices if d.kind == "cpu" for c in d.cores})
         if cores and all(d.kind == "cpu" and d.cores for d in devices) and hasattr(os, "sched_getaffinity"):
             self._pinning = current_pinning()
             apply_device(Device("cpu", cores=tuple(cores)))
         self.target = placement.load_here(placement.target, placement.target_devices[0])
-        self.draft_specs = list(placement.drafts)
-        self.drafts = [placement.load_here(d, placement.draft_devices[0]) for d in placement.model_drafts]
+        self.draft_specs = list(placement.draft_specs)
+        self.draft_models = [placement.load_here(d, placement.draft_devices[0]) for d in placement.draft_checkpoints]
 
-    def build_hybrid(self) -> None:
-        """Build `hybrid` from the options (sd, tree: make_hybrid with their drafters)."""
+    def build_policy(self) -> None:
+        """Build `policy` from the options (sd, tree: make_policy with their drafters)."""
         raise NotImplementedError
 
-    def kept_hybrid(self):
-        """The kept drafters, built again if an option changed since (Engine.set_options): they are built with
-        the drafters' options (ngram sizes, suffix depth, cache, factor, ...) and the adaptive rule's calibration."""
-        if self.hybrid is None or self._hybrid_options != self.options:
-            if self.hybrid is not None:
-                self.hybrid.close()
-            self.build_hybrid()
-            self._hybrid_options = dict(self.options)
-        return self.hybrid
+    def kept_policy(self):
+        """The kept drafters: built at setup() (sd, tree) and again by set_options(); here if a build failed."""
+        if self.policy is None:
+            self.build_policy()
+        return self.policy
 
-    def make_hybrid(self, for_model, widest: int) -> None:
+    def set_options(self, options: dict) -> None:
+        """The kept drafters were built with the drafters' options (ngram sizes, suffix depth, cache, factor, ...)
+        and the adaptive rule's calibration: dropped and built again with the new options, now rather than in the
+        next request (the suffix cache and the learned costs start afresh)."""
+        super().set_options(options)
+        if self.policy is not None:
+            self.policy.close()
+            self.policy = None
+            self.build_policy()
+
+    def make_policy(self, for_model, widest: int) -> None:
         """Build the kept drafters (`make_drafters`) in order; with the `adaptive` option, time the target's
         verification widths up to `widest` + 1 and each draft model's forwards (its drafts and catch-ups) now, at
         start-up, not in the first request."""
-        from paraspec.drafters import Hybrid
+        from paraspec.drafters import DraftPolicy
         from paraspec.drafters.adaptive import DRAFT_WIDTHS, ForwardCost, calibration_widths
         drafters = self.make_drafters(for_model)
         if not self.options["adaptive"]:
-            self.hybrid = Hybrid(drafters)
+            self.policy = DraftPolicy(drafters)
             return
         cost = ForwardCost.measure(self.target, calibration_widths(widest))
         draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS) for i, d in enumerate(drafters) if not d.free}
-        self.hybrid = Hybrid(drafters, cost, draft_costs)
+        self.policy = DraftPolicy(drafters, cost, draft_costs)
 
     def close(self) -> None:
         super().close()
-        self.hybrid, self._hybrid_options = None, None
+        self.policy = None
         if self._pinning is not None:
             set_pinning(*self._pinning)
             self._pinning = None
@@ -200,9 +239,8 @@ class LocalStrategy(Strategy):
 class WorkerStrategy(Strategy):
     """Models in workers (one per device group), started on `placement.runtime`."""
 
-    runtimes = ("process", "inprocess", "ray")
-    in_workers = True
-    across_nodes = True                   # its workers exchange tokens only through channels: any node will do
+    # its workers exchange tokens only through channels: any node will do
+    caps = Capabilities(runtimes=WITH_RAY, in_workers=True, across_nodes=True, why_not_across_nodes="")
 
     def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]]) -> None:
         """Start one worker per (name, checkpoint, device) and wait until every model is built."""

@@ -61,7 +61,7 @@ from paraspec.run import Run, common_prefix, top2_margins
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.runtime.devices import sync
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
-from paraspec.strategies.base import Placement, WorkerStrategy
+from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import greedy_match, verify_chain
 
@@ -71,8 +71,7 @@ class DSI(WorkerStrategy):
     name = "dsi"
     summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
     options = ("lookahead", "max_ahead") + DRAFTER_OPTIONS
-    several_drafts = True
-    model_free_drafts = True
+    caps = Capabilities(drafts="several", model_free=True, runtimes=WITH_RAY, in_workers=True, across_nodes=True)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -84,7 +83,7 @@ class DSI(WorkerStrategy):
     def setup(self, placement: Placement) -> None:
         """One target server per target device (group), target0..N-1; drafters draft, draft1, ..., each on its
         own draft device or all on one, each with its own channel (tokens, tokens1, ...)."""
-        devices, models = placement.draft_devices, placement.model_drafts
+        devices, models = placement.draft_devices, placement.draft_checkpoints
         self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
         self.drafter_names = [drafter_name(i) for i in range(len(models))]
         self.start_workers(placement, [(name, placement.target, d)
@@ -92,13 +91,13 @@ class DSI(WorkerStrategy):
                            [(name, spec, devices[min(i, len(devices) - 1)])
                             for i, (name, spec) in enumerate(zip(self.drafter_names, models))])
         self.target = self.remote(self.server_names[0])
-        self.drafts = [self.remote(name) for name in self.drafter_names]
-        capacity = min(m.max_context for m in [self.target, *self.drafts])
-        self.channel_names = [CHANNEL if i == 0 else f"{CHANNEL}{i}" for i in range(len(self.drafts))]
+        self.draft_models = [self.remote(name) for name in self.drafter_names]
+        capacity = min(m.max_context for m in [self.target, *self.draft_models])
+        self.channel_names = [CHANNEL if i == 0 else f"{CHANNEL}{i}" for i in range(len(self.draft_models))]
         for name in self.channel_names:
             self.runtime.channel(name, capacity=capacity, vocab_size=self.target.vocab_size, q_window=64)
         # every drafter in the given order: a model's channel index, or a model-free Drafter (run in the caller)
-        self.draft_specs = list(placement.drafts)
+        self.draft_specs = list(placement.draft_specs)
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
 
     def decode(self, run: Run):
@@ -153,7 +152,7 @@ class _Drafter:
     judged_at_once: int = 0        # its drafts judged at once by a forward already in hand
     local = False
 
-    def drafts(self, speculated: np.ndarray, start: int, end: int) -> np.ndarray | None:
+    def proposed(self, speculated: np.ndarray, start: int, end: int) -> np.ndarray | None:
         """Its sequence through `end`, if it has drafted that far and agrees with the speculated sequence."""
         snap = self.channel.snapshot(0, end)
         tokens = snap.tokens if snap.version == self.version else None
@@ -177,7 +176,7 @@ class _LocalDrafter:
     def name(self) -> str:
         return self.drafter.name
 
-    def drafts(self, speculated: np.ndarray, start: int, end: int) -> np.ndarray | None:
+    def proposed(self, speculated: np.ndarray, start: int, end: int) -> np.ndarray | None:
         """speculated[:start] and then 1 to end - start proposed tokens; None if it has none."""
         if len(speculated) < start:
             return None
@@ -401,7 +400,7 @@ class _Orchestrator:
         """The first drafter, in order, with drafts for [start, end) on the speculated sequence, and its sequence:
         a model drafter's reaches `end` (first_agreeing), a model-free drafter's may stop earlier."""
         for drafter in self.drafters:
-            sequence = drafter.drafts(self.speculated, start, end)
+            sequence = drafter.proposed(self.speculated, start, end)
             if sequence is not None:
                 return drafter, sequence
         return None, None
@@ -469,13 +468,7 @@ def run_request(run: Run, runtime, server_names: list[str], drafter_names: list[
         draft_reports = runtime.gather(*drafting)
         for drafter in local:
             drafter.finish(run.sequence)
-    draft_traces = [Trace.from_dict(report["trace"]) for report in draft_reports]
-    run.draft_s = sum(t.busy_s("draft") for t in draft_traces)
-    server_events = main.trace_events()
-    run.verify_s = sum(e.end_s - e.start_s for e in server_events if e.kind == "verify")
-    run.trace.events = sorted(run.trace.events + [e for t in draft_traces for e in t.events] + server_events,
-                              key=lambda e: e.start_s)
-    run.worker_reports = dict(zip(drafter_names, draft_reports)) | {"dsi": main.report()}
+    run.merge_worker_reports(dict(zip(drafter_names, draft_reports)), main.trace_events(), dsi=main.report())
 
 
 def _raise_worker_failure(main: _Orchestrator) -> None:

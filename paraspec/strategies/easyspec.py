@@ -17,7 +17,7 @@ goes through a fuzzy forward as well.
 
 Devices: rank 0 runs in the caller's process with the Engine's draft (and the target, which verifies with every
 core of the caller while the draft ranks wait); each further draft device gets a worker holding a replica of the
-draft, started at setup() in this strategy's Runtime (`self.runtime`, on the Engine's runtime backend with its
+draft, started at setup() in this strategy's Runtime (`self.runtime`, of the Engine's runtime kind, with its
 worker_timeout watchdog), so Engine.health() sees a dead rank and close() stops them all.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 from paraspec.drafters.layer_parallel import DeviceGroupDrafter, FuzzyDrafter
 from paraspec.models.fuzzy import lp_groups, parse_layer_groups
 from paraspec.strategies.registry import register
-from paraspec.strategies.base import Placement
-from paraspec.strategies.tree import TreeStrategy
+from paraspec.strategies.base import WITH_RAY, Capabilities, Placement
+from paraspec.strategies.tree import TREE_BACKENDS, TreeStrategy
 
 
 @register
@@ -34,20 +34,21 @@ class EasySpec(TreeStrategy):
     name = "easyspec"
     summary = "layer-parallel fuzzy drafting with bonus calibration (EasySpec)"
     options = TreeStrategy.options + ("lp_size", "layer_groups", "calibration")
-    runtimes = ("process", "inprocess", "ray")        # where the draft ranks 1.. run
-    across_nodes_reason = "its draft ranks all-gather hidden states through one shared-memory segment"
+    caps = Capabilities(backends=TREE_BACKENDS, runtimes=WITH_RAY,        # the runtime of its draft ranks 1..
+                        why_not_across_nodes="its draft ranks all-gather hidden states through one shared-memory "
+                                             "segment")
     device_group = None            # DeviceGroupDrafter (several draft devices), kept across requests
 
     def setup(self, placement: Placement) -> None:
         super().setup(placement)
         if len(placement.draft_devices) > 1:
-            self.device_group = DeviceGroupDrafter(self.drafts[0], self.groups(), placement.draft_devices,
-                                                   placement.model_drafts[0], self.open_runtime(placement),
+            self.device_group = DeviceGroupDrafter(self.draft_models[0], self.groups(), placement.draft_devices,
+                                                   placement.draft_checkpoints[0], self.open_runtime(placement),
                                                    self.target.vocab_size)
 
     def groups(self) -> list[list[int]]:
         """The layer groups the options ask for (they may change between requests)."""
-        o, n_layers = self.options, self.drafts[0].cfg.num_layers
+        o, n_layers = self.options, self.draft_models[0].cfg.num_layers
         return parse_layer_groups(o["layer_groups"], n_layers) if o["layer_groups"] else lp_groups(o["lp_size"],
                                                                                                    n_layers)
 
@@ -56,7 +57,7 @@ class EasySpec(TreeStrategy):
         over them, one rank per device."""
         calibration = self.options["calibration"]
         if self.device_group is None:
-            return FuzzyDrafter(self.drafts[0], self.groups(), self.target.vocab_size, calibration)
+            return FuzzyDrafter(self.draft_models[0], self.groups(), self.target.vocab_size, calibration)
         self.device_group.set_groups(self.groups())
         self.device_group.calibration = calibration
         return self.device_group

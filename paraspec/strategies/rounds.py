@@ -18,47 +18,48 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from paraspec.drafters import Drafter, Hybrid, Proposal, TokenTree
+from paraspec.drafters import Drafter, DraftPolicy, Proposal, TokenTree
 from paraspec.run import Run
 
-# draft(drafter, sequence, pending): the round's drafts; `pending` = committed tokens the target has not cached
-DraftStep = Callable[[Hybrid, list[int], int], "Proposal | TokenTree"]
-# verify(sequence, pending tokens, drafts): (accepted path as indices into drafts.tokens, the next token)
+# draft(policy, sequence, pending): the round's proposal (a chain or a tree); `pending` = committed tokens the target has not cached
+DraftStep = Callable[[DraftPolicy, list[int], int], "Proposal | TokenTree"]
+# verify(sequence, pending tokens, proposal): (accepted path as indices into proposal.tokens, the next token)
 VerifyStep = Callable[[list[int], list[int], "Proposal | TokenTree"], tuple[list[int], int]]
 
 
-def speculative_rounds(run: Run, target, drafter: Drafter, draft: DraftStep, verify: VerifyStep
+def speculative_rounds(run: Run, target, policy: DraftPolicy | Drafter, draft: DraftStep, verify: VerifyStep
                        ) -> Iterator[list[int]]:
-    """Yield each round's committed tokens until the run is done."""
-    drafter = drafter if isinstance(drafter, Hybrid) else Hybrid([drafter])
+    """Yield each round's committed tokens until the run is done. `policy` picks who proposal each round and how
+    much (a lone Drafter proposal every round at the fixed length)."""
+    policy = policy if isinstance(policy, DraftPolicy) else DraftPolicy([policy])
     target.rollback(0)
-    drafter.reset()
+    policy.reset()
     try:
         while not run.done:
             sequence = run.sequence
             pending = sequence[target.length:]      # the prompt, then each round's correction/bonus token
             with run.timed("draft", "draft") as event:
-                drafts = draft(drafter, sequence, len(pending))
-                event.tokens = drafts.depth
-            record_plan(run, drafter, drafts.depth)
-            # the first round's forward takes the prompt: the target's prefill (it verifies drafts too)
+                proposal = draft(policy, sequence, len(pending))
+                event.tokens = proposal.depth
+            record_plan(run, policy, proposal.depth)
+            # the first round's forward takes the prompt: the target's prefill (it verifies proposal too)
             kind = "prefill" if target.length == 0 else "verify"
-            with run.timed("target", kind, len(pending) + len(drafts)) as verifying:
-                path, next_token = verify(sequence, pending, drafts)
-            if len(drafts):
-                drafter.accept(len(sequence), path)
-            committed = [drafts.tokens[node] for node in path] + [next_token]
-            drafter.observe(len(pending) + len(drafts), verifying.seconds, committed)
-            run.count_round(drafts.depth, len(path),
-                            tree_nodes=len(drafts) if isinstance(drafts, TokenTree) else None)
+            with run.timed("target", kind, len(pending) + len(proposal)) as verifying:
+                path, next_token = verify(sequence, pending, proposal)
+            if len(proposal):
+                policy.accept(len(sequence), path)
+            committed = [proposal.tokens[node] for node in path] + [next_token]
+            policy.observe(len(pending) + len(proposal), verifying.seconds, committed)
+            run.count_round(proposal.depth, len(path),
+                            tree_nodes=len(proposal) if isinstance(proposal, TokenTree) else None)
             yield run.commit(committed)
     finally:
-        drafter.finish(run.sequence)
-        if drafter.adaptive:
-            run.worker_reports["adaptive"] = drafter.report()
+        policy.finish(run.sequence)
+        if policy.adaptive:
+            run.worker_reports["adaptive"] = policy.report()
 
 
-def record_plan(run: Run, drafter: Hybrid, k: int) -> None:
+def record_plan(run: Run, drafter: DraftPolicy, k: int) -> None:
     """With the adaptive rule, the round's decision goes into the trace: a "plan" event of k tokens."""
     if drafter.adaptive:
         now = run.trace.now()

@@ -10,10 +10,10 @@ round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does 
 """
 from __future__ import annotations
 
-from paraspec.drafters import Drafter, Hybrid, ModelDrafter, Proposal
+from paraspec.drafters import Drafter, DraftPolicy, ModelDrafter, Proposal
 from paraspec.run import Run
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
-from paraspec.strategies.base import LocalStrategy, Placement
+from paraspec.strategies.base import Capabilities, LocalStrategy, Placement
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_chain
 
@@ -23,24 +23,24 @@ class SD(LocalStrategy):
     name = "sd"
     summary = "synchronous speculative decoding (draft k, verify in one forward)"
     options = ("lookahead", "draft_confidence", "adaptive") + ROUND_DRAFTER_OPTIONS
-    several_drafts = True              # drafters in order: a model-free one first, the model where it has nothing
-    model_free_drafts = True
+    # drafters in order: a model-free one first, the model where it has nothing
+    caps = Capabilities(drafts="several", model_free=True)
 
     def setup(self, placement: Placement) -> None:
         super().setup(placement)
-        self.kept_hybrid()
+        self.kept_policy()
 
-    def build_hybrid(self) -> None:
+    def build_policy(self) -> None:
         confidence = self.options["draft_confidence"]
-        self.make_hybrid(lambda m: ModelDrafter(m, self.target.vocab_size, confidence), self.options["lookahead"])
+        self.make_policy(lambda m: ModelDrafter(m, self.target.vocab_size, confidence), self.options["lookahead"])
 
     def decode(self, run: Run):
-        yield from chain_rounds(run, self.target, self.kept_hybrid(), self.options["lookahead"])
+        yield from chain_rounds(run, self.target, self.kept_policy(), self.options["lookahead"])
 
 
 def chain_rounds(run: Run, target, drafter: Drafter, lookahead: int):
     """Leviathan et al. Algorithm 1, one round per loop of strategies/rounds.py."""
-    def draft(drafter: Hybrid, sequence: list[int], pending: int) -> Proposal:
+    def draft(drafter: DraftPolicy, sequence: list[int], pending: int) -> Proposal:
         k = min(lookahead, run.remaining - 1)       # the round adds one target token after the drafts
         return drafter.propose(sequence, k, run.params, run.generator, pending=pending, remaining=run.remaining)
 

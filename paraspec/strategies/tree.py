@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from paraspec.drafters import Drafter, Hybrid, ModelDrafter, TokenTree
+from paraspec.drafters import Drafter, DraftPolicy, ModelDrafter, TokenTree
 from paraspec.run import Run
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
-from paraspec.strategies.base import LocalStrategy
+from paraspec.strategies.base import Capabilities, LocalStrategy
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_tree
 
@@ -76,7 +76,7 @@ def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree
 def tree_rounds(run: Run, target, drafter: Drafter, tree_width: int, tree_depth: int, tree_budget: int):
     """The rounds of `tree` and `easyspec` (strategies/rounds.py): draft a tree, verify it in one target forward.
     With the adaptive rule the tree's depth is the rule's k* (0: the target decodes plainly)."""
-    def draft(drafter: Hybrid, sequence: list[int], pending: int) -> TokenTree:
+    def draft(drafter: DraftPolicy, sequence: list[int], pending: int) -> TokenTree:
         depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
         if depth == 0:
             return TokenTree()
@@ -89,15 +89,18 @@ def tree_rounds(run: Run, target, drafter: Drafter, tree_width: int, tree_depth:
     return speculative_rounds(run, target, drafter, draft, verify)
 
 
+# token trees need explicit positions and a tree attention mask; llama.cpp's sequence ids are not exact for a branch
+# whose KV cells are not contiguous (benchmarks/llamacpp_tree_exactness.py)
+TREE_BACKENDS = ("native",)
+
+
 class TreeStrategy(LocalStrategy):
-    """What `tree` and `easyspec` share: the options, the backend check, the round loop."""
+    """What `tree` and `easyspec` share: the options, the native backend only, the round loop."""
     options = ("tree_width", "tree_depth", "tree_budget")
-    # token trees need explicit positions and a tree attention mask; llama.cpp's sequence ids are not exact for a
-    # branch whose KV cells are not contiguous (benchmarks/llamacpp_tree_exactness.py)
-    backends = ("native",)
+    caps = Capabilities(backends=TREE_BACKENDS)
 
     def drafter(self) -> Drafter:
-        """The round loop's drafter: tree's kept Hybrid, easyspec's fuzzy drafter."""
+        """The round loop's drafter: tree's kept DraftPolicy, easyspec's fuzzy drafter."""
         raise NotImplementedError
 
     def decode(self, run: Run):
@@ -111,17 +114,16 @@ class Tree(TreeStrategy):
     name = "tree"
     summary = "token-tree speculative decoding, one tree-masked target forward (SpecInfer)"
     options = TreeStrategy.options + ("adaptive",) + ROUND_DRAFTER_OPTIONS
-    several_drafts = True
-    model_free_drafts = True
+    caps = Capabilities(drafts="several", model_free=True, backends=TREE_BACKENDS)
 
     def setup(self, placement) -> None:
         super().setup(placement)
-        self.kept_hybrid()
+        self.kept_policy()
 
-    def build_hybrid(self) -> None:
+    def build_policy(self) -> None:
         o = self.options
-        self.make_hybrid(lambda m: ModelDrafter(m, self.target.vocab_size),
+        self.make_policy(lambda m: ModelDrafter(m, self.target.vocab_size),
                          min(o["tree_budget"], o["tree_width"] * o["tree_depth"]))
 
-    def drafter(self) -> Hybrid:
-        return self.kept_hybrid()
+    def drafter(self) -> DraftPolicy:
+        return self.kept_policy()

@@ -1,5 +1,6 @@
 """The runner's variants, its interleaved schedule, and what it hands every contender."""
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -83,7 +84,8 @@ def test_bracket_variants_without_draft_need_none_and_model_needs_one(bench_targ
 
 def test_worker_strategies_run_once_on_their_devices(monkeypatch):
     from paraspec.bench import runner
-    pipelined = type("Pipelined", (STRATEGIES["sd"],), {"name": "pipelined", "in_workers": True})
+    pipelined = type("Pipelined", (STRATEGIES["sd"],),
+                     {"name": "pipelined", "caps": replace(STRATEGIES["sd"].caps, in_workers=True)})
     monkeypatch.setitem(runner.STRATEGIES, "pipelined", pipelined)
     assert [v.name for v in parse_variants("ar,pipelined", [1, 2])] == ["ar@1t", "ar@2t", "pipelined"]
     with pytest.raises(ValueError, match="pipelined runs in worker processes .* no @Nt thread count"):

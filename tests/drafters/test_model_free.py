@@ -6,11 +6,11 @@ import torch
 from scipy.stats import chisquare
 
 from paraspec import SamplingParams
-from paraspec.drafters import Hybrid, NGramDrafter, Proposal, SuffixDrafter
+from paraspec.drafters import DraftPolicy, NGramDrafter, Proposal, SuffixDrafter
 from paraspec.drafters.adaptive import (SOURCE_STRIDE, Acceptance, ForwardCost, best_length, bucket_label,
                                         catch_up_pays, expected_tokens, match_bucket)
 from paraspec.drafters.base import Drafter
-from paraspec.drafters.hybrid import prune
+from paraspec.drafters.policy import prune
 from paraspec.drafters.suffix import SuffixTrie
 from paraspec.verify import point_mass_accept, verify_chain, verify_tree
 
@@ -212,10 +212,10 @@ class Fixed(Drafter):
 
 def test_hybrid_falls_back_to_the_next_drafter():
     empty, model = Fixed("ngram", [], True), Fixed("model", [4, 5, 6], False)
-    hybrid = Hybrid([empty, model])
-    assert hybrid.propose([1], 2, GREEDY, GEN).tokens == [4, 5]
+    policy = DraftPolicy([empty, model])
+    assert policy.propose([1], 2, GREEDY, GEN).tokens == [4, 5]
     first = Fixed("ngram", [9], True)
-    assert Hybrid([first, model]).propose([1], 2, GREEDY, GEN).tokens == [9]
+    assert DraftPolicy([first, model]).propose([1], 2, GREEDY, GEN).tokens == [9]
 
 
 def test_expected_tokens():
@@ -271,21 +271,21 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
     """A free drafter that is always wrong ends up drafting nothing, but keeps being observed; one that is always
     right drafts the most under a flat cost."""
     wrong = Fixed("ngram", [7] * 8, True)
-    hybrid = Hybrid([wrong], ForwardCost({1: 0.05, 9: 0.45}))      # compute-bound: each drafted token costs
+    policy = DraftPolicy([wrong], ForwardCost({1: 0.05, 9: 0.45}))      # compute-bound: each drafted token costs
     ks = []
     for _ in range(30):
-        proposal = hybrid.propose([1, 2], 8, GREEDY, GEN)
+        proposal = policy.propose([1, 2], 8, GREEDY, GEN)
         ks.append(len(proposal.tokens))
-        hybrid.accept(2, [])
-        hybrid.observe(1 + len(proposal.tokens), 0.05, [3])      # the target's token is never 7
-    assert set(ks) == {0} and hybrid.stats(0).alpha < 0.1      # observed without drafting
+        policy.accept(2, [])
+        policy.observe(1 + len(proposal.tokens), 0.05, [3])      # the target's token is never 7
+    assert set(ks) == {0} and policy.stats(0).alpha < 0.1      # observed without drafting
     right = Fixed("ngram", [7] * 8, True)
-    hybrid = Hybrid([right], ForwardCost({1: 0.05, 9: 0.05}))
+    policy = DraftPolicy([right], ForwardCost({1: 0.05, 9: 0.05}))
     for _ in range(10):
-        proposal = hybrid.propose([1, 2], 8, GREEDY, GEN)
-        hybrid.accept(2, list(range(len(proposal.tokens))))
-        hybrid.observe(1 + len(proposal.tokens), 0.05, proposal.tokens + [7])
-    assert len(hybrid.propose([1, 2], 8, GREEDY, GEN).tokens) == 8
+        proposal = policy.propose([1, 2], 8, GREEDY, GEN)
+        policy.accept(2, list(range(len(proposal.tokens))))
+        policy.observe(1 + len(proposal.tokens), 0.05, proposal.tokens + [7])
+    assert len(policy.propose([1, 2], 8, GREEDY, GEN).tokens) == 8
 
 
 def test_adaptive_sampling_q_is_the_point_mass_of_the_kept_tokens_only():
@@ -294,8 +294,8 @@ def test_adaptive_sampling_q_is_the_point_mass_of_the_kept_tokens_only():
     seq = list(range(10, 40)) + [10, 11, 12, 13, 14, 15]                 # a 6-token match, 24 tokens to copy
     sampling = SamplingParams(temperature=0.8)
     for cost, kept in ((ForwardCost({1: 0.05, 2: 0.05, 33: 0.05}), 6), (ForwardCost({1: 0.01, 2: 1.0}), 0)):
-        hybrid = Hybrid([SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=False)], cost)
-        proposal = hybrid.propose(seq, 32, sampling, GEN)
+        policy = DraftPolicy([SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=False)], cost)
+        proposal = policy.propose(seq, 32, sampling, GEN)
         assert proposal.tokens == list(range(16, 16 + kept))            # flat cost: the factor's 6; steep: none
         if kept:
             assert proposal.q.shape == (kept, 100) and torch.equal(proposal.q.argmax(-1), torch.tensor(proposal.tokens))
@@ -306,9 +306,9 @@ def test_adaptive_sampling_q_is_the_point_mass_of_the_kept_tokens_only():
 
 def test_adaptive_model_drafter_is_probed_after_plain_rounds():
     model = Fixed("model", [7] * 8, False)
-    hybrid = Hybrid([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost({1: 0.02})})
-    hybrid.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
-    drafted = [len(hybrid.propose([1], 8, GREEDY, GEN).tokens) for _ in range(8)]
+    policy = DraftPolicy([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost({1: 0.02})})
+    policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
+    drafted = [len(policy.propose([1], 8, GREEDY, GEN).tokens) for _ in range(8)]
     assert drafted == [0] * 7 + [1]                          # plain rounds, then one probe
 
 
@@ -324,18 +324,18 @@ def test_acceptance_by_position_borrows_from_the_shorter_context():
     before it); a bucket without rounds of its own takes the next shorter one's estimate."""
     drafter = Fixed("suffix", [7] * 8, True)
     drafter.last_match = 4
-    hybrid = Hybrid([drafter], ForwardCost({1: 0.05, 9: 0.05}))
-    assert hybrid.buckets(0, 6) == [4, 5, 5, 5, 8, 8]
-    proposal = hybrid.propose([1, 2, 3, 4], 6, GREEDY, GEN)
+    policy = DraftPolicy([drafter], ForwardCost({1: 0.05, 9: 0.05}))
+    assert policy.buckets(0, 6) == [4, 5, 5, 5, 8, 8]
+    proposal = policy.propose([1, 2, 3, 4], 6, GREEDY, GEN)
     assert len(proposal.tokens) == 6                           # flat cost: any chance pays
-    hybrid.accept(4, [0, 1, 2, 3])                             # 4 accepted, the 5th (bucket 8) rejected
-    hybrid.observe(7, 0.05, [7, 7, 7, 7, 3])
-    assert (hybrid.stats(0, 4).judged, hybrid.stats(0, 4).accepted) == (1, 1)
-    assert (hybrid.stats(0, 5).judged, hybrid.stats(0, 5).accepted) == (3, 3)
-    assert (hybrid.stats(0, 8).judged, hybrid.stats(0, 8).accepted) == (1, 0)
-    assert (0, 12) not in hybrid.acceptance                   # not judged: the 6th was after the rejection
-    assert hybrid.alpha(0, 12) == hybrid.alpha(0, 8) < hybrid.alpha(0, 5)
-    assert hybrid.alpha(0, 1) == 0.5                           # nothing shorter: Beta(1, 1)
+    policy.accept(4, [0, 1, 2, 3])                             # 4 accepted, the 5th (bucket 8) rejected
+    policy.observe(7, 0.05, [7, 7, 7, 7, 3])
+    assert (policy.stats(0, 4).judged, policy.stats(0, 4).accepted) == (1, 1)
+    assert (policy.stats(0, 5).judged, policy.stats(0, 5).accepted) == (3, 3)
+    assert (policy.stats(0, 8).judged, policy.stats(0, 8).accepted) == (1, 0)
+    assert (0, 12) not in policy.acceptance                   # not judged: the 6th was after the rejection
+    assert policy.alpha(0, 12) == policy.alpha(0, 8) < policy.alpha(0, 5)
+    assert policy.alpha(0, 1) == 0.5                           # nothing shorter: Beta(1, 1)
 
 
 def test_the_token_after_an_accepted_cut_proposal_is_judged_for_free():
@@ -343,17 +343,17 @@ def test_the_token_after_an_accepted_cut_proposal_is_judged_for_free():
     of the third, at its position's bucket, without having drafted it."""
     drafter = Fixed("ngram", [5, 6, 7, 8, 9, 10, 11, 12], True)
     drafter.last_match = 2
-    hybrid = Hybrid([drafter], ForwardCost({1: 0.05, 2: 0.06, 3: 0.07, 4: 0.5, 9: 0.9}))
-    hybrid.acceptance[(0, 2)] = Acceptance(judged=50, accepted=50)
-    proposal = hybrid.propose([1, 2], 8, GREEDY, GEN)
+    policy = DraftPolicy([drafter], ForwardCost({1: 0.05, 2: 0.06, 3: 0.07, 4: 0.5, 9: 0.9}))
+    policy.acceptance[(0, 2)] = Acceptance(judged=50, accepted=50)
+    proposal = policy.propose([1, 2], 8, GREEDY, GEN)
     assert proposal.tokens == [5, 6]                           # width 4 costs too much
-    hybrid.accept(2, [0, 1])
-    hybrid.observe(3, 0.07, [5, 6, 7])
-    assert (hybrid.stats(0, 4).judged, hybrid.stats(0, 4).accepted) == (1, 1)      # token 7 at match 2 + 2
-    assert len(hybrid.propose([1, 2], 8, GREEDY, GEN).tokens) == 2
-    hybrid.accept(2, [0])                                      # a rejection: the third position is not judged
-    hybrid.observe(3, 0.07, [5, 0])
-    assert hybrid.stats(0, 4).judged == 1
+    policy.accept(2, [0, 1])
+    policy.observe(3, 0.07, [5, 6, 7])
+    assert (policy.stats(0, 4).judged, policy.stats(0, 4).accepted) == (1, 1)      # token 7 at match 2 + 2
+    assert len(policy.propose([1, 2], 8, GREEDY, GEN).tokens) == 2
+    policy.accept(2, [0])                                      # a rejection: the third position is not judged
+    policy.observe(3, 0.07, [5, 0])
+    assert policy.stats(0, 4).judged == 1
 
 
 class Model(Drafter):
@@ -389,9 +389,9 @@ def test_adaptive_rule_prices_a_draft_models_catch_up():
     tokens behind (the prompt) its catch-up, ~0.6 s extrapolated from DRAFT, pays over 1,000 more tokens, not
     over 16."""
     def choose(length, remaining, sequence_len=400, pending=1):
-        hybrid = Hybrid([Model([7] * 8, length)], CHEAP_VERIFY, {0: ForwardCost(dict(DRAFT.seconds))})
-        hybrid.acceptance[(0, 0)] = Acceptance(judged=100, accepted=95)
-        return len(hybrid.propose(list(range(sequence_len)), 8, GREEDY, GEN, pending=pending,
+        policy = DraftPolicy([Model([7] * 8, length)], CHEAP_VERIFY, {0: ForwardCost(dict(DRAFT.seconds))})
+        policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=95)
+        return len(policy.propose(list(range(sequence_len)), 8, GREEDY, GEN, pending=pending,
                                   remaining=remaining).tokens)
     assert choose(399, 16) > 2                                # in step: drafting pays at once
     assert choose(0, 16) == 0                                 # the whole prompt to feed first: not for 16 tokens
@@ -405,27 +405,27 @@ def test_a_probe_must_not_cost_a_catch_up_on_many_tokens():
     at most PROBE_SHARE of the plain rounds since."""
     for length, probed in ((299, True), (0, False)):
         model = Model([7] * 8, length)
-        hybrid = Hybrid([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost(dict(DRAFT.seconds))})
-        hybrid.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
-        drafted = [len(hybrid.propose(list(range(300)), 8, GREEDY, GEN).tokens) for _ in range(8)]
+        policy = DraftPolicy([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost(dict(DRAFT.seconds))})
+        policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
+        drafted = [len(policy.propose(list(range(300)), 8, GREEDY, GEN).tokens) for _ in range(8)]
         assert drafted == [0] * 7 + [1 if probed else 0]
 
 
-def plain_and_adaptive_seconds(drafter, hybrid, verify, draft, rounds, right):
+def plain_and_adaptive_seconds(drafter, policy, verify, draft, rounds, right):
     """Simulated seconds of `rounds` target tokens decoded plainly and with the rule; `right(k)`: how many of k
     drafts the target accepts. Costs are the injected tables (the rule's own estimates), never measured ones."""
     sequence, seconds, tokens = list(range(50)), 0.0, 0
     while tokens < rounds:
         behind = drafter.behind(sequence)
-        proposal = hybrid.propose(sequence, 8, GREEDY, GEN, pending=1, remaining=rounds - tokens)
+        proposal = policy.propose(sequence, 8, GREEDY, GEN, pending=1, remaining=rounds - tokens)
         k = len(proposal.tokens)
         if k and not drafter.free:
             seconds += draft(behind) + (k - 1) * draft(1)
         accepted = right(k)
         seconds += verify(1 + k)
-        hybrid.accept(len(sequence), list(range(accepted)))
+        policy.accept(len(sequence), list(range(accepted)))
         committed = proposal.tokens[:accepted] + [3]
-        hybrid.observe(1 + k, verify(1 + k), committed)
+        policy.observe(1 + k, verify(1 + k), committed)
         sequence += committed
         tokens += len(committed)
     return rounds * verify(1), seconds
@@ -438,16 +438,16 @@ def test_adaptive_rule_stays_within_five_percent_of_plain_decoding_when_drafts_a
     verify = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
     draft = ForwardCost({1: 0.023, 64: 0.4})
     drafter = Fixed("ngram", [7] * 8, True) if free else Model([7] * 8, 50)
-    hybrid = Hybrid([drafter], ForwardCost(dict(verify.seconds)), {} if free else {0: ForwardCost(dict(draft.seconds))})
-    plain, adaptive = plain_and_adaptive_seconds(drafter, hybrid, verify, draft, 400, lambda k: 0)
+    policy = DraftPolicy([drafter], ForwardCost(dict(verify.seconds)), {} if free else {0: ForwardCost(dict(draft.seconds))})
+    plain, adaptive = plain_and_adaptive_seconds(drafter, policy, verify, draft, 400, lambda k: 0)
     assert adaptive <= 1.05 * plain
 
 
 def test_adaptive_rule_gains_with_a_good_cheap_draft_model():
     verify = CHEAP_VERIFY
     drafter = Model([7] * 8, 50)
-    hybrid = Hybrid([drafter], ForwardCost(dict(verify.seconds)), {0: ForwardCost(dict(DRAFT.seconds))})
-    plain, adaptive = plain_and_adaptive_seconds(drafter, hybrid, verify, DRAFT, 400, lambda k: k)
+    policy = DraftPolicy([drafter], ForwardCost(dict(verify.seconds)), {0: ForwardCost(dict(DRAFT.seconds))})
+    plain, adaptive = plain_and_adaptive_seconds(drafter, policy, verify, DRAFT, 400, lambda k: k)
     assert adaptive < 0.5 * plain
 
 
@@ -548,18 +548,18 @@ def test_adaptive_keeps_an_acceptance_per_source_of_evidence():
     suffix.propose([50, 51], 4, GREEDY, GEN)                          # an earlier request's prompt, and its output:
     suffix.finish([50, 51] + context + [7, 7, 7, 7, 7, 7])              # the context, then the wrong continuation
     cost = ForwardCost({1: 0.05, 2: 0.07, 7: 0.12})
-    hybrid = Hybrid([suffix], ForwardCost(dict(cost.seconds)))
-    hybrid.reset()
+    policy = DraftPolicy([suffix], ForwardCost(dict(cost.seconds)))
+    policy.reset()
     for _ in range(12):                                               # the cache's: always rejected
-        proposal = hybrid.propose([60, 61] + context, 6, GREEDY, GEN)
+        proposal = policy.propose([60, 61] + context, 6, GREEDY, GEN)
         assert suffix.last_source == 1
-        hybrid.accept(12, [])
-        hybrid.observe(1 + len(proposal.tokens), cost(1 + len(proposal.tokens)), [9])
-    assert len(hybrid.propose([60, 61] + context, 6, GREEDY, GEN).tokens) == 0
-    assert hybrid.alpha(0, SOURCE_STRIDE + 8) < 0.2 and hybrid.alpha(0, 8) == 0.5     # the request's: untouched
-    hybrid.reset()
+        policy.accept(12, [])
+        policy.observe(1 + len(proposal.tokens), cost(1 + len(proposal.tokens)), [9])
+    assert len(policy.propose([60, 61] + context, 6, GREEDY, GEN).tokens) == 0
+    assert policy.alpha(0, SOURCE_STRIDE + 8) < 0.2 and policy.alpha(0, 8) == 0.5     # the request's: untouched
+    policy.reset()
     for bucket in (8, 12):                                            # the request's own proposals: always right
-        hybrid.acceptance[(0, bucket)] = Acceptance(judged=50, accepted=50)
-    proposal = hybrid.propose(request_text, 6, GREEDY, GEN)           # same match length, the request's own text
+        policy.acceptance[(0, bucket)] = Acceptance(judged=50, accepted=50)
+    proposal = policy.propose(request_text, 6, GREEDY, GEN)           # same match length, the request's own text
     assert suffix.last_source == 0 and proposal.tokens == [1, 2, 3, 4, 5, 6]
-    assert {"suffix/cache/match8-11", "suffix/match8-11"} <= set(hybrid.report()["alpha"])
+    assert {"suffix/cache/match8-11", "suffix/match8-11"} <= set(policy.report()["alpha"])

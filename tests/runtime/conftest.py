@@ -35,18 +35,12 @@ def nothing_left_at_the_end():
 
 @pytest.fixture(scope="session")
 def pair():
-    """One process runtime for the session: worker w0 on core 0, w1 on core 1 (spawning costs ~2 s)."""
+    """One process runtime for the session: worker w0 on core 0, w1 on core 1 (spawning costs ~2 s). Like an
+    Engine's, it lives on across requests: a test adds its own channels (never reused), and a test that stops the
+    runtime leaves its stop signal set (no loop of the other tests reads it)."""
     rt = Runtime("process")
     rt.add_worker("w0", "cpu:0", make_toy, {"vocab_size": 64})
     rt.add_worker("w1", "cpu:1", make_toy, {"vocab_size": 64})
     rt.wait_ready(timeout=60)
     yield rt
     rt.close()
-
-
-@pytest.fixture
-def rt(pair):
-    """The session runtime, with its stop signal cleared before and after each test."""
-    pair.clear_stop()
-    yield pair
-    pair.clear_stop()

@@ -37,6 +37,11 @@ def wait_until_stopped(model, ctx, channel):
     return "woke without a stop"
 
 
+def report_stop(model, ctx):
+    """What the loop's stop signal says: (set, reason)."""
+    return ctx.stopped, ctx.stop.reason
+
+
 def timed_commit_wait(model, ctx, channel, min_committed: int):
     """Wait for a commit; report when we woke (perf_counter) and how often this thread was switched out."""
     before = resource.getrusage(resource.RUSAGE_THREAD)

@@ -50,7 +50,6 @@ def main():
         channel.publish_draft(state["pos"], list(range(8)), q, version=v)
         print("channel read_q [8, 151936]: median %.2f ms, min %.2f ms"
               % median_ms(lambda: channel.read_q(state["pos"], state["pos"] + 8), 30))
-        rt.close_channel("q")
         wake = rt.channel("wake", capacity=64)
         latencies = []
         for i in range(20):

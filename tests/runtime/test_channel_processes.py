@@ -27,10 +27,10 @@ def across_nodes(request):
 
 @pytest.fixture(params=["processes", "ray-nodes"])
 def rt(request):
-    runtime = request.getfixturevalue("pair" if request.param == "processes" else "across_nodes")
-    runtime.clear_stop()
-    yield runtime
-    runtime.clear_stop()
+    """A runtime that lives across the module's tests, as an Engine's does across requests: each test adds its own
+    channel and stops it on the way out (as a strategy does), and the stop signal stays set once a test stops the
+    runtime (these loops wait on their channels)."""
+    return request.getfixturevalue("pair" if request.param == "processes" else "across_nodes")
 
 
 def test_randomized_drafter_verifier_stress(rt):
@@ -67,7 +67,7 @@ def test_randomized_drafter_verifier_stress(rt):
         committed_curve = [tokens for _, tokens in trace.progress]
         assert committed_curve == sorted(committed_curve) and committed_curve[-1] == len(record)
     finally:
-        rt.close_channel("stress")
+        channel.stop("test over")          # a loop still waiting on it ends
 
 
 def test_cross_process_wait_wakes_promptly_without_polling(rt):
@@ -83,7 +83,7 @@ def test_cross_process_wait_wakes_promptly_without_polling(rt):
         assert woke - committed_at < 0.25, woke - committed_at   # typically ~0.1 ms
         assert switches < 20 and cpu_s < 0.05, (switches, cpu_s)   # a sleep-poll loop would show hundreds
     finally:
-        rt.close_channel("wake")
+        channel.stop("test over")          # a loop still waiting on it ends
 
 
 def test_stop_reaches_a_loop_in_another_process(rt):
@@ -94,9 +94,10 @@ def test_stop_reaches_a_loop_in_another_process(rt):
         time.sleep(0.2)
         rt.stop("request cancelled")
         assert handle.result(timeout=5) == "stopped: request cancelled"
-        assert rt.stop_signal.is_set()
+        # and the stop signal: a loop started afterwards, in the other worker, sees it set, with this reason
+        assert rt["w1"].start_loop(loops.report_stop).result(timeout=5) == (True, "request cancelled")
     finally:
-        rt.close_channel("halt")
+        channel.stop("test over")          # a loop still waiting on it ends
 
 
 def test_gather_stops_the_others_when_one_fails(rt):
@@ -114,4 +115,4 @@ def test_gather_stops_the_others_when_one_fails(rt):
         assert waiting.done() and waiting.result().startswith("stopped: worker 'w1' failed")
         assert time.perf_counter() - start < 2
     finally:
-        rt.close_channel("fail")
+        channel.stop("test over")          # a loop still waiting on it ends

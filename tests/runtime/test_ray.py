@@ -1,4 +1,4 @@
-"""The Ray backend: the same workers as Ray actors on a local ray.init(num_cpus=2); the token protocol and the
+"""The Ray runtime: the same workers as Ray actors on a local ray.init(num_cpus=2); the token protocol and the
 results are unchanged (dsi with simulated and with tiny real models), a killed actor is reported, close()
 leaves no actor process and no shared-memory segment behind."""
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the Ray backend is optional (pip install 'paraspec[ray]'); CI installs "
+ray = pytest.importorskip("ray", reason="the Ray runtime is optional (pip install 'paraspec[ray]'); CI installs "
                                         "only .[test,bench]")
 
 from paraspec import Engine, SamplingParams  # noqa: E402
@@ -30,8 +30,8 @@ def local_ray(ray_cluster):
     yield
 
 
-def test_ray_backend_joins_ray_or_names_the_fix(monkeypatch):
-    """Without a running Ray the backend joins one (the address given, RAY_ADDRESS, or a local Ray); a cluster it
+def test_ray_runtime_joins_ray_or_names_the_fix(monkeypatch):
+    """Without a running Ray the Ray runtime joins one (the address given, RAY_ADDRESS, or a local Ray); a cluster it
     cannot reach is an error that says how to start one."""
     from paraspec.runtime import Runtime
     joined = []
@@ -41,14 +41,14 @@ def test_ray_backend_joins_ray_or_names_the_fix(monkeypatch):
         raise ConnectionError(f"could not connect to {address}")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", unreachable)
-    with Runtime(backend="ray", address="127.0.0.9:6379") as rt, pytest.raises(WorkerError, match="ray start --head"):
+    with Runtime("ray", address="127.0.0.9:6379") as rt, pytest.raises(WorkerError, match="ray start --head"):
         rt.add_worker("w", "cpu", dict, {})
     assert joined == ["127.0.0.9:6379"]
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.8:6379")
-    with Runtime(backend="ray") as rt, pytest.raises(WorkerError, match="127.0.0.8:6379"):
+    with Runtime("ray") as rt, pytest.raises(WorkerError, match="127.0.0.8:6379"):
         rt.add_worker("w", "cpu", dict, {})
     with pytest.raises(TypeError, match="takes no option"):
-        with Runtime(backend="process", address="127.0.0.9:6379") as rt:
+        with Runtime("process", address="127.0.0.9:6379") as rt:
             rt.add_worker("w", "cpu", dict, {})
 
 
@@ -60,14 +60,14 @@ def test_the_ray_paraspec_started_stops_with_its_last_worker(monkeypatch):
     import paraspec.runtime.ray_backend as ray_backend
     calls = []
     monkeypatch.setattr(ray_backend.ray, "shutdown", lambda: calls.append("shutdown"))
-    with Runtime(backend="ray") as rt:                  # the caller's Ray (the fixture's): never shut down
+    with Runtime("ray") as rt:                  # the caller's Ray (the fixture's): never shut down
         rt.add_worker("w", "cpu", dict, {})
         rt["w"].wait_ready(60)
     assert calls == []
     joined = []                                         # as if no Ray ran here until paraspec's ray.init
     monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: bool(joined))
     monkeypatch.setattr(ray_backend.ray, "init", lambda **kwargs: joined.append(1) or calls.append("init"))
-    with Runtime(backend="ray") as rt:
+    with Runtime("ray") as rt:
         rt.add_worker("a", "cpu", dict, {})
         rt.add_worker("b", "cpu", dict, {})
         rt["a"].wait_ready(60)
@@ -85,7 +85,7 @@ def test_dsi_with_simulated_models_and_a_killed_actor():
                     max_ahead=6)
     try:
         workers = engine.runtime.workers
-        assert {w.backend for w in workers.values()} == {"ray"} and len({w.pid for w in workers.values()}) == 3
+        assert {w.kind for w in workers.values()} == {"ray"} and len({w.pid for w in workers.values()}) == 3
         assert os.getpid() not in {w.pid for w in workers.values()}
         result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=80))
         assert result.token_ids == SimulatedModel(target).predicted[3:83].tolist()

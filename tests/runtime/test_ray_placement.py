@@ -19,7 +19,7 @@ def test_a_gpu_worker_reserves_one_gpu_and_keeps_the_nodes_numbering(index):
 
 
 def test_ray_takes_the_options():
-    ray = pytest.importorskip("ray", reason="the Ray backend is optional (pip install 'paraspec[ray]')")
+    ray = pytest.importorskip("ray", reason="the Ray runtime is optional (pip install 'paraspec[ray]')")
     from paraspec.runtime.ray_backend import _WorkerActor
     options = actor_options(Device("cuda", index=1), node_id="ab" * 28)
     assert type(options["scheduling_strategy"]).__name__ == "NodeAffinitySchedulingStrategy"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paraspec.models.base import Model
-from paraspec.runtime import RemoteError, Runtime, WorkerError
+from paraspec.runtime import RemoteError, Runtime, TokenChannel, WorkerError
 from paraspec.runtime.remote import RemoteModel
 from paraspec.trace import Trace
 from tests.runtime import loops
@@ -23,8 +23,8 @@ def inproc():
 
 
 @pytest.fixture(params=["process", "inprocess"])
-def worker(request, rt, inproc):
-    return rt["w0"] if request.param == "process" else inproc["t0"]
+def worker(request, pair, inproc):
+    return pair["w0"] if request.param == "process" else inproc["t0"]
 
 
 def test_command_round_trips(worker):
@@ -72,9 +72,9 @@ def test_exception_carries_remote_traceback_and_worker_survives(worker):
     assert worker.call("echo", 5) == ((5,), {})
 
 
-def test_bad_request_or_reply_fails_only_that_request(worker, rt):
-    gone = rt.channel("gone", capacity=4)
-    rt.close_channel("gone")                     # unlinked: the worker cannot attach it any more
+def test_bad_request_or_reply_fails_only_that_request(worker):
+    gone = TokenChannel(4, tag="gone")
+    gone.close()                                 # unlinked: the worker cannot attach it any more
     with pytest.raises(RemoteError, match="FileNotFoundError"):
         worker.call("echo", gone)
     with pytest.raises(RemoteError, match="pickle"):
@@ -88,42 +88,42 @@ def test_exception_in_loop(worker):
     assert "raise_in_loop" in info.value.remote_traceback
 
 
-def test_workers_are_pinned(rt):
+def test_workers_are_pinned(pair):
     for name, core in (("w0", 0), ("w1", 1)):
-        cores, threads, pid, device, ctx_name = rt[name].start_loop(loops.report_pinning).result(timeout=10)
+        cores, threads, pid, device, ctx_name = pair[name].start_loop(loops.report_pinning).result(timeout=10)
         assert cores == [core] and threads == 1
-        assert pid == rt[name].pid != os.getpid()
+        assert pid == pair[name].pid != os.getpid()
         assert device == f"cpu:{core}" and ctx_name == name
-        assert rt[name].info.cores == (core,) and rt[name].info.num_threads == 1
+        assert pair[name].info.cores == (core,) and pair[name].info.num_threads == 1
 
 
-def test_submit_overlaps_two_workers(rt):
+def test_submit_overlaps_two_workers(pair):
     # each sleeps 0.4 s in its own process: together they take ~0.4 s, not 0.8 s
     start = time.perf_counter()
-    a, b = rt["w0"].submit("sleep", 0.4), rt["w1"].submit("sleep", 0.4)
+    a, b = pair["w0"].submit("sleep", 0.4), pair["w1"].submit("sleep", 0.4)
     assert not a.done()
-    assert rt.gather(a, b, timeout=10) == [0.4, 0.4]
+    assert pair.gather(a, b, timeout=10) == [0.4, 0.4]
     assert time.perf_counter() - start < 0.75
 
 
-def test_wait_first_completed(rt):
-    slow, fast = rt["w0"].submit("sleep", 0.5), rt["w1"].submit("sleep", 0.05)
-    done, pending = rt.wait([slow, fast], timeout=10)
+def test_wait_first_completed(pair):
+    slow, fast = pair["w0"].submit("sleep", 0.5), pair["w1"].submit("sleep", 0.05)
+    done, pending = pair.wait([slow, fast], timeout=10)
     assert done == [fast] and pending == [slow]
     assert slow.result(timeout=10) == 0.5
 
 
-def test_result_timeout(rt):
-    handle = rt["w1"].submit("sleep", 0.3)
+def test_result_timeout(pair):
+    handle = pair["w1"].submit("sleep", 0.3)
     with pytest.raises(TimeoutError):
         handle.result(timeout=0.05)
     assert handle.result(timeout=10) == 0.3
 
 
-def test_loop_trace_uses_the_callers_clock(rt):
+def test_loop_trace_uses_the_callers_clock(pair):
     trace = Trace()
     before = trace.now()
-    handle = rt["w1"].start_loop(loops.traced_work, trace=trace, steps=3, seconds=0.05)
+    handle = pair["w1"].start_loop(loops.traced_work, trace=trace, steps=3, seconds=0.05)
     assert handle.result(timeout=10) == 3
     after = trace.now()
     assert [(e.device, e.kind, e.tokens) for e in trace.events] == [("w1:cpu:1", "draft", i) for i in (1, 2, 3)]
@@ -133,25 +133,22 @@ def test_loop_trace_uses_the_callers_clock(rt):
     assert handle.events == trace.events
 
 
-def test_channel_passed_to_loop_and_by_name(rt):
-    channel = rt.channel("shared", capacity=16)
+def test_channel_passed_to_loop_and_by_name(pair):
+    channel = pair.channel("shared", capacity=16)
     channel.reset([7, 8, 9])
-    try:
-        tokens, version = rt["w0"].start_loop(loops.read_channel, name="shared").result(timeout=10)
-        assert tokens == [7, 8, 9] and version == channel.version
-    finally:
-        rt.close_channel("shared")
+    tokens, version = pair["w0"].start_loop(loops.read_channel, name="shared").result(timeout=10)
+    assert tokens == [7, 8, 9] and version == channel.version
 
 
-def test_large_logits_come_back_intact(rt):
-    out = rt["w0"].call("big_logits", 8, 151_936)
+def test_large_logits_come_back_intact(pair):
+    out = pair["w0"].call("big_logits", 8, 151_936)
     assert out.shape == (8, 151_936) and out.dtype == torch.float32
     assert bool((out == 0.5).all())
     out.add_(1)                                  # writable, owned by the caller
 
 
-def test_remote_model_follows_the_model_protocol(rt):
-    remote, local = RemoteModel(rt["w1"]), ToyModel(vocab_size=64)
+def test_remote_model_follows_the_model_protocol(pair):
+    remote, local = RemoteModel(pair["w1"]), ToyModel(vocab_size=64)
     assert isinstance(remote, Model)
     assert (remote.vocab_size, remote.eos_token_ids, remote.max_context) == (64, (1,), 512)
     assert torch.equal(remote.prefill([1, 2]), local.prefill([1, 2]))
@@ -177,8 +174,8 @@ def test_unpicklable_factory_is_refused_early():
             rt.add_worker("lambda", "cpu", lambda: ToyModel())
 
 
-def test_bad_backend_and_duplicate_names(rt):
-    with pytest.raises(ValueError, match="backend"):
+def test_unknown_kind_and_duplicate_names(pair):
+    with pytest.raises(ValueError, match="unknown runtime 'ray-someday'; choose one of process, inprocess, ray"):
         Runtime("ray-someday")
     with pytest.raises(ValueError, match="already exists"):
-        rt.add_worker("w0", "cpu:0", make_toy)
+        pair.add_worker("w0", "cpu:0", make_toy)

@@ -39,6 +39,6 @@ def check_draft_cache(engine, result, name: str = "draft"):
     n = min(len(cached), len(result.prompt_ids))
     assert cached[:n] == result.prompt_ids[:n]
     if cached:
-        model = engine.drafts[0 if name == "draft" else int(name.removeprefix("draft"))]
+        model = engine.draft_models[0 if name == "draft" else int(name.removeprefix("draft"))]
         probe = model.forward([1])[-1]
         assert (probe - model.prefill(cached + [1])).abs().max() < 1e-4

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from paraspec import Engine, SamplingParams
+from paraspec.drafters import DraftSpec
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
 from paraspec.runtime import WorkerError
 from paraspec.strategies.dsi import drafter_name
@@ -74,7 +75,7 @@ def test_dsi_greedy_equals_ar(ar_engine, dsi, max_new_tokens):
     result = dsi.generate(PROMPT, params)
     assert result.token_ids == expected
     assert result.finish_reason == "length"
-    check_drafters(dsi, result, len(dsi.drafts))
+    check_drafters(dsi, result, len(dsi.draft_models))
     if max_new_tokens == 40:
         s = result.stats
         assert s.rounds > 0 and s.drafted > 0
@@ -178,7 +179,7 @@ def test_cli_takes_draft_several_times():
     parser = build_parser()
     base = ["generate", "--target", "t", "--strategy", "dsi", "--prompt", "x"]
     assert engine_config(parser.parse_args(base + ["--draft", "a"])).draft == "a"
-    assert engine_config(parser.parse_args(base + ["--draft", "a", "--draft", "b"])).drafts == ["a", "b"]
+    assert engine_config(parser.parse_args(base + ["--draft", "a", "--draft", "b"])).draft_specs == (DraftSpec("a", False), DraftSpec("b", False))
 
 
 # -- sampling -----------------------------------------------------------------------------------------------------

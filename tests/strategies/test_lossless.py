@@ -16,10 +16,10 @@ import pytest
 
 from paraspec import Engine, SamplingParams
 from paraspec.strategies import OPTIONS, STRATEGIES, register, unregister
-from paraspec.strategies.base import LocalStrategy
+from paraspec.strategies.base import Capabilities, LocalStrategy
 from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint, inject_flat_costs, on_device
 
-SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.needs_draft]
+SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.caps.needs_draft]
 
 
 def shapes(name: str) -> list[dict]:
@@ -46,7 +46,7 @@ DEVICES = {"dsi": dict(target_devices=["cpu:0", "cpu:1"]), "easyspec": dict(draf
 
 
 def engine(name: str, target, draft, runtime: str | None = None, **options) -> Engine:
-    runtime = runtime or ("inprocess" if "inprocess" in STRATEGIES[name].runtimes else "process")
+    runtime = runtime or ("inprocess" if "inprocess" in STRATEGIES[name].caps.runtimes else "process")
     return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **on_device(**DEVICES.get(name, {})),
                   **options)
 
@@ -110,8 +110,9 @@ def test_streams_equal_generate_over_several_requests(ar_engine, qwen2_target, q
     with engine(name, qwen2_target, qwen2_partial, **shapes(name)[0]) as e:
         for prompt in ["a", "def g(y):", "xyz" * 5]:
             params = SamplingParams(max_new_tokens=20)
-            text = "".join(e.stream(prompt, params))
-            streamed = e.last_result
+            stream = e.stream(prompt, params)
+            text = "".join(stream)
+            streamed = stream.result
             assert streamed.token_ids == ar_engine.generate(prompt, params).token_ids
             assert text == streamed.text == e.generate(prompt, params).text
 
@@ -195,7 +196,7 @@ def test_worker_processes(ar_engine, qwen2_target, qwen2_partial, slow_target_pa
     distribution under sampling."""
     params = SamplingParams(max_new_tokens=40)
     with engine("dsi", qwen2_target, qwen2_partial, runtime="process", **shapes("dsi")[1]) as e:
-        assert len(e.strategy.runtime.workers) == 3 and e.strategy.runtime.backend == "process"
+        assert len(e.strategy.runtime.workers) == 3 and e.strategy.runtime.kind == "process"
         result = e.generate(PROMPT, params)
     assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
     assert 0 < result.stats.accepted < result.stats.drafted
@@ -215,7 +216,7 @@ class Echo(LocalStrategy):
     """A toy strategy: drafts nothing, the target decodes one token per round through verify_chain."""
     name = "toy-echo"
     summary = "test-only"
-    needs_draft = False
+    caps = Capabilities(drafts="none")
 
     def decode(self, run):
         from paraspec.verify import verify_chain
@@ -238,8 +239,9 @@ def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, a
     from paraspec.cli.main import build_parser, engine_config
     params = SamplingParams(max_new_tokens=12)
     with Engine(qwen2_target, strategy=toy_registered, dtype="float32") as e:
-        assert e.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
-        assert e.strategy.name == toy_registered and e.last_result.stats.strategy == toy_registered
+        result = e.generate(PROMPT, params)
+        assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
+        assert e.strategy.name == toy_registered and result.stats.strategy == toy_registered
     args = build_parser().parse_args(["generate", "--target", "t", "--strategy", toy_registered, "--prompt", "x"])
     assert engine_config(args).strategy_class is Echo
     with pytest.raises(ValueError, match="does not apply"):
@@ -248,7 +250,7 @@ def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, a
 
 # -- model-free drafters (ngram, suffix) and the hybrid, with and without the adaptive length ------------------
 
-FREE_TAKERS = [name for name, cls in STRATEGIES.items() if cls.model_free_drafts]
+FREE_TAKERS = [name for name, cls in STRATEGIES.items() if cls.caps.model_free]
 FREE_DRAFTS = {"ngram": lambda model: "ngram", "suffix": lambda model: "suffix",
                "ngram+model": lambda model: ["ngram", model], "suffix+model": lambda model: ["suffix", model]}
 # how a model-free drafter sizes its proposals: the defaults (suffix: at most the match length, paths of empirical
@@ -282,7 +284,7 @@ def free_id(case) -> str:
 
 
 def test_amusd_and_easyspec_refuse_model_free_drafters(qwen2_target):
-    for name in [n for n, cls in STRATEGIES.items() if cls.needs_draft and not cls.model_free_drafts]:
+    for name in [n for n, cls in STRATEGIES.items() if cls.caps.needs_draft and not cls.caps.model_free]:
         with pytest.raises(ValueError, match="needs a draft model, not 'ngram'.*run with"):
             Engine(qwen2_target, "ngram", strategy=name)
 

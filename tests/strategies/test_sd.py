@@ -102,16 +102,19 @@ def test_sd_traces_the_prompt_forward_as_the_prefill(ar_engine, qwen2_target, qw
 
 
 def test_set_options_reaches_the_kept_drafters(qwen2_target):
-    """The drafters are built with the drafter options; an option changed between requests builds them again (it
+    """The drafters are built with the drafter options; set_options builds them again at once (a changed option
     would otherwise be ignored), and they are kept across requests while nothing changes."""
     with Engine(qwen2_target, "suffix", strategy="sd", dtype="float32") as sd:
         sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
-        kept = sd.strategy.hybrid
+        kept = sd.strategy.policy
         sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
-        assert sd.strategy.hybrid is kept and kept.drafters[0].factor == 0.0 and kept.drafters[0].memory
+        assert sd.strategy.policy is kept and kept.drafters[0].factor == 0.0 and kept.drafters[0].memory
         sd.set_options(suffix_factor=3.0, draft_memory=False, suffix_min_prob=0.5)
-        sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
-        suffix = sd.strategy.hybrid.drafters[0]
+        rebuilt = sd.strategy.policy                     # by set_options, before the next request
+        assert rebuilt is not kept and sd.options["suffix_factor"] == 3.0
+        suffix = rebuilt.drafters[0]
         assert (suffix.factor, suffix.memory, suffix.min_prob) == (3.0, None, 0.5)
+        sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
+        assert sd.strategy.policy is rebuilt
         with pytest.raises(ValueError, match="suffix_min_prob must be <= 1"):
             sd.set_options(suffix_min_prob=1.5)

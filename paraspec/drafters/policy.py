@@ -1,5 +1,6 @@
-"""Hybrid: a strategy's drafters in order -- one drafter, or a model-free one first and a draft model where it has
-nothing (or is not confident) -- and, optionally, the adaptive draft length (drafters/adaptive.py).
+"""DraftPolicy: who drafts each round, and how much -- a strategy's drafters in order (one drafter, or a model-free
+one first and a draft model where it has nothing or is not confident) and, optionally, the adaptive draft length
+(drafters/adaptive.py).
 
 Each round the drafters are asked in order and the first with a proposal drafts the round:
 
@@ -30,14 +31,14 @@ from paraspec.sampling import SamplingParams
 TOKENS_ONLY = SamplingParams()       # what a model-free drafter is asked with: its tokens, no q
 
 
-class Hybrid(Drafter):
+class DraftPolicy(Drafter):
     def __init__(self, drafters: list[Drafter], cost: ForwardCost | None = None,
                  draft_costs: dict[int, ForwardCost] | None = None):
         """cost: the target's forward cost by width; None drafts fixed lengths (not adaptive). draft_costs: a draft
         model's forward cost by width, by its index in `drafters` (measured at start-up; else learned from its
         forwards)."""
         if not drafters:
-            raise ValueError("Hybrid needs at least one drafter")
+            raise ValueError("DraftPolicy needs at least one drafter")
         self.drafters, self.cost = list(drafters), cost
         self.draft_costs = {i: (draft_costs or {}).get(i) or ForwardCost()
                             for i, d in enumerate(self.drafters) if not d.free}
