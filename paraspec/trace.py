@@ -41,11 +41,17 @@ class Trace:
         self.events.append(TraceEvent(device or self.device, kind, start_s, end_s, tokens))
 
     @contextmanager
-    def span(self, kind: str, tokens: int = 0, device: str | None = None):
-        """Record an event of `kind` around a block."""
+    def span(self, kind: str, tokens: int = 0, device: str | None = None, settle=None):
+        """Record an event of `kind` around a block. `settle`: called at both ends to wait for the device the block
+        computes on (runtime.devices.sync: a GPU forward returns once queued, and its time must not land in the
+        next event)."""
+        if settle is not None:
+            settle()
         start = self.now()
         try:
             yield
+            if settle is not None:
+                settle()
         finally:
             self.add(device, kind, start, self.now(), tokens)
 

@@ -21,7 +21,7 @@ position bumps the version and drops it.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -85,6 +85,7 @@ class Verifier:
                  end: int, verify_chunk: int, generator: torch.Generator, margins: dict[int, float] | None = None):
         self.target, self.ctx, self.params, self.verify_chunk = target, ctx, params, verify_chunk
         self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace    # the trace's rows: target:<device>
+        self.settle = partial(sync, ctx.device)   # waits for the target's device around a timed forward
         self.sequence = list(prompt_ids)          # V after the prompt; its length is p_v
         self.prompt_length = len(prompt_ids)
         self.stop_ids, self.end = stop_ids, end
@@ -101,7 +102,7 @@ class Verifier:
         return self.stop_token_seen or len(self.sequence) >= self.end
 
     def run_to_end(self) -> None:
-        with self.timed("prefill", len(self.sequence)):
+        with self.trace.span("prefill", len(self.sequence), settle=self.settle):
             in_hand = self.target.prefill(self.sequence)   # the target distribution at the first open position
         while not self.done:
             if in_hand is not None:
@@ -137,7 +138,7 @@ class Verifier:
         position = len(self.sequence)
         drafts, q = self.take_drafts(position, min(self.verify_chunk, self.end - position - 1))  # + one target token
         pending = self.sequence[self.target.length:]      # committed tokens the target has not cached yet
-        with self.timed("verify", len(pending) + len(drafts)):
+        with self.trace.span("verify", len(pending) + len(drafts), settle=self.settle):
             logits = self.target.forward(pending + drafts, last_n=len(drafts) + 1)
         if self.margins is not None:
             self.margins.update(enumerate(top2_margins(logits), start=position - self.prompt_length))
@@ -161,15 +162,6 @@ class Verifier:
         q = torch.from_numpy(self.channel.read_q(position, position + len(drafts), version=snap.version)) \
             if self.sampling and drafts else None
         return drafts, q
-
-    @contextmanager
-    def timed(self, kind: str, tokens: int):
-        """A trace event around a forward, waited for at both ends: a GPU forward returns once queued, and its
-        time must not land in the next event."""
-        sync(self.ctx.device)
-        with self.trace.span(kind, tokens):
-            yield
-            sync(self.ctx.device)
 
     def report(self) -> dict:
         return {"verdicts": self.verdicts, "margins": self.margins, "judged_at_once": self.judged_at_once,
