@@ -9,8 +9,8 @@ they report and folds their traces and reports in (`Run.merge_worker_reports`).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -138,26 +138,21 @@ class Run:
 
     @contextmanager
     def timed(self, device: str, kind: str, tokens: int = 0, on=None):
-        """Record a trace event around a block and add its duration to draft_s / verify_s. The block may set
-        `event.tokens` when it learns the count only at its end.
+        """Trace.span around a block, its duration added to draft_s / verify_s. The block may set `event.tokens`
+        when it learns the count only at its end.
 
         `on`: the torch device the block computes on (what runtime.devices.sync takes), waited for at both
         ends: a GPU forward returns once queued, and its time must not land in the next event. A block that
         reads its result back as numbers (tokens, an accepted path) has waited already and needs none."""
-        event = SimpleNamespace(tokens=tokens, seconds=0.0)
-        sync(on)
-        start = self.trace.now()
+        event = None
         try:
-            yield event
-            sync(on)
+            with self.trace.span(kind, tokens, device, settle=None if on is None else partial(sync, on)) as event:
+                yield event
         finally:
-            end = self.trace.now()
-            event.seconds = end - start
-            self.trace.add(device, kind, start, end, event.tokens)
-            if kind == "draft":
-                self.draft_s += end - start
-            elif kind == "verify":
-                self.verify_s += end - start
+            if event is not None and kind == "draft":
+                self.draft_s += event.seconds
+            elif event is not None and kind == "verify":
+                self.verify_s += event.seconds
 
 
 def common_prefix(a, b) -> int:

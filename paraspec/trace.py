@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass, field, asdict
+from types import SimpleNamespace
 
 
 @dataclass
@@ -44,16 +45,20 @@ class Trace:
     def span(self, kind: str, tokens: int = 0, device: str | None = None, settle=None):
         """Record an event of `kind` around a block. `settle`: called at both ends to wait for the device the block
         computes on (runtime.devices.sync: a GPU forward returns once queued, and its time must not land in the
-        next event)."""
+        next event). Yields the event in the making: the block may set `.tokens` when it learns the count only at
+        its end; `.seconds` holds the block's duration once it has ended."""
+        event = SimpleNamespace(tokens=tokens, seconds=0.0)
         if settle is not None:
             settle()
         start = self.now()
         try:
-            yield
+            yield event
             if settle is not None:
                 settle()
         finally:
-            self.add(device, kind, start, self.now(), tokens)
+            end = self.now()
+            event.seconds = end - start
+            self.add(device, kind, start, end, event.tokens)
 
     def commit(self, total_tokens: int, at_s: float | None = None) -> None:
         self.progress.append((self.now() if at_s is None else at_s, total_tokens))

@@ -82,13 +82,20 @@ def verify_chain(draft_tokens: list[int], draft_probs: torch.Tensor | None, targ
     """Accept a chain of drafts against the target's logits [k + 1, vocab] under `params`.
 
     Greedy compares with the target's argmax; sampling runs speculative sampling with the processed target
-    distribution and `draft_probs`, the exact q each draft was drawn from.
+    distribution and `draft_probs`, the exact q each draft was drawn from (None: each draft's point mass, a
+    deterministic drafter's; see point_mass_accept).
     """
     if params.greedy:
         return greedy_accept(draft_tokens, target_logits)
     p = logits_to_probs(target_logits, params)
     if not draft_tokens:
         return 0, sample(p[0], generator)
+    if draft_probs is None:
+        for i, token in enumerate(draft_tokens):
+            kept, replacement = point_mass_accept([token], p[i], generator)
+            if kept is None:
+                return i, replacement
+        return len(draft_tokens), sample(p[len(draft_tokens)], generator)
     q, p = _same_vocab(draft_probs, p)
     return speculative_accept(draft_tokens, q, p, generator)
 
@@ -98,11 +105,15 @@ def verify_token(token: int, draft_probs: torch.Tensor | None, target_logits: to
     """Judge one drafted token against a target distribution computed earlier (one row of logits).
 
     Returns None when the token stands, else the target's replacement (greedy: its argmax; sampling: a draw
-    from the residual). Used where a full acceptance left the next position's target distribution in hand.
+    from the residual; draft_probs None: the token's point mass). Used where a full acceptance left the next
+    position's target distribution in hand.
     """
     if params.greedy:
         best = int(target_logits.argmax())
         return None if best == token else best
+    if draft_probs is None:                     # a deterministic drafter's token: its point mass
+        kept, replacement = point_mass_accept([token], logits_to_probs(target_logits, params), generator)
+        return None if kept is not None else replacement
     q, p = _same_vocab(draft_probs, logits_to_probs(target_logits, params))
     return accept_one(token, p, q, generator)
 

@@ -23,7 +23,7 @@ options of its own. Strategies need no edit.
 from dataclasses import dataclass
 from typing import Any
 
-from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.policy import DraftPolicy
 from paraspec.drafters.model import ModelDrafter
 from paraspec.drafters.ngram import NGramDrafter
@@ -62,4 +62,4 @@ def model_free(spec: str, vocab_size: int, options: dict) -> Drafter:
 
 
 __all__ = ["DraftSpec", "Drafter", "DraftPolicy", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",
-           "TokenTree", "is_model_free", "model_free", "point_mass"]
+           "TokenTree", "is_model_free", "model_free"]

@@ -2,9 +2,10 @@
 
 The q contract (what makes every strategy lossless, whatever the drafter): under sampling, q[i] is the
 distribution that tokens[i] was actually drawn from -- for a model drafter, the processed draft distribution
-(`sampling.logits_to_probs` of its logits); for a deterministic drafter (a lookup table, an n-gram match), the
-point mass on the token it proposes (`point_mass`). Acceptance divides by exactly this q, so the output follows
-the target's distribution however good or bad the drafts are. Under greedy decoding q is not used (None).
+(`sampling.logits_to_probs` of its logits); a deterministic drafter (a lookup table, an n-gram match) gives
+q = None, which acceptance reads as the point mass on each proposed token (verify.point_mass_accept), as vLLM's
+rejection sampler does: no [k, vocab] one-hot is built. Acceptance divides by exactly this q, so the output
+follows the target's distribution however good or bad the drafts are. Under greedy decoding q is not used (None).
 
 A drafter may propose fewer tokens than asked, or none (nothing to propose here): a round then verifies nothing
 and the target supplies its own next token.
@@ -23,7 +24,7 @@ from paraspec.sampling import SamplingParams
 class Proposal:
     """A chain of drafts: a one-branch tree, whose depth is its length (what a round counts as drafted)."""
     tokens: list[int]
-    q: torch.Tensor | None = None      # [len(tokens), vocab] under sampling (see the q contract); None if greedy
+    q: torch.Tensor | None = None      # [len(tokens), vocab] from a model under sampling; None: greedy or point masses
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -31,11 +32,6 @@ class Proposal:
     @property
     def depth(self) -> int:
         return len(self.tokens)
-
-
-def point_mass(tokens: list[int], vocab_size: int) -> torch.Tensor:
-    """q for a deterministic drafter: row i is the one-hot of tokens[i]."""
-    return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab_size).float()
 
 
 class Drafter:

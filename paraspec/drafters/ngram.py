@@ -9,8 +9,9 @@ An index from each n-gram to where its latest continuation starts is kept up to 
 (O(max_ngram) per token), so a proposal is a dictionary lookup, not a scan of the sequence. With `memory` on, a
 proposal from a pattern whose last proposal went wrong after r tokens is cut to r (drafters/memory.py).
 
-q: the proposal is a deterministic function of the sequence, so each token's q is the point mass on it; the
-target then accepts token x with probability p(x) and otherwise resamples from p with x removed (lossless).
+q: the proposal is a deterministic function of the sequence, so each token's q is the point mass on it (q = None
+in the Proposal); the target then accepts token x with probability p(x) and otherwise resamples from p with x
+removed (lossless).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import gc
 
 import torch
 
-from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.memory import PatternMemory
 from paraspec.sampling import SamplingParams
 
@@ -122,4 +123,4 @@ class NGramDrafter(Drafter):
         tokens, self.last_match = self.index.lookup(k)
         cap, _ = self.memory.consult(sequence, self.last_match, tokens) if self.memory else (None, False)
         tokens = tokens if cap is None else tokens[:cap]
-        return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
+        return Proposal(tokens)          # q = None: point masses

@@ -14,7 +14,7 @@ Each round the drafters are asked in order and the first with a proposal drafts 
 After every round each drafter hears what was committed (`Drafter.committed`), whoever drafted it: a model-free
 drafter judges its own last proposal by it (drafters/memory.py).
 
-q is each proposal's own (point masses for a model-free drafter, the draft model's distributions otherwise), and
+q is each proposal's own (None, point masses, for a model-free drafter, the draft model's distributions otherwise), and
 a round's drafts all come from one drafter, so acceptance divides by exactly what was drawn from. Which drafter
 drafts, and how much, depends only on the sequence and on rounds already verified (lossless).
 """
@@ -24,11 +24,9 @@ import torch
 
 from paraspec.drafters.adaptive import (MATCH_BUCKETS, PROBE_SHARE, PROBE_START, SOURCE_STRIDE, Acceptance,
                                         ForwardCost, best_length, bucket_label, catch_up_pays, match_bucket)
-from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
-
-TOKENS_ONLY = SamplingParams()       # what a model-free drafter is asked with: its tokens, no q
 
 
 class DraftPolicy(Drafter):
@@ -80,16 +78,12 @@ class DraftPolicy(Drafter):
             if not self.adaptive:
                 proposal = drafter.propose(sequence, k, params, generator)
             elif drafter.free:
-                # tokens only: under sampling q is their point masses, built for the tokens the rule keeps (a
-                # [k, vocab] one-hot for a proposal mostly cut costs milliseconds a round for nothing)
-                proposal = drafter.propose(sequence, k, TOKENS_ONLY, generator)
+                proposal = drafter.propose(sequence, k, params, generator)      # q = None: point masses
                 if not proposal.tokens:
                     continue
                 chosen = self._choose(i, sequence, pending, len(proposal.tokens), remaining)
                 self._would_draft(i, chosen, proposal.tokens)
                 proposal = _truncate(proposal, chosen)
-                if proposal.tokens and not params.greedy:
-                    proposal = Proposal(proposal.tokens, point_mass(proposal.tokens, drafter.vocab_size))
             else:
                 chosen = self._choose(i, sequence, pending, k, remaining)
                 if chosen == 0:

@@ -32,7 +32,7 @@ frequency. How long a proposal is comes from the evidence, as in SuffixDecoding:
                  can see (depth // 2) is not held to the factor either.
 
 q: proposals are deterministic functions of the sequence and the cache, so each token's q is the point mass on
-it (a tree's siblings are distinct fixed tokens: verify_tree judges each with its own point mass).
+it (q = None; a tree's siblings are distinct fixed tokens: verify_tree judges each with its own point mass).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from collections import deque
 
 import torch
 
-from paraspec.drafters.base import Drafter, Proposal, point_mass
+from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.memory import PatternMemory
 from paraspec.drafters.ngram import BULK, NGramIndex, gc_paused
 from paraspec.drafters.token_tree import TokenTree
@@ -226,7 +226,7 @@ class SuffixDrafter(Drafter):
             tokens = tokens[:self.max_length(n)]
         if cap is not None:
             tokens = tokens[:cap]
-        return Proposal(tokens, point_mass(tokens, self.vocab_size) if tokens and not params.greedy else None)
+        return Proposal(tokens)          # q = None: point masses
 
 
     def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,

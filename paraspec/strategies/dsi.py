@@ -27,7 +27,7 @@ cut from the lowest-index drafter that has drafted through the chunk's end and a
 chunks in flight assume (`first_agreeing`); a faster, weaker drafter so fills in while a better one lags.
 A model-free drafter ("ngram", "suffix"; `draft=["ngram", MODEL]`) runs in the caller, not in a worker: it
 costs microseconds, so the main thread asks it on the spot for the chunk continuing the speculated sequence
-(1 to `lookahead` tokens, q the point masses) and, in the given order, takes it when it has one. With only
+(1 to `lookahead` tokens, q = None: point masses) and, in the given order, takes it when it has one. With only
 model-free drafters a position none of them can draft is decoded plainly (a chunk without drafts).
 
 Every draft is judged against exactly the prefix it was drafted from: a chunk is cut from a channel under one
@@ -186,9 +186,8 @@ class _LocalDrafter:
         tokens = self.drafter.propose(prefix.tolist(), end - start, self.params, self.generator).tokens
         return np.concatenate([prefix, np.array(tokens, np.int64)]) if tokens else None
 
-    def q(self, start: int, end: int, sequence: np.ndarray) -> torch.Tensor:
-        from paraspec.drafters import point_mass
-        return point_mass([int(t) for t in sequence[start:end]], self.drafter.vocab_size)
+    def q(self, start: int, end: int, sequence: np.ndarray) -> None:
+        return None                # its tokens are fixed: point masses (verify reads q = None so)
 
 
 @dataclass
@@ -360,7 +359,7 @@ class _Orchestrator:
                 run.margins.setdefault(position - len(run.prompt_ids) + r, gap)
         if self.sampling:
             logits = reply["logits"][skip:]
-            accepted, correction = verify_chain(drafts, chunk.q[skip:], logits, run.params, run.generator) \
+            accepted, correction = verify_chain(drafts, None if chunk.q is None else chunk.q[skip:], logits, run.params, run.generator) \
                 if drafts else (0, None)
         else:
             accepted, correction = greedy_match(drafts, reply["argmax"][skip:])
@@ -393,8 +392,8 @@ class _Orchestrator:
         drafter, sequence = self.ready_drafter(position, position + 1)
         if drafter is None:
             return None, None, None
-        q = drafter.q(position, position + 1, sequence)[0] if self.sampling else None
-        return int(sequence[position]), q, drafter
+        q = drafter.q(position, position + 1, sequence) if self.sampling else None
+        return int(sequence[position]), None if q is None else q[0], drafter
 
     def ready_drafter(self, start: int, end: int) -> tuple[_Drafter | _LocalDrafter | None, np.ndarray | None]:
         """The first drafter, in order, with drafts for [start, end) on the speculated sequence, and its sequence:
