@@ -4,8 +4,8 @@ The names below load on first use (PEP 562), so that `import paraspec` (and `pyt
 this package first) stays light until an Engine is needed: the command line protects Ctrl-C before torch loads."""
 from importlib import import_module
 
-_WHERE = {"Engine": "paraspec.engine", "EngineBusy": "paraspec.engine", "EngineClosed": "paraspec.engine",
-          "GenerationResult": "paraspec.engine", "Stream": "paraspec.engine", "StreamCancelled": "paraspec.engine",
+_WHERE = {"Engine": "paraspec.engine", "EngineBusy": "paraspec.requests", "EngineClosed": "paraspec.requests",
+          "GenerationResult": "paraspec.requests", "Stream": "paraspec.requests", "StreamCancelled": "paraspec.requests",
           "SamplingParams": "paraspec.sampling", "GenerationStats": "paraspec.stats"}
 
 __all__ = list(_WHERE)

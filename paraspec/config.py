@@ -16,6 +16,8 @@ from paraspec.runtime.devices import parse_devices
 from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
 from paraspec.strategies.base import Capabilities
 
+MAX_NUM_SEQS = 64         # llama.cpp's own limit on sequences per context (LLAMA_MAX_SEQ)
+
 
 @dataclass
 class EngineConfig:
@@ -32,13 +34,14 @@ class EngineConfig:
     options: dict = field(default_factory=dict)   # strategy options by OPTIONS name (only the strategy's own)
     on_busy: str = "wait"                         # a request while another runs: "wait" its turn or "error"
     worker_timeout: float | None = 60.0           # seconds without a worker's heartbeat -> WorkerTimeout; None: off
-    wait_timeout: float | None = None             # on_busy="wait": seconds a request waits, then EngineBusy; None: no limit
+    wait_timeout: float | None = 600.0            # on_busy="wait": seconds a request waits, then EngineBusy; None: no limit
     transport: str = "auto"                       # workers' channels: "auto" (shared memory on this host, TCP to
                                                   # another), "shm", or "tcp" (tests, benchmarks)
     ray_address: str | None = None                # runtime="ray": the cluster to join (else RAY_ADDRESS, else local)
     link_latency_ms: float = 0.0                  # tests and benchmarks: delay per message on the network transport
     static_width: Any = "auto"                    # native models: pad every forward to this many rows (models/static.py);
                                                   # "auto": measured on CUDA, off on CPU; None: off
+    max_num_seqs: int = 4                         # requests decoded at once where the strategy batches (caps.batches)
     draft_specs: tuple[DraftSpec, ...] = field(init=False, default=())   # `draft` in order, each marked (below)
     model_backend: str = field(init=False, default="")   # `backend` checked; "auto" where the checkpoints
                                                          # decide (the Engine resolves them)
@@ -68,6 +71,10 @@ class EngineConfig:
                              f"raises EngineBusy), got {self.on_busy!r}")
         _check_seconds("worker_timeout", self.worker_timeout, "no watchdog")
         _check_seconds("wait_timeout", self.wait_timeout, "wait as long as it takes")
+        if not isinstance(self.max_num_seqs, int) or isinstance(self.max_num_seqs, bool) or not \
+                1 <= self.max_num_seqs <= MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be an integer from 1 to {MAX_NUM_SEQS} (requests decoded at once; "
+                             f"1: one at a time), got {self.max_num_seqs!r}")
         parse_dtype(self.dtype)
         models = self.draft_checkpoints
         if cls.caps.needs_draft and len(models) > 1 and len(self.draft_devices) not in (1, len(models)):

@@ -13,6 +13,7 @@ LAYERS = {
     "paraspec.cli": 7,
     "paraspec.server": 6, "paraspec.bench": 6, "paraspec.study": 6, "paraspec.sim": 6,
     "paraspec.engine": 5, "paraspec.config": 5, "paraspec.prompts": 5, "paraspec.text_stream": 5,
+    "paraspec.requests": 5, "paraspec.batching": 5,
     "paraspec.strategies": 4,
     "paraspec.drafters": 3,
     "paraspec.run": 2, "paraspec.verify": 2, "paraspec.sampling": 2, "paraspec.stats": 2,

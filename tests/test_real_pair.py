@@ -138,6 +138,35 @@ def test_llamacpp_strategy_equals_ar_exactly(llamacpp_reference, name):
     assert drafted > 0
 
 
+@pytest.mark.parametrize("name", ["ar", "sd", "sd-ngram"])
+def test_llamacpp_batched_requests_equal_ar_alone(llamacpp_reference, name):
+    """Four callers at once on one Engine (max_num_seqs=4: their forwards shared, batching.py), each prompt twice
+    with different lengths: every answer is ar's alone, bitwise, where the probe found batched rows exact."""
+    import threading
+    options = {"ar": dict(strategy="ar"), "sd": dict(strategy="sd", lookahead=5),
+               "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8)}[name]
+    draft = options.pop("draft", None if name == "ar" else DRAFT)
+    with Engine(TARGET, draft, backend="llamacpp", max_num_seqs=4, **options) as engine:
+        if not engine.target.batch_exact:
+            pytest.skip("llama.cpp's rows are not batch-exact across sequences here (each request decodes alone; "
+                        "tests/strategies/test_batched.py covers that path)")
+        asks = [(p, PARAMS.max_new_tokens - 24 * k) for k in range(2) for p in range(len(LLAMACPP_PROMPTS))]
+        results = [None] * len(asks)
+
+        def call(i):
+            prompt, n = asks[i]
+            results[i] = engine.generate(LLAMACPP_PROMPTS[prompt], SamplingParams(max_new_tokens=n))
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        shared = engine.batch_stats.widths
+    for (prompt, n), result in zip(asks, results, strict=True):
+        assert result.token_ids == llamacpp_reference[prompt].token_ids[:n], f"{name}: prompt {prompt}, {n} tokens"
+    assert max(shared) >= 2                 # forwards really were shared
+
+
 def test_llamacpp_fast_prefill_and_the_re_fed_last_prompt_token():
     """On the plain kernels the prompt is decoded on repacked weights (other kernels: other logits), all but its
     last token; that one is decoded exactly, so a strategy that rolls back to it and feeds it again (dsi's servers

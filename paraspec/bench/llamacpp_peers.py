@@ -204,7 +204,8 @@ def ngram_args(setting: tuple[str, int, int]) -> list[str]:
 
 
 class LlamaServer:
-    """llama-server on 127.0.0.1, one slot, pinned to `cores` with `threads` threads; a context manager.
+    """llama-server on 127.0.0.1, one slot (`slots`: that many; None: llama-server's default), pinned to `cores`
+    with `threads` threads; a context manager.
 
     `draft` adds llama.cpp's speculative decoding (draft-simple) with at most `draft_max` tokens per round,
     drafting stopping early below draft probability `p_min`; `ngram` (type, n, m) adds its n-gram drafting.
@@ -212,10 +213,12 @@ class LlamaServer:
 
     def __init__(self, binaries: Path, model: Path, threads: int, cores=None, context: int = 4096,
                  draft: Path | None = None, draft_max: int | None = None, p_min: float | None = None,
-                 ngram: tuple[str, int, int] | None = None, start_timeout_s: float = 600):
+                 ngram: tuple[str, int, int] | None = None, start_timeout_s: float = 600, slots: int | None = 1):
         self.threads, self.cores = threads, tuple(sorted(cores)) if cores else None
         args = [str(Path(binaries) / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
-                "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--no-webui"]
+                "-t", str(threads), "-tb", str(threads), "--no-webui"]
+        # the context is shared by the slots (its default: 4, one unified KV cache): room for `context` tokens each
+        args += ["-c", str(context * (slots or 4))] + ([] if slots is None else ["-np", str(slots)])
         if draft is not None:
             args += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads)]
             if draft_max is not None:

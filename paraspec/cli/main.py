@@ -96,7 +96,9 @@ def engine_config(args, strategy: str | None = None, options: dict | None = None
                         options=given_options(args) if options is None else options,
                         transport=getattr(args, "transport", "auto"), ray_address=getattr(args, "ray_address", None),
                         link_latency_ms=getattr(args, "link_latency_ms", 0.0),
-                        static_width=getattr(args, "static_width", "auto"))
+                        static_width=getattr(args, "static_width", "auto"),
+                        # one request per command, except `serve` (--max-num-seqs): no sequences held for nobody
+                        max_num_seqs=getattr(args, "max_num_seqs", 1))
 
 
 def sampling_params(args):
@@ -181,8 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="0: any free port (the printed URL names it)")
     srv.add_argument("--served-model-name", help="the model name clients send (default: --target as given)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    srv.add_argument("--max-num-seqs", type=int, default=4,
+                     help="requests generated at once, their forwards batched, each answer bit-identical to the "
+                          "request alone (ar and sd on llama.cpp's kernels; other strategies run one at a time)")
     srv.add_argument("--max-queue", type=int, default=64,
-                     help="requests that may wait while one generates (one at a time per engine); more get 429")
+                     help="requests that may wait while --max-num-seqs generate; more get 429")
     srv.add_argument("--request-timeout", type=float,
                      help="seconds a generation may run; then it is stopped with an error (default: no limit)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],

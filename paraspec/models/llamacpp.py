@@ -148,18 +148,25 @@ def _kernels_asked(kernels: str | None) -> str:
 
 
 class LlamaCppModel:
-    """One llama.cpp context over one GGUF model; one sequence, KV cache = llama.cpp's memory."""
+    """One llama.cpp context over one GGUF model, KV cache = llama.cpp's memory; the Model protocol runs on
+    sequence 0. With n_seqs > 1 the context holds that many sequences, each with a KV cache of its own (not
+    llama.cpp's unified cache: attention over another sequence's cells would change a row's summation), each
+    max_context long: `sequence(i)` is the Model protocol on sequence i, and `forward_batch` decodes tokens of
+    several sequences in one llama_decode (requests batched by strategies/batched.py)."""
 
     def __init__(self, path: Path, max_context: int, eos_token_ids: tuple[int, ...], n_threads: int | None = None,
                  probe: bool = True, kv_f32: bool = False, fast_prefill: bool | None = None,
-                 kernels: str | None = None):
+                 kernels: str | None = None, n_seqs: int = 1):
         """n_threads None: follow torch's thread count (set by the Engine or worker to the device group's cores,
         and by the benchmark per variant), checked at every prefill; an int fixes it. kv_f32: keep K/V in f32
         instead of llama.cpp's f16 (twice the cache memory; the tests use it to compare with fp32 references).
         fast_prefill: prompts on repacked weights when the model's own kernels are the plain ones (None: on unless
         PARASPEC_LLAMACPP_FAST_PREFILL=0). kernels: "repacked" or "plain" (weight repacking on or off), or None:
         PARASPEC_LLAMACPP_KERNELS, else "auto" = repacked if the probe finds every width exact, else plain
-        (plain without a probe)."""
+        (plain without a probe). n_seqs: the sequences the context holds (the probe then also checks that a row's
+        logits are the same alone and beside other sequences' rows: `batch_exact`)."""
+        if not isinstance(n_seqs, int) or n_seqs < 1:
+            raise ValueError(f"n_seqs must be a positive integer, got {n_seqs!r}")
         _llama_cpp()
         self.tiled_matmul = tiled_matmul()         # llama.cpp's tiled K-quant matmul on (patched VNNI builds)
         self._follow_torch = n_threads is None
@@ -171,8 +178,10 @@ class LlamaCppModel:
                                         if fast_prefill is None else fast_prefill)}
         self._model = self._ctx = self._fast = None
         self.fast_prefills = 0                    # prompts decoded on the repacked copy (tests, reports)
-        self._length = 0
+        self.n_seqs = n_seqs
+        self._lengths = [0] * n_seqs
         self.exact_width = PROBE_WIDTH
+        self.batch_exact = n_seqs == 1            # several sequences in one forward: as alone (the probe's verdict)
         self.forward_widths: dict[int, int] = {}      # sub-forward width -> count (what the split really ran)
         self._probe = probe
         try:
@@ -203,9 +212,10 @@ class LlamaCppModel:
         self.max_context = min(max_context, train_ctx) if train_ctx > 0 else max_context
         self.n_batch = min(512, self.max_context)
         cparams = lib.llama_context_default_params()
-        cparams.n_ctx = self.max_context
+        cparams.n_ctx = self.max_context * self.n_seqs      # split evenly between the sequences' own caches
         cparams.n_batch = cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = self.n_seqs
+        cparams.kv_unified = self.n_seqs == 1
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.flash_attn_type = 0               # off: with it, a long KV is split across threads (not exact)
         cparams.no_perf = True
@@ -221,7 +231,7 @@ class LlamaCppModel:
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
         # the repacked kernels already are llama.cpp's prompt kernels: no second copy then
         self._fast = _FastPrefill(self.path, cparams) if self._asked["fast_prefill"] and kernels == "plain" else None
-        self._length = 0
+        self._lengths = [0] * self.n_seqs
 
     def _measure(self) -> None:
         """Probe the kernels in use; in auto, repacked kernels found inexact give way to plain ones."""
@@ -229,19 +239,23 @@ class LlamaCppModel:
         # with the tiled matmul on, a model holding K-quants the patch does not cover is inexact from 8 rows on
         # whatever the repacking (every K-quant that is not repacked goes tiled): plain kernels could do no better
         floor = TILED_MIN_ROWS - 1 if self.tiled_matmul else PROBE_WIDTH
-        width = probe_exact_width(self)
+        width, self.batch_exact = probe_exact_width(self)
         if width < floor and self.kernels == "repacked" and self._asked["kernels"] == "auto":
             print(f"paraspec: llama.cpp's repacked kernels are not batch-invariant for {self.path.name} here (forwards "
                   f"wider than {width} token(s) differ: an unpatched build, or a CPU the patch does not cover); "
                   f"using weight repacking off", file=sys.stderr, flush=True)
             self.close()
             self._open("plain")
-            width = probe_exact_width(self)
+            width, self.batch_exact = probe_exact_width(self)
         if width < PROBE_WIDTH:
             print(f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
                   f"forwards for {self.path.name} here ({self.kernels} kernels, tiled matmul "
                   f"{'on' if self.tiled_matmul else 'off'}); verification is split into sub-forwards of <= {width}"
                   + ("; GGML_CPU_TILED_MM=0 may make every width exact" if self.tiled_matmul else ""),
+                  file=sys.stderr, flush=True)
+        if self.n_seqs > 1 and not self.batch_exact:
+            print(f"paraspec: llama.cpp's rows of several sequences in one forward differ from the same rows alone for "
+                  f"{self.path.name} here ({self.kernels} kernels); requests are decoded one sequence per forward",
                   file=sys.stderr, flush=True)
         self.exact_width = width
         self.fast_prefills = prompts
@@ -259,44 +273,82 @@ class LlamaCppModel:
     # -- the Model protocol --------------------------------------------------------------------------------
     @property
     def length(self) -> int:
-        return self._length
+        return self._lengths[0]
 
-    def rollback(self, length: int) -> None:
-        check_rollback(length, self._length)
-        if length < self._length:
-            if not _lib.llama_memory_seq_rm(self._mem, 0, length, -1):
+    def sequence(self, seq: int) -> "LlamaCppSequence":
+        """The Model protocol on sequence `seq` (0 <= seq < n_seqs) of this context."""
+        if not 0 <= seq < self.n_seqs:
+            raise ValueError(f"sequence {seq} is outside this context's {self.n_seqs} sequence(s)")
+        return LlamaCppSequence(self, seq)
+
+    def rollback(self, length: int, seq: int = 0) -> None:
+        check_rollback(length, self._lengths[seq])
+        if length < self._lengths[seq]:
+            if not _lib.llama_memory_seq_rm(self._mem, seq, length, -1):
                 raise RuntimeError("llama.cpp refused to remove the tail of the KV cache")
-            self._length = length
+            self._lengths[seq] = length
 
-    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+    def prefill(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
         """The prompt in one forward (chunks of n_batch), exactly as every strategy runs it."""
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         if self._follow_torch:
             self._set_threads(torch.get_num_threads())
-        _lib.llama_memory_clear(self._mem, True)
-        self._length = 0
-        self._check_room(len(token_ids))
-        return self._prefill_chunks(token_ids)[-1]
+        self._clear(seq)
+        self._check_room(len(token_ids), seq)
+        return self._prefill_chunks(token_ids, seq)[-1]
 
-    def _prefill_chunks(self, token_ids: list[int]) -> torch.Tensor:
+    def _clear(self, seq: int) -> None:
+        if self.n_seqs == 1:
+            _lib.llama_memory_clear(self._mem, True)
+        elif not _lib.llama_memory_seq_rm(self._mem, seq, -1, -1):
+            raise RuntimeError(f"llama.cpp refused to clear sequence {seq} of the KV cache")
+        self._lengths[seq] = 0
+
+    def _prefill_chunks(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
         """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token."""
         if self._fast is not None and len(token_ids) > 1:
             # all but the last prompt token on the repacked copy; the last one here, exactly: strategies re-feed it
             # (dsi's servers roll back to it to get the first chunk's row), and its KV and logits must be the
             # same whether it was decoded with the prompt or again on its own
-            self._fast.prefill(token_ids[:-1], self.n_batch, into=self._ctx)
-            self._length = len(token_ids) - 1
+            self._fast.prefill(token_ids[:-1], self.n_batch, into=self, seq=seq)
+            self._lengths[seq] = len(token_ids) - 1
             self.fast_prefills += 1
-            return self._decode(token_ids[-1:], outputs=1)
+            return self._decode(token_ids[-1:], outputs=1, seq=seq)
         for start in range(0, len(token_ids), self.n_batch):
             chunk = token_ids[start:start + self.n_batch]
             last = start + len(chunk) == len(token_ids)
-            logits = self._decode(chunk, outputs=1 if last else 0)
+            logits = self._decode(chunk, outputs=1 if last else 0, seq=seq)
         return logits
 
+    def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+        """One llama_decode of several sequences' next tokens: items are (seq, token_ids, outputs), each sequence
+        at most once, its tokens at most exact_width, all of them at most n_batch; returns each item's logits
+        [outputs, vocab] for its last `outputs` tokens. Each row is what the sequence alone would get only where
+        `batch_exact` (the probe's verdict); the caller (strategies/batched.py) decodes alone otherwise."""
+        seqs = [seq for seq, _, _ in items]
+        if len(set(seqs)) != len(seqs) or any(not 0 <= s < self.n_seqs for s in seqs):
+            raise ValueError(f"forward_batch takes each of the {self.n_seqs} sequences at most once, got {seqs}")
+        total = sum(len(tokens) for _, tokens, _ in items)
+        if total > self.n_batch or any(not 0 < len(t) <= self.exact_width for _, t, _ in items):
+            raise ValueError(f"forward_batch: {total} tokens (at most n_batch={self.n_batch}), each sequence's "
+                             f"1..{self.exact_width} (exact_width)")
+        for seq, tokens, _ in items:
+            self._check_room(len(tokens), seq)
+            self._check_vocabulary(tokens)
+        _llama_decode_many(self._ctx, self._batch, [(seq, tokens, self._lengths[seq], outputs)
+                                                    for seq, tokens, outputs in items])
+        rows = np.ctypeslib.as_array(_lib.llama_get_logits(self._ctx),
+                                     shape=(sum(o for _, _, o in items), self.vocab_size))
+        out, at = [], 0
+        for seq, tokens, outputs in items:
+            self._lengths[seq] += len(tokens)
+            out.append(torch.from_numpy(rows[at:at + outputs].copy()))
+            at += outputs
+        return out
+
     def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, last_n: int | None = None, seq: int = 0) -> torch.Tensor:
         if tree_mask is not None:
             raise ValueError("token trees are not exact on the llamacpp backend (a verified branch would sit in "
                              "non-contiguous KV cells); use strategy sd/amusd/dsi, or backend='native' for tree "
@@ -304,25 +356,24 @@ class LlamaCppModel:
         n = len(token_ids)
         if n == 0:
             raise ValueError("forward needs at least one token")
-        if positions is not None and list(positions) != list(range(self._length, self._length + n)):
+        length = self._lengths[seq]
+        if positions is not None and list(positions) != list(range(length, length + n)):
             raise ValueError("the llamacpp backend takes consecutive positions only; use backend='native'")
-        self._check_room(n)
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")
+        self._check_room(n, seq)
+        self._check_vocabulary(token_ids)
         want = n if last_n is None else min(last_n, n)
         pieces, start = [], 0
-        if self._length == 0 and n - want + 1 > 1:
+        if length == 0 and n - want + 1 > 1:
             # into an empty cache: the tokens up to the first wanted row are a prompt, decoded in n_batch chunks
             # exactly as prefill() decodes one (same chunks, same output row), so every strategy's prompt KV and
             # first logits are ar's, without paying exact-width pieces for hundreds of prompt tokens
-            pieces.append(self._prefill_chunks(token_ids[:n - want + 1]))
+            pieces.append(self._prefill_chunks(token_ids[:n - want + 1], seq))
             start = n - want + 1
         for start in range(start, n, self.exact_width):
             chunk = token_ids[start:start + self.exact_width]
             self.forward_widths[len(chunk)] = self.forward_widths.get(len(chunk), 0) + 1
             keep = max(0, len(chunk) - max(0, (n - want) - start))
-            pieces.append(self._decode(chunk, outputs=keep))
+            pieces.append(self._decode(chunk, outputs=keep, seq=seq))
         pieces = [p for p in pieces if len(p)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)     # one piece (every decode step): no copy
 
@@ -330,15 +381,20 @@ class LlamaCppModel:
         raise ValueError("token trees are not supported by the llamacpp backend; use backend='native'")
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _check_room(self, n: int) -> None:
-        if self._length + n > self.max_context:
-            raise ValueError(f"context full: {self._length} cached + {n} new tokens exceed max_context "
+    def _check_room(self, n: int, seq: int = 0) -> None:
+        if self._lengths[seq] + n > self.max_context:
+            raise ValueError(f"context full: {self._lengths[seq]} cached + {n} new tokens exceed max_context "
                              f"{self.max_context}; create the engine with a larger max_context")
 
-    def _decode(self, token_ids: list[int], outputs: int) -> torch.Tensor:
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")
+
+    def _decode(self, token_ids: list[int], outputs: int, seq: int = 0) -> torch.Tensor:
         """One llama_decode of consecutive tokens; logits [outputs, vocab] for the last `outputs` of them."""
-        _llama_decode(self._ctx, self._batch, token_ids, self._length, outputs)
-        self._length += len(token_ids)
+        _llama_decode_many(self._ctx, self._batch, [(seq, token_ids, self._lengths[seq], outputs)])
+        self._lengths[seq] += len(token_ids)
         if outputs == 0:
             return torch.empty(0, self.vocab_size)
         ptr = _lib.llama_get_logits(self._ctx)
@@ -364,25 +420,54 @@ class LlamaCppModel:
             pass
 
 
-def _llama_decode(ctx, batch, token_ids: list[int], position: int, outputs: int) -> None:
-    """One llama_decode of consecutive tokens of sequence 0 from `position`, with logits for the last `outputs`."""
-    n = len(token_ids)
-    for i, tok in enumerate(token_ids):
-        batch.token[i] = tok
-        batch.pos[i] = position + i
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = 0
-        batch.logits[i] = i >= n - outputs
+def _llama_decode_many(ctx, batch, items: list[tuple[int, list[int], int, int]]) -> None:
+    """One llama_decode of (seq, consecutive tokens, first position, outputs) items: each sequence's tokens from
+    its position, with logits for its last `outputs` tokens (in item order)."""
+    n = 0
+    for seq, token_ids, position, outputs in items:
+        for i, tok in enumerate(token_ids):
+            batch.token[n] = tok
+            batch.pos[n] = position + i
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = seq
+            batch.logits[n] = i >= len(token_ids) - outputs
+            n += 1
     batch.n_tokens = n
     code = _lib.llama_decode(ctx, batch)
     if code != 0:
-        raise RuntimeError(f"llama_decode failed (code {code}) at position {position} with {n} tokens")
+        where = ", ".join(f"sequence {seq} at {position}" for seq, _, position, _ in items)
+        raise RuntimeError(f"llama_decode failed (code {code}) with {n} tokens ({where})")
+
+
+class LlamaCppSequence:
+    """The Model protocol on one sequence of a LlamaCppModel with several (LlamaCppModel.sequence)."""
+
+    def __init__(self, model: LlamaCppModel, seq: int):
+        self.model, self.seq = model, seq
+        self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
+
+    @property
+    def length(self) -> int:
+        return self.model._lengths[self.seq]
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length, self.seq)
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model.prefill(token_ids, self.seq)
+
+    def forward(self, token_ids: list[int], positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
+        return self.model.forward(token_ids, positions, tree_mask, last_n, seq=self.seq)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        self.model.keep_path(prefix_len, slots)
 
 
 class _FastPrefill:
     """A second model and context on the same GGUF file with weight repacking on (llama.cpp's default kernels for
     prompts), used only to decode prompts into an empty cache; its KV cache is then copied into the exact context.
-    Same context parameters, so the same KV types and layout."""
+    Same context parameters, so the same KV types and layout (llama.cpp cannot copy a sequence between a unified
+    and a per-sequence cache: with several sequences this context has as many, of which it uses the first)."""
 
     def __init__(self, path: Path, cparams):
         mparams = _lib.llama_model_default_params()
@@ -401,17 +486,17 @@ class _FastPrefill:
         self.mem = _lib.llama_get_memory(self.ctx)
         self.batch = _lib.llama_batch_init(cparams.n_batch, 0, 1)
 
-    def prefill(self, token_ids: list[int], n_batch: int, into) -> None:
-        """Decode `token_ids` from position 0 here and copy the sequence's KV into `into` (whose cache it
-        replaces)."""
+    def prefill(self, token_ids: list[int], n_batch: int, into: LlamaCppModel, seq: int = 0) -> None:
+        """Decode `token_ids` from position 0 here and copy the sequence's KV into sequence `seq` of `into` (whose
+        cache for it it replaces)."""
         _lib.llama_memory_clear(self.mem, True)
         for start in range(0, len(token_ids), n_batch):
-            _llama_decode(self.ctx, self.batch, token_ids[start:start + n_batch], start, outputs=0)
+            _llama_decode_many(self.ctx, self.batch, [(0, token_ids[start:start + n_batch], start, 0)])
         size = _lib.llama_state_seq_get_size(self.ctx, 0)
         state = (ctypes.c_uint8 * size)()
         written = _lib.llama_state_seq_get_data(self.ctx, state, size, 0)
-        _lib.llama_memory_clear(_lib.llama_get_memory(into), True)
-        if written == 0 or _lib.llama_state_seq_set_data(into, state, written, 0) != written:
+        into._clear(seq)
+        if written == 0 or _lib.llama_state_seq_set_data(into._ctx, state, written, seq) != written:
             raise RuntimeError("llama.cpp could not copy the prompt's KV cache from the fast-prefill context; set "
                                "PARASPEC_LLAMACPP_FAST_PREFILL=0")
         _lib.llama_memory_clear(self.mem, True)        # its cache is not used again until the next prompt
@@ -438,7 +523,8 @@ def _architecture(path: Path) -> str:
 def _probe_cache(model: LlamaCppModel) -> Path:
     from paraspec.models.cache import cache_dir, sha256_prefix
     key = hashlib.sha256("\n".join([build_fingerprint(model.kernels), sha256_prefix(model.path), str(model.n_threads),
-                                    str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]).encode())
+                                    str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]
+                                   + ([f"seqs={model.n_seqs}"] if model.n_seqs > 1 else [])).encode())
     return cache_dir() / "llamacpp" / "exactness" / f"{key.hexdigest()[:24]}.json"
 
 
@@ -465,31 +551,64 @@ def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
                 exact = min(exact, w - 1)
         model.rollback(0)
     _lib.llama_memory_clear(model._mem, True)
-    model._length = 0
+    model._lengths[0] = 0
+    return exact, rows
+
+
+def measure_batch_exact(model: LlamaCppModel, width: int) -> tuple[bool, list[dict]]:
+    """Whether rows of several sequences decoded in one forward are bitwise the rows each sequence gets alone:
+    every sequence at its own context length, 2..n_seqs of them, decode steps (one token each) and verify-like
+    steps (1..4 tokens each, at most `width`), each compared with the same tokens of that sequence decoded with no
+    other sequence in the forward."""
+    rng = np.random.default_rng(1)
+    n = model.n_seqs
+    lengths = [max(1, min(p, model.max_context - 8)) for p in (37, 5, 150, 90, 12, 64, 21, 120)]
+    lengths = (lengths * (n // len(lengths) + 1))[:n]
+    steps = [rng.integers(0, model.vocab_size, size=4).tolist() for _ in range(n)]
+    for seq, p in enumerate(lengths):
+        model.prefill(rng.integers(0, model.vocab_size, size=p).tolist(), seq)
+    rows, exact = [], True
+    for group in range(2, n + 1):
+        for kind in ("decode", "verify"):
+            widths = [1 if kind == "decode" else min(width, 1 + i % 4) for i in range(group)]
+            alone = []
+            for seq in range(group):
+                alone.append(model._decode(steps[seq][:widths[seq]], widths[seq], seq))
+                model.rollback(lengths[seq], seq)
+            got = model.forward_batch([(seq, steps[seq][:widths[seq]], widths[seq]) for seq in range(group)])
+            for seq in range(group):
+                model.rollback(lengths[seq], seq)
+            diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))
+            rows.append({"sequences": group, "kind": kind, "max_abs_diff": diff})
+            exact &= diff == 0.0
+    for seq in range(n):
+        model._clear(seq)
     return exact, rows
 
 
 def run_probe(model: LlamaCppModel) -> tuple[int, list[dict]]:
-    """measure_exact_width for `model`'s file, kernels, threads and context, in a child process
-    (models/llamacpp_child.py `probe`): the first probe of a build on a CPU is the first time its kernels run there,
-    and a kernel that kills its process (SIGILL) must not kill the caller. The child loads its own copy of the
-    model."""
+    """measure_exact_width (and, with several sequences, measure_batch_exact: its rows carry "sequences") for
+    `model`'s file, kernels, threads and context, in a child process (models/llamacpp_child.py `probe`): the first
+    probe of a build on a CPU is the first time its kernels run there, and a kernel that kills its process (SIGILL)
+    must not kill the caller. The child loads its own copy of the model."""
     from paraspec.models.crashes import run_child
     spec = {"path": str(model.path), "max_context": model._asked["max_context"], "n_threads": model.n_threads,
-            "kv_f32": model._asked["kv_f32"], "kernels": model.kernels}
+            "kv_f32": model._asked["kv_f32"], "kernels": model.kernels, "n_seqs": model.n_seqs}
     answer = run_child(["probe", json.dumps(spec)],
                        f"llama.cpp's exactness probe of {model.path.name} ({model.kernels} kernels, "
                        f"{model.n_threads} thread(s))")
     return int(answer["exact_width"]), answer["rows"]
 
 
-def probe_exact_width(model: LlamaCppModel) -> int:
-    """The probe's verdict, measured once per (build, kernels, tiled matmul, CPU, model file, threads, context size)
-    in a child process (run_probe) and cached."""
+def probe_exact_width(model: LlamaCppModel) -> tuple[int, bool]:
+    """The probe's verdict (exact width, whether several sequences' rows batch exactly), measured once per (build,
+    kernels, tiled matmul, CPU, model file, threads, context size, sequences) in a child process (run_probe) and
+    cached."""
     path = _probe_cache(model)
     if path.exists():
         try:
-            return int(json.loads(path.read_text())["exact_width"])
+            record = json.loads(path.read_text())
+            return int(record["exact_width"]), bool(record["batch_exact"])
         except (ValueError, KeyError, OSError):
             pass
     big = model.path.stat().st_size > 50 << 20
@@ -498,17 +617,19 @@ def probe_exact_width(model: LlamaCppModel) -> int:
               f"thread(s), {model.kernels} kernels (once, in a child process; cached)", file=sys.stderr, flush=True)
     start = time.perf_counter()
     width, rows = run_probe(model)
-    record = {"exact_width": width, "kernels": model.kernels, "tiled_matmul": tiled_matmul(), "model": str(model.path),
+    batch_exact = model.n_seqs == 1 or all(r["max_abs_diff"] == 0.0 for r in rows if "sequences" in r)
+    record = {"exact_width": width, "batch_exact": batch_exact, "kernels": model.kernels,
+              "tiled_matmul": tiled_matmul(), "model": str(model.path),
               "threads": model.n_threads, "seconds": round(time.perf_counter() - start, 2), "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
-    return width
+    return width, batch_exact
 
 
 def load_llamacpp(gguf_path: Path, folder: Path | None, max_context: int | None = None,
-                  device: str = "cpu") -> LlamaCppModel:
+                  device: str = "cpu", n_seqs: int = 1) -> LlamaCppModel:
     """A LlamaCppModel with torch's thread count: the Engine (or a worker) has set it to its device group's cores
     and pinned the process there before loading."""
     from paraspec.models.base import generation_eos_ids
@@ -522,4 +643,4 @@ def load_llamacpp(gguf_path: Path, folder: Path | None, max_context: int | None 
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is not a GGUF file (bad magic); pass a .gguf model file")
     eos = generation_eos_ids(folder, ()) if folder is not None else ()
-    return LlamaCppModel(gguf_path, max_context or 4096, eos)
+    return LlamaCppModel(gguf_path, max_context or 4096, eos, n_seqs=n_seqs)

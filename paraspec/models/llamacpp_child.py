@@ -3,7 +3,8 @@
     python -m paraspec.models.llamacpp_child probe '{"path": ..., "kernels": ..., "n_threads": ..., ...}'
     python -m paraspec.models.llamacpp_child smoke [--threads 1,2]
 
-- `probe`: the exactness probe (`measure_exact_width`) of one (model, kernels, threads, context). The first
+- `probe`: the exactness probe (`measure_exact_width`, and `measure_batch_exact` for a context of several
+  sequences) of one (model, kernels, threads, context). The first
   probe of a (build, CPU, model) is the first time those kernels run on this CPU, so it runs here, where a native
   crash (SIGILL from an instruction the CPU or VM refuses) cannot take down the caller: a pytest run, a server,
   a notebook. Its verdict is cached by the caller; later loads read the cache and run in-process.
@@ -22,11 +23,15 @@ from pathlib import Path
 
 # -- probe ------------------------------------------------------------------------------------------------
 def probe(spec: dict) -> dict:
-    from paraspec.models.llamacpp import LlamaCppModel, measure_exact_width
+    from paraspec.models.llamacpp import LlamaCppModel, measure_batch_exact, measure_exact_width
     model = LlamaCppModel(Path(spec["path"]), spec["max_context"], (), n_threads=spec["n_threads"], probe=False,
-                          kv_f32=spec["kv_f32"], fast_prefill=False, kernels=spec["kernels"])
+                          kv_f32=spec["kv_f32"], fast_prefill=False, kernels=spec["kernels"],
+                          n_seqs=spec.get("n_seqs", 1))
     try:
         width, rows = measure_exact_width(model)
+        if model.n_seqs > 1:
+            model.exact_width = width
+            rows += measure_batch_exact(model, width)[1]
     finally:
         model.close()
     return {"exact_width": width, "rows": rows}

@@ -226,9 +226,12 @@ def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, devi
 
 
 def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int | None = None,
-               device: str = "cpu", static_width: int | str | None = "auto"):
+               device: str = "cpu", static_width: int | str | None = "auto", n_seqs: int = 1):
     """Load `spec` as a Model (protocol in models/base.py) with the given backend. `static_width` applies to the
-    native backend (NativeModel: "auto" pads forwards to a measured width on CUDA, not on CPU)."""
+    native backend (NativeModel: "auto" pads forwards to a measured width on CUDA, not on CPU); `n_seqs` to
+    llama.cpp (a context of that many sequences, each with its own KV cache: the Engine's batched requests)."""
+    if n_seqs != 1 and backend != "llamacpp":
+        raise ValueError(f"n_seqs={n_seqs}: several sequences per model are the llamacpp backend's, not {backend!r}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     torch_dtype = parse_dtype(dtype, device)
@@ -240,7 +243,7 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
             raise CheckpointError(f"{spec} has no GGUF file for the llamacpp backend (its folder {folder} was not "
                                   f"made from one, or the file has moved); pass a .gguf file, or use "
                                   f"backend='native'")
-        return load_llamacpp(gguf, folder, max_context=max_context, device=device)
+        return load_llamacpp(gguf, folder, max_context=max_context, device=device, n_seqs=n_seqs)
     if backend == "hf":
         from paraspec.models.hf import HFModel
         return HFModel.load(folder, torch_dtype, max_context=max_context, device=device)

@@ -9,7 +9,8 @@
 Responses follow the OpenAI wire format; each also carries `paraspec`: the request's speculation figures
 (strategy, acceptance_rate, mean_accepted_length, ttft_s, tpot_ms, draft_s, verify_s, ...), in the last streamed
 chunk too. Streams are server-sent events (`data: {json}` ... `data: [DONE]`); an error after the stream started is
-one `data: {"error": {...}}` event, as vLLM and OpenAI send it. One generation runs at a time (queue.py).
+one `data: {"error": {...}}` event, as vLLM and OpenAI send it. Up to the engine's max_num_seqs generations run at
+once, their forwards batched (queue.py, batching.py).
 """
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ class ServedModel:
         return {"status": "ok"}
 
     async def prometheus(self):
+        if self.engine.batch_stats is not None:
+            self.metrics.batching(self.engine.batch_stats)
         return PlainTextResponse(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def models(self):
@@ -129,7 +132,7 @@ class ServedModel:
         try:
             await self.queue.start(job)
         except QueueFull:
-            raise APIError(429, f"the server's queue is full ({self.queue.max_queue} requests waiting for the one "
+            raise APIError(429, f"the server's queue is full ({self.queue.max_queue} requests waiting for the ones "
                                 f"running); retry later or start the server with a larger --max-queue",
                            type="rate_limit_error", code="queue_full") from None
         except ShuttingDown:

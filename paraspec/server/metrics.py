@@ -2,7 +2,8 @@
 
     paraspec:num_requests_total{endpoint,status}            every answered request by HTTP status
     paraspec:request_success_total{finished_reason}         finished generations: stop, length, cancelled, timeout
-    paraspec:num_requests_running / _waiting                 the generation in progress / the FIFO queue depth
+    paraspec:num_requests_running / _waiting                 the generations in progress / the FIFO queue depth
+    paraspec:batch_rows_per_step, _batch_forwards, _batch_mean_rows   batched requests (Engine max_num_seqs)
     paraspec:prompt_tokens_total, paraspec:generation_tokens_total
     paraspec:spec_decode_num_drafts_total                    verification rounds
     paraspec:spec_decode_num_draft_tokens_total / _num_accepted_tokens_total
@@ -51,7 +52,10 @@ class ServerMetrics:
         self._requests = counter("num_requests", "Requests answered, by endpoint and HTTP status",
                                  ("endpoint", "status"))
         self._success = counter("request_success", "Generations finished, by finish reason", ("finished_reason",))
-        self.running = gauge("num_requests_running", "Generations running (at most 1: one per engine)")
+        self.running = gauge("num_requests_running", "Generations running (at most the engine's max_num_seqs)")
+        self.batch_rows = gauge("batch_rows_per_step", "Rows of the last step's forwards, every running request's")
+        self.batch_forwards = gauge("batch_forwards", "Forwards run for batched requests, server lifetime")
+        self.batch_mean_rows = gauge("batch_mean_rows", "Rows per forward shared by several requests, lifetime")
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the FIFO queue")
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens processed").labels(**labels)
         self._generation_tokens = counter("generation_tokens", "Tokens generated").labels(**labels)
@@ -99,6 +103,13 @@ class ServerMetrics:
                 self._acceptance.set(t["accepted"] / t["drafted"])
             if t["rounds"]:
                 self._mean_accepted.set(t["verified"] / t["rounds"])
+
+    def batching(self, stats) -> None:
+        """The engine's Batcher counters (batching.BatchStats), read when /metrics is rendered."""
+        self.batch_rows.set(stats.last_rows)
+        self.batch_forwards.set(stats.steps)
+        shared = sum(stats.widths.values())
+        self.batch_mean_rows.set(stats.shared_rows / shared if shared else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,11 +1,12 @@
-"""The FIFO in front of one Engine: one generation at a time, a bounded number waiting, cancellation.
+"""The FIFO in front of one Engine: up to its max_num_seqs generations at once (batched, each answer as if
+alone; 1 for strategies that do not batch), a bounded number waiting, cancellation of one request.
 
 Each admitted request runs in a thread of its own (the Engine is synchronous); its text deltas reach the event
-loop through an asyncio queue. A job is cancelled (client gone, --request-timeout, shutdown) with Engine.cancel(),
-which stops every strategy, workers included, within one round; the engine's slot is handed to the next request
-only when the thread has ended, so a cancel can never reach the wrong request. A worker fault (WorkerError) is
-reported to its request first; then, still holding the slot, the workers are restarted (/health says 503 until
-they are back) and the next request in line runs on the new ones.
+loop through an asyncio queue. A job is cancelled (client gone, --request-timeout, shutdown) with its own
+Stream.cancel(), which ends that generation within one round, workers included, and no other; the engine's slot
+is handed to the next request only when the thread has ended. A worker fault (WorkerError) is reported to its
+request first; then, still holding the slot, the workers are restarted (/health says 503 until they are back) and
+the next request in line runs on the new ones.
 """
 from __future__ import annotations
 
@@ -42,16 +43,16 @@ class Job:
     error: BaseException | None = None
     queue_s: float = 0.0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    _queue: "GenerationQueue | None" = None
+    stream_handle: object = None       # the Engine's Stream once the request thread has opened it
 
     def cancel(self, reason: str) -> None:
-        """(event loop) Stop this job's generation: it ends with what it has, `reason` says why."""
+        """(event loop) Stop this job's generation, and no other: it ends with what it has, `reason` says why."""
         if self.finished.is_set() or self.cancelled.is_set():
             return
         self.reason = reason
         self.cancelled.set()
-        if self._queue is not None and self._queue.current is self:
-            self._queue.engine.cancel()
+        if self.stream_handle is not None:
+            self.stream_handle.cancel()
 
 
 class GenerationQueue:
@@ -60,11 +61,11 @@ class GenerationQueue:
         self.metrics = metrics
         self.max_queue = max_queue
         self.request_timeout = request_timeout
-        self.current: Job | None = None
+        self.running: set[Job] = set()
         self.waiting = 0
         self.restarting = False
         self.closing = False
-        self._slot = asyncio.Lock()            # FIFO: waiters acquire in arrival order
+        self._slot = asyncio.Semaphore(engine.max_num_seqs)     # FIFO: waiters acquire in arrival order
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, job: Job) -> None:
@@ -87,8 +88,8 @@ class GenerationQueue:
         if self.closing:
             self._slot.release()
             raise ShuttingDown()
-        job._queue, self.current = self, job
-        self.metrics.running.set(1)
+        self.running.add(job)
+        self.metrics.running.set(len(self.running))
         timer = self._loop.call_later(self.request_timeout, job.cancel, "timeout") \
             if self.request_timeout else None
         threading.Thread(target=self._run, args=(job, timer), daemon=True, name="paraspec-request").start()
@@ -103,12 +104,12 @@ class GenerationQueue:
         """(request thread) Run the generation, then hand the engine to the next request."""
         fault = False
         try:
-            stream = self.engine.stream(job.prompt_ids, job.params)
+            stream = job.stream_handle = self.engine.stream(job.prompt_ids, job.params)
+            if job.cancelled.is_set():          # cancelled before the engine had the request: stop it at once
+                stream.cancel()
             for delta in stream:
                 if job.stream:
                     self._emit(job, "delta", delta)
-                if job.cancelled.is_set():      # cancelled before the engine had the request: stop it now
-                    self.engine.cancel()
             job.result = stream.result
         except Exception as e:  # noqa: BLE001 -- reported to the client; a worker fault restarts the workers
             job.error = e
@@ -139,16 +140,16 @@ class GenerationQueue:
             self.metrics.generation(job.result, job.reason if reason == "cancelled" and job.reason else
                                     "length" if reason == "context" else reason)
             self.metrics.e2e.observe(job.queue_s + job.result.stats.total_s)
-        self.current = None
-        self.metrics.running.set(0)
+        self.running.discard(job)
+        self.metrics.running.set(len(self.running))
         job.finished.set()
         self._slot.release()
 
     def shutdown(self) -> None:
-        """(event loop) Refuse new requests and end the running one with an error."""
+        """(event loop) Refuse new requests and end the running ones with an error."""
         self.closing = True
-        if self.current is not None:
-            self.current.cancel("shutdown")
+        for job in list(self.running):
+            job.cancel("shutdown")
 
     def health(self) -> str | None:
         if self.closing:

@@ -11,7 +11,7 @@ from paraspec.run import Run
 class AR(LocalStrategy):
     name = "ar"
     summary = "autoregressive decoding of the target"
-    caps = Capabilities(drafts="none")
+    caps = Capabilities(drafts="none", batches=True)
 
     def decode(self, run: Run):
         target = self.target

@@ -50,6 +50,8 @@ class Capabilities:
                                                # not apply (the bench's @Nt)
     across_nodes: bool = False                 # its workers may sit on other nodes (devices NODE/...)
     why_not_across_nodes: str = "its models run in the caller's process"   # why not, when it may not
+    batches: bool = False                      # its loop runs in the caller on the models alone: requests may
+                                               # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
 
     def __post_init__(self):
         if self.drafts not in DRAFT_COUNTS:

@@ -24,7 +24,7 @@ class SD(LocalStrategy):
     summary = "synchronous speculative decoding (draft k, verify in one forward)"
     options = ("lookahead", "draft_confidence", "adaptive") + ROUND_DRAFTER_OPTIONS
     # drafters in order: a model-free one first, the model where it has nothing
-    caps = Capabilities(drafts="several", model_free=True)
+    caps = Capabilities(drafts="several", model_free=True, batches=True)
 
     def setup(self, placement: Placement) -> None:
         super().setup(placement)

@@ -55,13 +55,13 @@ def ar_engine(long_pair):
 
 
 class Server:
-    def __init__(self, pair, strategy: str, *extra: str):
+    def __init__(self, pair, strategy: str, *extra: str, dtype: str | None = "float32"):
         target, draft = pair
-        args = [a.format(draft=draft) for a in WORKERS[strategy]]
+        args = [a.format(draft=draft) for a in WORKERS[strategy]] + (["--dtype", dtype] if dtype else [])
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "paraspec", "serve", "--target", str(target), "--strategy", strategy,
-             "--dtype", "float32", "--port", "0", "--served-model-name", MODEL, *args, *extra],
+             "--port", "0", "--served-model-name", MODEL, *args, *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         line = self.process.stdout.readline()       # the server prints its URL once it listens
         match = re.search(r"at (http://\S+)/v1", line)

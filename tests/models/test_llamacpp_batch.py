@@ -1,0 +1,129 @@
+"""Several sequences in one llama.cpp context (LlamaCppModel(n_seqs=...)): what batching requests rests on.
+
+- each sequence has its own KV cache, length and rollback; `sequence(i)` is the Model protocol on sequence i;
+- rows of several sequences decoded in one forward (forward_batch) are bitwise the rows each sequence gets alone,
+  where the probe says so (`batch_exact`, measured in the child with the width probe and cached per sequence count);
+- bad batches are refused with errors that say what is allowed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paraspec.models import llamacpp
+from paraspec.models.llamacpp import LlamaCppModel, measure_batch_exact
+
+pytest.importorskip("llama_cpp")
+
+PROMPTS = [[5, 17, 33, 90, 12, 7], list(range(20, 95)), [3], list(range(200, 140, -1))]
+
+
+def alone(path, prompt: list[int], steps: list[list[int]], kernels: str) -> list[torch.Tensor]:
+    """The prompt's last row, then each step's rows, on a context holding this one sequence."""
+    model = LlamaCppModel(path, 512, (), n_threads=2, probe=False, kernels=kernels)
+    try:
+        rows = [model.prefill(prompt)[None]]
+        return rows + [model.forward(step) for step in steps]
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("kernels", ["repacked", "plain"])
+def test_sequences_batched_are_bitwise_alone_where_the_probe_says_so(gguf_pair, kernels):
+    model = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=2, probe=False, kernels=kernels, n_seqs=4)
+    exact, rows = measure_batch_exact(model, 8)
+    assert {r["sequences"] for r in rows} == {2, 3, 4} and {r["kind"] for r in rows} == {"decode", "verify"}
+    if not exact:
+        pytest.skip(f"llama.cpp's {kernels} kernels do not batch sequences exactly on this CPU (the probe refuses "
+                    f"batching here; tests/strategies/test_batched.py covers that path)")
+    rng = np.random.default_rng(5)
+    # decode steps (one token each) and verify-like steps (different widths per sequence), sequences joining late
+    steps = [[rng.integers(0, model.vocab_size, size=w).tolist() for w in widths]
+             for widths in ([1, 1, 4, 1], [3, 1, 1, 2], [1, 2, 1, 1], [2, 1, 3, 1])]
+    expected = [alone(gguf_pair["target"], p, s, kernels) for p, s in zip(PROMPTS, steps)]
+    got = [[] for _ in PROMPTS]
+    for seq in (0, 1):
+        got[seq].append(model.sequence(seq).prefill(PROMPTS[seq])[None])
+    for i in range(4):
+        if i == 1:                                         # two sequences join after the first step
+            for seq in (2, 3):
+                got[seq].append(model.sequence(seq).prefill(PROMPTS[seq])[None])
+        running = [0, 1] if i == 0 else [0, 1, 2, 3]
+        step = [seq_steps[i if seq < 2 else i - 1] for seq, seq_steps in enumerate(steps)]
+        out = model.forward_batch([(seq, step[seq], len(step[seq])) for seq in running])
+        for seq, logits in zip(running, out):
+            got[seq].append(logits)
+    for seq in range(4):
+        want = expected[seq][:len(got[seq])]
+        for g, w in zip(got[seq], want):
+            assert torch.equal(g, w), f"sequence {seq}: batched rows differ from alone"
+    assert [model.sequence(s).length for s in range(4)] == [len(p) + sum(map(len, s[:len(got[i]) - 1]))
+                                                           for i, (p, s) in enumerate(zip(PROMPTS, steps))]
+    model.close()
+
+
+def test_rollback_and_prefill_touch_only_their_sequence(gguf_pair):
+    model = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, probe=False, kernels="plain", n_seqs=2)
+    a, b = model.sequence(0), model.sequence(1)
+    a.prefill(PROMPTS[0])
+    b.prefill(PROMPTS[1])
+    before = b.forward([7, 8], last_n=1)
+    b.rollback(len(PROMPTS[1]))
+    a.rollback(2)                                          # sequence 0's cut leaves sequence 1's cache whole
+    a.prefill(PROMPTS[2])                                  # and so does a new prompt on sequence 0
+    assert (a.length, b.length) == (1, len(PROMPTS[1]))
+    assert torch.equal(b.forward([7, 8], last_n=1), before)
+    model.close()
+
+
+def test_forward_batch_refuses_what_it_cannot_do_exactly(gguf_pair):
+    model = LlamaCppModel(gguf_pair["target"], 64, (), n_threads=1, probe=False, kernels="plain", n_seqs=2)
+    model.exact_width = 4
+    for seq in (0, 1):
+        model.sequence(seq).prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="at most once"):
+        model.forward_batch([(0, [1], 1), (0, [2], 1)])
+    with pytest.raises(ValueError, match="at most once"):
+        model.forward_batch([(2, [1], 1)])
+    with pytest.raises(ValueError, match="exact_width"):
+        model.forward_batch([(0, [1] * 5, 1)])
+    with pytest.raises(ValueError, match="context full"):
+        model.sequence(1).forward([1] * 62)
+    with pytest.raises(ValueError, match="outside this context's 2"):
+        model.sequence(2)
+    with pytest.raises(ValueError, match="n_seqs must be a positive integer"):
+        LlamaCppModel(gguf_pair["target"], 64, (), n_threads=1, probe=False, n_seqs=0)
+    model.close()
+
+
+def test_the_batch_verdict_is_probed_in_the_child_and_cached_per_sequence_count(gguf_pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    three = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=3)
+    in_process = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, probe=False, kernels="plain", n_seqs=3)
+    in_process.exact_width = three.exact_width
+    assert three.batch_exact == measure_batch_exact(in_process, three.exact_width)[0]
+    in_process.close()
+
+    def fail(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(llamacpp, "run_probe", fail)
+    assert LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=3).batch_exact \
+        == three.batch_exact                                                   # from the cache
+    with pytest.raises(AssertionError, match="measured again"):                # another sequence count: another key
+        LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=2)
+    three.close()
+
+
+def test_an_inexact_batch_verdict_is_said(gguf_pair, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    real = llamacpp.run_probe
+
+    def rows_differ(model):
+        width, rows = real(model)
+        return width, rows + [{"sequences": 2, "kind": "decode", "max_abs_diff": 1e-3}]
+    monkeypatch.setattr(llamacpp, "run_probe", rows_differ)
+    model = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=2)
+    assert model.batch_exact is False
+    assert "one sequence per forward" in capsys.readouterr().err
+    model.close()

@@ -1,0 +1,171 @@
+"""Many callers at once (Engine max_num_seqs, batching.py): requests share each forward, and every answer is
+bit-identical to the same request run alone -- on an Engine of one sequence, one request at a time.
+
+N concurrent requests (different prompts, lengths, stop strings and max tokens; N = 1..8 on 4 sequences, so
+requests join and leave mid-run and some wait their turn) on `ar` and `sd` (model-free drafters and a draft
+model) on the llamacpp backend; greedy and seeded sampling; one request cancelled mid-batch while the others
+finish unchanged; the inexact verdict decoding one sequence per forward, still exact.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from paraspec import Engine, SamplingParams
+
+pytest.importorskip("llama_cpp")
+
+PROMPTS = [[5, 17, 33, 90, 12, 7], list(range(20, 60)), [3, 3, 3, 9], list(range(200, 150, -1)),
+           [40, 41, 40, 41, 40, 41, 42], [7] * 12, list(range(100, 130)), [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+LIMITS = [40, 25, 33, 12, 48, 20, 30, 17]
+CONFIGS = {"ar": dict(strategy="ar"), "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=4),
+           "sd-model": dict(strategy="sd", draft="model", lookahead=3),
+           "sd-ngram+model": dict(strategy="sd", draft=["ngram", "model"], lookahead=5)}
+
+
+def params(i: int, sampling: bool) -> SamplingParams:
+    extra = dict(temperature=0.9, top_p=0.95, seed=100 + i) if sampling else {}
+    return SamplingParams(max_new_tokens=LIMITS[i], stop=["re"] if i == 2 else None, **extra)
+
+
+def engine(gguf_pair, name: str, seqs: int, **kwargs) -> Engine:
+    config = dict(CONFIGS[name])
+    draft = config.pop("draft", None)
+    draft = [gguf_pair["draft"] if d == "model" else d for d in draft] if isinstance(draft, list) else \
+        (gguf_pair["draft"] if draft == "model" else draft)
+    target = gguf_pair["sample_target" if kwargs.pop("sampling", False) else "target"]
+    if draft == gguf_pair["draft"] and target == gguf_pair["sample_target"]:
+        draft = gguf_pair["sample_draft"]
+    return Engine(target, draft, backend="llamacpp", max_num_seqs=seqs, **config, **kwargs)
+
+
+def alone(gguf_pair, name: str, n: int, sampling: bool) -> list:
+    with engine(gguf_pair, name, 1, sampling=sampling) as one:
+        return [one.generate(PROMPTS[i], params(i, sampling)) for i in range(n)]
+
+
+def together(e: Engine, n: int, sampling: bool, stream: bool = False) -> list:
+    results, errors = [None] * n, []
+
+    def call(i):
+        try:
+            if stream and i % 2:
+                s = e.stream(PROMPTS[i], params(i, sampling))
+                text = "".join(s)
+                results[i] = s.result
+                assert text == s.result.text
+            else:
+                results[i] = e.generate(PROMPTS[i], params(i, sampling))
+        except BaseException as exc:     # noqa: BLE001 -- raised below, in the test's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def assert_same(got, want) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w.token_ids, f"request {i}: batched tokens differ from the request run alone"
+        assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sampling):
+    want = alone(gguf_pair, name, 8, sampling)
+    with engine(gguf_pair, name, 4, sampling=sampling) as e:
+        assert e.max_num_seqs == 4 and e.target.n_seqs == 4
+        for n in (1, 2, 5, 8):
+            assert_same(together(e, n, sampling, stream=n == 5), want[:n])
+        widths = e.batch_stats.widths
+    assert max(widths) >= 2, f"no forward was shared: {widths}"      # the requests really were batched
+    if name != "ar" and not sampling:
+        assert any(r.stats.drafted for r in want)
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(gguf_pair):
+    want = alone(gguf_pair, "sd-ngram", 4, False)
+    with engine(gguf_pair, "sd-ngram", 4) as e:
+        results = [None] * 4
+
+        def call(i):
+            results[i] = e.generate(PROMPTS[i], params(i, False))
+        threads = [threading.Thread(target=call, args=(i,)) for i in (1, 2, 3)]
+        stream = e.stream(PROMPTS[0], SamplingParams(max_new_tokens=200))     # alone: 200 tokens, no stop
+        next(stream)
+        for t in threads:
+            t.start()
+        next(stream)
+        stream.close()                                    # cancelled while the others decode beside it
+        for t in threads:
+            t.join(120)
+        assert stream.result.finish_reason == "cancelled" and len(stream.result.token_ids) < 200
+        assert_same(results[1:], want[1:])
+        assert e.running == 0
+
+
+def test_an_inexact_batch_verdict_decodes_one_sequence_per_forward(gguf_pair):
+    want = alone(gguf_pair, "ar", 4, False)
+    with engine(gguf_pair, "ar", 4) as e:
+        e.target.batch_exact = False                      # as if the probe had found rows differ in a batch
+        assert_same(together(e, 4, False), want)
+        assert e.batch_stats.widths == {}                 # nothing shared a forward
+
+
+def test_open_streams_are_idle_and_the_engine_full_says_who_holds_it(gguf_pair):
+    """A stream left open does not hold the others' steps up; a request beyond max_num_seqs waits, or with
+    on_busy="error" is refused naming the requests that hold the Engine."""
+    from paraspec import EngineBusy
+    want = alone(gguf_pair, "ar", 2, False)
+    with engine(gguf_pair, "ar", 2, on_busy="error") as e:
+        opened, release = threading.Event(), threading.Event()
+
+        def hold():                                       # a stream opened in its thread, read once, left open
+            held = e.stream(PROMPTS[3], SamplingParams(max_new_tokens=100))     # alone: no stop before 200
+            next(held)
+            opened.set()
+            release.wait(60)
+            held.close()
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert opened.wait(60)
+        got = []
+        t = threading.Thread(target=lambda: got.append(e.generate(PROMPTS[0], params(0, False))))
+        t.start()
+        t.join(60)
+        assert got and got[0].token_ids == want[0].token_ids      # it finished while the stream stayed open
+        other = e.stream(PROMPTS[1], params(1, False))
+        next(other)
+        with pytest.raises(EngineBusy, match=r"stream #\d+ .*; stream #\d+ .* are running on this Engine"):
+            threading_result = []
+            t = threading.Thread(target=lambda: threading_result.append(_call(e.generate, PROMPTS[2])))
+            t.start()
+            t.join(60)
+            raise threading_result[0]
+        rest = "".join(other)
+        assert other.result.token_ids == want[1].token_ids and rest
+        release.set()
+        holder.join(60)
+        assert e.running == 0
+
+
+def _call(fn, *args):
+    try:
+        fn(*args)
+    except BaseException as exc:       # noqa: BLE001 -- handed to the test's thread
+        return exc
+    return AssertionError("it did not raise")
+
+
+def test_max_num_seqs_is_checked_and_applies_where_requests_can_batch(gguf_pair, qwen2_target):
+    for bad in (0, -1, 1.5, True, 65):
+        with pytest.raises(ValueError, match="max_num_seqs must be an integer from 1 to 64"):
+            Engine(gguf_pair["target"], strategy="ar", max_num_seqs=bad)
+    with Engine(qwen2_target, strategy="ar", dtype="float32", max_num_seqs=4) as native:
+        assert native.max_num_seqs == 1 and native.batch_stats is None      # the native decoder: one at a time
