@@ -52,6 +52,7 @@ class BatchStats:
     shared_rows: int = 0           # rows of the shared forwards
     last_rows: int = 0             # rows of the last step's forwards (/metrics: batch rows per step)
     widths: dict = field(default_factory=dict)   # requests per shared forward -> count
+    moves: int = 0                 # requests moved to a lower sequence when another left (Batcher.move)
 
 
 class Batcher:
@@ -94,21 +95,49 @@ class Batcher:
         with self._cv:
             return len(self._members)
 
-    # -- forwards --------------------------------------------------------------------------------------------
-    def rollback(self, model, seq: int, length: int) -> None:
-        with self._lock:
-            model.rollback(length, seq)
+    def move(self, sources: list["BatchedSequence"], targets: list["BatchedSequence"]) -> None:
+        """Between steps: the request decoding on `sources` (a sequence of each model) goes on on the sequences of
+        `targets` (free: their request has left), its caches moved there (LlamaCppModel.move_sequence) and an ask
+        it has posted rewritten; the two sets of proxies swap sequence numbers. Keeps the running sequences
+        0, 1, 2, ...: llama.cpp decodes sequences in one micro-batch only while their ids follow each other."""
+        with self._between_steps():
+            for src, dst in zip(sources, targets):
+                src.model.move_sequence(src.seq, dst.seq)
+                if src.member is not None and src.member.ask is not None and src.member.ask.model is src.model:
+                    src.member.ask.seq = dst.seq
+                src.seq, dst.seq = dst.seq, src.seq
+            self.stats.moves += 1
 
-    def forward(self, member: Member, model, seq: int, tokens: list[int], outputs: int, prefill: bool = False
-                ) -> torch.Tensor:
-        """The rows a forward of `tokens` on sequence `seq` gives (the last `outputs`), run in this step."""
-        if not prefill:                      # this request's own errors, raised here, not in the step
-            model._check_room(len(tokens), seq)
-            model._check_vocabulary(tokens)
-        shareable = (not prefill and model.batch_exact and model._lengths[seq] > 0
-                     and len(tokens) <= model.exact_width)
-        ask = _Ask(model, seq, list(tokens), outputs, alone=not shareable, prefill=prefill)
+    # -- forwards --------------------------------------------------------------------------------------------
+    @contextmanager
+    def _between_steps(self):
+        """Hold the scheduler between steps: no step runs (none starts), no llama.cpp call is in flight."""
         with self._cv:
+            while self._stepping:
+                self._cv.wait()
+            with self._lock:
+                yield
+
+    def length(self, proxy: "BatchedSequence") -> int:
+        with self._cv:                       # not while its sequence moves (move())
+            return proxy.model._lengths[proxy.seq]
+
+    def rollback(self, proxy: "BatchedSequence", length: int) -> None:
+        with self._between_steps():
+            proxy.model.rollback(length, proxy.seq)
+
+    def forward(self, proxy: "BatchedSequence", tokens: list[int], outputs: int, prefill: bool = False
+                ) -> torch.Tensor:
+        """The rows a forward of `tokens` on the proxy's sequence gives (the last `outputs`), run in this step."""
+        member, model = proxy.member, proxy.model
+        with self._cv:
+            seq = proxy.seq
+            if not prefill:                  # this request's own errors, raised here, not in the step
+                model._check_room(len(tokens), seq)
+                model._check_vocabulary(tokens)
+            shareable = (not prefill and model.batch_exact and model._lengths[seq] > 0
+                         and len(tokens) <= model.exact_width)
+            ask = _Ask(model, seq, list(tokens), outputs, alone=not shareable, prefill=prefill)
             member.ask = ask
             self._cv.notify_all()
             while not ask.done:
@@ -194,15 +223,15 @@ class BatchedSequence:
 
     @property
     def length(self) -> int:
-        return self.model._lengths[self.seq]
+        return self.batcher.length(self)
 
     def rollback(self, length: int) -> None:
-        self.batcher.rollback(self.model, self.seq, length)
+        self.batcher.rollback(self, length)
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         if not token_ids:
             raise ValueError("prefill needs at least one token")
-        return self.batcher.forward(self.member, self.model, self.seq, token_ids, 1, prefill=True)[0]
+        return self.batcher.forward(self, token_ids, 1, prefill=True)[0]
 
     def forward(self, token_ids: list[int], positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
         if tree_mask is not None or positions is not None:
@@ -210,7 +239,7 @@ class BatchedSequence:
         if not token_ids:
             raise ValueError("forward needs at least one token")
         outputs = len(token_ids) if last_n is None else min(last_n, len(token_ids))
-        return self.batcher.forward(self.member, self.model, self.seq, token_ids, outputs)
+        return self.batcher.forward(self, token_ids, outputs)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.model.keep_path(prefix_len, slots)

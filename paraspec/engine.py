@@ -152,11 +152,13 @@ class Engine:
             return
         self._batcher = Batcher()
         self._slots = []
+        self._slot_lock = threading.Lock()
         for seq in range(self.max_num_seqs):
             slot = copy.copy(self.strategy)
             slot.target = BatchedSequence(self._batcher, self.strategy.target, seq)
             slot.draft_models = [BatchedSequence(self._batcher, m, seq) for m in self.strategy.draft_models]
             slot.policy, slot._pinning = None, None       # its own drafters; the Engine's strategy unpins
+            slot.in_use = False
             self._slots.append(slot)
 
     def restart_workers(self) -> None:
@@ -299,7 +301,7 @@ class Engine:
         forwards shared with the other requests' (batching.py); while its reader holds a batch it is idle."""
         strategy, member, idle = self.strategy, None, nullcontext
         if self._slots:
-            strategy = self._slots.pop()
+            strategy = self._take_slot()
             member = self._batcher.join()
             for model in (strategy.target, *strategy.draft_models):
                 model.member = member
@@ -325,9 +327,25 @@ class Engine:
             finally:
                 if member is not None:
                     self._batcher.leave(member)
-                    self._slots.append(strategy)
+                    self._give_back_slot(strategy)
             if request.cancelled.is_set() and not run.done:
                 run.finish_reason = "cancelled"
+
+    def _take_slot(self):
+        """The free sequence with the lowest number: the running ones stay 0, 1, 2, ... (see _give_back_slot)."""
+        with self._slot_lock:
+            slot = min((s for s in self._slots if not s.in_use), key=lambda s: s.target.seq)
+            slot.in_use = True
+            return slot
+
+    def _give_back_slot(self, slot) -> None:
+        """A request left: the running request on the highest sequence moves into its sequence (caches copied, its
+        drafters with it), so that the running sequences stay 0, 1, 2, ... and decode in one micro-batch."""
+        with self._slot_lock:
+            slot.in_use = False
+            top = max((s for s in self._slots if s.in_use), key=lambda s: s.target.seq, default=None)
+            if top is not None and top.target.seq > slot.target.seq:
+                self._batcher.move([top.target, *top.draft_models], [slot.target, *slot.draft_models])
 
     def cancel(self) -> bool:
         """Stop every generation in progress (from any thread) within one round; each ends with finish_reason

@@ -336,16 +336,32 @@ class LlamaCppModel:
         for seq, tokens, _ in items:
             self._check_room(len(tokens), seq)
             self._check_vocabulary(tokens)
-        _llama_decode_many(self._ctx, self._batch, [(seq, tokens, self._lengths[seq], outputs)
-                                                    for seq, tokens, outputs in items])
+        # in increasing sequence order: llama.cpp puts sequences in one micro-batch only while their ids follow
+        # each other (s, s + 1, ...; its per-sequence caches are viewed as one range), else one micro-batch each
+        order = sorted(range(len(items)), key=lambda i: items[i][0])
+        _llama_decode_many(self._ctx, self._batch, [(items[i][0], items[i][1], self._lengths[items[i][0]],
+                                                     items[i][2]) for i in order])
         rows = np.ctypeslib.as_array(_lib.llama_get_logits(self._ctx),
                                      shape=(sum(o for _, _, o in items), self.vocab_size))
-        out, at = [], 0
-        for seq, tokens, outputs in items:
+        out, at = [None] * len(items), 0
+        for i in order:
+            seq, tokens, outputs = items[i]
             self._lengths[seq] += len(tokens)
-            out.append(torch.from_numpy(rows[at:at + outputs].copy()))
+            out[i] = torch.from_numpy(rows[at:at + outputs].copy())
             at += outputs
         return out
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        """Sequence `src`'s cache becomes sequence `dst`'s (whose own is dropped) and `src` is empty: a byte copy of
+        its cache, cells in the same places, so its next rows are bitwise what they would have been. The Batcher
+        keeps the running sequences 0, 1, 2, ... (one micro-batch) with it when a request leaves a gap."""
+        if not (0 <= src < self.n_seqs and 0 <= dst < self.n_seqs) or src == dst:
+            raise ValueError(f"move_sequence({src}, {dst}): two different sequences of {self.n_seqs}")
+        self._clear(dst)
+        _lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)    # copied at the next llama_decode, before it runs
+        if not _lib.llama_memory_seq_rm(self._mem, src, -1, -1):
+            raise RuntimeError(f"llama.cpp refused to clear sequence {src} after copying it")
+        self._lengths[dst], self._lengths[src] = self._lengths[src], 0
 
     def forward(self, token_ids: list[int], positions: list[int] | None = None,
                 tree_mask: torch.Tensor | None = None, last_n: int | None = None, seq: int = 0) -> torch.Tensor:

@@ -77,6 +77,26 @@ def test_rollback_and_prefill_touch_only_their_sequence(gguf_pair):
     model.close()
 
 
+def test_a_moved_sequence_goes_on_bitwise_and_any_order_is_one_forward(gguf_pair):
+    """move_sequence copies a cache to another sequence, cells in place: its next rows are those it would have had;
+    forward_batch takes its items in any order (llama.cpp needs them by increasing sequence: sorted inside)."""
+    model = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, probe=False, kernels="plain", n_seqs=3)
+    for seq, prompt in enumerate(PROMPTS[:3]):
+        model.sequence(seq).prefill(prompt)
+    want = model.forward_batch([(2, [9, 10], 2), (0, [4], 1)])
+    model.rollback(len(PROMPTS[2]), 2)
+    model.rollback(len(PROMPTS[0]), 0)
+    assert [torch.equal(a, b) for a, b in zip(model.forward_batch([(0, [4], 1), (2, [9, 10], 2)]), want[::-1])] \
+        == [True, True]
+    model.rollback(len(PROMPTS[2]), 2)
+    model.move_sequence(2, 1)                              # sequence 2's request now decodes on sequence 1
+    assert (model.sequence(1).length, model.sequence(2).length) == (len(PROMPTS[2]), 0)
+    assert torch.equal(model.sequence(1).forward([9, 10]), want[0])
+    with pytest.raises(ValueError, match="two different sequences"):
+        model.move_sequence(1, 1)
+    model.close()
+
+
 def test_forward_batch_refuses_what_it_cannot_do_exactly(gguf_pair):
     model = LlamaCppModel(gguf_pair["target"], 64, (), n_threads=1, probe=False, kernels="plain", n_seqs=2)
     model.exact_width = 4

@@ -83,8 +83,9 @@ def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sa
         assert e.max_num_seqs == 4 and e.target.n_seqs == 4
         for n in (1, 2, 5, 8):
             assert_same(together(e, n, sampling, stream=n == 5), want[:n])
-        widths = e.batch_stats.widths
+        widths, moves = e.batch_stats.widths, e.batch_stats.moves
     assert max(widths) >= 2, f"no forward was shared: {widths}"      # the requests really were batched
+    assert moves > 0             # requests that outlived others moved down to keep the sequences contiguous
     if name != "ar" and not sampling:
         assert any(r.stats.drafted for r in want)
 
