@@ -116,7 +116,7 @@ LLAMACPP_PROMPTS = PROMPTS[:2]
 
 @pytest.fixture(scope="module")
 def llamacpp_reference() -> list:
-    with Engine(TARGET, strategy="ar", backend="llamacpp") as ar:
+    with Engine(TARGET, strategy="ar", backend="llamacpp", max_num_seqs=1) as ar:     # alone: one sequence
         return [ar.generate(p, PARAMS) for p in LLAMACPP_PROMPTS]
 
 
@@ -124,7 +124,7 @@ def llamacpp_reference() -> list:
 def test_llamacpp_strategy_equals_ar_exactly(llamacpp_reference, name):
     options = dict(LLAMACPP_STRATEGIES[name])
     draft = options.pop("draft", DRAFT)
-    with Engine(TARGET, draft, backend="llamacpp", **options) as engine:
+    with Engine(TARGET, draft, backend="llamacpp", max_num_seqs=1, **options) as engine:
         if options.get("adaptive"):
             inject_flat_costs(engine)       # the rule drafts wherever it has a chance, whatever the machine's load
         drafted = 0
