@@ -90,11 +90,6 @@ class Batcher:
             with self._cv:
                 member.computing = True
 
-    @property
-    def running(self) -> int:
-        with self._cv:
-            return len(self._members)
-
     def move(self, sources: list["BatchedSequence"], targets: list["BatchedSequence"]) -> None:
         """Between steps: the request decoding on `sources` (a sequence of each model) goes on on the sequences of
         `targets` (free: their request has left), its caches moved there (LlamaCppModel.move_sequence) and an ask
@@ -219,7 +214,6 @@ class BatchedSequence:
         self.batcher, self.model, self.seq = batcher, model, seq
         self.member = member               # the request decoding on it now (the Engine sets it per request)
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
-        self.path = getattr(model, "path", None)
 
     @property
     def length(self) -> int:

@@ -181,20 +181,15 @@ class Engine:
         arguments (EngineConfig); EngineBusy while a request runs. The strategy takes them now
         (Strategy.set_options: what it built from the old ones, e.g. its kept drafters, is built again)."""
         config = replace(self.config, options={**self.config.options, **options})
-        request = Request("set_options()", exclusive=True)
-        gate = self._gate
-        with gate.cv:
-            gate.check_usable(failed_ok=True)
-            if gate.active:
-                raise EngineBusy(f"options cannot change while {gate.active[0]} runs; {gate.active[0].how_to_end()}")
-            gate.active.append(request)     # no request starts while the strategy rebuilds
-            self.config = config
+        # no request starts while the strategy rebuilds
+        request = self._gate.claim(Request("set_options()", exclusive=True), "options cannot change")
+        self.config = config
         try:
             self.strategy.set_options(config.strategy_options)
             for slot in self._slots:        # the sequences' drafters are built again with the new options
                 slot.options, slot.policy = self.strategy.options, None
         finally:
-            gate.release(request)
+            self._gate.release(request)
 
     @property
     def options(self) -> dict:
@@ -350,7 +345,7 @@ class Engine:
     def cancel(self) -> bool:
         """Stop every generation in progress (from any thread) within one round; each ends with finish_reason
         "cancelled" (a stream stops yielding). False if nothing was running."""
-        running = [r for r in self._gate.running() if not r.exclusive]
+        running = self._gate.generations()
         for request in running:
             request.cancelled.set()
         if running:
@@ -369,7 +364,7 @@ class Engine:
     @property
     def running(self) -> int:
         """Generations in progress now (the server's /metrics)."""
-        return sum(not r.exclusive for r in self._gate.running())
+        return len(self._gate.generations())
 
     @property
     def batch_stats(self):

@@ -188,9 +188,20 @@ class RequestGate:
                 self.active.remove(request)
                 self.cv.notify_all()
 
-    def running(self) -> list[Request]:
+    def claim(self, request: Request, refusal: str) -> Request:
+        """Make `request` the only one in progress at once, or raise EngineBusy: `refusal` while the holder runs,
+        and how to end it (set_options: it never waits)."""
         with self.cv:
-            return list(self.active)
+            self.check_usable(failed_ok=True)
+            if self.active:
+                raise EngineBusy(f"{refusal} while {self.active[0]} runs; {self.active[0].how_to_end()}")
+            self.active.append(request)
+            return request
+
+    def generations(self) -> list[Request]:
+        """The generations in progress (not restart_workers() / set_options())."""
+        with self.cv:
+            return [r for r in self.active if not r.exclusive]
 
     def wait_idle(self, timeout: float) -> bool:
         with self.cv:

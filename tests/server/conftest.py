@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -103,6 +104,18 @@ class Server:
                 if all(f'{k}="{v}"' in line for k, v in labels.items()):
                     total += float(line.rsplit(" ", 1)[1])
         return total
+
+    def at_once(self, n: int, ask, metric: str) -> list[float]:
+        """ask(0) .. ask(n - 1), each in a thread of its own, all at once; `metric` sampled until they end."""
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        samples = []
+        while any(t.is_alive() for t in threads):
+            samples.append(self.metric(metric))
+        for t in threads:
+            t.join(120)
+        return samples
 
     def stop(self, timeout: float = 60) -> tuple[int, str]:
         self.process.send_signal(signal.SIGTERM)

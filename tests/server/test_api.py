@@ -1,7 +1,6 @@
 """The OpenAI API through the official `openai` client: every strategy's greedy output over HTTP is ar's through
 the Python API (streamed and not); chat, stop strings, max_tokens, seeds, usage, the paraspec extension, metrics,
 16 clients at once, the API key, and a 400 naming the field for every bad input."""
-import threading
 
 import openai
 import pytest
@@ -131,7 +130,7 @@ def test_models_health_and_metrics(ar_server):
 def test_sixteen_clients_at_once(ar_server, ar_engine):
     prompts = [f"client {i}: " for i in range(16)]
     want = [ar_engine.generate(p, SamplingParams(max_new_tokens=10)).token_ids for p in prompts]
-    results, depth = [None] * 16, []
+    results = [None] * 16
     client = ar_server.client()
 
     def ask(i):
@@ -139,13 +138,7 @@ def test_sixteen_clients_at_once(ar_server, ar_engine):
                                                stream=i % 2 == 1, extra_body={"return_token_ids": True})
         if i % 2:
             results[i] = list(results[i])[-1]
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        depth.append(ar_server.metric("paraspec:num_requests_waiting"))
-    for t in threads:
-        t.join(120)
+    depth = ar_server.at_once(16, ask, "paraspec:num_requests_waiting")
     assert [r.choices[0].model_extra["token_ids"] for r in results] == want
     assert max(depth) >= 2        # requests waited their turn, and /metrics showed it
 

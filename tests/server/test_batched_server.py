@@ -57,19 +57,13 @@ def alone(long_gguf):
 
 def test_concurrent_clients_each_get_the_answer_they_get_alone(server, alone):
     client = server.client()
-    results, running = [None] * len(PROMPTS), []
+    results = [None] * len(PROMPTS)
 
     def ask(i):
         reply = client.completions.create(model=MODEL, stream=i % 2 == 1, extra_body={"return_token_ids": True},
                                           **request(i))
         results[i] = list(reply)[-1] if i % 2 else reply
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        running.append(server.metric("paraspec:num_requests_running"))
-    for t in threads:
-        t.join(120)
+    running = server.at_once(len(PROMPTS), ask, "paraspec:num_requests_running")
     assert [r.choices[0].model_extra["token_ids"] for r in results] == alone
     assert max(running) >= 2                                   # they ran together, and /metrics said so
     assert server.metric("paraspec:batch_mean_rows") > 1       # their forwards were shared
