@@ -15,6 +15,9 @@ failing one records its traceback and the next still runs) and under its own tim
                    Qwen2.5-1.5B (target) and 0.5B (draft) shapes; every run's tokens must equal ar's
     planner        sim/planner.py's recommendation and predicted TPOT for 1, 2, 4 and 8 such devices, from the
                    measured graph costs (every forward padded to the chosen width, as the engine runs it)
+    compiled       the static step through torch.compile (fused kernels) before its graph is captured: one
+                   forward's cost at widths 1 and 8 for the first pair's shapes, compiled and not, and ar / sd
+                   through the Engine both ways (interleaved; tokens must equal ar's)
     suite          the lossless suite in a pytest subprocess with PARASPEC_TEST_DEVICE=<device>; its whole output
                    in DIR/suite.log
 
@@ -46,8 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SECTIONS = ("environment", "forward_cost", "strategies", "planner", "suite")
-CAP_S = {"environment": 30, "forward_cost": 120, "strategies": 180, "planner": 60, "suite": 240}
+SECTIONS = ("environment", "forward_cost", "strategies", "planner", "compiled", "suite")
+CAP_S = {"environment": 30, "forward_cost": 120, "strategies": 180, "planner": 60, "compiled": 240, "suite": 240}
+COMPILED_WIDTHS = (1, 8)
 MIN_START_S = 10                       # a section needs at least this much of the budget left to start
 SUITE_FILES = ("tests/test_sampling.py", "tests/test_verify.py", "tests/test_devices.py",
                "tests/drafters/test_token_tree.py", "tests/models/test_llama.py", "tests/models/test_static.py",
@@ -73,6 +77,8 @@ class Check:
     sections: tuple[str, ...]
     started: float = 0.0
     suite_k: str | None = None             # the suite's pytest -k selection (None: every test of SUITE_FILES)
+    suite_workers: int = 0                 # pytest-xdist processes for the suite (0: one pytest process)
+    suite_cap_s: float = CAP_S["suite"]    # the suite's own time cap (within the budget)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -138,7 +144,7 @@ def run_section(check: Check, report: Report, name: str, body) -> None:
         check.say(f"{name}: skipped ({record['reason']})")
         report.save()
         return
-    cap = min(CAP_S[name], left)
+    cap = min(check.suite_cap_s if name == "suite" else CAP_S[name], left)
     check.say(f"{name}: start (cap {cap:.0f} s)")
     record.update(status="running", cap_s=round(cap, 1))
     report.save()
@@ -377,7 +383,87 @@ def planner(check: Check, record: dict, deadline: float, save, measured: dict | 
         check.say(f"planner: {target} / {draft} done")
 
 
-# -- 5. the lossless suite on the device ------------------------------------------------------------------------
+# -- 5. the step through torch.compile ---------------------------------------------------------------------------
+
+def compiled(check: Check, record: dict, deadline: float, save) -> None:
+    """Does fusing the step's small kernels pay? The graph forwards are far from the memory bound (docs/GPU.md):
+    ~40 kernels a layer. Costs by width, then ar and sd through the Engine, compiled and not, one after the other."""
+    from paraspec.models.llama import NativeModel
+    from paraspec.models.shapes import random_decoder
+    from paraspec.models.static import forward_cost_ms
+    repeats = 5 if check.quick else 20
+    target_shape, draft_shape = check.pairs[0]
+    widths = COMPILED_WIDTHS[-1:] if check.quick else COMPILED_WIDTHS
+    record.update(widths=list(widths), context_slots=CONTEXT_SLOTS, models={}, runs=[])
+    # the Engine runs first: they are the answer (does sd beat ar once the step is fused?); their compiles also
+    # fill inductor's cache for the forward costs of the same width below
+    engine_runs(check, record, deadline, save, target_shape, draft_shape)
+    for shape in (draft_shape, target_shape):
+        if time.perf_counter() > deadline:
+            record["stopped"] = f"time cap reached before {shape}"
+            return
+        entry = record["models"][shape] = {"graph_ms": {}, "compiled_graph_ms": {}, "compile_s": {}}
+        model = NativeModel(random_decoder(shape, check.device), CONTEXT_SLOTS, static_width=None)
+        graph = True if check.cuda else False
+        for width in widths:
+            if time.perf_counter() > deadline:
+                record["stopped"] = f"time cap reached before {shape} W={width}"
+                return
+            entry["graph_ms"][width] = forward_cost_ms(model, width, graph=graph, repeats=repeats)
+            start = time.perf_counter()
+            entry["compiled_graph_ms"][width] = forward_cost_ms(model, width, graph=graph, repeats=repeats,
+                                                                compiled=True)
+            entry["compile_s"][width] = round(time.perf_counter() - start, 1)
+            check.say(f"compiled: {shape} W={width}: {entry['graph_ms'][width]:.2f} -> "
+                      f"{entry['compiled_graph_ms'][width]:.2f} ms (compile {entry['compile_s'][width]} s)")
+            save()
+        del model
+        free_device(check.device)
+
+
+def engine_runs(check: Check, record: dict, deadline: float, save, target_shape: str, draft_shape: str) -> None:
+    """ar, sd a=0.8 and sd a=0.95 through the Engine (in this process) with the step compiled and not."""
+    from paraspec import Engine, SamplingParams
+    from paraspec.models.simulated import SimulatedSpec
+    tokens = 24 if check.quick else 128
+    width = 8
+    ar_tokens = {}
+    runs = (("ar", None), ("sd", 0.95)) if check.quick else (("ar", None), ("sd", 0.8), ("sd", 0.95))
+    for strategy, rate in runs:
+        for compile_step in (False, True):
+            if time.perf_counter() > deadline:
+                record["stopped"] = f"time cap reached before {strategy} a={rate} compiled={compile_step}"
+                return
+            entry = dict(strategy=strategy, acceptance_rate=rate, compiled=compile_step, static_width=width)
+            record["runs"].append(entry)
+            try:
+                target = SimulatedSpec(role="target", shape=target_shape, seed=0, compile_step=compile_step)
+                draft = None if rate is None else SimulatedSpec(role="draft", shape=draft_shape, seed=0,
+                                                                acceptance_rate=rate, compile_step=compile_step)
+                options = {} if rate is None else {"lookahead": SD_LOOKAHEAD[rate]}
+                start = time.perf_counter()
+                with Engine(target, draft, strategy=strategy, target_devices=[check.engine_device],
+                            draft_devices=[check.engine_device], max_context=CONTEXT_SLOTS, static_width=width,
+                            **options) as engine:
+                    engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))     # warm-up
+                    entry["startup_s"] = round(time.perf_counter() - start, 2)
+                    result = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=tokens))
+                s = result.stats
+                entry.update(tpot_ms=s.tpot_ms, ms_per_token=s.ms_per_token, measured_acceptance=s.acceptance_rate)
+                if strategy == "ar":
+                    ar_tokens[compile_step] = result.token_ids
+                entry["tokens_match_ar"] = result.token_ids == ar_tokens.get(False)
+                check.say(f"compiled: {strategy} a={rate} compiled={compile_step}: TPOT {s.tpot_ms:.2f} ms, "
+                          f"= ar: {entry['tokens_match_ar']}")
+            except Exception:
+                entry["error"] = traceback.format_exc()
+                check.say(f"compiled: {strategy} a={rate} compiled={compile_step} failed -- "
+                          f"{last_line(entry['error'])}")
+            free_device(check.device)
+            save()
+
+
+# -- 6. the lossless suite on the device ------------------------------------------------------------------------
 
 SUMMARY_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)\b")
 
@@ -405,8 +491,10 @@ def suite(check: Check, record: dict, deadline: float, save) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=10", "-p", "no:cacheprovider", *files]
     if check.suite_k:
         cmd += ["-k", check.suite_k]
+    if check.suite_workers:
+        cmd += ["-n", str(check.suite_workers)]
     record.update(files=files, missing=[f for f in SUITE_FILES if f not in files], command=" ".join(cmd[2:]),
-                  test_device=check.device)
+                  test_device=check.device, workers=check.suite_workers)
     env = dict(os.environ, PARASPEC_TEST_DEVICE=check.device,
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     log = check.out / "suite.log"
@@ -462,6 +550,7 @@ def render_markdown(data: dict) -> str:
     lines += _forward_cost_md(sections.get("forward_cost", {}))
     lines += _strategies_md(sections.get("strategies", {}))
     lines += _planner_md(sections.get("planner", {}), sections.get("strategies", {}))
+    lines += _compiled_md(sections.get("compiled", {}))
     suite_record = sections.get("suite", {})
     if "outcome" in suite_record:
         counts = suite_record.get("counts") or {}
@@ -562,6 +651,30 @@ def _planner_md(record: dict, strategies_record: dict) -> list[str]:
     return lines
 
 
+def _compiled_md(record: dict) -> list[str]:
+    models, runs = record.get("models") or {}, record.get("runs") or []
+    if not models and not runs:
+        return []
+    lines = ["", "## The step through torch.compile", "", "| model | width | graph ms | compiled graph ms | "
+             "compile s |", "|---|---|---|---|---|"]
+    for shape, m in models.items():
+        for w in m.get("compiled_graph_ms", {}):
+            lines.append(f"| {shape} | {w} | {_ms(m['graph_ms'].get(w))} | {_ms(m['compiled_graph_ms'][w])} | "
+                         f"{m['compile_s'].get(w)} |")
+    if runs:
+        lines += ["", "| strategy | acceptance | compiled | TPOT ms | ms/token | = ar | startup s |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in runs:
+            if "error" in r:
+                lines.append(f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {r['compiled']} | failed: "
+                             f"{last_line(r['error']).replace('|', '/')} | | | |")
+            elif "tpot_ms" in r:
+                lines.append(f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {r['compiled']} | "
+                             f"{_ms(r['tpot_ms'])} | {_ms(r['ms_per_token'])} | {r['tokens_match_ar']} | "
+                             f"{r['startup_s']} |")
+    return lines
+
+
 # -- the command ---------------------------------------------------------------------------------------------------
 
 def parse_args(argv) -> argparse.Namespace:
@@ -576,12 +689,19 @@ def parse_args(argv) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--suite-k", default=None, metavar="EXPR",
                         help="the suite section runs only the tests pytest -k EXPR selects (default: all of them)")
+    parser.add_argument("--suite-cap-s", type=float, default=CAP_S["suite"],
+                        help=f"the suite's time cap within the budget (default {CAP_S['suite']})")
+    parser.add_argument("--suite-workers", default="auto", metavar="N",
+                        help="pytest-xdist processes sharing the device for the suite: an integer (0: one pytest "
+                             "process) or 'auto' (default: half the CPUs, at most 8, on CUDA where pytest-xdist "
+                             "is installed; else 0)")
     args = parser.parse_args(argv)
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     args.sections = sections
+    args.suite_workers = suite_workers(parser, args.suite_workers, args.device)
     if args.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
@@ -592,17 +712,37 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+def suite_workers(parser, value: str, device: str) -> int:
+    """--suite-workers as a count. The suite's tests are independent (their own temporary folders, shared-memory
+    names and ports), so on a GPU machine's many cores several pytest processes can share the one device: the
+    suite then fits a borrowed GPU's minutes."""
+    import importlib.util
+    has_xdist = importlib.util.find_spec("xdist") is not None
+    if value == "auto":
+        return min(8, (os.cpu_count() or 2) // 2) if device.startswith("cuda") and has_xdist else 0
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        parser.error(f"--suite-workers {value!r}: an integer >= 0 or 'auto'")
+    if count and not has_xdist:
+        parser.error(f"--suite-workers {count} needs pytest-xdist (pip install pytest-xdist), or pass 0")
+    return count
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     check = Check(device=args.device, out=Path(args.out), quick=args.quick or not args.device.startswith("cuda"),
                   budget_s=args.budget_s, sections=args.sections, started=time.perf_counter(),
-                  suite_k=args.suite_k)
+                  suite_k=args.suite_k, suite_workers=args.suite_workers,
+                  suite_cap_s=args.suite_cap_s)
     report = Report(check.out, dict(device=check.device, quick=check.quick, budget_s=check.budget_s,
                                     sections=list(check.sections)))
     check.say(f"device {check.device}, quick {check.quick}, budget {check.budget_s:.0f} s, out {check.out}")
     bodies = dict(environment=environment, forward_cost=forward_cost, strategies=strategies,
                   planner=lambda c, r, d, s: planner(c, r, d, s, report.data["sections"].get("forward_cost")),
-                  suite=suite)
+                  compiled=compiled, suite=suite)
     import torch
     threads = torch.get_num_threads()
     if not check.cuda:

@@ -247,10 +247,11 @@ class NativeModel:
     static_width: an int W pads every forward to W rows (models/static.py: one shape, so a row's logits do not
     depend on the others; graph-captured on CUDA); None runs each forward at its own width; "auto" is W measured
     once on a CUDA device and None on a CPU, where padding costs compute. `graph` (None: on CUDA) captures the
-    W-row step in a CUDA graph."""
+    W-row step in a CUDA graph; `compile_step` runs the step through torch.compile first (fewer, fused kernels:
+    docs/GPU.md; off by default)."""
 
     def __init__(self, decoder: Decoder, max_context: int, eos_token_ids: tuple[int, ...] = (),
-                 static_width: int | str | None = None, graph: bool | None = None):
+                 static_width: int | str | None = None, graph: bool | None = None, compile_step: bool = False):
         cfg = decoder.cfg
         self.decoder, self.cfg = decoder, cfg
         param = decoder.lm_head.weight
@@ -273,7 +274,7 @@ class NativeModel:
         if width is not None:
             if width == "auto":
                 width = measured_width(self)
-            self.static = StaticForward(self, width, graph)
+            self.static = StaticForward(self, width, graph, compile_step)
 
     @property
     def static_width(self) -> int | None:

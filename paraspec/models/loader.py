@@ -188,15 +188,15 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_native(folder: Path, dtype: torch.dtype, max_context: int | None = None,
-                device: str = "cpu", static_width: int | str | None = "auto", graph: bool | None = None
-                ) -> NativeModel:
+                device: str = "cpu", static_width: int | str | None = "auto", graph: bool | None = None,
+                compile_step: bool = False) -> NativeModel:
     from paraspec.models.static import cuda_setup
     with cuda_setup(device):           # one CUDA model set up at a time per process (models/static.py)
-        return _load_native(folder, dtype, max_context, device, static_width, graph)
+        return _load_native(folder, dtype, max_context, device, static_width, graph, compile_step)
 
 
 def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, device: str,
-                 static_width: int | str | None, graph: bool | None) -> NativeModel:
+                 static_width: int | str | None, graph: bool | None, compile_step: bool) -> NativeModel:
     cfg = DecoderConfig.from_hf(read_config(folder))
     state = load_state_dict(folder)
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
@@ -222,7 +222,7 @@ def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, devi
     decoder.eval().requires_grad_(False)
     ctx = min(max_context or 4096, cfg.max_position_embeddings)
     return NativeModel(decoder, ctx, eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids),
-                       static_width=static_width, graph=graph)
+                       static_width=static_width, graph=graph, compile_step=compile_step)
 
 
 def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int | None = None,

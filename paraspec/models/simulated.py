@@ -46,6 +46,7 @@ class SimulatedSpec:
     eos_token_ids: tuple[int, ...] = ()
     peak: float = 20.0
     shape: str | None = None                   # also pay a real forward of this decoder shape (models/shapes.py)
+    compile_step: bool = False                 # that real forward's static step through torch.compile
 
     def __post_init__(self):
         if self.shape is not None:
@@ -83,7 +84,7 @@ class SimulatedModel:
             from paraspec.models.llama import NativeModel
             from paraspec.models.shapes import random_decoder
             self.real = NativeModel(random_decoder(spec.shape, device, dtype, seed=spec.seed), self.max_context,
-                                    static_width=static_width)
+                                    static_width=static_width, compile_step=spec.compile_step)
 
     @property
     def length(self) -> int:

@@ -65,8 +65,9 @@ def cuda_setup(device) -> contextlib.AbstractContextManager:
 class StaticForward:
     """The fixed-width forward of one NativeModel: its input buffers, the step, and (on CUDA) the step's graph."""
 
-    def __init__(self, model, width: int, graph: bool | None = None):
+    def __init__(self, model, width: int, graph: bool | None = None, compiled: bool = False):
         self.model, self.width = model, width
+        self.compiled = compiled
         device = model.device
         slots = model.cache.k.shape[2]
         self.key_slots = torch.arange(slots, device=device)
@@ -77,6 +78,9 @@ class StaticForward:
         self._causal_visibility(self.inputs[2], model.cfg.sliding_window)   # slot 0 (no all-masked row: no NaN)
         self.out: torch.Tensor | None = None
         self.graph = None
+        # compiled: torch.compile fuses the step's small kernels (norms, RoPE, SiLU, residuals, the mask) at one
+        # fixed shape, so a row's result still depends on that row alone; captured in the graph below on CUDA
+        self._step = torch.compile(self.step, fullgraph=True, dynamic=False) if compiled else self.step
         if graph and device.type != "cuda":
             raise ValueError(f"graph=True captures a CUDA graph: the model is on {device}; pass graph=None "
                              f"(graphs where the device is CUDA) or False")
@@ -112,13 +116,13 @@ class StaticForward:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.inference_mode(), torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.step()
+                    self._step()
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: a worker's other threads (heartbeats, channels) may call CUDA while this one captures
                 with torch.inference_mode(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self.out = self.step()
+                    self.out = self._step()
             except RuntimeError as e:
                 warnings.warn(f"CUDA graph capture of the {self.width}-row forward failed on {device} ({e}); "
                               f"running it eagerly (exact, slower)", RuntimeWarning, stacklevel=2)
@@ -128,7 +132,7 @@ class StaticForward:
 
     def run(self) -> torch.Tensor:
         if self.graph is None:
-            return self.step()
+            return self._step()
         self.graph.replay()
         return self.out
 
@@ -227,12 +231,12 @@ def _width_key(model) -> str:
     return hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
 
 
-def forward_cost_ms(model, width: int, graph: bool | None = None, repeats: int = 20) -> float:
-    """Median milliseconds of one `width`-row step of `model` (graph-captured on CUDA unless graph=False), timed
-    with CUDA events on a GPU, perf_counter on a CPU. The cache is left empty."""
+def forward_cost_ms(model, width: int, graph: bool | None = None, repeats: int = 20, compiled: bool = False) -> float:
+    """Median milliseconds of one `width`-row step of `model` (graph-captured on CUDA unless graph=False; through
+    torch.compile if `compiled`), timed with CUDA events on a GPU, perf_counter on a CPU. The cache is left empty."""
     import statistics
     import time
-    static = StaticForward(model, width, graph)
+    static = StaticForward(model, width, graph, compiled)
     times = []
     with torch.inference_mode():
         for i in range(repeats + 3):

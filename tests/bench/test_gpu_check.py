@@ -13,7 +13,7 @@ from paraspec.models.static import WIDTHS
 
 ROOT = Path(__file__).resolve().parents[2]
 ABSENT_ON_GPU_MACHINE = ("ray", "fastapi", "uvicorn", "openai", "llama_cpp")
-MEASURED = ("environment", "forward_cost", "strategies", "planner")     # the suite runs in CI anyway
+MEASURED = ("environment", "forward_cost", "strategies", "planner", "compiled")   # the suite runs in CI anyway
 
 
 def without_modules(tmp_path: Path) -> dict:
@@ -31,8 +31,8 @@ def cpu_run(tmp_path_factory):
     blocked = subprocess.run([sys.executable, "-c", "import fastapi"], env=env, capture_output=True, text=True)
     assert blocked.returncode != 0 and "halted" in blocked.stderr        # the blocking itself works
     proc = subprocess.run([sys.executable, "-m", "paraspec.bench.gpu_check", "--device", "cpu", "--out", str(out),
-                           "--sections", ",".join(MEASURED), "--budget-s", "150"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                           "--sections", ",".join(MEASURED), "--budget-s", "300"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, json.loads((out / "gpu_check.json").read_text()), proc.stdout
 
@@ -87,11 +87,43 @@ def test_the_planner_answers_for_each_device_count(cpu_run):
         assert (p["best_tpot_ms"]["dsi"] is None) == (p["devices"] == 1)   # dsi needs a second device
 
 
+def test_the_compiled_step_is_timed_and_returns_the_same_tokens(cpu_run):
+    record = cpu_run[1]["sections"]["compiled"]
+    assert [(r["strategy"], r["compiled"]) for r in record["runs"]] == \
+        [("ar", False), ("ar", True), ("sd", False), ("sd", True)]
+    for r in record["runs"]:
+        assert "error" not in r, r["error"]
+        assert r["tokens_match_ar"] is True and r["tpot_ms"] > 0 and r["static_width"] == 8
+    for shape in gpu_check.QUICK_PAIRS[0]:
+        m = record["models"][shape]
+        assert set(m["compiled_graph_ms"]) == set(m["graph_ms"]) == {"8"} and m["compiled_graph_ms"]["8"] > 0
+
+
 def test_the_summary_has_every_table(cpu_run):
     md = (cpu_run[0] / "gpu_check.md").read_text()
     for heading in ("## Environment", "## Forward cost by width", "## Strategies through the Engine",
-                    "## Planner predictions", "predicted vs measured"):
+                    "## Planner predictions", "predicted vs measured", "## The step through torch.compile"):
         assert heading in md
+
+
+@pytest.mark.parametrize("value, device, has_xdist, expected", [
+    ("0", "cpu", False, 0), ("3", "cuda:0", True, 3), ("auto", "cpu", True, 0), ("auto", "cuda:0", False, 0),
+    ("auto", "cuda:0", True, min(8, (os.cpu_count() or 2) // 2)), ("3", "cuda:0", False, "pytest-xdist"),
+    ("-1", "cpu", True, "an integer"), ("many", "cpu", True, "an integer"),
+])
+def test_suite_workers(value, device, has_xdist, expected, monkeypatch):
+    import argparse
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if has_xdist else None) if name == "xdist" else real_find_spec(name, *a))
+    parser = argparse.ArgumentParser()
+    if isinstance(expected, int):
+        assert gpu_check.suite_workers(parser, value, device) == expected
+    else:
+        monkeypatch.setattr(parser, "error", lambda message: (_ for _ in ()).throw(ValueError(message)))
+        with pytest.raises(ValueError, match=expected):
+            gpu_check.suite_workers(parser, value, device)
 
 
 def test_a_failing_section_leaves_the_others_running(tmp_path, monkeypatch):

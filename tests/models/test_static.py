@@ -13,8 +13,9 @@ from tests.conftest import ON_CUDA, TEST_DEVICE, needs_cuda
 FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]   # mistral: a sliding window of 16
 
 
-def native(folder, width, graph=None):
-    return load_native(folder, torch.float32, device=TEST_DEVICE, static_width=width, graph=graph)
+def native(folder, width, graph=None, compile_step=False):
+    return load_native(folder, torch.float32, device=TEST_DEVICE, static_width=width, graph=graph,
+                       compile_step=compile_step)
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])
@@ -22,9 +23,25 @@ def native(folder, width, graph=None):
 def test_a_row_is_the_same_bits_whatever_its_forward_carried(family, width, request):
     """Decoding one token at a time, verifying a chunk, a rollback and a chunk again: each token's logits are
     bitwise those of any other split -- what makes sd's verification agree with ar's steps on a GPU."""
+    assert_rows_independent_of_the_split(native(request.getfixturevalue(family), width))
+
+
+# compiling costs tens of seconds a model on a CPU: one family there, every family on a GPU
+@pytest.mark.parametrize("family", FAMILIES if ON_CUDA else FAMILIES[:1])
+def test_a_compiled_step_keeps_rows_independent_of_the_split(family, request):
+    """torch.compile's fused kernels at the one fixed shape: a row's logits still depend on that row alone, and
+    they compute the eager step's numbers (to float rounding: other kernels)."""
     folder = request.getfixturevalue(family)
+    compiled = native(folder, 8, compile_step=True)
+    assert compiled.static.compiled
+    assert_rows_independent_of_the_split(compiled)
+    ids = list(range(5, 45))
+    compiled.rollback(0)
+    assert (compiled.forward(ids).cpu() - native(folder, 8).forward(ids).cpu()).abs().max() < 1e-3
+
+
+def assert_rows_independent_of_the_split(model):
     ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    model = native(folder, width)
     whole = model.forward(ids)                                      # one call: ceil(40 / W) padded steps
     model.prefill(ids[:17])
     singles = torch.stack([model.forward([t])[-1] for t in ids[17:23]])
