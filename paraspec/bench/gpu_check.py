@@ -484,11 +484,25 @@ def parse_pytest_summary(output: str) -> dict | None:
     return None
 
 
+def failed_tests(output: str) -> list[str]:
+    """The node ids of the tests that failed or errored, from pytest -v's per-test lines ("tests/x.py::t FAILED",
+    "[gw3] ... FAILED tests/x.py::t" under xdist) and the -rfE summary; in order, each once."""
+    found = []
+    for line in output.splitlines():
+        for match in re.finditer(r"(tests/\S+::\S+)\s+(?:FAILED|ERROR)\b|(?:FAILED|ERROR)\s+(tests/\S+::\S+)", line):
+            node = match.group(1) or match.group(2)
+            if node not in found:
+                found.append(node)
+    return found
+
+
 def suite(check: Check, record: dict, deadline: float, save) -> None:
     files = [f for f in SUITE_FILES if (ROOT / f).exists()]
     cap = max(deadline - time.perf_counter(), 1.0)
     # no -x: a borrowed GPU's minutes are few, so one run reports every failure
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=10", "-p", "no:cacheprovider", *files]
+    # -v: each test's outcome is written as it ends (with xdist too), so a suite cut at its cap still names
+    # every test that failed before then
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=10", "-p", "no:cacheprovider", *files]
     if check.suite_k:
         cmd += ["-k", check.suite_k]
     if check.suite_workers:
@@ -511,6 +525,7 @@ def suite(check: Check, record: dict, deadline: float, save) -> None:
             timed_out = True
     output = log.read_text(errors="replace")
     record["counts"] = parse_pytest_summary(output)
+    record["failed_tests"] = failed_tests(output)
     record["tail"] = "\n".join(output.rstrip().splitlines()[-40:])
     if timed_out:
         record["outcome"] = f"timeout after {cap:.0f} s"
@@ -557,6 +572,8 @@ def render_markdown(data: dict) -> str:
         lines += ["", "## Lossless suite on the device", "",
                   f"**{suite_record['outcome']}** -- " + ", ".join(f"{v} {k}" for k, v in counts.items()),
                   "", f"`{suite_record['command']}` with PARASPEC_TEST_DEVICE={suite_record['test_device']}"]
+        if suite_record.get("failed_tests"):
+            lines += ["", "Failed:", ""] + [f"- `{node}`" for node in suite_record["failed_tests"]]
         if suite_record.get("missing"):
             lines.append(f"(not present: {', '.join(suite_record['missing'])})")
         lines += ["", "```", suite_record.get("tail", ""), "```"]
