@@ -100,7 +100,7 @@ bench-model-free: setup models peer
 DEVICE ?= cuda:0
 OUT ?= out/gpu-check
 gpu-check:
-	PYTHONPATH=. $(PY) -m paraspec.bench.gpu_check --device $(DEVICE) --out $(OUT)
+	PYTHONPATH=. $(PY) -m paraspec.bench.gpu_check --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -41,6 +41,7 @@ class EngineConfig:
     link_latency_ms: float = 0.0                  # tests and benchmarks: delay per message on the network transport
     static_width: Any = "auto"                    # native models: pad every forward to this many rows (models/static.py);
                                                   # "auto": measured on CUDA, off on CPU; None: off
+    compile_step: bool = False                    # native models on a static width: the step through torch.compile
     max_num_seqs: int = 4                         # requests decoded at once where the strategy batches (caps.batches)
     draft_specs: tuple[DraftSpec, ...] = field(init=False, default=())   # `draft` in order, each marked (below)
     model_backend: str = field(init=False, default="")   # `backend` checked; "auto" where the checkpoints
@@ -83,6 +84,7 @@ class EngineConfig:
         self._check_placement()
         self.model_backend = self._resolve_backend(cls)
         self._check_static_width()
+        self._check_compile_step()
         cls.check_config(self)
 
     def _check_placement(self) -> None:
@@ -101,6 +103,14 @@ class EngineConfig:
         if self.link_latency_ms and self.transport != "tcp" and not on_nodes:
             raise ValueError("link_latency_ms delays messages of the network transport; with every worker on this "
                              "host pass transport='tcp' too")
+
+    def _check_compile_step(self) -> None:
+        """compile_step fuses the static-shape step of the native decoder: it needs that step."""
+        if not isinstance(self.compile_step, bool):
+            raise ValueError(f"compile_step must be True or False, got {self.compile_step!r}")
+        if self.compile_step and (self.model_backend not in ("native", "auto") or self.static_width is None):
+            raise ValueError("compile_step=True compiles the native decoder's static-shape step: use "
+                             "backend='native' with static_width=W (or 'auto' on a CUDA device)")
 
     def _check_static_width(self) -> None:
         """static_width is the native decoder's: another backend with a fixed width is an error."""
@@ -128,7 +138,8 @@ class EngineConfig:
         backend = self.backend
         if backend == "auto":
             if any(isinstance(m, SimulatedSpec) for m in models) or str(self.dtype) != "auto" \
-                    or "llamacpp" not in cls.caps.backends or isinstance(self.static_width, int):
+                    or "llamacpp" not in cls.caps.backends or isinstance(self.static_width, int) \
+                    or self.compile_step:
                 return "native"      # a dtype asks for torch weights, a static width for the native decoder;
                                      # trees need the native decoder
             return "auto"

@@ -59,7 +59,7 @@ class Engine:
                  allow_vocab_mismatch: bool = False, runtime: str = "process", on_busy: str = "wait",
                  worker_timeout: float | None = 60.0, wait_timeout: float | None = 600.0, transport: str = "auto",
                  ray_address: str | None = None, link_latency_ms: float = 0.0, static_width="auto",
-                 max_num_seqs: int = 4, **options):
+                 compile_step: bool = False, max_num_seqs: int = 4, **options):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
@@ -78,12 +78,15 @@ class Engine:
         `link_latency_ms` (tests, benchmarks) delays every network message by that much.
         `static_width` (native backend): pad every forward to W rows, so that a token's logits do not depend on
         how many tokens its forward carried (one kernel shape; a CUDA graph on GPUs; models/static.py): an int,
-        "auto" (a width measured on CUDA devices, off on CPUs) or None (off)."""
+        "auto" (a width measured on CUDA devices, off on CPUs) or None (off). `compile_step` runs that padded
+        step through torch.compile (fused kernels; 1.5x on an H100, docs/GPU.md; tens of seconds per model at
+        load)."""
         self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
                                  max_context, allow_vocab_mismatch, runtime, options, on_busy=on_busy,
                                  worker_timeout=worker_timeout, wait_timeout=wait_timeout, transport=transport,
                                  ray_address=ray_address, link_latency_ms=link_latency_ms,
-                                 static_width=static_width, max_num_seqs=max_num_seqs))
+                                 static_width=static_width, compile_step=compile_step,
+                                 max_num_seqs=max_num_seqs))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -130,7 +133,8 @@ class Engine:
                   for d in config.draft_specs]          # in order; model-free drafters ("ngram") stay names
         return Placement(resolved[0], drafts, self.target_devices, self.draft_devices,
                          dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context,
-                              static_width=config.static_width, **seqs),
+                              static_width=config.static_width, **seqs,
+                              **({"compile_step": True} if config.compile_step else {})),
                          config.runtime, config.worker_timeout, config.runtime_options)
 
     def _check_vocabularies(self) -> list[tuple[int, object]]:

@@ -201,14 +201,15 @@ def shared_model_loads():
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
     original, cache = loader_module.load_model, {}
 
-    def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu", static_width="auto"):
+    def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu", static_width="auto",
+             compile_step=False):
         # a hub id and the folder it resolves to are one model
         torch_dtype = parse_dtype(dtype, device)
         key = (str(resolve_checkpoint(spec, torch_dtype, backend)), torch_dtype, backend, max_context, str(device),
-               static_width)
+               static_width, compile_step)
         if key not in cache:
             cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device,
-                                  static_width=static_width)
+                                  static_width=static_width, compile_step=compile_step)
         return cache[key]
 
     loader_module.load_model = load

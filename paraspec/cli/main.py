@@ -46,6 +46,10 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
                    help="native backend: pad every forward to W rows (one kernel shape, a CUDA graph on GPUs, so "
                         "a token's logits do not depend on the forward's width); 'auto' (default): measured on "
                         "CUDA, off on CPU; 'none': off")
+    p.add_argument("--compile-step", action="store_true",
+                   help="native backend with a static width: run the padded step through torch.compile (fused "
+                        "kernels, then a CUDA graph; 1.5x on an H100, docs/GPU.md; tens of seconds per model to "
+                        "compile at load)")
     p.add_argument("--runtime", default="process", choices=["process", "inprocess", "ray"],
                    help="where the workers of amusd, dsi and easyspec (its extra --draft-devices) run: one process "
                         "per device group, threads (tests), or Ray actors (pip install 'paraspec[ray]'); ar, sd "
@@ -97,6 +101,7 @@ def engine_config(args, strategy: str | None = None, options: dict | None = None
                         transport=getattr(args, "transport", "auto"), ray_address=getattr(args, "ray_address", None),
                         link_latency_ms=getattr(args, "link_latency_ms", 0.0),
                         static_width=getattr(args, "static_width", "auto"),
+                        compile_step=getattr(args, "compile_step", False),
                         # one request per command, except `serve` (--max-num-seqs): no sequences held for nobody
                         max_num_seqs=getattr(args, "max_num_seqs", 1))
 

@@ -271,6 +271,9 @@ class NativeModel:
         angles = torch.cat((angles, angles), dim=-1)
         self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         self.static = None
+        if compile_step and width is None:
+            raise ValueError("compile_step compiles the static-shape step: pass static_width=W (an int; 'auto' "
+                             "is off on a CPU)")
         if width is not None:
             if width == "auto":
                 width = measured_width(self)

@@ -226,10 +226,15 @@ def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, devi
 
 
 def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int | None = None,
-               device: str = "cpu", static_width: int | str | None = "auto", n_seqs: int = 1):
+               device: str = "cpu", static_width: int | str | None = "auto", n_seqs: int = 1,
+               compile_step: bool = False):
     """Load `spec` as a Model (protocol in models/base.py) with the given backend. `static_width` applies to the
     native backend (NativeModel: "auto" pads forwards to a measured width on CUDA, not on CPU); `n_seqs` to
-    llama.cpp (a context of that many sequences, each with its own KV cache: the Engine's batched requests)."""
+    llama.cpp (a context of that many sequences, each with its own KV cache: the Engine's batched requests);
+    `compile_step` to the native backend's static-shape step (torch.compile)."""
+    if compile_step and backend != "native":
+        raise ValueError(f"compile_step compiles the native decoder's static-shape step, not the {backend!r} "
+                         f"backend's forward; use backend='native'")
     if n_seqs != 1 and backend != "llamacpp":
         raise ValueError(f"n_seqs={n_seqs}: several sequences per model are the llamacpp backend's, not {backend!r}")
     if backend not in BACKENDS:
@@ -247,7 +252,8 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
     if backend == "hf":
         from paraspec.models.hf import HFModel
         return HFModel.load(folder, torch_dtype, max_context=max_context, device=device)
-    return load_native(folder, torch_dtype, max_context=max_context, device=device, static_width=static_width)
+    return load_native(folder, torch_dtype, max_context=max_context, device=device, static_width=static_width,
+                       compile_step=compile_step)
 
 
 def load_tokenizer(spec, dtype="bfloat16"):

@@ -23,7 +23,7 @@ amusd and sd can be exercised with 8+ servers on 2 cores. They supplement real-m
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -139,8 +139,11 @@ class SimulatedModel:
 
 
 def load_simulated(spec: SimulatedSpec, dtype=None, backend: str = "native", max_context: int | None = None,
-                   device: str = "cpu", static_width: int | str | None = "auto") -> SimulatedModel:
+                   device: str = "cpu", static_width: int | str | None = "auto",
+                   compile_step: bool = False) -> SimulatedModel:
     """load_model's signature, so the Engine and the runtime build a simulated model like a real one. `device`,
     `dtype` and `static_width` apply to the real decoder of a spec with a `shape` ("auto" dtype: bfloat16 on
     CUDA, float32 on CPU)."""
+    if compile_step and not spec.compile_step:
+        spec = replace(spec, compile_step=True)
     return SimulatedModel(spec, max_context, device=device, dtype=dtype, static_width=static_width)

@@ -165,6 +165,13 @@ def test_the_suite_runs_on_the_device_and_is_cut_at_its_cap(tmp_path, monkeypatc
     assert record["outcome"].startswith("timeout") and record["counts"] is None
 
 
+def test_failed_tests_are_read_from_the_verbose_lines():
+    output = ("[gw3] [ 12%] FAILED tests/a.py::test_x[1-2] \ntests/b.py::test_y PASSED\n"
+              "tests/c.py::test_z FAILED                     [ 50%]\nFAILED tests/a.py::test_x[1-2] - AssertionError\n"
+              "ERROR tests/d.py::test_w - boom\n[gw1] [ 13%] PASSED tests/e.py::test_v\n")
+    assert gpu_check.failed_tests(output) == ["tests/a.py::test_x[1-2]", "tests/c.py::test_z", "tests/d.py::test_w"]
+
+
 @pytest.mark.parametrize("output, counts", [
     ("....F\n!!! stopping after 1 failures !!!\n3 failed, 40 passed, 2 skipped, 1 warning in 12.34s\n",
      dict(passed=40, failed=3, skipped=2, error=0, warning=1, seconds=12.34)),

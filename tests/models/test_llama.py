@@ -43,7 +43,7 @@ def test_native_matches_hf_prefill_decode_and_rollback(family, static_width, req
 def test_hf_backend_matches_hf(qwen2_target):
     ids = list(range(10, 40))
     ref = hf_logits(qwen2_target, ids)
-    model = load_model(qwen2_target, "float32", backend="hf")
+    model = load_model(qwen2_target, "float32", backend="hf", device=TEST_DEVICE)     # ref is on TEST_DEVICE
     assert (model.prefill(ids[:10]) - ref[9]).abs().max() <= 1e-4
     assert (model.forward(ids[10:20]) - ref[10:20]).abs().max() <= 1e-4
     model.rollback(12)

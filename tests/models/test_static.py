@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paraspec import Engine
-from paraspec.models.loader import load_native
+from paraspec.models.loader import load_model, load_native
 from paraspec.models.static import choose_width, check_width, measured_width
 from tests.conftest import ON_CUDA, TEST_DEVICE, needs_cuda
 
@@ -111,6 +111,18 @@ def test_static_width_is_for_the_native_backend(tmp_path):
     """Refused when the configuration is checked, before any model is read."""
     with pytest.raises(ValueError, match="static_width=4 pads the native decoder's forwards.*backend='native'"):
         Engine(str(tmp_path / "model.gguf"), strategy="ar", backend="llamacpp", static_width=4)
+
+
+def test_compile_step_needs_the_static_step(tmp_path, qwen2_target):
+    for backend, width in (("llamacpp", "auto"), ("hf", "auto"), ("native", None)):
+        with pytest.raises(ValueError, match="compile_step=True compiles the native decoder's static-shape step"):
+            Engine(str(tmp_path / "model.gguf"), strategy="ar", backend=backend, static_width=width,
+                   compile_step=True)
+    with pytest.raises(ValueError, match="compile_step compiles the static-shape step: pass static_width=W"):
+        native(qwen2_target, None, compile_step=True)
+    with pytest.raises(ValueError, match="compile_step compiles the native decoder's static-shape step, not the "
+                                         "'hf' backend's"):
+        load_model(qwen2_target, "float32", backend="hf", compile_step=True)
 
 
 @pytest.mark.skipif(ON_CUDA, reason="checks the CPU defaults")

@@ -143,6 +143,20 @@ def test_static_width_greedy_equals_ar(static_ar_engine, qwen2_target, qwen2_par
 
 
 @pytest.mark.parametrize("name", ["sd", "tree"])
+def test_compiled_step_greedy_equals_ar(qwen2_target, qwen2_partial, name):
+    """The padded step through torch.compile (compile_step): chains and trees give exactly the tokens of ar on
+    the same compiled step, rejections included."""
+    params = SamplingParams(max_new_tokens=40)
+    with ar(qwen2_target, static_width=8, compile_step=True) as reference:
+        assert reference.target.static.compiled
+        expected = reference.generate(PROMPT, params).token_ids
+    with engine(name, qwen2_target, qwen2_partial, static_width=8, compile_step=True, **long_chunks(name)) as e:
+        result = e.generate(PROMPT, params)
+    assert result.token_ids == expected
+    assert 0 < result.stats.accepted < result.stats.drafted
+
+
+@pytest.mark.parametrize("name", ["sd", "tree"])
 def test_static_width_sampling_matches_target_distribution(slow_target_pair, name):
     """Sampling through padded forwards (chains, and trees whose mask spans several steps of W): the first two
     tokens follow the target's exact joint distribution."""
