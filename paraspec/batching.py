@@ -6,14 +6,15 @@ forwards they ask of one model meet here and go through that model in ONE forwar
         every request that is computing (not waiting on its reader) asks for its next forward, then waits
         when all of them have asked, the last to ask runs the step for everyone:
             per model, the asks that may share a forward (a few tokens on a sequence that has its prompt) go
-            in one llama_decode; the others (a prompt, a forward wider than the exact width) run alone
+            in one forward (one llama_decode; one pass of the native decoder); the others (a prompt, a forward
+            wider or narrower than the probe admits) run alone
         each request takes its rows and goes on with its own acceptance, sampling and commit
     a request leaves when it ends (done, cancelled, failed): its sequences are free for the next one
 
 Why every answer is bit-identical to the same request run alone: a request's loop, its generator and its
 drafters are its own, and a row's logits do not depend on which rows share its forward -- where the load-time
-probe found so for these kernels on this CPU (LlamaCppModel.batch_exact, measured with forwards of the widths
-this scheduler builds). Where it did not, every ask runs alone: requests still interleave, one forward each.
+probe found so for these kernels on this CPU (LlamaCppModel.batch_exact, NativeSequences.batch_exact and
+min_shared_width, measured with forwards of the widths this scheduler builds). Where it did not, every ask runs alone: requests still interleave, one forward each.
 A request waiting on its reader (a stream not being read) does not hold the others up: it is idle until its
 reader asks for more.
 """
@@ -44,6 +45,7 @@ class Member:
     """One request in the batch: whether it is computing (its forwards are awaited) and what it asks now."""
     computing: bool = True
     ask: _Ask | None = None
+    rows: dict = field(default_factory=dict)   # per model (id): tokens of its last shareable ask
 
 
 @dataclass
@@ -131,8 +133,9 @@ class Batcher:
                 model._check_room(len(tokens), seq)
                 model._check_vocabulary(tokens)
             shareable = (not prefill and model.batch_exact and model._lengths[seq] > 0
-                         and len(tokens) <= model.exact_width)
+                         and model.min_shared_width <= len(tokens) <= model.exact_width)
             ask = _Ask(model, seq, list(tokens), outputs, alone=not shareable, prefill=prefill)
+            member.rows[id(model)] = len(tokens) if shareable else 0
             member.ask = ask
             self._cv.notify_all()
             while not ask.done:
@@ -154,6 +157,13 @@ class Batcher:
         if ask.error is not None:
             raise ask.error
         return ask.result
+
+    def shared_load(self, proxy: "BatchedSequence") -> list[int]:
+        """The rows each other computing request brings to a step of the proxy's model (the tokens of its last
+        shareable ask on it): what the adaptive rule prices a busy step by (drafters/adaptive.best_length)."""
+        with self._cv:
+            rows = [m.rows.get(id(proxy.model), 0) for m in self._members if m is not proxy.member and m.computing]
+            return [r for r in rows if r]
 
     def _all_asked(self) -> bool:
         return all(m.ask is not None or not m.computing for m in self._members)
@@ -235,5 +245,9 @@ class BatchedSequence:
         outputs = len(token_ids) if last_n is None else min(last_n, len(token_ids))
         return self.batcher.forward(self, token_ids, outputs)
 
+    def shared_load(self) -> list[int]:
+        return self.batcher.shared_load(self)
+
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
-        self.model.keep_path(prefix_len, slots)
+        with self.batcher._between_steps():
+            self.model.keep_path(prefix_len, slots, seq=self.seq)

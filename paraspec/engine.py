@@ -7,7 +7,7 @@ the strategy (strategies/base.py) owns the models, its workers and channels, and
 
 Requests (what the server relies on; the request, Stream, errors and the gate are requests.py's):
 - Up to `max_num_seqs` generations at once where the strategy batches requests (`ar` and `sd` on llama.cpp's
-  kernels: batching.py; each answer bit-identical to the request run alone), else one at a time. A request
+  kernels or the native decoder's dynamic forward: batching.py; each answer bit-identical to the request run alone), else one at a time. A request
   beyond that waits its turn (`on_busy="wait"`, the default; at most `wait_timeout` seconds, 600 by default) or
   raises EngineBusy (`on_busy="error"`). EngineBusy names the requests holding the Engine (a stream left open:
   which thread opened it, when) and how to end them: read to the end, stream.close() in its thread, or
@@ -67,7 +67,8 @@ class Engine:
         `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU where the strategy allows
         them, else the native decoder), "native", "hf" or "llamacpp" (docs/LLAMACPP.md).
         `max_num_seqs`: requests decoded at once, their forwards shared, where the strategy batches requests
-        (`ar`, `sd` on the llamacpp backend: batching.py); 1 decodes one at a time. Other strategies run one.
+        (`ar`, `sd` on the llamacpp backend and on the native decoder's dynamic forward: batching.py); 1 decodes
+        one at a time. Other strategies run one.
         `on_busy`: what a request does while the Engine is full: "wait" its turn or raise EngineBusy ("error").
         `wait_timeout`: with on_busy="wait", seconds a request waits before EngineBusy (None: no limit).
         `worker_timeout`: seconds a worker may go without a sign of life (heartbeats, also while it loads)
@@ -124,8 +125,10 @@ class Engine:
         dtypes = [parse_dtype(config.dtype, self.target_devices[0].torch_device)] + [draft_dtype] * (len(specs) - 1)
         self.backend, resolved = resolve_models(specs, dtypes, config.model_backend,
                                                 self.target_devices + self.draft_devices)
-        # requests share forwards where the strategy's loop runs here on models with a sequence each (llama.cpp)
-        batches = config.strategy_class.caps.batches and self.backend == "llamacpp"
+        # requests share forwards where the strategy's loop runs here on models with a sequence each (llama.cpp,
+        # and the native decoder's dynamic forward: models/native_seqs.py)
+        batches = config.strategy_class.caps.batches and (
+            self.backend == "llamacpp" or (self.backend == "native" and self._native_dynamic(config)))
         self.max_num_seqs = config.max_num_seqs if batches else 1
         seqs = {"n_seqs": self.max_num_seqs} if self.max_num_seqs > 1 else {}
         folders = iter(resolved[1:])
@@ -136,6 +139,16 @@ class Engine:
                               static_width=config.static_width, **seqs,
                               **({"compile_step": True} if config.compile_step else {})),
                          config.runtime, config.worker_timeout, config.runtime_options)
+
+    def _native_dynamic(self, config: EngineConfig) -> bool:
+        """Native checkpoints on the dynamic forward: no static width (None, or "auto" on CPUs only), no compile,
+        no simulated model (their forwards are not a decoder's)."""
+        from paraspec.models.simulated import SimulatedSpec
+        if any(isinstance(m, SimulatedSpec) for m in [config.target] + config.draft_checkpoints):
+            return False
+        on_cpu = all(d.torch_device.startswith("cpu") for d in self.target_devices + self.draft_devices)
+        return not config.compile_step and (config.static_width is None or
+                                            (config.static_width == "auto" and on_cpu))
 
     def _check_vocabularies(self) -> list[tuple[int, object]]:
         """Draft and target share one token space: checked from their tokenizers and config.json (output_rows)

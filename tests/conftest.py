@@ -184,6 +184,8 @@ def inject_flat_costs(engine) -> None:
         def observe(self, width: int, seconds: float) -> None:
             pass
 
+    assert engine.max_num_seqs == 1, "inject_flat_costs sets the Engine's own policy: pass max_num_seqs=1 (a batched " \
+                                     "Engine's requests build a policy per sequence)"
     policy = engine.strategy.policy
     policy.cost = FlatCost()
     policy.draft_costs = {i: FlatCost() for i in policy.draft_costs}

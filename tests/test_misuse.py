@@ -38,7 +38,9 @@ def expected(qwen2_target):
 
 @pytest.fixture(scope="module")
 def sd(qwen2_target, qwen2_partial):
-    with Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32") as engine:
+    # one sequence: these tests are about requests that wait for the Engine (tests/strategies/test_batched.py has
+    # the Engine of several sequences full)
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32", max_num_seqs=1) as engine:
         yield engine
 
 
@@ -89,7 +91,7 @@ def test_two_threads_wait_their_turn(request, name, expected):
 
 @pytest.mark.parametrize("name", ["sd", "amusd"])
 def test_a_second_caller_gets_engine_busy_in_error_mode(request, name, qwen2_target, qwen2_partial, expected):
-    kwargs = PROCESS if name == "amusd" else {}
+    kwargs = PROCESS if name == "amusd" else dict(max_num_seqs=1)
     with Engine(qwen2_target, qwen2_partial, strategy=name, dtype="float32", on_busy="error", **kwargs) as engine:
         first = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
         next(first)                                   # a generation in progress, consumed by the main thread
@@ -159,7 +161,7 @@ def test_a_caller_waits_for_an_open_stream_until_it_is_closed(request, name, exp
     assert not waiter.is_alive() and results == [expected]
 
 
-@pytest.mark.parametrize("strategy,kwargs", [("sd", {}), ("amusd", dict(runtime="inprocess"))])
+@pytest.mark.parametrize("strategy,kwargs", [("sd", dict(max_num_seqs=1)), ("amusd", dict(runtime="inprocess"))])
 def test_wait_timeout_names_the_open_stream(qwen2_target, qwen2_partial, expected, strategy, kwargs):
     with Engine(qwen2_target, qwen2_partial, strategy=strategy, dtype="float32", wait_timeout=1.5,
                 **kwargs) as engine:

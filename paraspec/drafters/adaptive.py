@@ -92,21 +92,31 @@ def expected_tokens(alpha: float | Sequence[float], k: int) -> float:
     return total
 
 
-def best_length(alpha: float | Sequence[float], draft_s: float, verify_s, pending: int, max_k: int
-                ) -> tuple[int, float]:
+def best_length(alpha: float | Sequence[float], draft_s: float, verify_s, pending: int, max_k: int,
+                shared: Sequence[int] = ()) -> tuple[int, float]:
     """k in 0..max_k maximising expected_tokens(alpha, k) / (k * draft_s + verify_s(pending + k)); (k, its
     tokens per second). Ties go to the shorter draft. `alpha`: one acceptance for every position, or one per
     position (then max_k is at most its length).
+
+    Many requests at once (batching.py): `shared` = the rows each other request brings to this verification's
+    step. The step then costs verify_s(rows + pending + k) -- the cost table by rows -- and commits their
+    tokens too (a request's r rows commit what r - 1 drafts at this acceptance would: E(r - 1)), so k maximises
+    (their tokens + E(k)) / (k * draft_s + verify_s(rows + pending + k)): each extra row of mine slows every
+    request in the step, so where rows cost compute (a CPU) a busy step drafts less, and where rows are nearly
+    free (a GPU's small forwards) it drafts as much as alone.
 
     A round with many pending tokens (the prompt round) would make any draft look free next to its prefill, so
     there the drafts must pay for themselves at the margin: k maximises the seconds saved, (E(k) - 1) * c(1) -
     (c(pending + k) - c(pending)) - k * draft_s, against decoding those tokens one by one."""
     if not isinstance(alpha, (int, float)):
         max_k = min(max_k, len(alpha))
+    shared = list(shared) if pending == 1 else []
+    rows = sum(shared)
+    others = sum(expected_tokens(alpha, min(r - 1, max_k)) for r in shared)
     best, best_rate, best_saved = 0, -1.0, 0.0
     for k in range(max(0, max_k) + 1):
         tokens = expected_tokens(alpha, k)
-        rate = tokens / max(k * draft_s + verify_s(pending + k), 1e-9)
+        rate = (others + tokens) / max(k * draft_s + verify_s(rows + pending + k), 1e-9)
         if pending > 1:
             saved = (tokens - 1) * verify_s(1) - (verify_s(pending + k) - verify_s(pending)) - k * draft_s
             if saved > best_saved + 1e-12:

@@ -44,6 +44,8 @@ class DraftPolicy(Drafter):
         # continues (match_bucket), a model drafter's in bucket 0 (one for every position); kept across requests
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.decisions: list[dict] = []        # one per round: who drafted, k*, alpha (the trace's "plan")
+        # many requests at once: () -> the rows each other request brings to the target's step (batching.py)
+        self.shared = None
         self._start_round()
 
     @property
@@ -184,7 +186,8 @@ class DraftPolicy(Drafter):
         alphas = [by_bucket[b] for b in buckets]
         draft_cost = self.draft_costs.get(i)
         draft_s = draft_cost(width) if draft_cost is not None and draft_cost.measured else 0.0
-        k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k)
+        shared = self.shared() if self.shared is not None else ()
+        k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k, shared)
         if not drafter.free:
             state = self.stats(i)
             catch_up = self._catch_up_s(i, sequence, width)

@@ -63,6 +63,23 @@ def keep_chain(model, prefix_len: int, slots: list[int]) -> None:
     model.rollback(prefix_len + len(slots))
 
 
+def check_batch(model, items: list[tuple[int, list[int], int]]) -> None:
+    """forward_batch's items (seq, token_ids, outputs) on a model of several sequences: each sequence at most once,
+    1..exact_width tokens each, n_batch in all, 1..len(tokens) outputs, room in its cache, ids in the vocabulary."""
+    seqs = [seq for seq, _, _ in items]
+    if not items or len(set(seqs)) != len(seqs) or any(not 0 <= s < model.n_seqs for s in seqs):
+        raise ValueError(f"forward_batch takes each of the {model.n_seqs} sequences at most once, got {seqs}")
+    total = sum(len(tokens) for _, tokens, _ in items)
+    if total > model.n_batch or any(not 0 < len(t) <= model.exact_width for _, t, _ in items):
+        raise ValueError(f"forward_batch: {total} tokens (at most n_batch={model.n_batch}), each sequence's "
+                         f"1..{model.exact_width} (exact_width)")
+    for seq, tokens, outputs in items:
+        if not 0 < outputs <= len(tokens):
+            raise ValueError(f"forward_batch: {outputs} outputs of {len(tokens)} tokens")
+        model._check_room(len(tokens), seq)
+        model._check_vocabulary(tokens)
+
+
 def check_rollback(length: int, cached: int) -> None:
     """The one rule of `rollback`: a cache can only be cut back to a length it holds."""
     if not 0 <= length <= cached:

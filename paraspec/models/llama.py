@@ -151,19 +151,28 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 start: int, mask: torch.Tensor | None) -> torch.Tensor:
         """x: [n, hidden] (already normed). Writes k, v into cache slots start..start+n-1 of `layer`."""
+        return self.o_proj(self.attend(*self.project(x, cos, sin), cache, layer, start, mask))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [heads, n, head_dim], k and v [kv_heads, n, head_dim] of n rows, RoPE applied (row by row)."""
         cfg, n = self.cfg, x.shape[0]
         q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's rows: k, v written at slots start.., attention over its cache; [n, heads * head_dim]
+        before o_proj."""
+        cfg, n = self.cfg, q.shape[1]
         end = start + n
         cache.k[layer, :, start:end] = k
         cache.v[layer, :, start:end] = v
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), cache.k[layer, :, :end].unsqueeze(0), cache.v[layer, :, :end].unsqueeze(0),
             attn_mask=mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim))
+        return out.squeeze(0).transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
 
     def over_whole_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                          slots: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

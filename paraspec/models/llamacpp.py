@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paraspec.models.base import check_rollback
+from paraspec.models.base import check_batch, check_rollback
 
 PROBE_WIDTH = 32          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
@@ -182,6 +182,7 @@ class LlamaCppModel:
         self._lengths = [0] * n_seqs
         self.exact_width = PROBE_WIDTH
         self.batch_exact = n_seqs == 1            # several sequences in one forward: as alone (the probe's verdict)
+        self.min_shared_width = 1                 # the narrowest ask that shares a forward (the Batcher reads it)
         self.forward_widths: dict[int, int] = {}      # sub-forward width -> count (what the split really ran)
         self._probe = probe
         try:
@@ -326,16 +327,7 @@ class LlamaCppModel:
         at most once, its tokens at most exact_width, all of them at most n_batch; returns each item's logits
         [outputs, vocab] for its last `outputs` tokens. Each row is what the sequence alone would get only where
         `batch_exact` (the probe's verdict); the caller (strategies/batched.py) decodes alone otherwise."""
-        seqs = [seq for seq, _, _ in items]
-        if len(set(seqs)) != len(seqs) or any(not 0 <= s < self.n_seqs for s in seqs):
-            raise ValueError(f"forward_batch takes each of the {self.n_seqs} sequences at most once, got {seqs}")
-        total = sum(len(tokens) for _, tokens, _ in items)
-        if total > self.n_batch or any(not 0 < len(t) <= self.exact_width for _, t, _ in items):
-            raise ValueError(f"forward_batch: {total} tokens (at most n_batch={self.n_batch}), each sequence's "
-                             f"1..{self.exact_width} (exact_width)")
-        for seq, tokens, _ in items:
-            self._check_room(len(tokens), seq)
-            self._check_vocabulary(tokens)
+        check_batch(self, items)
         # in increasing sequence order: llama.cpp puts sequences in one micro-batch only while their ids follow
         # each other (s, s + 1, ...; its per-sequence caches are viewed as one range), else one micro-batch each
         order = sorted(range(len(items)), key=lambda i: items[i][0])
@@ -393,7 +385,7 @@ class LlamaCppModel:
         pieces = [p for p in pieces if len(p)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)     # one piece (every decode step): no copy
 
-    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+    def keep_path(self, prefix_len: int, slots: list[int], seq: int = 0) -> None:
         raise ValueError("token trees are not supported by the llamacpp backend; use backend='native'")
 
     # -- internals -----------------------------------------------------------------------------------------

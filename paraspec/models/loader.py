@@ -189,14 +189,20 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_native(folder: Path, dtype: torch.dtype, max_context: int | None = None,
                 device: str = "cpu", static_width: int | str | None = "auto", graph: bool | None = None,
-                compile_step: bool = False) -> NativeModel:
+                compile_step: bool = False, n_seqs: int = 1) -> NativeModel:
     from paraspec.models.static import cuda_setup
+    if n_seqs > 1 and (static_width not in (None, "auto") or compile_step
+                       or (static_width == "auto" and torch.device(device).type == "cuda")):
+        raise ValueError(f"n_seqs={n_seqs}: several sequences run the native decoder's dynamic forward, not the "
+                         f"static-shape one (static_width={static_width!r}, compile_step={compile_step} on "
+                         f"{device}); pass static_width=None, or max_num_seqs=1")
     with cuda_setup(device):           # one CUDA model set up at a time per process (models/static.py)
-        return _load_native(folder, dtype, max_context, device, static_width, graph, compile_step)
+        return _load_native(folder, dtype, max_context, device, static_width, graph, compile_step, n_seqs)
 
 
 def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, device: str,
-                 static_width: int | str | None, graph: bool | None, compile_step: bool) -> NativeModel:
+                 static_width: int | str | None, graph: bool | None, compile_step: bool,
+                 n_seqs: int = 1) -> NativeModel:
     cfg = DecoderConfig.from_hf(read_config(folder))
     state = load_state_dict(folder)
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
@@ -221,6 +227,10 @@ def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, devi
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
     decoder.eval().requires_grad_(False)
     ctx = min(max_context or 4096, cfg.max_position_embeddings)
+    if n_seqs > 1:
+        from paraspec.models.native_seqs import NativeSequences
+        return NativeSequences(decoder, ctx, eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids),
+                               n_seqs=n_seqs)
     return NativeModel(decoder, ctx, eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids),
                        static_width=static_width, graph=graph, compile_step=compile_step)
 
@@ -230,13 +240,15 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
                compile_step: bool = False):
     """Load `spec` as a Model (protocol in models/base.py) with the given backend. `static_width` applies to the
     native backend (NativeModel: "auto" pads forwards to a measured width on CUDA, not on CPU); `n_seqs` to
-    llama.cpp (a context of that many sequences, each with its own KV cache: the Engine's batched requests);
+    llama.cpp and the native decoder (that many sequences, each with its own KV cache: the Engine's batched
+    requests; models/native_seqs.py);
     `compile_step` to the native backend's static-shape step (torch.compile)."""
     if compile_step and backend != "native":
         raise ValueError(f"compile_step compiles the native decoder's static-shape step, not the {backend!r} "
                          f"backend's forward; use backend='native'")
-    if n_seqs != 1 and backend != "llamacpp":
-        raise ValueError(f"n_seqs={n_seqs}: several sequences per model are the llamacpp backend's, not {backend!r}")
+    if n_seqs != 1 and backend not in ("llamacpp", "native"):
+        raise ValueError(f"n_seqs={n_seqs}: several sequences per model are the llamacpp and native backends', "
+                         f"not {backend!r}'s")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     torch_dtype = parse_dtype(dtype, device)
@@ -253,7 +265,7 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
         from paraspec.models.hf import HFModel
         return HFModel.load(folder, torch_dtype, max_context=max_context, device=device)
     return load_native(folder, torch_dtype, max_context=max_context, device=device, static_width=static_width,
-                       compile_step=compile_step)
+                       compile_step=compile_step, n_seqs=n_seqs)
 
 
 def load_tokenizer(spec, dtype="bfloat16"):

@@ -226,9 +226,13 @@ class LocalStrategy(Strategy):
         if not self.options["adaptive"]:
             self.policy = DraftPolicy(drafters)
             return
-        cost = ForwardCost.measure(self.target, calibration_widths(widest))
+        # a batched request's verification shares its step with the others' rows: the cost table covers them
+        shared = getattr(self.target, "shared_load", None)
+        rows = self.target.model.exact_width if shared is not None and self.target.model.batch_exact else 0
+        cost = ForwardCost.measure(self.target, calibration_widths(max(widest, rows - 1)))
         draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS) for i, d in enumerate(drafters) if not d.free}
         self.policy = DraftPolicy(drafters, cost, draft_costs)
+        self.policy.shared = shared
 
     def close(self) -> None:
         super().close()

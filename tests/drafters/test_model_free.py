@@ -259,6 +259,35 @@ def test_adaptive_rule_compute_bound_verification():
     assert cost(3) == pytest.approx((0.116 + 0.165) / 2) and cost(32) > cost(16)
 
 
+def test_adaptive_rule_priced_by_the_batch_rows():
+    """Many requests at once: a verification shares its step with the others' rows. Where rows cost compute (the
+    same CPU profile, three other requests verifying 4 rows each), each extra draft row slows all of them: k shrinks,
+    and grows back when they leave; where rows are almost free (a GPU's small forwards) drafts stay long."""
+    cpu = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
+    alone = best_length(0.8, 0.0, cpu, 1, 16)[0]
+    busy = best_length(0.8, 0.0, cpu, 1, 16, shared=[4, 4, 4])[0]
+    assert 0 <= busy < alone and best_length(0.8, 0.0, cpu, 1, 16, shared=[])[0] == alone
+    gpu = ForwardCost({1: 0.0060, 8: 0.0063, 16: 0.0066, 32: 0.0072})
+    assert best_length(0.8, 0.0, gpu, 1, 16, shared=[4, 4, 4])[0] >= 8 > busy      # still long drafts there
+    # a prompt round pays at the margin whatever shares it
+    assert best_length(0.99, 0.0, cpu, 400, 12, shared=[4, 4, 4]) == best_length(0.99, 0.0, cpu, 400, 12)
+
+
+def test_the_policy_asks_the_batch_for_its_load():
+    cpu = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
+    seq = [1, 2, 3, 4, 5, 6] * 6                        # a repeating text: the n-gram drafts with confidence
+    lengths = {}
+    for load in ((), (4, 4, 4)):
+        policy = DraftPolicy([NGramDrafter(100, 1, 3)], cpu)
+        for _ in range(30):                              # the same evidence for both: every draft accepted
+            proposal = policy.propose(seq, 16, GREEDY, GEN)
+            policy.observe(1 + len(proposal.tokens), cpu(1 + len(proposal.tokens)),
+                           proposal.tokens + [seq[len(seq) % 6]])
+        policy.shared = lambda load=load: list(load)
+        lengths[load] = len(policy.propose(seq, 16, GREEDY, GEN).tokens)
+    assert 0 < lengths[(4, 4, 4)] < lengths[()]
+
+
 def test_verify_cost_follows_the_level_keeps_the_shape():
     cost = ForwardCost({1: 0.05, 5: 0.15})
     for _ in range(40):

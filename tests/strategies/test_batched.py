@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from paraspec import Engine, SamplingParams
+from paraspec.models.loader import load_model
 
 pytest.importorskip("llama_cpp")
 
@@ -29,7 +30,7 @@ def params(i: int, sampling: bool) -> SamplingParams:
     return SamplingParams(max_new_tokens=LIMITS[i], stop=["re"] if i == 2 else None, **extra)
 
 
-def engine(gguf_pair, name: str, seqs: int, **kwargs) -> Engine:
+def engine(gguf_pair, name: str, seqs: int, backend: str = "llamacpp", **kwargs) -> Engine:
     config = dict(CONFIGS[name])
     draft = config.pop("draft", None)
     draft = [gguf_pair["draft"] if d == "model" else d for d in draft] if isinstance(draft, list) else \
@@ -37,11 +38,12 @@ def engine(gguf_pair, name: str, seqs: int, **kwargs) -> Engine:
     target = gguf_pair["sample_target" if kwargs.pop("sampling", False) else "target"]
     if draft == gguf_pair["draft"] and target == gguf_pair["sample_target"]:
         draft = gguf_pair["sample_draft"]
-    return Engine(target, draft, backend="llamacpp", max_num_seqs=seqs, **config, **kwargs)
+    native = dict(dtype="float32", static_width=None) if backend == "native" else {}
+    return Engine(target, draft, backend=backend, max_num_seqs=seqs, **native, **config, **kwargs)
 
 
-def alone(gguf_pair, name: str, n: int, sampling: bool) -> list:
-    with engine(gguf_pair, name, 1, sampling=sampling) as one:
+def alone(gguf_pair, name: str, n: int, sampling: bool, backend: str = "llamacpp") -> list:
+    with engine(gguf_pair, name, 1, backend, sampling=sampling) as one:
         return [one.generate(PROMPTS[i], params(i, sampling)) for i in range(n)]
 
 
@@ -75,16 +77,25 @@ def assert_same(got, want) -> None:
         assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
 
 
+@pytest.mark.parametrize("backend", ["llamacpp", "native"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sampling):
-    want = alone(gguf_pair, name, 8, sampling)
-    with engine(gguf_pair, name, 4, sampling=sampling) as e:
+def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sampling, backend):
+    """On the native decoder (models/native_seqs.py) too: its probe decides which asks share a forward (on many
+    CPUs a one-row product is another kernel, so one-token steps stay alone and verifications share)."""
+    want = alone(gguf_pair, name, 8, sampling, backend)
+    with engine(gguf_pair, name, 4, backend, sampling=sampling) as e:
         assert e.max_num_seqs == 4 and e.target.n_seqs == 4
+        # where one-token steps stay alone, forwards are shared by verifications: a draft model drafts every round
+        exact = e.target.batch_exact
+        shares = exact and (e.target.min_shared_width == 1 or "model" in name)
         for n in (1, 2, 5, 8):
             assert_same(together(e, n, sampling, stream=n == 5), want[:n])
         widths, moves = e.batch_stats.widths, e.batch_stats.moves
-    assert max(widths) >= 2, f"no forward was shared: {widths}"      # the requests really were batched
+    if shares:
+        assert max(widths) >= 2, f"no forward was shared: {widths}"      # the requests really were batched
+    elif not exact:
+        assert widths == {}, f"shared forwards the probe found inexact: {widths}"
     assert moves > 0             # requests that outlived others moved down to keep the sequences contiguous
     if name != "ar" and not sampling:
         assert any(r.stats.drafted for r in want)
@@ -169,4 +180,30 @@ def test_max_num_seqs_is_checked_and_applies_where_requests_can_batch(gguf_pair,
         with pytest.raises(ValueError, match="max_num_seqs must be an integer from 1 to 64"):
             Engine(gguf_pair["target"], strategy="ar", max_num_seqs=bad)
     with Engine(qwen2_target, strategy="ar", dtype="float32", max_num_seqs=4) as native:
-        assert native.max_num_seqs == 1 and native.batch_stats is None      # the native decoder: one at a time
+        assert native.max_num_seqs == 4 and native.target.n_seqs == 4       # the dynamic native forward batches
+    for options in (dict(static_width=2), dict(strategy="tree", draft=qwen2_target)):
+        with Engine(qwen2_target, **{"strategy": "ar", **options}, dtype="float32", max_num_seqs=4) as one:
+            assert one.max_num_seqs == 1 and one.batch_stats is None       # padded forwards, trees: one at a time
+    with pytest.raises(ValueError, match="several sequences run the native decoder's dynamic forward"):
+        load_model(qwen2_target, "float32", static_width=2, n_seqs=2)
+    with pytest.raises(ValueError, match="llamacpp and native backends', not 'hf'"):
+        load_model(qwen2_target, "float32", backend="hf", n_seqs=2)
+
+
+@pytest.mark.parametrize("backend", ["llamacpp", "native"])
+def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend):
+    """The adaptive rule prices a busy step by the rows the other requests bring (drafters/adaptive.py): the draft
+    lengths change with the load, the greedy answers do not."""
+    native = dict(dtype="float32", static_width=None) if backend == "native" else {}
+    options = dict(strategy="sd", draft="ngram", lookahead=8, adaptive=True, backend=backend, **native)
+    with Engine(gguf_pair["target"], max_num_seqs=1, **options) as one:
+        want = [one.generate(PROMPTS[i], params(i, False)) for i in range(4)]
+    loads = []
+    with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
+        assert_same(together(e, 4, False), want)
+        policies = [slot.policy for slot in e._slots if slot.policy is not None]
+        assert policies and all(p.shared is not None for p in policies)
+        shared = policies[0].shared
+        policies[0].shared = lambda: loads.append(shared()) or loads[-1]
+        assert_same(together(e, 4, False), want)
+    assert loads and all(isinstance(rows, list) for rows in loads)

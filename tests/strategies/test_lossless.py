@@ -45,14 +45,16 @@ def long_chunks(name: str) -> dict:
 DEVICES = {"dsi": dict(target_devices=["cpu:0", "cpu:1"]), "easyspec": dict(draft_devices=["cpu:0", "cpu:1"])}
 
 
+# one request at a time (max_num_seqs=1): this suite proves the strategies; many requests sharing forwards are
+# tests/strategies/test_batched.py's
 def engine(name: str, target, draft, runtime: str | None = None, **options) -> Engine:
     runtime = runtime or ("inprocess" if "inprocess" in STRATEGIES[name].caps.runtimes else "process")
     return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **on_device(**DEVICES.get(name, {})),
-                  **options)
+                  **{"max_num_seqs": 1, **options})
 
 
 def ar(target, **options) -> Engine:
-    return Engine(target, strategy="ar", dtype="float32", **on_device(), **options)
+    return Engine(target, strategy="ar", dtype="float32", **on_device(), **{"max_num_seqs": 1, **options})
 
 
 @pytest.fixture(scope="module")
