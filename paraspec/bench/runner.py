@@ -15,7 +15,7 @@ import re
 import statistics
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -202,14 +202,14 @@ def shared_model_loads():
     original, cache = loader_module.load_model, {}
 
     def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu", static_width="auto",
-             compile_step=False):
+             compile_step=False, n_seqs=1):
         # a hub id and the folder it resolves to are one model
         torch_dtype = parse_dtype(dtype, device)
         key = (str(resolve_checkpoint(spec, torch_dtype, backend)), torch_dtype, backend, max_context, str(device),
-               static_width, compile_step)
+               static_width, compile_step, n_seqs)
         if key not in cache:
             cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device,
-                                  static_width=static_width, compile_step=compile_step)
+                                  static_width=static_width, compile_step=compile_step, n_seqs=n_seqs)
         return cache[key]
 
     loader_module.load_model = load
@@ -323,9 +323,11 @@ def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConf
     """The bench's EngineConfig for the variant's strategy (with the options it takes) and drafters (validated
     here, before loading)."""
     needs_draft = STRATEGIES[variant.strategy].caps.needs_draft
-    # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check
-    return config.engine.for_strategy(variant.strategy, config.options,
-                                      variant_drafts(variant, config.engine.draft) if needs_draft else None)
+    # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check;
+    # one sequence: the bench times one request at a time (its variants share the loaded models)
+    return replace(config.engine.for_strategy(variant.strategy, config.options,
+                                              variant_drafts(variant, config.engine.draft) if needs_draft else None),
+                   max_num_seqs=1)
 
 
 def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) -> dict:
