@@ -62,7 +62,7 @@ def reference(request, references):
     """ar's outputs (with the target's top-2 margins) for each prompt, in one dtype."""
     dtype = request.param
     if dtype not in references:
-        with Engine(TARGET, strategy="ar", dtype=dtype) as ar:
+        with Engine(TARGET, strategy="ar", dtype=dtype, max_num_seqs=1) as ar:    # alone: one sequence
             references[dtype] = [ar.generate(p, PARAMS, record_margins=True) for p in PROMPTS_OF[dtype]]
     return dtype, references[dtype]
 
@@ -86,7 +86,7 @@ def first_divergence_is_a_near_tie(engine, dtype, expected, result) -> str | Non
 @pytest.mark.parametrize("reference,name", CASES, indirect=["reference"])
 def test_strategy_equals_ar_on_the_reference_pair(reference, name):
     dtype, expected = reference
-    with Engine(TARGET, DRAFT, dtype=dtype, **STRATEGIES[name]) as engine:
+    with Engine(TARGET, DRAFT, dtype=dtype, max_num_seqs=1, **STRATEGIES[name]) as engine:
         for prompt, ar_result in zip(PROMPTS_OF[dtype], expected, strict=True):
             result = engine.generate(prompt, PARAMS, record_margins=True)
             assert len(ar_result.token_ids) == 64 or ar_result.finish_reason == "stop"

@@ -407,6 +407,8 @@ class Worker(abc.ABC):
 
 # The watchdog's limit before a worker's first heartbeat: a fresh interpreter importing torch on a busy machine.
 STARTUP_TIMEOUT_S = 120.0
+# How long a dead worker's exit status is waited for beyond the first 5 s (exit_code)
+EXIT_STATUS_WAIT_S = 25.0
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -447,8 +449,13 @@ class ProcessWorker(Worker):
 
     def exit_code(self) -> int | None:
         # its pipe closed or its sentinel fired: the exit status is a waitpid away, unless the kernel is still
-        # writing a core dump (SIGILL, SIGSEGV: seconds for a process holding a model)
+        # writing a core dump (SIGILL, SIGSEGV: seconds for a process holding a model) or a process it started
+        # holds its sentinel open (join then waits for that one): is_alive() reaps the worker itself, so poll it
+        # a while longer (a full CI run once saw the 5 s join end with no exit status)
         self._process.join(5.0)
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+        while self._process.exitcode is None and self._process.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return self._process.exitcode
 
     def _kill(self) -> None:
