@@ -14,7 +14,8 @@ forwards they ask of one model meet here and go through that model in ONE forwar
 Why every answer is bit-identical to the same request run alone: a request's loop, its generator and its
 drafters are its own, and a row's logits do not depend on which rows share its forward -- where the load-time
 probe found so for these kernels on this CPU (LlamaCppModel.batch_exact, NativeSequences.batch_exact and
-min_shared_width, measured with forwards of the widths this scheduler builds). Where it did not, every ask runs alone: requests still interleave, one forward each.
+min_shared_width, measured with forwards of the widths this scheduler builds). Where it did not, every ask runs
+alone: requests still interleave, one forward each.
 A request waiting on its reader (a stream not being read) does not hold the others up: it is idle until its
 reader asks for more.
 """

@@ -7,8 +7,8 @@ the strategy (strategies/base.py) owns the models, its workers and channels, and
 
 Requests (what the server relies on; the request, Stream, errors and the gate are requests.py's):
 - Up to `max_num_seqs` generations at once where the strategy batches requests (`ar` and `sd` on llama.cpp's
-  kernels or the native decoder's dynamic forward: batching.py; each answer bit-identical to the request run alone), else one at a time. A request
-  beyond that waits its turn (`on_busy="wait"`, the default; at most `wait_timeout` seconds, 600 by default) or
+  kernels or the native decoder's dynamic forward: batching.py; each answer bit-identical to the request run
+  alone), else one at a time. A request beyond that waits its turn (`on_busy="wait"`, the default; at most `wait_timeout` seconds, 600 by default) or
   raises EngineBusy (`on_busy="error"`). EngineBusy names the requests holding the Engine (a stream left open:
   which thread opened it, when) and how to end them: read to the end, stream.close() in its thread, or
   engine.cancel() from any thread.
@@ -136,8 +136,7 @@ class Engine:
                   for d in config.draft_specs]          # in order; model-free drafters ("ngram") stay names
         return Placement(resolved[0], drafts, self.target_devices, self.draft_devices,
                          dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context,
-                              static_width=config.static_width, **seqs,
-                              **({"compile_step": True} if config.compile_step else {})),
+                              static_width=config.static_width, compile_step=config.compile_step, **seqs),
                          config.runtime, config.worker_timeout, config.runtime_options)
 
     def _native_dynamic(self, config: EngineConfig) -> bool:

@@ -63,6 +63,21 @@ def keep_chain(model, prefix_len: int, slots: list[int]) -> None:
     model.rollback(prefix_len + len(slots))
 
 
+class SequenceChecks:
+    """The checks a model of several sequences (llama.cpp's, models/native_seqs.py) runs before a forward of one
+    of them; it has `_lengths` (cached tokens per sequence), `max_context` and `vocab_size`."""
+
+    def _check_room(self, n: int, seq: int = 0) -> None:
+        if self._lengths[seq] + n > self.max_context:
+            raise ValueError(f"context full: {self._lengths[seq]} cached + {n} new tokens exceed max_context "
+                             f"{self.max_context}; create the engine with a larger max_context")
+
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")
+
+
 def check_batch(model, items: list[tuple[int, list[int], int]]) -> None:
     """forward_batch's items (seq, token_ids, outputs) on a model of several sequences: each sequence at most once,
     1..exact_width tokens each, n_batch in all, 1..len(tokens) outputs, room in its cache, ids in the vocabulary."""

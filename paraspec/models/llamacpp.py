@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paraspec.models.base import check_batch, check_rollback
+from paraspec.models.base import SequenceChecks, check_batch, check_rollback
 
 PROBE_WIDTH = 32          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
@@ -147,7 +147,7 @@ def _kernels_asked(kernels: str | None) -> str:
     return asked
 
 
-class LlamaCppModel:
+class LlamaCppModel(SequenceChecks):
     """One llama.cpp context over one GGUF model, KV cache = llama.cpp's memory; the Model protocol runs on
     sequence 0. With n_seqs > 1 the context holds that many sequences, each with a KV cache of its own (not
     llama.cpp's unified cache: attention over another sequence's cells would change a row's summation), each
@@ -389,16 +389,6 @@ class LlamaCppModel:
         raise ValueError("token trees are not supported by the llamacpp backend; use backend='native'")
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _check_room(self, n: int, seq: int = 0) -> None:
-        if self._lengths[seq] + n > self.max_context:
-            raise ValueError(f"context full: {self._lengths[seq]} cached + {n} new tokens exceed max_context "
-                             f"{self.max_context}; create the engine with a larger max_context")
-
-    def _check_vocabulary(self, token_ids: list[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")
-
     def _decode(self, token_ids: list[int], outputs: int, seq: int = 0) -> torch.Tensor:
         """One llama_decode of consecutive tokens; logits [outputs, vocab] for the last `outputs` of them."""
         _llama_decode_many(self._ctx, self._batch, [(seq, token_ids, self._lengths[seq], outputs)])

@@ -19,14 +19,14 @@ import sys
 import numpy as np
 import torch
 
-from paraspec.models.base import check_batch
+from paraspec.models.base import SequenceChecks, check_batch
 from paraspec.models.llama import KVCache, NativeModel
 
 PROBE_WIDTH = 8                    # the widest forward of one sequence that may share a step (the probe covers it)
 PROBE_PROMPTS = (9, 5, 17, 12, 3, 14, 7, 11)     # the probe's context lengths, one per sequence (cycled)
 
 
-class NativeSequences(NativeModel):
+class NativeSequences(SequenceChecks, NativeModel):
     def __init__(self, decoder, max_context: int, eos_token_ids: tuple[int, ...] = (), n_seqs: int = 2):
         if n_seqs < 2:
             raise ValueError(f"n_seqs={n_seqs}: NativeSequences holds two or more sequences; use NativeModel")
@@ -67,35 +67,17 @@ class NativeSequences(NativeModel):
         super().rollback(length)
 
     def prefill(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
-        return self.forward(token_ids, last_n=1, seq=self._restart(seq))[-1]
-
-    def _restart(self, seq: int) -> int:
-        self._use(seq)
-        self.cache.length = 0
-        return seq
+        self.rollback(0, seq)
+        return self.forward(token_ids, last_n=1, seq=seq)[-1]
 
     def forward(self, token_ids: list[int], positions: list[int] | None = None,
                 tree_mask: torch.Tensor | None = None, last_n: int | None = None, seq: int = 0) -> torch.Tensor:
-        self._use(seq)
-        self._check_vocabulary(token_ids)
+        self._use(seq)          # the Batcher checked room and vocabulary when the forward was asked
         return super().forward(token_ids, positions, tree_mask, last_n)
 
     def keep_path(self, prefix_len: int, slots: list[int], seq: int = 0) -> None:
         self._use(seq)
         super().keep_path(prefix_len, slots)
-
-    def _clear(self, seq: int) -> None:
-        self.caches[seq].length = 0
-
-    def _check_room(self, n: int, seq: int = 0) -> None:
-        if self.caches[seq].length + n > self.max_context:
-            raise ValueError(f"context full: {self.caches[seq].length} cached + {n} new tokens exceed max_context "
-                             f"{self.max_context}; create the engine with a larger max_context")
-
-    def _check_vocabulary(self, token_ids: list[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")
 
     def move_sequence(self, src: int, dst: int) -> None:
         """Sequence `src`'s cache becomes sequence `dst`'s and `src` is empty (the cache tensors trade places: the
@@ -133,8 +115,9 @@ class NativeSequences(NativeModel):
             h = h + layer.mlp_block(h)
         for cache, start, (_, tokens, _) in zip(caches, starts, items):
             cache.length = start + len(tokens)
-        keep = torch.cat([torch.arange(span.stop - outputs, span.stop) for span, (_, _, outputs) in zip(spans, items)])
-        logits = self.logits(h[keep.to(self.device)])
+        keep = torch.cat([torch.arange(span.stop - outputs, span.stop, device=self.device)
+                          for span, (_, _, outputs) in zip(spans, items)])
+        logits = self.logits(h[keep])
         out, at = [], 0
         for _, _, outputs in items:
             out.append(logits[at:at + outputs])
@@ -167,5 +150,5 @@ def measure_batch_exact(model: NativeSequences, width: int) -> list[dict]:
             diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))
             rows.append({"sequences": group, "kind": kind, "widths": widths, "max_abs_diff": diff})
     for seq in range(n):
-        model._clear(seq)
+        model.rollback(0, seq)
     return rows
