@@ -86,9 +86,11 @@ def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sa
     want = alone(gguf_pair, name, 8, sampling, backend)
     with engine(gguf_pair, name, 4, backend, sampling=sampling) as e:
         assert e.max_num_seqs == 4 and e.target.n_seqs == 4
-        # where one-token steps stay alone, forwards are shared by verifications: a draft model drafts every round
+        # where one-token steps stay alone only verifications share, and only when two requests verify in one step:
+        # sd-model's requests draft k tokens every round and stay in phase; ngram+model's drift apart as the
+        # n-gram drafts or not (a full run saw none shared): it is held to its answers = alone
         exact = e.target.batch_exact
-        shares = exact and (e.target.min_shared_width == 1 or "model" in name)
+        shares = exact and (e.target.min_shared_width == 1 or name == "sd-model")
         for n in (1, 2, 5, 8):
             assert_same(together(e, n, sampling, stream=n == 5), want[:n])
         widths, moves = e.batch_stats.widths, e.batch_stats.moves
