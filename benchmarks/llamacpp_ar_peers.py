@@ -24,6 +24,7 @@ pair. The load average is printed at the start and the end: quote the figures on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -74,8 +75,8 @@ for line in sys.stdin:
 
 def same_config_loop(model, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
     """(tokens, TTFT s, total s) on paraspec's own llama.cpp context: its prefill, then one-token llama_decode
-    calls (the backend's own `_llama_decode`) and an argmax in numpy, without the Engine around them."""
-    from paraspec.models.llamacpp import _lib, _llama_decode
+    calls (the backend's own `_llama_decode_many`) and an argmax in numpy, without the Engine around them."""
+    from paraspec.models.llamacpp import _lib, _llama_decode_many
 
     def argmax_last() -> int:
         return int(np.ctypeslib.as_array(_lib.llama_get_logits_ith(model._ctx, -1), shape=(model.vocab_size,)).argmax())
@@ -85,7 +86,7 @@ def same_config_loop(model, prompt: list[int], tokens: int) -> tuple[list[int], 
     out = [argmax_last()]
     ttft = time.perf_counter() - start
     for pos in range(len(prompt), len(prompt) + tokens - 1):
-        _llama_decode(model._ctx, model._batch, out[-1:], pos, 1)
+        _llama_decode_many(model._ctx, model._batch, [(0, out[-1:], pos, 1)])
         out.append(argmax_last())
     return out, ttft, time.perf_counter() - start
 
@@ -126,26 +127,44 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dataset", default="humaneval")
     ap.add_argument("--bare-lib", default=None, help="a folder holding another llama_cpp package for the bare loop")
+    ap.add_argument("--flash-off", action="store_true",
+                    help="also paraspec ar with flash attention off (PARASPEC_LLAMACPP_FLASH_ATTN=0), interleaved")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cores = list(range(args.threads))
     gguf = gguf_file(args.model)
     names = ["paraspec ar", "bare loop, same config", "llama-cpp-python", "llama-server"]
+    names += ["paraspec ar, flash attention off"] if args.flash_off else []
     rows = {name: [] for name in names}          # (round, prompt) -> (ids, ttft s, tpot s)
-    with Engine(args.model, strategy="ar", backend="llamacpp",
-                target_devices=[f"cpu:0-{args.threads - 1}" if args.threads > 1 else "cpu:0"]) as engine, \
-            LlamaServer(peer_binaries(), gguf, args.threads, cores) as server:
+    devices = [f"cpu:0-{args.threads - 1}" if args.threads > 1 else "cpu:0"]
+
+    def ar_engine(flash: str | None) -> Engine:
+        """One request at a time (max_num_seqs=1), as every variant here; flash "0": flash attention off."""
+        if flash is None:
+            return Engine(args.model, strategy="ar", backend="llamacpp", target_devices=devices, max_num_seqs=1)
+        os.environ["PARASPEC_LLAMACPP_FLASH_ATTN"] = flash      # read when the model opens (and by its probe)
+        try:
+            return Engine(args.model, strategy="ar", backend="llamacpp", target_devices=devices, max_num_seqs=1)
+        finally:
+            del os.environ["PARASPEC_LLAMACPP_FLASH_ATTN"]
+
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(ar_engine(None))
+        off = stack.enter_context(ar_engine("0")) if args.flash_off else None
+        server = stack.enter_context(LlamaServer(peer_binaries(), gguf, args.threads, cores))
         bare = BareLoop(gguf, args.threads, args.bare_lib)
         try:
             prompts = [encode_prompt(engine.tokenizer, p.as_input(chat=True))
                        for p in load_prompts(args.dataset, args.prompts)]
-            engine.target.eos_token_ids = ()          # paraspec does not stop either: --tokens tokens, as the loops
+            for e in (engine, off):
+                if e is not None:
+                    e.target.eos_token_ids = ()       # paraspec does not stop either: --tokens tokens, as the loops
 
             def run(name, prompt, tokens):
                 """(token ids, TTFT s, TPOT s) of one variant on one prompt."""
                 params = SamplingParams(max_new_tokens=tokens, stop_token_ids=[])
-                if name == "paraspec ar":
-                    r = engine.generate(prompt, params)
+                if name.startswith("paraspec ar"):
+                    r = (off if name.endswith("off") else engine).generate(prompt, params)
                 elif name == "llama-server":
                     answer, seconds = server.complete(prompt, params)
                     r = result_from_answer("llamacpp-ar", prompt, params, answer, seconds, 4096)
@@ -167,7 +186,7 @@ def main() -> None:
                               file=sys.stderr, flush=True)
         finally:
             bare.close()
-        kernels = engine.target.kernels
+        kernels = f"{engine.target.kernels}, flash attention {'on' if engine.target.flash_attention else 'off'}"
     print(f"{args.model} ({gguf.name}), {args.threads} threads, {args.prompts} {args.dataset} prompts x "
           f"{args.tokens} tokens x {args.rounds} rounds, interleaved; paraspec kernels: {kernels}; "
           f"llama-cpp-python from {bare.info['lib']}; load average {load:.2f} at the start (after the warm-up) "

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from paraspec.bench.llamacpp_peers import gguf_file
-from paraspec.models.llamacpp import _llama_cpp, _llama_decode
+from paraspec.models.llamacpp import _llama_cpp, _llama_decode_many
 
 SETTINGS = {"paraspec": (0, 512, 512), "flash": (1, 512, 512), "flash, ubatch 512 / batch 2048": (1, 2048, 512)}
 MODELS = {"target": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "draft": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
@@ -54,14 +54,14 @@ class Context:
         start = time.perf_counter()
         for s in range(0, len(ids), self.n_batch):
             chunk = ids[s:s + self.n_batch]
-            _llama_decode(self.ctx, self.batch, chunk, s, outputs=1 if s + len(chunk) == len(ids) else 0)
+            _llama_decode_many(self.ctx, self.batch, [(0, chunk, s, 1 if s + len(chunk) == len(ids) else 0)])
         return (time.perf_counter() - start) * 1000
 
     def logits_after(self, ids: list[int], more: list[int]) -> np.ndarray:
         self.prefill(ids)
         rows = []
         for i, t in enumerate(more):
-            _llama_decode(self.ctx, self.batch, [t], len(ids) + i, outputs=1)
+            _llama_decode_many(self.ctx, self.batch, [(0, [t], len(ids) + i, 1)])
             rows.append(np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), (self.n_vocab,)).copy())
         return np.stack(rows)
 

@@ -38,7 +38,8 @@ from typing import Iterator
 
 from paraspec.batching import Batcher, BatchedSequence
 from paraspec.config import EngineConfig
-from paraspec.models.loader import load_tokenizer_if_any, output_rows, parse_dtype, resolve_models
+from paraspec.models.loader import (load_tokenizer_if_any, output_rows, parse_dtype, resolve_models,
+                                     widened_draft)
 from paraspec.prompts import decode_text, encode_prompt, output_text, stop_string_check
 from paraspec.run import Run
 from paraspec.runtime.errors import RemoteError, WorkerError
@@ -125,6 +126,8 @@ class Engine:
         dtypes = [parse_dtype(config.dtype, self.target_devices[0].torch_device)] + [draft_dtype] * (len(specs) - 1)
         self.backend, resolved = resolve_models(specs, dtypes, config.model_backend,
                                                 self.target_devices + self.draft_devices)
+        if self.backend == "llamacpp":             # drafts' Q5_0 matrices as Q8_0 where that is faster (AMX)
+            resolved = resolved[:1] + [widened_draft(f) for f in resolved[1:]]
         # requests share forwards where the strategy's loop runs here on models with a sequence each (llama.cpp,
         # and the native decoder's dynamic forward: models/native_seqs.py)
         batches = config.strategy_class.caps.batches and (

@@ -10,7 +10,9 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    llamafile and with paraspec's patches (`scripts/build_llamacpp.py wheel`; a llamafile build is refused) to the
    repacked Q4_K one-row kernel and, on AVX512-VNNI builds, to the one-row Q6_K and Q4_K kernels (so that they
    round like the tiled K-quant matmul llama.cpp uses from 8 rows on: `GGML_CPU_TILED_MM` is left on there, and set
-   to 0 on other builds and CPUs, before the first matrix product), flash attention off, and weight repacking
+   to 0 on other builds and CPUs, before the first matrix product), flash attention on where the build carries the
+   patch that stops it splitting a one-token row's KV across threads (`flash_attention`; off in other builds:
+   llama-server's default, 16-25% faster prompts on the AMX Xeon), and weight repacking
    (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured exact**, else off
    (`kernels`: "repacked" or "plain");
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
@@ -55,6 +57,7 @@ from paraspec.models.base import SequenceChecks, check_batch, check_rollback
 PROBE_WIDTH = 32          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
 TILED_MIN_ROWS = 8          # llama.cpp's tiled K-quant matmul takes products of this many activation rows and more
+FLASH_TILE_ROWS = 64        # llama.cpp's flash attention takes forwards of this many rows through its tiled pass
 # weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build
 # without llamafile): LlamaCppModel's `kernels`, chosen by measurement unless asked for (PARASPEC_LLAMACPP_KERNELS)
 KERNELS = ("repacked", "plain")
@@ -121,10 +124,30 @@ def tiled_matmul() -> bool:
     return os.environ.get("GGML_CPU_TILED_MM", "0") != "0"
 
 
-def build_fingerprint(kernels: str = "plain") -> str:
-    """What the numerics depend on besides the model: library build, its switches, the CPU."""
+def flash_attention() -> bool:
+    """Whether paraspec's llama.cpp contexts run flash attention: in a build patched so that a token's attention does
+    not depend on the thread count or on the width of its forward (scripts/patches/*flash-attn*, which marks the
+    package), unless PARASPEC_LLAMACPP_FLASH_ATTN=0. Unpatched, a one-token row over 512+ KV cells is split across
+    threads: off. Either way the load-time probe judges the result."""
+    lib = _llama_cpp()
+    patched = bool(getattr(lib, "__paraspec_flash_attn__", False))
+    asked = os.environ.get("PARASPEC_LLAMACPP_FLASH_ATTN", "auto")
+    if asked not in ("auto", "0", "1"):
+        raise ValueError(f"PARASPEC_LLAMACPP_FLASH_ATTN={asked!r}: use auto, 0 or 1")
+    if asked == "1" and not patched:
+        raise ValueError("PARASPEC_LLAMACPP_FLASH_ATTN=1: this llama-cpp-python lacks paraspec's flash-attention patch "
+                         "(its one-token rows depend on the thread count: not exact); rebuild it with `python "
+                         f"scripts/build_llamacpp.py wheel --python {sys.executable}`, or unset the variable")
+    return patched if asked == "auto" else asked == "1"
+
+
+def build_fingerprint(kernels: str = "plain", flash: bool | None = None, kv_f32: bool = False) -> str:
+    """What the numerics depend on besides the model: library build, its switches, the CPU (flash None: this
+    process's flash_attention())."""
+    flash = flash_attention() if flash is None else flash
     return "\n".join([_library_fingerprint(),
-                      f"repack={int(kernels == 'repacked')} flash=0 tiled={int(tiled_matmul())}"])
+                      f"repack={int(kernels == 'repacked')} flash={int(flash)} tiled={int(tiled_matmul())}"
+                      + (" kv=f32" if kv_f32 else "")])
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,7 +182,8 @@ class LlamaCppModel(SequenceChecks):
                  kernels: str | None = None, n_seqs: int = 1):
         """n_threads None: follow torch's thread count (set by the Engine or worker to the device group's cores,
         and by the benchmark per variant), checked at every prefill; an int fixes it. kv_f32: keep K/V in f32
-        instead of llama.cpp's f16 (twice the cache memory; the tests use it to compare with fp32 references).
+        instead of llama.cpp's f16 (twice the cache memory; the tests use it to compare with fp32 references;
+        flash attention is off then: it would cast them to f16).
         fast_prefill: prompts on repacked weights when the model's own kernels are the plain ones (None: on unless
         PARASPEC_LLAMACPP_FAST_PREFILL=0). kernels: "repacked" or "plain" (weight repacking on or off), or None:
         PARASPEC_LLAMACPP_KERNELS, else "auto" = repacked if the probe finds every width exact, else plain
@@ -169,6 +193,8 @@ class LlamaCppModel(SequenceChecks):
             raise ValueError(f"n_seqs must be a positive integer, got {n_seqs!r}")
         _llama_cpp()
         self.tiled_matmul = tiled_matmul()         # llama.cpp's tiled K-quant matmul on (patched VNNI builds)
+        # llama.cpp's flash attention on (patched builds), but not for f32 K/V: flash attention casts them to f16
+        self.flash_attention = flash_attention() and not kv_f32
         self._follow_torch = n_threads is None
         self.n_threads = n_threads or torch.get_num_threads()
         self.path = Path(path)
@@ -218,7 +244,8 @@ class LlamaCppModel(SequenceChecks):
         cparams.n_seq_max = self.n_seqs
         cparams.kv_unified = self.n_seqs == 1
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        cparams.flash_attn_type = 0               # off: with it, a long KV is split across threads (not exact)
+        # on in a patched build (no KV split across threads, see flash_attention); 1/0 = enabled/disabled
+        cparams.flash_attn_type = 1 if self.flash_attention else 0
         cparams.no_perf = True
         if self._asked["kv_f32"]:
             cparams.type_k = cparams.type_v = 0       # GGML_TYPE_F32
@@ -306,9 +333,9 @@ class LlamaCppModel(SequenceChecks):
             raise RuntimeError(f"llama.cpp refused to clear sequence {seq} of the KV cache")
         self._lengths[seq] = 0
 
-    def _prefill_chunks(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
+    def _prefill_chunks(self, token_ids: list[int], seq: int = 0, logits: bool = True) -> torch.Tensor | None:
         """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token."""
-        if self._fast is not None and len(token_ids) > 1:
+        if self._fast is not None and len(token_ids) > 1 and logits:
             # all but the last prompt token on the repacked copy; the last one here, exactly: strategies re-feed it
             # (dsi's servers roll back to it to get the first chunk's row), and its KV and logits must be the
             # same whether it was decoded with the prompt or again on its own
@@ -316,11 +343,17 @@ class LlamaCppModel(SequenceChecks):
             self._lengths[seq] = len(token_ids) - 1
             self.fast_prefills += 1
             return self._decode(token_ids[-1:], outputs=1, seq=seq)
+        tail = (len(token_ids) - 1) % self.n_batch + 1          # the last chunk's tokens
+        if self.flash_attention and logits and tail >= FLASH_TILE_ROWS:
+            # that chunk would go through flash attention's tiled pass, whose rows differ from one-token rows: the
+            # prompt's last token is decoded alone, as a strategy that re-feeds it (dsi's servers) decodes it
+            self._prefill_chunks(token_ids[:-1], seq, logits=False)
+            return self._decode(token_ids[-1:], outputs=1, seq=seq)
         for start in range(0, len(token_ids), self.n_batch):
             chunk = token_ids[start:start + self.n_batch]
             last = start + len(chunk) == len(token_ids)
-            logits = self._decode(chunk, outputs=1 if last else 0, seq=seq)
-        return logits
+            out = self._decode(chunk, outputs=1 if last and logits else 0, seq=seq)
+        return out
 
     def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
         """One llama_decode of several sequences' next tokens: items are (seq, token_ids, outputs), each sequence
@@ -520,7 +553,8 @@ def _architecture(path: Path) -> str:
 # -- batch invariance, measured ---------------------------------------------------------------------------
 def _probe_cache(model: LlamaCppModel) -> Path:
     from paraspec.models.cache import cache_dir, sha256_prefix
-    key = hashlib.sha256("\n".join([build_fingerprint(model.kernels), sha256_prefix(model.path), str(model.n_threads),
+    key = hashlib.sha256("\n".join([build_fingerprint(model.kernels, model.flash_attention, model._asked["kv_f32"]),
+                                    sha256_prefix(model.path), str(model.n_threads),
                                     str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]
                                    + ([f"seqs={model.n_seqs}"] if model.n_seqs > 1 else [])).encode())
     return cache_dir() / "llamacpp" / "exactness" / f"{key.hexdigest()[:24]}.json"

@@ -81,6 +81,18 @@ def _gguf_companion(path: Path) -> Path:
         return Path(convert_gguf(path, out, weights=False, progress=False, with_tokenizer=False))
 
 
+def widened_draft(folder):
+    """For the llamacpp backend: a draft's folder, or one over a copy of its GGUF with the Q5_0 matrices as Q8_0
+    (the same weights; models/gguf_widen.py) where `widen_drafts()` says so (CPUs with AMX, where Q8_0 has AMX
+    kernels and Q5_0 none). A draft's numbers never reach the output, so only its speed changes."""
+    from paraspec.models.gguf_widen import widen_drafts, widened
+    source = gguf_source(folder) if isinstance(folder, Path) else None
+    if source is None or not widen_drafts():
+        return folder
+    wide = widened(source)
+    return folder if wide == source else _gguf_companion(wide)
+
+
 def gguf_source(folder: Path) -> Path | None:
     """The GGUF file a checkpoint folder was made from, when it is still there (the reference pair's are)."""
     from paraspec.models.cache import read_marker

@@ -59,12 +59,35 @@ def test_forward_is_bitwise_one_token_forwards(gguf_pair, threads, context):
                                            context)
 
 
-def test_one_thread_equals_two_threads(gguf_pair):
-    """amusd's target runs on one core, ar's on two: their logits must agree bitwise too."""
-    ids = list(range(3, 40))
-    one = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=1), ids[:30], ids[30:])
-    two = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2), ids[:30], ids[30:])
+@pytest.mark.parametrize("prompt", [30, 700])
+def test_one_thread_equals_two_threads(gguf_pair, prompt):
+    """amusd's target runs on one core, ar's on two: their logits must agree bitwise too. 700: a prompt on flash
+    attention's tiled pass (64+ rows), then one-token rows over 512+ KV cells, which unpatched llama.cpp splits
+    across threads."""
+    ids = [3 + i % 250 for i in range(prompt + 8)]
+    one = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=1), ids[:prompt], ids[prompt:])
+    two = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2), ids[:prompt], ids[prompt:])
     assert torch.equal(one, two)
+
+
+def test_flash_attention_is_on_only_in_a_patched_build(gguf_pair, monkeypatch):
+    """On in a build with paraspec's flash-attention patch (unless PARASPEC_LLAMACPP_FLASH_ATTN=0), refused when
+    asked for in one without it, and exact either way."""
+    lib = llamacpp._llama_cpp()
+    patched = bool(getattr(lib, "__paraspec_flash_attn__", False))
+    assert llamacpp.flash_attention() == patched
+    monkeypatch.setenv("PARASPEC_LLAMACPP_FLASH_ATTN", "0")
+    off = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, probe=False)
+    assert off.flash_attention is False and "flash=0" in llamacpp.build_fingerprint()
+    ids = [3 + i % 250 for i in range(600 + 8)]
+    assert_forwards_are_one_token_forwards(off, ids, 600)
+    monkeypatch.setenv("PARASPEC_LLAMACPP_FLASH_ATTN", "sometimes")
+    with pytest.raises(ValueError, match="use auto, 0 or 1"):
+        llamacpp.flash_attention()
+    monkeypatch.setenv("PARASPEC_LLAMACPP_FLASH_ATTN", "1")
+    monkeypatch.delattr(lib, "__paraspec_flash_attn__", raising=False)
+    with pytest.raises(ValueError, match="lacks paraspec's flash-attention patch.*build_llamacpp.py wheel"):
+        LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, probe=False)
 
 
 def test_wide_forwards_are_split_to_the_exact_width(gguf_pair, monkeypatch):
@@ -90,6 +113,19 @@ def test_a_first_forward_decodes_its_prompt_as_prefill_does(gguf_pair):
     model.forward_widths = {}
     assert torch.equal(model.forward(prompt + drafts, last_n=4), reference)
     assert model.forward_widths == {3: 1}                 # only the drafts went through the exact-width split
+
+
+@pytest.mark.parametrize("prompt", [40, 100, 600])
+def test_a_prompts_last_token_refed_alone_gets_the_prefills_logits(gguf_pair, prompt):
+    """dsi's servers roll back to a prompt's last token and feed it again: its logits and what follows must be the
+    prefill's. With flash attention on, a prompt chunk of 64+ tokens goes through its tiled pass, whose rows differ
+    from one-token rows, so prefill decodes the last token alone there (100, 600); a shorter chunk is exact as is."""
+    model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2)
+    ids = [3 + (7 * i) % 250 for i in range(prompt + 4)]
+    first = torch.cat([model.prefill(ids[:prompt])[None], model.forward(ids[prompt:])])
+    model.rollback(prompt - 1)
+    again = model.forward(ids[prompt - 1:])
+    assert torch.equal(first, again), f"max |diff| {float((first - again).abs().max()):.3g}"
 
 
 def test_probe_measures_and_is_cached(gguf_pair, monkeypatch, tmp_path):

@@ -1,0 +1,115 @@
+"""A draft model's Q5_0 matrices rewritten as Q8_0 holding the same values, for CPUs where Q8_0 has fast kernels.
+
+A Q5_0 block is 32 weights q·d with q in -16..15 (5 bits) and one f16 scale d; a Q8_0 block is 32 weights q·d with
+q in -127..127 and one f16 scale. Every Q5_0 block is therefore a Q8_0 block with the same d and the same q: the
+weights are unchanged, bit for bit (tests/models/test_gguf_widen.py dequantizes both). What changes is the kernel:
+llama.cpp has no AMX or repacked kernel for Q5_0, and on the AMX Xeon the reference draft (Qwen2.5-Coder-0.5B
+Q4_K_M: 133 of its matrices are Q5_0, because its 896 columns are not a multiple of 256) decoded its prompt slower
+than the 1.5B target. The file is 1.4x larger.
+
+Only drafts are widened (the Engine, for the llamacpp backend, where `widen_drafts()` says so): a draft's numbers
+do not enter the output, which stays the target's; the target runs the user's file as llama.cpp would.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from paraspec.models.cache import cache_dir, sha256_prefix
+
+Q5_0_BLOCK, Q8_0_BLOCK = 22, 34       # bytes per 32 weights: f16 d + 4 bytes of high bits + 16 of nibbles; f16 d + 32
+
+
+def cpu_has_amx_int8() -> bool:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "amx_int8" in flags.split()
+
+
+def widen_drafts() -> bool:
+    """Whether the Engine widens llama.cpp drafts' Q5_0 matrices: PARASPEC_LLAMACPP_WIDEN_Q5_0=1/0, else on CPUs with
+    AMX-INT8 (where llama.cpp multiplies Q8_0 with AMX tiles and Q5_0 one row at a time; measured there). Other CPUs
+    are not measured: off."""
+    asked = os.environ.get("PARASPEC_LLAMACPP_WIDEN_Q5_0", "auto")
+    if asked not in ("auto", "0", "1"):
+        raise ValueError(f"PARASPEC_LLAMACPP_WIDEN_Q5_0={asked!r}: use auto, 0 or 1")
+    return cpu_has_amx_int8() if asked == "auto" else asked == "1"
+
+
+def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Raw Q5_0 bytes (any shape whose last axis holds whole blocks) -> raw Q8_0 bytes of the same weights."""
+    rows = blocks.reshape(-1, blocks.shape[-1])
+    if rows.shape[-1] % Q5_0_BLOCK:
+        raise ValueError(f"a Q5_0 row of {rows.shape[-1]} bytes is not whole blocks of {Q5_0_BLOCK}")
+    b = rows.reshape(-1, Q5_0_BLOCK)
+    bits = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")          # bit j: the 5th bit of weight j
+    nibbles = b[:, 6:]
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)         # weights 0..15, then 16..31
+    out = np.empty((b.shape[0], Q8_0_BLOCK), np.uint8)
+    out[:, :2] = b[:, :2]                                                # the same f16 scale
+    out[:, 2:] = (low | (bits << 4)) - np.uint8(16)                      # 0..31 - 16, as int8's two's complement
+    return out.reshape(rows.shape[0], -1).reshape(*blocks.shape[:-1], -1)
+
+
+def widen_q5_0(src: str | os.PathLike, dst: str | os.PathLike) -> int:
+    """Write `src` with every Q5_0 tensor as Q8_0 (same values) to `dst`; returns how many tensors were widened."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    tmp = Path(f"{dst}.partial")
+    writer = GGUFWriter(tmp, arch=arch)
+    alignment = reader.fields.get("general.alignment")
+    if alignment is not None:
+        writer.data_alignment = int(alignment.contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        writer.add_key_value(name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    widened = 0
+    for t in reader.tensors:
+        data, kind = t.data, t.tensor_type
+        if kind == GGMLQuantizationType.Q5_0:
+            data, kind = q5_0_to_q8_0(np.asarray(data)), GGMLQuantizationType.Q8_0
+            widened += 1
+        writer.add_tensor(t.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)           # whole or not at all: a killed conversion leaves no file that looks done
+    return widened
+
+
+def tensor_types(path: str | os.PathLike) -> set[str]:
+    """The quantization types of a GGUF file's tensors ("Q5_0", "Q4_K", "F32", ...)."""
+    from gguf import GGUFReader
+    return {t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+def widened(path: str | os.PathLike) -> Path:
+    """`path`, or its widened copy if it holds Q5_0 tensors: made once (~25 s for the reference draft), cached by
+    the source's content, like the verdict that a file has none (reading a GGUF's vocabulary takes seconds)."""
+    path = Path(path)
+    folder = cache_dir() / "widened"
+    key = f"{path.stem}-{sha256_prefix(path)}"
+    out, none = folder / f"{key}-q5_0-as-q8_0.gguf", folder / f"{key}.no-q5_0"
+    if out.exists():
+        return out
+    if none.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    if "Q5_0" not in tensor_types(path):
+        none.touch()
+        return path
+    print(f"paraspec: writing {path.name}'s Q5_0 matrices as Q8_0 (the same weights) for this CPU's AMX kernels, "
+          f"once, into {out} (PARASPEC_LLAMACPP_WIDEN_Q5_0=0 keeps the file as it is)", file=sys.stderr, flush=True)
+    widen_q5_0(path, out)
+    return out
