@@ -16,8 +16,9 @@ Quote timings only from a quiet machine (the load average is printed).
 
     python benchmarks/llamacpp_prefill.py --compare-models [--prompt-tokens 157]
 
-instead times the draft's and the target's prompts on paraspec's own contexts (LlamaCppModel, repacking on),
-interleaved: sd's TTFT is the sum of the two.
+instead times the draft's and the target's prompts, and a one-token forward after them, on paraspec's own contexts
+(LlamaCppModel, repacking on), interleaved, with the draft as given and with its Q5_0 matrices as Q8_0 (what the
+Engine runs on AMX CPUs, models/gguf_widen.py): sd's TTFT is the sum of the draft's and the target's.
 """
 from __future__ import annotations
 
@@ -72,8 +73,11 @@ class Context:
 
 def compare_models(args) -> None:
     from paraspec.models.llamacpp import LlamaCppModel
-    models = {role: LlamaCppModel(gguf_file(name), 4096, (), n_threads=args.threads, kernels="repacked", probe=False)
-              for role, name in MODELS.items()}
+    from paraspec.models.gguf_widen import widened
+    files = {role: gguf_file(name) for role, name in MODELS.items()}
+    files["draft, Q5_0 as Q8_0"] = widened(files["draft"])       # what the Engine runs on AMX CPUs
+    models = {role: LlamaCppModel(path, 4096, (), n_threads=args.threads, kernels="repacked", probe=False)
+              for role, path in files.items()}
     print(f"repacking on, {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")
     for p in args.prompt_tokens:
         ids = np.random.default_rng(p).integers(0, 150000, size=p).tolist()
@@ -86,6 +90,16 @@ def compare_models(args) -> None:
                 model.prefill(ids)
                 times[role].append((time.perf_counter() - start) * 1000)
         print(f"{p} prompt tokens: " + ", ".join(f"{role} {statistics.median(t):.0f} ms" for role, t in times.items()))
+        steps = {role: [] for role in models}          # then one-token forwards after that prompt
+        for _ in range(args.rounds):
+            for role, model in models.items():
+                model.rollback(p)
+                start = time.perf_counter()
+                for t in ids[:16]:
+                    model.forward([t])
+                steps[role].append((time.perf_counter() - start) * 1000 / 16)
+        print("  one-token forward after it: " + ", ".join(f"{role} {statistics.median(t):.1f} ms"
+                                                         for role, t in steps.items()))
     for model in models.values():
         model.close()
     print(f"load average at the end {os.getloadavg()[0]:.2f}")

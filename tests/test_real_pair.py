@@ -99,6 +99,7 @@ def test_strategy_equals_ar_on_the_reference_pair(reference, name):
 # -- the llamacpp backend: exact by construction, so no near-tie allowance -------------------------------------
 LLAMACPP_STRATEGIES = {
     "sd": dict(strategy="sd", lookahead=5),
+    "sd-confidence": dict(strategy="sd", lookahead=16, draft_confidence=0.6),                  # make demo's
     "amusd": dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
     "dsi": dict(strategy="dsi", lookahead=4, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
     # model-free drafters, the hybrid and the adaptive length (draft= replaces the draft model)

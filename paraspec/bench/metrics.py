@@ -24,10 +24,14 @@ class Variant:
     strategy: str
     threads: int | None = None       # None: the thread count the engine set up (from its devices)
     drafts: tuple[str, ...] | None = None     # None: the bench's --draft as it is
+    options: tuple[tuple[str, object], ...] = ()   # its own strategy options over the bench's: sd{adaptive}
 
     @property
     def name(self) -> str:
         label = self.strategy if self.drafts is None else f"{self.strategy}[{','.join(self.drafts)}]"
+        if self.options:
+            label += "{" + ",".join(k if v is True else f"{k}={int(v) if isinstance(v, bool) else v}"
+                                    for k, v in self.options) + "}"
         return label if self.threads is None else f"{label}@{self.threads}t"
 
 
@@ -47,6 +51,7 @@ class Record:
     def to_dict(self) -> dict:
         return {"variant": self.variant.name, "strategy": self.variant.strategy, "threads": self.variant.threads,
                 "drafts": None if self.variant.drafts is None else list(self.variant.drafts),
+                "options": dict(self.variant.options),
                 "prompt_index": self.prompt_index, "prompt_id": self.prompt_id,
                 "prompt_tokens": self.prompt_tokens, "token_ids": self.token_ids, "text": self.text,
                 "finish_reason": self.finish_reason, "stats": self.stats.to_dict(),

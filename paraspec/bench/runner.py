@@ -40,10 +40,11 @@ DRAFTER_NAMES = ("ngram", "suffix", "model")
 
 
 def split_items(spec: str) -> list[str]:
-    """`ar,sd[ngram,model]@2t` -> ["ar", "sd[ngram,model]@2t"]: commas inside brackets separate drafters."""
+    """`ar,sd[ngram,model]{adaptive,lookahead=16}@2t` -> ["ar", "sd[ngram,model]{adaptive,lookahead=16}@2t"]: commas
+    inside brackets separate drafters, inside braces options."""
     items, depth, start = [], 0, 0
     for i, char in enumerate(spec):
-        depth += {"[": 1, "]": -1}.get(char, 0)
+        depth += {"[": 1, "]": -1, "{": 1, "}": -1}.get(char, 0)
         if depth < 0 or depth > 1:
             raise ValueError(f"unbalanced brackets in --strategies {spec!r}; write e.g. sd[ngram,model]")
         if char == "," and depth == 0:
@@ -70,12 +71,44 @@ def parse_drafts(strategy: str, text: str, item: str) -> tuple[str, ...]:
     return drafts
 
 
+def parse_options(strategy: str, text: str, item: str) -> tuple[tuple[str, object], ...]:
+    """The options in `sd{adaptive,lookahead=16}` (a bare name is True), checked against the strategy's options."""
+    from paraspec.strategies.registry import OPTIONS
+    takes = STRATEGIES[strategy].options if strategy in STRATEGIES else ()
+    out = []
+    for piece in (p.strip() for p in text.split(",")):
+        name, _, value = piece.partition("=")
+        name = name.strip().replace("-", "_")
+        if name not in takes:
+            raise ValueError(f"bad option {name!r} in {item!r}: {strategy} takes "
+                             f"{', '.join(takes) or 'no options'} (e.g. sd{{adaptive,lookahead=16}})")
+        kind = OPTIONS[name].type
+        if not value:
+            if kind is not bool:
+                raise ValueError(f"{name} in {item!r} needs a value: write {name}=...")
+            parsed = True
+        elif kind is bool:
+            if value.strip() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{name}={value} in {item!r}: write {name}, {name}=1 or {name}=0")
+            parsed = value.strip() in ("1", "true")
+        else:
+            try:
+                parsed = kind(value.strip())
+            except ValueError:
+                raise ValueError(f"{name}={value} in {item!r} is not "
+                                 f"{'an integer' if kind is int else 'a number'}") from None
+        OPTIONS[name].check(parsed)
+        out.append((name, parsed))
+    return tuple(out)
+
+
 def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]:
     """`ar,sd@2t,sd[ngram,model],hf-assisted` -> variants. A name without `@Nt` runs at every --threads count
     (or, without --threads, at the engine's own thread count); strategies that run in worker processes run once,
     on their devices. `STRATEGY[D1,D2]` gives a strategy its drafters (ngram, suffix, or model: the --draft
-    checkpoint) in that order; without brackets it takes --draft as it is. `all` is every registered paraspec
-    strategy."""
+    checkpoint) in that order; without brackets it takes --draft as it is. `STRATEGY{adaptive,lookahead=16}` sets
+    its own options over the bench's (to compare settings in one interleaved run). `all` is every registered
+    paraspec strategy."""
     names = []
     for item in split_items(spec):
         names += list(STRATEGIES) if item == "all" else [item]
@@ -86,15 +119,16 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
     known = list(STRATEGIES) + list(HF_STRATEGIES) + list(LLAMACPP_STRATEGIES)
     variants: list[Variant] = []
     for name in names:
-        found = re.fullmatch(r"([^\[\]@]*)(?:\[([^\]]*)\])?(?:@([^\[\]]*))?", name)
+        found = re.fullmatch(r"([^\[\]{}@]*)(?:\[([^\]]*)\])?(?:\{([^}]*)\})?(?:@([^\[\]{}@]*))?", name)
         if found is None:
-            raise ValueError(f"bad variant {name!r} in --strategies; write STRATEGY, STRATEGY@2t or "
-                             f"STRATEGY[ngram,model]@2t")
-        strategy, drafts_text, suffix = found.groups()
+            raise ValueError(f"bad variant {name!r} in --strategies; write STRATEGY, STRATEGY@2t, "
+                             f"STRATEGY[ngram,model]@2t or STRATEGY{{adaptive}}")
+        strategy, drafts_text, options_text, suffix = found.groups()
         strategy = strategy.strip()
         if strategy not in known:
             raise ValueError(f"unknown strategy {strategy!r} in --strategies; choose from {', '.join(known)}, all")
         drafts = None if drafts_text is None else parse_drafts(strategy, drafts_text, name)
+        options = () if options_text is None else parse_options(strategy, options_text, name)
         if suffix is not None and runs_in_workers(strategy):
             raise ValueError(f"{strategy} runs in worker processes on --target-devices/--draft-devices; it takes "
                              f"no @Nt thread count (give it devices instead)")
@@ -108,8 +142,8 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
         else:
             counts = [None] if runs_in_workers(strategy) else threads or [None]
         for n in counts:
-            if Variant(strategy, n, drafts) not in variants:
-                variants.append(Variant(strategy, n, drafts))
+            if Variant(strategy, n, drafts, options) not in variants:
+                variants.append(Variant(strategy, n, drafts, options))
     return variants
 
 
@@ -315,8 +349,9 @@ def in_process_devices(cores, model_drafts: bool) -> str:
 
 
 def engine_key(variant: Variant) -> tuple:
-    """Variants with the same key share one engine (or baseline): they differ in thread count only."""
-    return variant.strategy, variant.drafts
+    """Variants with the same key share one engine (or baseline): they differ in thread count only (their own
+    options, `sd{adaptive}`, make another engine)."""
+    return variant.strategy, variant.drafts, variant.options
 
 
 def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConfig:
@@ -325,7 +360,7 @@ def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConf
     needs_draft = STRATEGIES[variant.strategy].caps.needs_draft
     # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check;
     # one sequence: the bench times one request at a time (its variants share the loaded models)
-    return replace(config.engine.for_strategy(variant.strategy, config.options,
+    return replace(config.engine.for_strategy(variant.strategy, {**config.options, **dict(variant.options)},
                                               variant_drafts(variant, config.engine.draft) if needs_draft else None),
                    max_num_seqs=1)
 

@@ -31,7 +31,9 @@ def add_bench_command(subparsers) -> None:
                             f"once by scripts/build_llamacpp.py peer), or all (every paraspec strategy); NAME@Nt "
                             f"fixes a thread count; NAME[D,...] gives a strategy its drafters in order, each ngram, "
                             f"suffix or model (the --draft checkpoint), e.g. sd[ngram,model] (hybrid), "
-                            f"dsi[ngram,model] (two drafters); without brackets it takes --draft")
+                            f"dsi[ngram,model] (two drafters); without brackets it takes --draft; "
+                            f"NAME{{OPTION,OPTION=VALUE}} its own strategy options over the bench's, e.g. "
+                            f"sd{{adaptive,lookahead=16}} beside sd in one run")
     bench.add_argument("--threads", type=_int_list, metavar="N[,N]",
                        help="run each in-process strategy at each of these torch thread counts, on every core "
                             "this process may use, e.g. 1,2 (variants ar@1t, ar@2t, ...); default: the cores and "

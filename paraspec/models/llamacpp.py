@@ -24,7 +24,9 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    compute-bound on CPUs, so a split costs little; with width 1 it would cost the speculation, and the probe's
    result is reported (`exact_width`) so that a user sees it.
 
-The prompt's prefill is one forward (chunked by n_batch) in every strategy alike, so its KV cache is the same.
+The prompt's prefill is one forward (chunked by n_batch) in every strategy alike, so its KV cache is the same
+(with flash attention on, a last chunk of 64+ tokens leaves its last token to a forward of its own: see
+`_prefill_chunks`).
 On the repacked kernels it runs on the model's own context. On the plain ones it does not have to be
 batch-invariant, only the same everywhere, so all but its last token run on a second copy of the weights with
 repacking on (`fast_prefill`, default; `PARASPEC_LLAMACPP_FAST_PREFILL=0` turns it off):
@@ -334,7 +336,8 @@ class LlamaCppModel(SequenceChecks):
         self._lengths[seq] = 0
 
     def _prefill_chunks(self, token_ids: list[int], seq: int = 0, logits: bool = True) -> torch.Tensor | None:
-        """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token."""
+        """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token (logits
+        False: none, an empty tensor)."""
         if self._fast is not None and len(token_ids) > 1 and logits:
             # all but the last prompt token on the repacked copy; the last one here, exactly: strategies re-feed it
             # (dsi's servers roll back to it to get the first chunk's row), and its KV and logits must be the

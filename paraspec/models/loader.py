@@ -9,12 +9,14 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from paraspec.models.base import generation_eos_ids
-from paraspec.models.cache import cache_dir, sha256_prefix
+from paraspec.models.cache import (MARKER, cache_dir, make_partial_dir, publish_dir, read_marker, sha256_prefix,
+                                   write_marker)
 from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -90,7 +92,20 @@ def widened_draft(folder):
     if source is None or not widen_drafts():
         return folder
     wide = widened(source)
-    return folder if wide == source else _gguf_companion(wide)
+    if wide == source:
+        return folder
+    # the draft's own folder (config, tokenizer, chat template) without weights, pointing at the widened file
+    out = cache_dir() / "converted" / f"{wide.stem}-companion"
+    if (read_marker(out) or {}).get("gguf_path") != str(wide):
+        tmp = make_partial_dir(out)
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != MARKER:
+                shutil.copy2(f, tmp / f.name)
+        record = {k: v for k, v in (read_marker(folder) or {}).items()
+                  if k not in ("files", "created", "paraspec_format", "gguf_size", "gguf_sha256")}
+        write_marker(tmp, {**record, "gguf_file": wide.name, "gguf_path": str(wide), "widened_from": str(source)})
+        publish_dir(tmp, out)
+    return out
 
 
 def gguf_source(folder: Path) -> Path | None:

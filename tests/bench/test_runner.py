@@ -74,6 +74,26 @@ def test_variant_engine_config_keeps_the_bench_settings(bench_target, bench_draf
     assert base.strategy == "sd" and base.draft == str(bench_draft)                   # not modified
 
 
+def test_variants_with_their_own_options(bench_target, bench_draft):
+    """`sd{adaptive,lookahead=16}` beside `sd` in one interleaved run: its options over the bench's, checked."""
+    variants = parse_variants("sd,sd{adaptive,lookahead=16},sd[suffix]{adaptive=0}@2t", [1])
+    assert [v.name for v in variants] == ["sd@1t", "sd{adaptive,lookahead=16}@1t", "sd[suffix]{adaptive=0}@2t"]
+    base = EngineConfig(bench_target, str(bench_draft), strategy="sd", dtype="float32", max_context=512)
+    bench = BenchConfig(base, [], SamplingParams(max_new_tokens=4), options={"lookahead": 3, "adaptive": True})
+    assert [variant_engine_config(bench, v).options for v in variants] == [
+        {"lookahead": 3, "adaptive": True}, {"lookahead": 16, "adaptive": True}, {"lookahead": 3, "adaptive": False}]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("ar{adaptive}", "ar takes no options"), ("sd{tree_width=2}", "bad option 'tree_width'.*sd takes lookahead"),
+    ("sd{lookahead}", "needs a value: write lookahead="), ("sd{lookahead=many}", "is not an integer"),
+    ("sd{lookahead=0}", "lookahead must be >= 1"), ("sd{adaptive=maybe}", "write adaptive, adaptive=1 or"),
+    ("sd{adaptive", "unbalanced brackets")])
+def test_variant_option_errors_name_the_fix(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variants(spec)
+
+
 def test_bracket_variants_without_draft_need_none_and_model_needs_one(bench_target):
     from paraspec.bench.runner import build_contenders
     config = BenchConfig(EngineConfig(bench_target, dtype="float32"), parse_variants("sd[ngram,model]"),
