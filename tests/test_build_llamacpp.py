@@ -36,14 +36,18 @@ PATCH = """a comment about why, which patch ignores
 def test_the_wheel_is_patched_and_its_key_follows_the_patches(build, tmp_path):
     assert [p.name for p in build.PATCHES] == ["llamacpp-0.3.36-fix-amx-tile-config.patch",
                                                "llamacpp-0.3.36-invariant-amx.patch",
+                                               "llamacpp-0.3.36-invariant-flash-attn.patch",
                                                "llamacpp-0.3.36-invariant-gemv.patch",
                                                "llamacpp-0.3.36-invariant-tiled-kquants.patch"]
     # the peer gets the crash fix and none of the exactness patches: it stays llama.cpp's defaults
     assert [p.name for p in build.PEER_PATCHES] == ["llamacpp-0.3.36-fix-amx-tile-config.patch"]
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/amx/mmq.cpp" in build.PEER_PATCHES[0].read_text()
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/amx/mmq.cpp" in build.PATCHES[1].read_text()
-    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/repack.cpp" in build.PATCHES[2].read_text()
-    tiled = build.PATCHES[3].read_text()
+    flash = build.PATCHES[2].read_text()
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp" in flash
+    assert "+__paraspec_flash_attn__ = True" in flash          # the mark the backend turns flash attention on by
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/repack.cpp" in build.PATCHES[3].read_text()
+    tiled = build.PATCHES[4].read_text()
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/quants.c" in tiled
     assert "+__paraspec_tiled_kquants__ = True" in tiled      # the mark the backend trusts the tiled matmul by
     args = build.WHEEL_CMAKE_ARGS

@@ -321,7 +321,7 @@ def _hf_contenders(config: BenchConfig, load, limits: list, start_affinity, star
                               confidence_threshold=config.hf_confidence_threshold,
                               prompt_lookup_tokens=config.hf_prompt_lookup_tokens,
                               prompt_lookup_ngram=config.hf_prompt_lookup_ngram)
-        built[(name, None)] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
+        built[(name, None, ())] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
                                    affinity=start_affinity, default_threads=start_threads,
                                    settings=baseline.settings())
     return built

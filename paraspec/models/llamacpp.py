@@ -12,7 +12,7 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    round like the tiled K-quant matmul llama.cpp uses from 8 rows on: `GGML_CPU_TILED_MM` is left on there, and set
    to 0 on other builds and CPUs, before the first matrix product), flash attention on where the build carries the
    patch that stops it splitting a one-token row's KV across threads (`flash_attention`; off in other builds:
-   llama-server's default, 16-25% faster prompts on the AMX Xeon), and weight repacking
+   llama-server's default; 400/1000-token prompts 15/37% faster on the AMX Xeon), and weight repacking
    (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured exact**, else off
    (`kernels`: "repacked" or "plain");
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
@@ -335,7 +335,7 @@ class LlamaCppModel(SequenceChecks):
             raise RuntimeError(f"llama.cpp refused to clear sequence {seq} of the KV cache")
         self._lengths[seq] = 0
 
-    def _prefill_chunks(self, token_ids: list[int], seq: int = 0, logits: bool = True) -> torch.Tensor | None:
+    def _prefill_chunks(self, token_ids: list[int], seq: int = 0, logits: bool = True) -> torch.Tensor:
         """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token (logits
         False: none, an empty tensor)."""
         if self._fast is not None and len(token_ids) > 1 and logits:
