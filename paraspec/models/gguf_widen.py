@@ -80,11 +80,14 @@ def widen_q5_0(src: str | os.PathLike, dst: str | os.PathLike) -> int:
             data, kind = q5_0_to_q8_0(np.asarray(data)), GGMLQuantizationType.Q8_0
             widened += 1
         writer.add_tensor(t.name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, dst)           # whole or not at all: a killed conversion leaves no file that looks done
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dst)       # whole or not at all: a failed conversion leaves no file that looks done
+    finally:
+        tmp.unlink(missing_ok=True)
     return widened
 
 

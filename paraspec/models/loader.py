@@ -91,7 +91,12 @@ def widened_draft(folder):
     source = gguf_source(folder) if isinstance(folder, Path) else None
     if source is None or not widen_drafts():
         return folder
-    wide = widened(source)
+    try:
+        wide = widened(source)
+    except (OSError, ValueError) as e:      # a full disk, an unreadable file: the draft as it is, slower
+        logger.warning("could not write %s's Q5_0 matrices as Q8_0 (%s); the draft runs from the file as it is "
+                       "(PARASPEC_LLAMACPP_WIDEN_Q5_0=0 skips the attempt)", source.name, e)
+        return folder
     if wide == source:
         return folder
     # the draft's own folder (config, tokenizer, chat template) without weights, pointing at the widened file

@@ -104,3 +104,20 @@ def test_the_engine_widens_llama_cpp_drafts_only(q5_pair, monkeypatch, tmp_path,
         draft = engine.strategy.draft_models[0].path
         assert (draft != q5_pair and "q5_0-as-q8_0" in draft.name) == (switch == "1")
         assert engine.generate(prompt, params).token_ids == reference
+
+
+def test_a_failed_widening_leaves_the_draft_as_it_is(q5_pair, monkeypatch, tmp_path, caplog):
+    """A full disk or an unreadable file must not stop the Engine: the draft runs from its own file, with a warning
+    that names the switch."""
+    from paraspec.models.loader import gguf_source, resolve_checkpoint, widened_draft
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("PARASPEC_LLAMACPP_WIDEN_Q5_0", "1")
+    folder = resolve_checkpoint(q5_pair, backend="llamacpp")
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(gguf_widen, "widen_q5_0", full)
+    with caplog.at_level("WARNING"):
+        assert widened_draft(folder) == folder
+    assert "No space left" in caplog.text and "PARASPEC_LLAMACPP_WIDEN_Q5_0=0" in caplog.text
+    assert gguf_source(folder) == q5_pair.resolve()
