@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -138,19 +139,14 @@ def main() -> None:
     rows = {name: [] for name in names}          # (round, prompt) -> (ids, ttft s, tpot s)
     devices = [f"cpu:0-{args.threads - 1}" if args.threads > 1 else "cpu:0"]
 
-    def ar_engine(flash: str | None) -> Engine:
-        """One request at a time (max_num_seqs=1), as every variant here; flash "0": flash attention off."""
-        if flash is None:
+    def ar_engine(flash_off: bool) -> Engine:
+        """One request at a time (max_num_seqs=1), as every variant here; the switch is read when the model opens."""
+        with mock.patch.dict(os.environ, {"PARASPEC_LLAMACPP_FLASH_ATTN": "0"} if flash_off else {}):
             return Engine(args.model, strategy="ar", backend="llamacpp", target_devices=devices, max_num_seqs=1)
-        os.environ["PARASPEC_LLAMACPP_FLASH_ATTN"] = flash      # read when the model opens (and by its probe)
-        try:
-            return Engine(args.model, strategy="ar", backend="llamacpp", target_devices=devices, max_num_seqs=1)
-        finally:
-            del os.environ["PARASPEC_LLAMACPP_FLASH_ATTN"]
 
     with contextlib.ExitStack() as stack:
-        engine = stack.enter_context(ar_engine(None))
-        off = stack.enter_context(ar_engine("0")) if args.flash_off else None
+        engine = stack.enter_context(ar_engine(False))
+        off = stack.enter_context(ar_engine(True)) if args.flash_off else None
         server = stack.enter_context(LlamaServer(peer_binaries(), gguf, args.threads, cores))
         bare = BareLoop(gguf, args.threads, args.bare_lib)
         try:

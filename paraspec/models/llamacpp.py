@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from paraspec.models.base import SequenceChecks, check_batch, check_rollback
+from paraspec.runtime.devices import cpu_flags
 
 PROBE_WIDTH = 32          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
@@ -143,10 +144,8 @@ def flash_attention() -> bool:
     return patched if asked == "auto" else asked == "1"
 
 
-def build_fingerprint(kernels: str = "plain", flash: bool | None = None, kv_f32: bool = False) -> str:
-    """What the numerics depend on besides the model: library build, its switches, the CPU (flash None: this
-    process's flash_attention())."""
-    flash = flash_attention() if flash is None else flash
+def build_fingerprint(kernels: str, flash: bool, kv_f32: bool) -> str:
+    """What the numerics depend on besides the model: library build, its switches, the CPU."""
     return "\n".join([_library_fingerprint(),
                       f"repack={int(kernels == 'repacked')} flash={int(flash)} tiled={int(tiled_matmul())}"
                       + (" kv=f32" if kv_f32 else "")])
@@ -155,10 +154,7 @@ def build_fingerprint(kernels: str = "plain", flash: bool | None = None, kv_f32:
 @functools.lru_cache(maxsize=1)
 def _library_fingerprint() -> str:
     lib = _llama_cpp()
-    try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        cpu = ""
+    cpu = " ".join(sorted(cpu_flags()))
     lib_dir = Path(lib.__file__).parent / "lib"
     # by content, not mtime: a fresh venv with the same cached build reuses the measurement
     libs = sorted(f"{p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in lib_dir.glob("*.so*"))
@@ -335,27 +331,29 @@ class LlamaCppModel(SequenceChecks):
             raise RuntimeError(f"llama.cpp refused to clear sequence {seq} of the KV cache")
         self._lengths[seq] = 0
 
-    def _prefill_chunks(self, token_ids: list[int], seq: int = 0, logits: bool = True) -> torch.Tensor:
-        """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token (logits
-        False: none, an empty tensor)."""
-        if self._fast is not None and len(token_ids) > 1 and logits:
-            # all but the last prompt token on the repacked copy; the last one here, exactly: strategies re-feed it
-            # (dsi's servers roll back to it to get the first chunk's row), and its KV and logits must be the
-            # same whether it was decoded with the prompt or again on its own
-            self._fast.prefill(token_ids[:-1], self.n_batch, into=self, seq=seq)
-            self._lengths[seq] = len(token_ids) - 1
+    def _prefill_chunks(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
+        """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token.
+
+        Strategies re-feed a prompt's last token (dsi's servers roll back to it to get the first chunk's row), so
+        its KV and logits must be what a one-token forward gives. Where the prompt's kernels differ from one-token
+        ones -- the repacked copy of the fast prefill, or flash attention's tiled pass for a last chunk of 64+
+        tokens -- all but the last token go first and the last one alone, here."""
+        head, chunk = token_ids[:-1], (len(token_ids) - 1) % self.n_batch + 1
+        if head and self._fast is not None:
+            self._fast.prefill(head, self.n_batch, into=self, seq=seq)
+            self._lengths[seq] = len(head)
             self.fast_prefills += 1
-            return self._decode(token_ids[-1:], outputs=1, seq=seq)
-        tail = (len(token_ids) - 1) % self.n_batch + 1          # the last chunk's tokens
-        if self.flash_attention and logits and tail >= FLASH_TILE_ROWS:
-            # that chunk would go through flash attention's tiled pass, whose rows differ from one-token rows: the
-            # prompt's last token is decoded alone, as a strategy that re-feeds it (dsi's servers) decodes it
-            self._prefill_chunks(token_ids[:-1], seq, logits=False)
-            return self._decode(token_ids[-1:], outputs=1, seq=seq)
+        elif head and self.flash_attention and chunk >= FLASH_TILE_ROWS:
+            self._decode_chunks(head, seq, outputs=0)
+        else:
+            return self._decode_chunks(token_ids, seq, outputs=1)
+        return self._decode(token_ids[-1:], outputs=1, seq=seq)
+
+    def _decode_chunks(self, token_ids: list[int], seq: int, outputs: int) -> torch.Tensor:
+        """token_ids in n_batch chunks; the last chunk's logits for its last `outputs` tokens."""
         for start in range(0, len(token_ids), self.n_batch):
             chunk = token_ids[start:start + self.n_batch]
-            last = start + len(chunk) == len(token_ids)
-            out = self._decode(chunk, outputs=1 if last and logits else 0, seq=seq)
+            out = self._decode(chunk, outputs=outputs if start + len(chunk) == len(token_ids) else 0, seq=seq)
         return out
 
     def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from paraspec.models.base import generation_eos_ids
 from paraspec.models.cache import (MARKER, cache_dir, make_partial_dir, publish_dir, read_marker, sha256_prefix,
                                    write_marker)
 from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
+from paraspec.runtime.devices import cpu_flags
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -35,12 +36,7 @@ def cpu_has_fast_bf16() -> bool:
     Elsewhere (e.g. AVX2-only CPUs) PyTorch's bf16 matmul is several times slower than fp32 for more than one
     row, which makes verification expensive; `dtype="auto"` picks float32 there.
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def parse_dtype(dtype, device: str = "cpu") -> torch.dtype:
@@ -115,7 +111,6 @@ def widened_draft(folder):
 
 def gguf_source(folder: Path) -> Path | None:
     """The GGUF file a checkpoint folder was made from, when it is still there (the reference pair's are)."""
-    from paraspec.models.cache import read_marker
     marker = read_marker(folder) or {}
     path = marker.get("gguf_path")
     return Path(path) if path and Path(path).is_file() else None
