@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from paraspec.models.cache import cache_dir, sha256_prefix
-from paraspec.runtime.devices import cpu_flags
+from paraspec.models.cpu import cpu_flags
 
 Q5_0_BLOCK, Q8_0_BLOCK = 22, 34       # bytes per 32 weights: f16 d + 4 bytes of high bits + 16 of nibbles; f16 d + 32
 

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from paraspec.models.base import SequenceChecks, check_batch, check_rollback
-from paraspec.runtime.devices import cpu_flags
+from paraspec.models.cpu import cpu_flags
 
 PROBE_WIDTH = 32          # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)

@@ -17,8 +17,8 @@ import torch
 from paraspec.models.base import generation_eos_ids
 from paraspec.models.cache import (MARKER, cache_dir, make_partial_dir, publish_dir, read_marker, sha256_prefix,
                                    write_marker)
+from paraspec.models.cpu import cpu_flags
 from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
-from paraspec.runtime.devices import cpu_flags
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}

@@ -51,15 +51,6 @@ def _affinity() -> set[int]:
 _CORES_AT_IMPORT = _affinity()
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as Linux lists them (`avx512_vnni`, `amx_int8`, ...); empty where it does not."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
-    except OSError:
-        return frozenset()
-
-
 def available_cores() -> list[int]:
     return sorted(_CORES_AT_IMPORT | _affinity())
 

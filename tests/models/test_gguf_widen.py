@@ -10,7 +10,7 @@ from gguf import GGUFReader, dequantize, quantize
 from paraspec import Engine, SamplingParams
 from paraspec.models import gguf_widen
 from paraspec.models.gguf_widen import q5_0_to_q8_0, widen_drafts, widen_q5_0, widened
-from paraspec.runtime.devices import cpu_flags
+from paraspec.models.cpu import cpu_flags
 from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf
 
 
