@@ -36,6 +36,12 @@ That is paid once and then saves time on every later round, so it is drafted thr
 saving over the request's remaining tokens exceeds it (`catch_up_pays`), and a probe only when the catch-up costs
 at most PROBE_SHARE of the plain rounds since the last one.
 
+A model drafter nobody has judged yet is tried (its trial): from the prior alone a draft model costing a third of a
+target step never looks worth a round, nor its catch-up, so it would never be judged. Until TRIAL_JUDGED of its
+drafts have been judged it drafts at least 1, 2, 4, ... tokens (doubling while a round's drafts are all accepted,
+back to 1 at a rejection), its catch-up paid once, in a request with TRIAL_REMAINING tokens or more left. A draft
+that is never right costs a few one-token rounds; a good one then drafts by its own estimate.
+
 The choice depends only on rounds already verified and on timings, never on the draft being judged, so the
 output is exactly as lossless as with a fixed length.
 """
@@ -54,6 +60,8 @@ COST_EMA = 0.2               # weight of a new measurement of a forward width
 PROBE_START = 8              # plain rounds before a model drafter is probed again
 PROBE_SHARE = 0.05           # most a probe's catch-up may cost, as a share of the plain rounds since the last one
 FADE = 0.25                  # evidence kept from earlier requests
+TRIAL_JUDGED = 4.0           # judged drafts (decayed) that end a model drafter's trial
+TRIAL_REMAINING = 32         # a trial starts only in a request with at least this many tokens left
 PRIOR_WEIGHT = 2.0           # judged drafts a prior is worth (Beta(1, 1) for a drafter's first bucket)
 LOWER_Z = 0.5                # the rule drafts by the estimate less this many standard deviations
 OBSERVED_WIDTHS = 64         # a forward wider than this (a prompt) does not move the per-width costs
@@ -226,6 +234,11 @@ class Acceptance:
     accepted: float = 0.0
     plain_rounds: int = 0                    # consecutive rounds without drafting (model drafters)
     probe_after: int = PROBE_START
+    trial_k: int = 1                         # a model drafter's next trial length (doubles while all accepted)
+    tried: bool = False                      # its trial is over: TRIAL_JUDGED drafts judged (never faded back)
+
+    def __post_init__(self) -> None:
+        self.tried = self.tried or self.judged >= TRIAL_JUDGED
 
     @property
     def alpha(self) -> float:
@@ -245,6 +258,7 @@ class Acceptance:
         """One round: `judged` of this bucket's drafts were judged, `accepted` of them accepted."""
         self.judged = DECAY * self.judged + judged
         self.accepted = DECAY * self.accepted + accepted
+        self.tried = self.tried or self.judged >= TRIAL_JUDGED
 
     def fade(self) -> None:
         """A new request: keep a quarter of the evidence, so what held for the last text (copying) must be seen

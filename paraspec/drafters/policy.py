@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from paraspec.drafters.adaptive import (MATCH_BUCKETS, PROBE_SHARE, PROBE_START, SOURCE_STRIDE, Acceptance,
-                                        ForwardCost, best_length, bucket_label, catch_up_pays, match_bucket)
+from paraspec.drafters.adaptive import (MATCH_BUCKETS, PROBE_SHARE, PROBE_START, SOURCE_STRIDE, TRIAL_REMAINING,
+                                        Acceptance, ForwardCost, best_length, bucket_label, catch_up_pays,
+                                        match_bucket)
 from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
@@ -132,6 +133,7 @@ class DraftPolicy(Drafter):
         self._would: tuple[int, int, int] | None = None   # (drafter, position, token): the first token of a
                                                           # model-free proposal that the rule cut off
         self._probing = False
+        self._trial = False                       # the round is part of a model drafter's trial
 
     def _use(self, i: int, drafted: int) -> None:
         self._used, self._buckets = i, self.buckets(i, drafted)
@@ -195,7 +197,9 @@ class DraftPolicy(Drafter):
                 steady = rate if pending == 1 else best_length(alphas, draft_s, verify(1), 1, max_k)[1]
                 if not catch_up_pays(catch_up, steady, self.cost(1), remaining):
                     k = 0
-            if k == 0:
+            if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0:
+                k, self._trial = max(k, min(max_k, state.trial_k)), True      # never judged: try it
+            elif k == 0:
                 state.plain_rounds += 1
                 # probe a model drafter that has not drafted lately, if its catch-up is a small share of the
                 # plain rounds since (a probe that has to feed it the whole prompt is not worth the look)
@@ -205,7 +209,7 @@ class DraftPolicy(Drafter):
             if k > 0:
                 state.plain_rounds = 0
         self.decisions.append({"drafter": drafter.name, "k": k, "alpha": round(alphas[0], 3) if alphas else None,
-                               "tokens_per_s": round(rate, 2), "probe": self._probing})
+                               "tokens_per_s": round(rate, 2), "probe": self._probing, "trial": self._trial})
         return k
 
     def _catch_up_s(self, i: int, sequence: list[int], width: int) -> float:
@@ -239,9 +243,11 @@ class DraftPolicy(Drafter):
             for bucket in dict.fromkeys(judged):
                 self.stats(self._used, bucket).observe(
                     judged.count(bucket), self._buckets[:self._accepted].count(bucket))
+            state = self.stats(self._used)
             if self._probing:
-                state = self.stats(self._used)
                 state.probe_after = PROBE_START if self._accepted else 2 * state.probe_after
+            if self._trial:
+                state.trial_k = 2 * state.trial_k if self._accepted == len(self._buckets) else 1
         if self._would is not None:                    # what a model-free drafter would have drafted next
             i, position, token = self._would
             # judged only if the target's token at that position is committed: every draft before it accepted

@@ -7,8 +7,8 @@ from scipy.stats import chisquare
 
 from paraspec import SamplingParams
 from paraspec.drafters import DraftPolicy, NGramDrafter, Proposal, SuffixDrafter
-from paraspec.drafters.adaptive import (SOURCE_STRIDE, Acceptance, ForwardCost, best_length, bucket_label,
-                                        catch_up_pays, expected_tokens, match_bucket)
+from paraspec.drafters.adaptive import (SOURCE_STRIDE, TRIAL_REMAINING, Acceptance, ForwardCost, best_length,
+                                        bucket_label, catch_up_pays, expected_tokens, match_bucket)
 from paraspec.drafters.base import Drafter
 from paraspec.drafters.policy import prune
 from paraspec.drafters.suffix import SuffixTrie
@@ -474,6 +474,39 @@ def test_adaptive_rule_gains_with_a_good_cheap_draft_model():
     policy = DraftPolicy([drafter], ForwardCost(dict(verify.seconds)), {0: ForwardCost(dict(DRAFT.seconds))})
     plain, adaptive = plain_and_adaptive_seconds(drafter, policy, verify, DRAFT, 400, lambda k: k)
     assert adaptive < 0.5 * plain
+
+
+# the AMX Xeon's profile (llama.cpp, 2 threads, docs/BENCHMARKS.md): a 16-token verification costs 2.8 one-token
+# forwards, the draft model's step a third of the target's; a prompt of 157 tokens costs the draft ~0.3 s
+AMX_VERIFY = ForwardCost({1: 0.086, 2: 0.118, 4: 0.163, 8: 0.189, 16: 0.241, 32: 0.349})
+AMX_DRAFT = ForwardCost({1: 0.030, 64: 0.125})
+
+
+def test_an_untried_draft_model_is_tried_then_drafts_by_its_own_estimate():
+    """From the prior alone (0.5 less half a deviation) a draft a third as costly as the target never looks worth a
+    round; its trial drafts 1, 2, 4 tokens (all accepted), then the rule drafts by what it saw, and a request of 400
+    tokens with a draft that is always right takes under 80% of plain decoding."""
+    drafter = Model([7] * 16, 0)
+    policy = DraftPolicy([drafter], ForwardCost(dict(AMX_VERIFY.seconds)), {0: ForwardCost(dict(AMX_DRAFT.seconds))})
+    plain, adaptive = plain_and_adaptive_seconds(drafter, policy, AMX_VERIFY, AMX_DRAFT, 400, lambda k: k)
+    trial = [d["k"] for d in policy.decisions if d["trial"]]
+    assert trial == [1, 2, 4]
+    assert all(d["k"] > 0 for d in policy.decisions[3:])
+    assert adaptive < 0.8 * plain
+
+
+def test_a_trial_that_fails_ends_and_decoding_goes_plain():
+    """Drafts that are never right: the trial drafts one token a round until TRIAL_JUDGED drafts were judged, then
+    the rule decodes plainly (probes aside); a short request does not start a trial (its catch-up would not pay)."""
+    drafter = Model([7] * 16, 0)
+    policy = DraftPolicy([drafter], ForwardCost(dict(AMX_VERIFY.seconds)), {0: ForwardCost(dict(AMX_DRAFT.seconds))})
+    plain_and_adaptive_seconds(drafter, policy, AMX_VERIFY, AMX_DRAFT, 60, lambda k: 0)
+    ks = [d["k"] for d in policy.decisions]
+    assert ks[:5] == [1] * 5 and all(d["trial"] for d in policy.decisions[:5])
+    assert policy.stats(0).tried and ks[5:12] == [0] * 7
+    short = DraftPolicy([Model([7] * 16, 0)], ForwardCost(dict(AMX_VERIFY.seconds)),
+                        {0: ForwardCost(dict(AMX_DRAFT.seconds))})
+    assert short.propose(list(range(50)), 8, GREEDY, GEN, remaining=TRIAL_REMAINING - 1).tokens == []
 
 
 def test_prune_keeps_parents_and_remaps():
