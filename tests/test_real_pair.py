@@ -39,9 +39,11 @@ STRATEGIES = {
 # pair would exceed CI's time budget on two cores; `tree` itself is compared with ar on the real pair by
 # benchmarks/easyspec_humaneval.py (its "same as ar" column).
 CASES = [("bfloat16", "sd"), ("bfloat16", "amusd"), ("float32", "sd"), ("float32", "easyspec")]
-# For CI time (these native cases were 8 of its 45 minutes with every prompt): two prompts per case, and one in bf16
-# where the CPU has no fast bf16 (Zen 3: bf16 matmuls 2-6x slower than fp32); the llamacpp cases below take two too
-PROMPTS_OF = {"bfloat16": PROMPTS[:2] if cpu_has_fast_bf16() else PROMPTS[:1], "float32": PROMPTS[:2]}
+# For CI time (these native cases were 8 of its 45 minutes with every prompt): two prompts in the dtype `auto` picks
+# on this CPU (bf16 where it is fast: AVX512-BF16, AMX), one in the other (Zen 3: bf16 matmuls 2-6x slower than fp32;
+# the AMX Xeon: fp32 ~3 of CI's minutes with two); the llamacpp cases below take two too
+PROMPTS_OF = {"bfloat16": PROMPTS[:2], "float32": PROMPTS[:1]} if cpu_has_fast_bf16() else \
+    {"bfloat16": PROMPTS[:1], "float32": PROMPTS[:2]}
 
 pytestmark = [
     pytest.mark.real_pair,
