@@ -93,6 +93,7 @@ class DraftPolicy(Drafter):
                     continue
                 proposal = drafter.propose(sequence, chosen, params, generator)
                 self._observe_forwards(i)
+                self._asked = chosen
             if proposal.tokens:
                 self._use(i, len(proposal.tokens))
                 return proposal
@@ -134,6 +135,7 @@ class DraftPolicy(Drafter):
                                                           # model-free proposal that the rule cut off
         self._probing = False
         self._trial = False                       # the round is part of a model drafter's trial
+        self._asked: int | None = None            # the tokens a model drafter was asked for (a chain)
 
     def _use(self, i: int, drafted: int) -> None:
         self._used, self._buckets = i, self.buckets(i, drafted)
@@ -240,6 +242,12 @@ class DraftPolicy(Drafter):
         self.cost.observe(verify_width, verify_s)
         if self._used is not None:
             judged = self._buckets[:self._accepted + 1]      # the accepted drafts and the first rejected one
+            # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next
+            # slot as a rejection would: the rule's a_j is then the chance that slot j is drafted and accepted,
+            # what E(k) needs (judging only the drafts it let through would overstate the rounds it cuts short)
+            declined = self._asked is not None and self._accepted == len(self._buckets) < self._asked
+            if declined:
+                judged = judged + [0]
             for bucket in dict.fromkeys(judged):
                 self.stats(self._used, bucket).observe(
                     judged.count(bucket), self._buckets[:self._accepted].count(bucket))
@@ -247,7 +255,7 @@ class DraftPolicy(Drafter):
             if self._probing:
                 state.probe_after = PROBE_START if self._accepted else 2 * state.probe_after
             if self._trial:
-                state.trial_k = 2 * state.trial_k if self._accepted == len(self._buckets) else 1
+                state.trial_k = 2 * state.trial_k if self._accepted == len(self._buckets) and not declined else 1
         if self._would is not None:                    # what a model-free drafter would have drafted next
             i, position, token = self._would
             # judged only if the target's token at that position is committed: every draft before it accepted

@@ -1,4 +1,4 @@
-"""What this CPU offers the kernels: its feature flags, read once per question from /proc/cpuinfo.
+"""What this CPU offers the kernels: its feature flags, as /proc/cpuinfo lists them.
 
 One reader for the choices that depend on them (bf16 on `dtype=auto`, the llama.cpp probe's fingerprint, widening
 a draft's Q5_0 matrices); a leaf of the models layer, so those modules need nothing above it."""

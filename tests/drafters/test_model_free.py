@@ -401,6 +401,24 @@ CHEAP_VERIFY = ForwardCost({1: 0.050, 2: 0.052, 4: 0.056, 8: 0.064, 16: 0.080}) 
 DRAFT = ForwardCost({1: 0.005, 64: 0.1})                  # a 0.5B draft: 5 ms a token, 100 ms for 64 at once
 
 
+def test_a_draft_that_stops_short_fails_the_slot_it_declined():
+    """A draft model asked for k* tokens that stops after 2 (draft_confidence), both accepted: the third slot counts
+    as judged and rejected, so the acceptance is that of a slot being drafted and accepted; a draft given all the
+    slots it was asked for, all accepted, adds no rejection."""
+    for cap, judged, accepted in ((2, 3, 2), (8, None, None)):
+        model = Model([7] * cap, 400)
+        policy = DraftPolicy([model], CHEAP_VERIFY, {0: ForwardCost(dict(DRAFT.seconds))})
+        policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=95)
+        tokens = policy.propose(list(range(400)), 8, GREEDY, GEN).tokens
+        asked = model.asked[-1]
+        assert asked > 2 and len(tokens) == min(cap, asked)
+        policy.accept(400, list(range(len(tokens))))
+        policy.observe(1 + len(tokens), 0.06, tokens + [3])
+        judged, accepted = (judged, accepted) if cap < asked else (asked, asked)
+        assert policy.stats(0).judged == pytest.approx(90 + judged)
+        assert policy.stats(0).accepted == pytest.approx(85.5 + accepted)
+
+
 def test_catch_up_pays_when_the_rest_of_the_request_saves_more():
     assert catch_up_pays(0.0, 10.0, 0.05, 5)
     assert not catch_up_pays(25.0, 4.0, 0.5, 100)             # saves 100 x (0.5 - 0.25) s = 25 s: not more
