@@ -22,12 +22,6 @@ from paraspec.drafters.policy import DraftPolicy
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 
-def never_draft(self, i, *args, **kwargs) -> int:
-    self.decisions.append({"drafter": self.drafters[i].name, "k": 0, "alpha": None, "tokens_per_s": 0.0,
-                           "probe": False, "trial": False})
-    return 0
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -40,7 +34,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}")
     with Engine(TARGET, strategy="ar", **common) as ar, \
             Engine(TARGET, DRAFT, strategy="sd", adaptive=True, draft_devices=["cpu:0-1"], **common) as sd, \
-            mock.patch.object(DraftPolicy, "_choose", never_draft):
+            mock.patch.object(DraftPolicy, "_choose", return_value=0):
         engines = {"ar": ar, "sd, plain rounds": sd}
         tpot = {name: [] for name in engines}
         for engine in engines.values():

@@ -41,9 +41,9 @@ STRATEGIES = {
 CASES = [("bfloat16", "sd"), ("bfloat16", "amusd"), ("float32", "sd"), ("float32", "easyspec")]
 # For CI time (these native cases were 8 of its 45 minutes with every prompt): two prompts in the dtype `auto` picks
 # on this CPU (bf16 where it is fast: AVX512-BF16, AMX), one in the other (Zen 3: bf16 matmuls 2-6x slower than fp32;
-# the AMX Xeon: fp32 ~3 of CI's minutes with two); the llamacpp cases below take two too
-PROMPTS_OF = {"bfloat16": PROMPTS[:2], "float32": PROMPTS[:1]} if cpu_has_fast_bf16() else \
-    {"bfloat16": PROMPTS[:1], "float32": PROMPTS[:2]}
+# the AMX Xeon: fp32's two cases 177 s with two, 101 s with one); the llamacpp cases below take two too
+AUTO_DTYPE, OTHER_DTYPE = ("bfloat16", "float32") if cpu_has_fast_bf16() else ("float32", "bfloat16")
+PROMPTS_OF = {AUTO_DTYPE: PROMPTS[:2], OTHER_DTYPE: PROMPTS[:1]}
 
 pytestmark = [
     pytest.mark.real_pair,

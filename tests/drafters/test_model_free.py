@@ -405,18 +405,20 @@ def test_a_draft_that_stops_short_fails_the_slot_it_declined():
     """A draft model asked for k* tokens that stops after 2 (draft_confidence), both accepted: the third slot counts
     as judged and rejected, so the acceptance is that of a slot being drafted and accepted; a draft given all the
     slots it was asked for, all accepted, adds no rejection."""
-    for cap, judged, accepted in ((2, 3, 2), (8, None, None)):
+    def one_round(cap):
+        """(asked, drafted, judged, accepted) of one round whose drafts are all accepted, over 100 judged / 95."""
         model = Model([7] * cap, 400)
         policy = DraftPolicy([model], CHEAP_VERIFY, {0: ForwardCost(dict(DRAFT.seconds))})
         policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=95)
         tokens = policy.propose(list(range(400)), 8, GREEDY, GEN).tokens
-        asked = model.asked[-1]
-        assert asked > 2 and len(tokens) == min(cap, asked)
         policy.accept(400, list(range(len(tokens))))
         policy.observe(1 + len(tokens), 0.06, tokens + [3])
-        judged, accepted = (judged, accepted) if cap < asked else (asked, asked)
-        assert policy.stats(0).judged == pytest.approx(90 + judged)
-        assert policy.stats(0).accepted == pytest.approx(85.5 + accepted)
+        return model.asked[-1], len(tokens), policy.stats(0).judged - 90, policy.stats(0).accepted - 85.5
+
+    asked, drafted, judged, accepted = one_round(2)
+    assert asked > 2 and drafted == 2 and (judged, accepted) == pytest.approx((3, 2))     # the 3rd slot: rejected
+    asked, drafted, judged, accepted = one_round(16)
+    assert drafted == asked and (judged, accepted) == pytest.approx((asked, asked))
 
 
 def test_catch_up_pays_when_the_rest_of_the_request_saves_more():
