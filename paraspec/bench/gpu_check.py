@@ -15,6 +15,11 @@ failing one records its traceback and the next still runs) and under its own tim
                    Qwen2.5-1.5B (target) and 0.5B (draft) shapes; every run's tokens must equal ar's
     planner        sim/planner.py's recommendation and predicted TPOT for 1, 2, 4 and 8 such devices, from the
                    measured graph costs (every forward padded to the chosen width, as the engine runs it)
+    profile        where one padded step's time goes, for the first pair's shapes at width PROFILE_WIDTH: torch's
+                   profiler over a few eager steps (device time by aten op and input shape -- the lm_head product,
+                   attention over the whole cache, norms and the rest -- and by kernel) and over graph replays
+                   (kernels per step and their summed time against the replay's wall time: the gaps between
+                   kernels are what fusing could remove)
     compiled       the static step through torch.compile (fused kernels) before its graph is captured: one
                    forward's cost at widths 1 and 8 for the first pair's shapes, compiled and not, and ar / sd
                    through the Engine both ways (interleaved; tokens must equal ar's)
@@ -49,8 +54,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SECTIONS = ("environment", "forward_cost", "strategies", "planner", "compiled", "suite")
-CAP_S = {"environment": 30, "forward_cost": 120, "strategies": 180, "planner": 60, "compiled": 240, "suite": 240}
+SECTIONS = ("environment", "forward_cost", "strategies", "planner", "profile", "compiled", "suite")
+CAP_S = {"environment": 30, "forward_cost": 120, "strategies": 180, "planner": 60, "profile": 90, "compiled": 240,
+         "suite": 240}
+PROFILE_WIDTH = 8
+PROFILE_STEPS = 5
 COMPILED_WIDTHS = (1, 8)
 MIN_START_S = 10                       # a section needs at least this much of the budget left to start
 SUITE_FILES = ("tests/test_sampling.py", "tests/test_verify.py", "tests/test_devices.py",
@@ -383,7 +391,118 @@ def planner(check: Check, record: dict, deadline: float, save, measured: dict | 
         check.say(f"planner: {target} / {draft} done")
 
 
-# -- 5. the step through torch.compile ---------------------------------------------------------------------------
+# -- 5. where a step's time goes -----------------------------------------------------------------------------------
+
+def profile(check: Check, record: dict, deadline: float, save) -> None:
+    """torch.profiler over PROFILE_STEPS padded steps of the first pair's shapes, eager and (CUDA) graph-replayed.
+    Eager: self device time (CPU time on a CPU) by aten op and input shape, and by kernel category. Graph: the
+    kernels one replay launches and their summed time, against the replay's wall time (CUDA events)."""
+    import torch
+    from paraspec.models.llama import NativeModel
+    from paraspec.models.shapes import random_decoder
+    from paraspec.models.static import StaticForward, forward_cost_ms
+    target_shape, draft_shape = check.pairs[0]
+    record.update(width=PROFILE_WIDTH, steps=PROFILE_STEPS, context_slots=CONTEXT_SLOTS, models={})
+    modes = ("eager", "graph") if check.cuda else ("eager",)
+    for shape in (draft_shape, target_shape):
+        if time.perf_counter() > deadline:
+            record["stopped"] = f"time cap reached before {shape}"
+            return
+        entry = record["models"][shape] = {}
+        try:
+            model = NativeModel(random_decoder(shape, check.device), CONTEXT_SLOTS, static_width=None)
+            for mode in modes:
+                static = StaticForward(model, PROFILE_WIDTH, graph=mode == "graph")
+                entry[mode] = profile_step(static, check.cuda)
+                entry[mode]["wall_ms"] = forward_cost_ms(model, PROFILE_WIDTH, graph=mode == "graph",
+                                                         repeats=5 if check.quick else 20)
+                check.say(f"profile: {shape} {mode}: {entry[mode]['wall_ms']:.2f} ms a step, "
+                          f"{entry[mode]['kernels_per_step']:.0f} kernels summing {entry[mode]['kernel_ms']:.2f} ms")
+                save()
+            del model
+        except Exception:
+            entry["error"] = traceback.format_exc()
+            check.say(f"profile: {shape} failed -- {last_line(entry['error'])}")
+        free_device(check.device)
+        save()
+
+
+KERNEL_KINDS = (("attention", ("attention", "fmha", "flash", "softmax")),     # first: fmha kernels are cutlass's
+                ("matmul", ("gemm", "gemv", "cutlass", "xmma", "cublas", "matmul", "splitk", "nvjet")),
+                ("reduction", ("reduce",)),
+                ("copy/index", ("copy", "index", "gather", "scatter", "cat", "fill")),
+                ("elementwise", ("elementwise", "vectorized", "unrolled")))
+OP_KINDS = (("matmul", ("mm", "addmm", "bmm", "matmul", "linear")),
+            ("attention", ("scaled_dot_product", "attention", "softmax")),
+            ("copy/index", ("copy_", "index", "embedding", "gather", "scatter", "cat", "fill_", "masked_fill",
+                            "zeros", "to", "_to_copy")))
+
+
+def kind_of(name: str, kinds) -> str:
+    low = name.lower()
+    for kind, marks in kinds:
+        if any(mark in low for mark in marks):
+            return kind
+    return "other"
+
+
+def op_kind(name: str) -> str:
+    bare = name.split("::", 1)[-1]
+    for kind, marks in OP_KINDS:
+        if any(bare == m or bare.startswith(m + "_") or (len(m) > 4 and m in bare) for m in marks):
+            return kind
+    return "elementwise/norm"
+
+
+def profile_step(static, cuda: bool) -> dict:
+    """One profile of PROFILE_STEPS runs of `static` (after 3 warm-ups); times per step, ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.inference_mode():
+        for _ in range(3):
+            static.run()
+        if cuda:
+            torch.cuda.synchronize()
+        with torch_profile(activities=activities, record_shapes=True) as prof:
+            for _ in range(PROFILE_STEPS):
+                static.run()
+            if cuda:
+                torch.cuda.synchronize()
+    static.model.cache.length = 0
+    per_step = 1000.0 * PROFILE_STEPS            # profiler times are microseconds
+    kernels = [e for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_kinds: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        kind = kind_of(e.name, KERNEL_KINDS)
+        kernel_kinds[kind] = kernel_kinds.get(kind, 0.0) + e.time_range.elapsed_us() / per_step
+        entry = by_name.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us() / per_step
+    top_kernels = [dict(name=name[:160], kind=kind_of(name, KERNEL_KINDS), calls=n / PROFILE_STEPS, ms=round(ms, 4))
+                   for name, (n, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]]
+    time_of = (lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) \
+        if cuda else (lambda e: e.self_cpu_time_total)
+    ops = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if "::" not in e.key or not time_of(e):           # torch's ops (aten::, mkl::, mkldnn::), not ranges
+            continue
+        ops.append(dict(op=e.key, shapes=str(e.input_shapes)[:160], calls=e.count / PROFILE_STEPS,
+                        ms=time_of(e) / per_step, kind=op_kind(e.key)))
+    ops.sort(key=lambda o: -o["ms"])
+    op_kinds: dict[str, float] = {}
+    for o in ops:
+        op_kinds[o["kind"]] = op_kinds.get(o["kind"], 0.0) + o["ms"]
+    return dict(kernels_per_step=len(kernels) / PROFILE_STEPS,
+                kernel_ms=sum(e.time_range.elapsed_us() for e in kernels) / per_step,
+                kernel_kinds={k: round(v, 4) for k, v in sorted(kernel_kinds.items(), key=lambda kv: -kv[1])},
+                op_kinds={k: round(v, 4) for k, v in sorted(op_kinds.items(), key=lambda kv: -kv[1])},
+                top_ops=[{**o, "ms": round(o["ms"], 4)} for o in ops[:12]], top_kernels=top_kernels,
+                op_ms=round(sum(o["ms"] for o in ops), 4))
+
+
+# -- 6. the step through torch.compile ---------------------------------------------------------------------------
 
 def compiled(check: Check, record: dict, deadline: float, save) -> None:
     """Does fusing the step's small kernels pay? The graph forwards are far from the memory bound (docs/GPU.md):
@@ -463,7 +582,7 @@ def engine_runs(check: Check, record: dict, deadline: float, save, target_shape:
             save()
 
 
-# -- 6. the lossless suite on the device ------------------------------------------------------------------------
+# -- 7. the lossless suite on the device ------------------------------------------------------------------------
 
 SUMMARY_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)\b")
 
@@ -565,6 +684,7 @@ def render_markdown(data: dict) -> str:
     lines += _forward_cost_md(sections.get("forward_cost", {}))
     lines += _strategies_md(sections.get("strategies", {}))
     lines += _planner_md(sections.get("planner", {}), sections.get("strategies", {}))
+    lines += _profile_md(sections.get("profile", {}))
     lines += _compiled_md(sections.get("compiled", {}))
     suite_record = sections.get("suite", {})
     if "outcome" in suite_record:
@@ -668,6 +788,32 @@ def _planner_md(record: dict, strategies_record: dict) -> list[str]:
     return lines
 
 
+def _profile_md(record: dict) -> list[str]:
+    models = record.get("models") or {}
+    if not models:
+        return []
+    lines = ["", f"## Where a step's time goes (width {record['width']}, {record['context_slots']} slots, "
+             f"{record['steps']} profiled steps)", "",
+             "| model | forward | wall ms | kernels | kernel ms | by kind (ms) |", "|---|---|---|---|---|---|"]
+    for shape, m in models.items():
+        if "error" in m:
+            lines.append(f"| {shape} | failed: {last_line(m['error']).replace('|', '/')} | | | | |")
+            continue
+        for mode in ("eager", "graph"):
+            if mode in m:
+                r = m[mode]
+                kinds = r["kernel_kinds"] or r["op_kinds"]
+                lines.append(f"| {shape} | {mode} | {_ms(r['wall_ms'])} | {r['kernels_per_step']:.0f} | "
+                             f"{_ms(r['kernel_ms'])} | " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) + " |")
+    for shape, m in models.items():
+        if "eager" in m:
+            lines += ["", f"{shape}, eager: the costliest ops (ms a step)", "", "| op | input shapes | calls | ms |",
+                      "|---|---|---|---|"]
+            lines += [f"| {o['op']} | `{o['shapes']}` | {o['calls']:.0f} | {o['ms']:.3f} |"
+                      for o in m["eager"]["top_ops"][:8]]
+    return lines
+
+
 def _compiled_md(record: dict) -> list[str]:
     models, runs = record.get("models") or {}, record.get("runs") or []
     if not models and not runs:
@@ -759,7 +905,7 @@ def main(argv=None) -> int:
     check.say(f"device {check.device}, quick {check.quick}, budget {check.budget_s:.0f} s, out {check.out}")
     bodies = dict(environment=environment, forward_cost=forward_cost, strategies=strategies,
                   planner=lambda c, r, d, s: planner(c, r, d, s, report.data["sections"].get("forward_cost")),
-                  compiled=compiled, suite=suite)
+                  profile=profile, compiled=compiled, suite=suite)
     import torch
     threads = torch.get_num_threads()
     if not check.cuda:

@@ -180,7 +180,9 @@ class Attention(nn.Module):
         written at `slots` (a tensor), attention over every cache slot under the additive `bias` [W, slots].
 
         Grouped-query attention as plain attention per KV head: the query heads that share a KV head are stacked
-        along the sequence axis (one [G*W, slots] mask), so no KV head is copied and the fused kernels apply."""
+        along the sequence axis (one [G*W, slots] mask), so no KV head is copied and the fused kernels apply.
+        The tensors go in as 4-D (one batch of KV heads): SDPA sends 3-D inputs to its math path, which on a GPU
+        copies K and V to fp32 every layer (benchmarks/static_attention.py times the two forms)."""
         cfg, W = self.cfg, x.shape[0]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = self.q_proj(x).view(W, H, D).transpose(0, 1)
@@ -191,9 +193,9 @@ class Attention(nn.Module):
         cache.k[layer].index_copy_(1, slots, k)
         cache.v[layer].index_copy_(1, slots, v)
         G = H // KV
-        out = F.scaled_dot_product_attention(q.reshape(KV, G * W, D), cache.k[layer], cache.v[layer],
-                                             attn_mask=bias.repeat(G, 1))
-        return self.o_proj(out.view(H, W, D).transpose(0, 1).reshape(W, H * D))
+        out = F.scaled_dot_product_attention(q.reshape(1, KV, G * W, D), cache.k[layer].unsqueeze(0),
+                                             cache.v[layer].unsqueeze(0), attn_mask=bias.repeat(G, 1)[None, None])
+        return self.o_proj(out.reshape(H, W, D).transpose(0, 1).reshape(W, H * D))   # fused kernels may return it strided
 
 
 class MLP(nn.Module):

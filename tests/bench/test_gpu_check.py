@@ -13,7 +13,7 @@ from paraspec.models.static import WIDTHS
 
 ROOT = Path(__file__).resolve().parents[2]
 ABSENT_ON_GPU_MACHINE = ("ray", "fastapi", "uvicorn", "openai", "llama_cpp")
-MEASURED = ("environment", "forward_cost", "strategies", "planner", "compiled")   # the suite runs in CI anyway
+MEASURED = ("environment", "forward_cost", "strategies", "planner", "profile", "compiled")   # the suite runs in CI anyway
 
 
 def without_modules(tmp_path: Path) -> dict:
@@ -99,10 +99,51 @@ def test_the_compiled_step_is_timed_and_returns_the_same_tokens(cpu_run):
         assert set(m["compiled_graph_ms"]) == set(m["graph_ms"]) == {"8"} and m["compiled_graph_ms"]["8"] > 0
 
 
+def test_the_profile_says_where_a_step_goes(cpu_run):
+    record = cpu_run[1]["sections"]["profile"]
+    assert record["width"] == gpu_check.PROFILE_WIDTH
+    assert set(record["models"]) == set(gpu_check.QUICK_PAIRS[0])
+    for shape, m in record["models"].items():
+        assert "error" not in m, m["error"]
+        assert set(m) == {"eager"}                                       # no graph replay on a CPU
+        eager = m["eager"]
+        assert eager["wall_ms"] > 0 and eager["kernels_per_step"] == 0   # no device kernels on a CPU
+        assert eager["top_kernels"] == []
+        costs = [o["ms"] for o in eager["top_ops"]]
+        assert costs and costs == sorted(costs, reverse=True)           # the costliest first
+        assert "matmul" in eager["op_kinds"] and eager["op_ms"] > 0
+        # one step's ops cannot take longer than the step itself (times per step, not summed over steps)
+        assert eager["op_ms"] < 5 * eager["wall_ms"], (eager["op_ms"], eager["wall_ms"])
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "matmul"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "matmul"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reduction"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void at::native::index_elementwise_kernel<128, 4>", "copy/index"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_coopA_TNN", "matmul"),           # cuBLAS's H100 kernels
+    ("triton_poi_fused_add_mul_0", "other"),
+])
+def test_kernel_kinds(name, kind):
+    assert gpu_check.kind_of(name, gpu_check.KERNEL_KINDS) == kind
+
+
+@pytest.mark.parametrize("op, kind", [("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("aten::bmm", "matmul"),
+                                      ("aten::_scaled_dot_product_flash_attention", "attention"),
+                                      ("aten::index_copy_", "copy/index"), ("aten::copy_", "copy/index"),
+                                      ("aten::masked_fill_", "copy/index"), ("aten::mul", "elementwise/norm"),
+                                      ("aten::rsqrt", "elementwise/norm"), ("aten::mean", "elementwise/norm")])
+def test_op_kinds(op, kind):
+    assert gpu_check.op_kind(op) == kind
+
+
 def test_the_summary_has_every_table(cpu_run):
     md = (cpu_run[0] / "gpu_check.md").read_text()
     for heading in ("## Environment", "## Forward cost by width", "## Strategies through the Engine",
-                    "## Planner predictions", "predicted vs measured", "## The step through torch.compile"):
+                    "## Planner predictions", "predicted vs measured", "## Where a step's time goes",
+                    "## The step through torch.compile"):
         assert heading in md
 
 

@@ -7,9 +7,13 @@ from transformers import AutoModelForCausalLM
 
 from paraspec.models.llama import UnsupportedModelError
 from paraspec.models.loader import load_model, load_native
-from tests.conftest import TEST_DEVICE
+from tests.conftest import ON_CUDA, TEST_DEVICE
 
 FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]
+# fp32 logits against transformers' on the CPU. On a GPU the padded step's attention is a fused kernel (online
+# softmax) where the reference's is the math path: one H100 run measured a max difference of 1.0e-4 (a rollback
+# then 23 tokens, static width 3); a wrong mask or position moves logits by 1e-1 or more
+TOL = 3e-4 if ON_CUDA else 1e-4
 
 
 def hf_logits(folder, ids):
@@ -27,17 +31,17 @@ def test_native_matches_hf_prefill_decode_and_rollback(family, static_width, req
     ref = hf_logits(folder, ids)
     model = load_native(folder, torch.float32, device=TEST_DEVICE, static_width=static_width)
 
-    assert (model.prefill(ids[:20]) - ref[19]).abs().max() <= 1e-4
+    assert (model.prefill(ids[:20]) - ref[19]).abs().max() <= TOL
     for i in range(20, 30):                                   # one token at a time
-        assert (model.forward([ids[i]])[-1] - ref[i]).abs().max() <= 1e-4
-    assert (model.forward(ids[30:40]) - ref[30:40]).abs().max() <= 1e-4   # a chunk
+        assert (model.forward([ids[i]])[-1] - ref[i]).abs().max() <= TOL
+    assert (model.forward(ids[30:40]) - ref[30:40]).abs().max() <= TOL   # a chunk
     model.rollback(25)                                        # rewrite positions 25.. with the same tokens
     assert model.length == 25
-    assert (model.forward(ids[25:48]) - ref[25:48]).abs().max() <= 1e-4
+    assert (model.forward(ids[25:48]) - ref[25:48]).abs().max() <= TOL
     model.rollback(33)
     other = [5] * 6                                           # a different continuation after a rollback
     ref_other = hf_logits(folder, ids[:33] + other)
-    assert (model.forward(other) - ref_other[33:]).abs().max() <= 1e-4
+    assert (model.forward(other) - ref_other[33:]).abs().max() <= TOL
 
 
 def test_hf_backend_matches_hf(qwen2_target):
