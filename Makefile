@@ -56,8 +56,8 @@ test-fast: setup
 #    (llamacpp-ngram, ngram-simple n 4 m 16). Every variant in-process on both cores, and no --target-devices:
 #    the adaptive rule times the verification widths when the engine starts, on the engine's devices, and it
 #    must time them with the 2 threads the runs use (a 1-thread profile is steeper).
-# 7 min 49 s on a quiet Zen 3 machine, 3 min 19 s on Zen 5 (2 prompts per dataset, 2026-11-26), 8 min 48 s on a
-# Xeon with AMX (3 prompts, 2026-11-27), set up.
+# 3 min 19 s on Zen 5 (2 prompts per dataset, 2026-11-26), 8 min 48 s on a Xeon with AMX and 11 min 29 s on a
+# Zen 3 machine (3 prompts, 2026-11-27), set up.
 # Timings assume a quiet machine:
 # llama.cpp's OpenMP threads slow down many-fold when another process competes for the cores.
 demo: setup models peer

@@ -112,14 +112,16 @@ def paired_speedup(reference: list[Record], records: list[Record]) -> float | No
 
 
 def pooled_acceptance(stats: list[GenerationStats]) -> tuple[float | None, float | None]:
-    """(accepted / drafted, tokens per verification) summed over prompts; None for non-speculative runs."""
+    """(accepted / drafted, tokens per verification) summed over prompts; None for non-speculative runs, and an
+    acceptance of None where a speculative variant drafted nothing (the adaptive rule decoding plainly: no draft
+    was judged, which a rate of 0% would misreport as every draft rejected)."""
     speculative = [s for s in stats if s.acceptance_rate is not None]
     if not speculative:
         return None, None
     drafted = sum(s.drafted for s in speculative)
     rounds = sum(s.rounds for s in speculative)
     verified = sum(s.mean_accepted_length * s.rounds for s in speculative)
-    return (sum(s.accepted for s in speculative) / drafted if drafted else 0.0,
+    return (sum(s.accepted for s in speculative) / drafted if drafted else None,
             verified / rounds if rounds else 0.0)
 
 

@@ -71,7 +71,7 @@ def _cells(result: BenchResult, row: dict, extra: list[str]) -> dict[str, str]:
     """One table row, column name -> cell."""
     info = result.contenders[row["variant"]]
     # llama-server reports no split of its generation time into drafting and verifying
-    split = row["acceptance_rate"] is not None and _runs_on(row["strategy"]) != "llama.cpp"
+    split = row["mean_accepted_length"] is not None and _runs_on(row["strategy"]) != "llama.cpp"
     cells = {"strategy": row["variant"], "devices": info["devices"], "threads": str(info["threads"]),
              "ms/token": _num(row["ms_per_token"], ".1f"), "tokens/s": _num(row["tokens_per_s"], ".2f"),
              "× vs ar": _speedup(result, row, "ar"), "× vs hf-assisted": _speedup(result, row, "hf-assisted")}

@@ -54,6 +54,8 @@ def test_pooled_acceptance_sums_counts():
     c = stats(4, 1.0, drafted=30, accepted=3, rounds=1, speculative=True)
     assert pooled_acceptance([a, c])[0] == pytest.approx(11 / 40)   # mean of ratios would be 0.45
     assert pooled_acceptance([stats(5, 1.0)]) == (None, None)
+    plain = stats(5, 1.0, drafted=0, accepted=0, rounds=5, speculative=True)      # the rule drafted nothing
+    assert pooled_acceptance([plain]) == (None, pytest.approx(1.0))             # no rate: nothing was judged
 
 
 def test_summarize_table_figures():
