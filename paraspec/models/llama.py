@@ -195,7 +195,8 @@ class Attention(nn.Module):
         G = H // KV
         out = F.scaled_dot_product_attention(q.reshape(1, KV, G * W, D), cache.k[layer].unsqueeze(0),
                                              cache.v[layer].unsqueeze(0), attn_mask=bias.repeat(G, 1)[None, None])
-        return self.o_proj(out.reshape(H, W, D).transpose(0, 1).reshape(W, H * D))   # fused kernels may return it strided
+        # reshape, not view: a fused kernel may return its output strided
+        return self.o_proj(out.reshape(H, W, D).transpose(0, 1).reshape(W, H * D))
 
 
 class MLP(nn.Module):

@@ -234,9 +234,14 @@ def _width_key(model) -> str:
 def forward_cost_ms(model, width: int, graph: bool | None = None, repeats: int = 20, compiled: bool = False) -> float:
     """Median milliseconds of one `width`-row step of `model` (graph-captured on CUDA unless graph=False; through
     torch.compile if `compiled`), timed with CUDA events on a GPU, perf_counter on a CPU. The cache is left empty."""
+    return step_cost_ms(StaticForward(model, width, graph, compiled), repeats)
+
+
+def step_cost_ms(static: StaticForward, repeats: int = 20) -> float:
+    """Median milliseconds of one run of `static` after 3 warm-ups (see forward_cost_ms). The cache is left empty."""
     import statistics
     import time
-    static = StaticForward(model, width, graph, compiled)
+    model = static.model
     times = []
     with torch.inference_mode():
         for i in range(repeats + 3):

@@ -112,8 +112,9 @@ def test_the_profile_says_where_a_step_goes(cpu_run):
         costs = [o["ms"] for o in eager["top_ops"]]
         assert costs and costs == sorted(costs, reverse=True)           # the costliest first
         assert "matmul" in eager["op_kinds"] and eager["op_ms"] > 0
-        # one step's ops cannot take longer than the step itself (times per step, not summed over steps)
-        assert eager["op_ms"] < 5 * eager["wall_ms"], (eager["op_ms"], eager["wall_ms"])
+        # times per step, not summed over the PROFILE_STEPS steps: one step's ops took 0.8-0.9x its wall time on
+        # Zen 3, their sum over 5 steps would be ~4x; 2.5x leaves room for the profiler's own overhead
+        assert eager["op_ms"] < 2.5 * eager["wall_ms"], (eager["op_ms"], eager["wall_ms"])
 
 
 @pytest.mark.parametrize("name, kind", [

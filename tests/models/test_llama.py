@@ -12,7 +12,7 @@ from tests.conftest import ON_CUDA, TEST_DEVICE
 FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]
 # fp32 logits against transformers' on the CPU. On a GPU the padded step's attention is a fused kernel (online
 # softmax) where the reference's is the math path: one H100 run measured a max difference of 1.0e-4 (a rollback
-# then 23 tokens, static width 3); a wrong mask or position moves logits by 1e-1 or more
+# then 23 tokens, static width 3)
 TOL = 3e-4 if ON_CUDA else 1e-4
 
 
