@@ -18,7 +18,7 @@ Quote timings only from a quiet machine (the load average is printed).
 
 instead times the draft's and the target's prompts, and a one-token forward after them, on paraspec's own contexts
 (LlamaCppModel, repacking on), interleaved, with the draft as given and with its Q5_0 matrices as Q8_0 (what the
-Engine runs on AMX CPUs, models/gguf_widen.py): sd's TTFT is the sum of the draft's and the target's.
+Engine runs where its measured verdict says so, models/gguf_widen.py): sd's TTFT is the sum of the draft's and the target's.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def compare_models(args) -> None:
     from paraspec.models.llamacpp import LlamaCppModel
     from paraspec.models.gguf_widen import widened
     files = {role: gguf_file(name) for role, name in MODELS.items()}
-    files["draft, Q5_0 as Q8_0"] = widened(files["draft"])       # what the Engine runs on AMX CPUs
+    files["draft, Q5_0 as Q8_0"] = widened(files["draft"])       # what the Engine runs where widening measured faster
     models = {role: LlamaCppModel(path, 4096, (), n_threads=args.threads, kernels="repacked", probe=False)
               for role, path in files.items()}
     print(f"repacking on, {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")

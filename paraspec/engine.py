@@ -126,8 +126,9 @@ class Engine:
         dtypes = [parse_dtype(config.dtype, self.target_devices[0].torch_device)] + [draft_dtype] * (len(specs) - 1)
         self.backend, resolved = resolve_models(specs, dtypes, config.model_backend,
                                                 self.target_devices + self.draft_devices)
-        if self.backend == "llamacpp":             # drafts' Q5_0 matrices as Q8_0 where that is faster (AMX)
-            resolved = resolved[:1] + [widened_draft(f) for f in resolved[1:]]
+        if self.backend == "llamacpp":             # drafts' Q5_0 matrices as Q8_0 where that is faster (measured)
+            threads = self.draft_devices[0].num_threads if self.draft_devices else self.target_devices[0].num_threads
+            resolved = resolved[:1] + [widened_draft(f, threads) for f in resolved[1:]]
         # requests share forwards where the strategy's loop runs here on models with a sequence each (llama.cpp,
         # and the native decoder's dynamic forward: models/native_seqs.py)
         batches = config.strategy_class.caps.batches and (

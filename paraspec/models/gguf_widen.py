@@ -7,31 +7,99 @@ llama.cpp has no AMX or repacked kernel for Q5_0, and on the AMX Xeon the refere
 Q4_K_M: 133 of its matrices are Q5_0, because its 896 columns are not a multiple of 256) decoded its prompt slower
 than the 1.5B target. The file is 1.4x larger.
 
-Only drafts are widened (the Engine, for the llamacpp backend, where `widen_drafts()` says so): a draft's numbers
-do not enter the output, which stays the target's; the target runs the user's file as llama.cpp would.
+Only drafts are widened (the Engine, for the llamacpp backend): a draft's numbers do not enter the output, which
+stays the target's; the target runs the user's file as llama.cpp would. Whether to widen is measured, not guessed
+from the CPU's name (`widen_verdict`): once per (llama.cpp build, CPU, file, threads), a child process times the
+draft's prompt and one-token forwards on both files, and the verdict is cached. PARASPEC_LLAMACPP_WIDEN_Q5_0=1/0
+decides without measuring.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from paraspec.models.cache import cache_dir, sha256_prefix
-from paraspec.models.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
 
 Q5_0_BLOCK, Q8_0_BLOCK = 22, 34       # bytes per 32 weights: f16 d + 4 bytes of high bits + 16 of nibbles; f16 d + 32
 
+# the race behind the verdict: what a draft does for sd per request, in small: one prompt, then one-token forwards
+RACE = {"prompt_tokens": 64, "steps": 16, "rounds": 3}
+# the work the verdict weighs: a prompt and this many one-token forwards per prompt token (a 150-token prompt and 64
+# new tokens drafted 5 at a time is ~0.7; longer answers, or amusd's draft decoding all along, are several)
+DECODE_PER_PROMPT_TOKEN = 2
+# the widened file must be this much faster at that work to be used: a verdict is kept for good, and a 3%
+# difference is within one run's noise on these VMs
+WIDEN_MARGIN = 0.97
 
-def widen_drafts() -> bool:
-    """Whether the Engine widens llama.cpp drafts' Q5_0 matrices: PARASPEC_LLAMACPP_WIDEN_Q5_0=1/0, else on CPUs with
-    AMX-INT8 (where llama.cpp multiplies Q8_0 with AMX tiles and Q5_0 one row at a time; measured there). Other CPUs
-    are not measured: off."""
+
+def widen_switch() -> str:
+    """PARASPEC_LLAMACPP_WIDEN_Q5_0: "1" widens, "0" never does, "auto" (the default) measures (`widen_verdict`)."""
     asked = os.environ.get("PARASPEC_LLAMACPP_WIDEN_Q5_0", "auto")
     if asked not in ("auto", "0", "1"):
         raise ValueError(f"PARASPEC_LLAMACPP_WIDEN_Q5_0={asked!r}: use auto, 0 or 1")
-    return "amx_int8" in cpu_flags() if asked == "auto" else asked == "1"
+    return asked
+
+
+def widening_pays(race: dict, prompt_tokens: int = RACE["prompt_tokens"]) -> bool:
+    """From a race's timings (file as given first, widened second): whether a prompt of `prompt_tokens` and
+    DECODE_PER_PROMPT_TOKEN one-token forwards per prompt token cost at most WIDEN_MARGIN as much on the widened
+    file."""
+    (p0, p1), (s0, s1) = race["prompt_s"], race["step_s"]
+    steps = DECODE_PER_PROMPT_TOKEN * prompt_tokens
+    return p1 + steps * s1 <= WIDEN_MARGIN * (p0 + steps * s0)
+
+
+def _verdict_path(source: Path, n_threads: int) -> Path:
+    from paraspec.models.llamacpp import _library_fingerprint      # the build and the CPU's flags
+    key = hashlib.sha256("\n".join([_library_fingerprint(), sha256_prefix(source), str(n_threads),
+                                    json.dumps(RACE, sort_keys=True),
+                                    str(WIDEN_MARGIN), str(DECODE_PER_PROMPT_TOKEN)]).encode())
+    return cache_dir() / "widened" / "verdicts" / f"{source.stem}-{key.hexdigest()[:20]}.json"
+
+
+def widen_verdict(source: Path, wide: Path, n_threads: int) -> dict:
+    """Whether the draft `source` runs faster as `wide` (its Q5_0 matrices as Q8_0) with `n_threads` threads here:
+    {"widen": bool, "race": timings, ...}, measured once in a child process (the widened file's first Q8_0 products
+    on this CPU; a crash there is a verdict against it, with the reason) and cached."""
+    from paraspec.models.crashes import run_child
+    path = _verdict_path(source, n_threads)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    print(f"paraspec: timing {source.name} as given and with its Q5_0 matrices as Q8_0 at {n_threads} thread(s), "
+          f"once for this llama.cpp build and CPU (PARASPEC_LLAMACPP_WIDEN_Q5_0=0/1 decides without it)",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        race = run_child(["race", json.dumps({"files": [str(source), str(wide)], "n_threads": n_threads, **RACE})],
+                         f"timing {source.name} against its widened copy", timeout=600)
+        verdict = {"widen": widening_pays(race), "race": race}
+    except RuntimeError as e:                # NativeCrash included: the draft runs from its own file
+        verdict = {"widen": False, "error": str(e)}
+    verdict.update(seconds=round(time.perf_counter() - start, 2), threads=n_threads)
+    if "race" in verdict:
+        (p0, p1), (s0, s1) = race["prompt_s"], race["step_s"]
+        print(f"paraspec: {source.name}: prompt of {RACE['prompt_tokens']} {p0 * 1e3:.0f} -> {p1 * 1e3:.0f} ms, "
+              f"one-token forward {s0 * 1e3:.1f} -> {s1 * 1e3:.1f} ms widened: "
+              f"{'widening' if verdict['widen'] else 'kept as it is'}", file=sys.stderr, flush=True)
+    else:
+        logger.warning("%s: the widened copy could not be timed (%s); the draft runs from its own file",
+                       source.name, verdict["error"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(verdict, indent=1))
+    os.replace(tmp, path)
+    return verdict
 
 
 def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -106,7 +174,8 @@ def widened(path: str | os.PathLike) -> Path:
     if "Q5_0" not in tensor_types(path):
         none.touch()
         return path
-    print(f"paraspec: writing {path.name}'s Q5_0 matrices as Q8_0 (the same weights) for this CPU's AMX kernels, "
-          f"once, into {out} (PARASPEC_LLAMACPP_WIDEN_Q5_0=0 keeps the file as it is)", file=sys.stderr, flush=True)
+    print(f"paraspec: writing {path.name}'s Q5_0 matrices as Q8_0 (the same weights; llama.cpp has faster kernels "
+          f"for Q8_0 on some CPUs), once, into {out} (PARASPEC_LLAMACPP_WIDEN_Q5_0=0 keeps the file as it is)",
+          file=sys.stderr, flush=True)
     widen_q5_0(path, out)
     return out

@@ -1,6 +1,7 @@
 """llama.cpp work that may kill its process, run in a child: a crash there becomes an error here.
 
     python -m paraspec.models.llamacpp_child probe '{"path": ..., "kernels": ..., "n_threads": ..., ...}'
+    python -m paraspec.models.llamacpp_child race '{"files": [...], "n_threads": ..., "prompt_tokens": ..., ...}'
     python -m paraspec.models.llamacpp_child smoke [--threads 1,2]
 
 - `probe`: the exactness probe (`measure_exact_width`, and `measure_batch_exact` for a context of several
@@ -8,6 +9,9 @@
   probe of a (build, CPU, model) is the first time those kernels run on this CPU, so it runs here, where a native
   crash (SIGILL from an instruction the CPU or VM refuses) cannot take down the caller: a pytest run, a server,
   a notebook. Its verdict is cached by the caller; later loads read the cache and run in-process.
+- `race`: a draft's file as given against its widened copy (models/gguf_widen.py): a prompt and one-token forwards
+  on each, interleaved, the fastest of a few rounds. The widened file is the first Q8_0 product of a draft on this
+  CPU, so it runs here for the same reason as the probe.
 - `smoke`: after a build, tiny random GGUF files (Q4_K_M, Q4_0, Q8_0: every kind of quantized weight llama.cpp
   moves to its repacked or AMX kernels) are loaded with weight repacking on and decoded at widths 1 and 8, at 1
   and 2 threads, with a bf16 torch matmul (oneDNN, which uses AMX where the CPU has it) between two of the
@@ -35,6 +39,47 @@ def probe(spec: dict) -> dict:
     finally:
         model.close()
     return {"exact_width": width, "rows": rows}
+
+
+# -- race -------------------------------------------------------------------------------------------------
+def race(spec: dict) -> dict:
+    """For each of `files` (GGUF models with one vocabulary): the seconds of a `prompt_tokens`-token prompt and of one
+    one-token forward after it (the mean over `steps`), each the fastest of `rounds` rounds, the files interleaved
+    within a round and their order alternating between rounds (a machine that slows down in the middle slows
+    both)."""
+    import time
+
+    import numpy as np
+
+    from paraspec.models.llamacpp import LlamaCppModel
+    p, steps = spec["prompt_tokens"], spec["steps"]
+    models = [LlamaCppModel(Path(f), p + steps + 8, (), n_threads=spec["n_threads"], probe=False,
+                            kernels="repacked") for f in spec["files"]]
+    try:
+        vocab = min(m.vocab_size for m in models)
+        ids = np.random.default_rng(0).integers(0, vocab, size=p + steps).tolist()
+        prompt_s = [float("inf")] * len(models)
+        step_s = [float("inf")] * len(models)
+        for m in models:                       # warm-up: weights paged in, buffers allocated
+            m.prefill(ids[:p])
+            m.forward(ids[p:p + 1])
+        for r in range(spec["rounds"]):
+            order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
+            for i in order:
+                m = models[i]
+                m.rollback(0)
+                start = time.perf_counter()
+                m.prefill(ids[:p])
+                middle = time.perf_counter()
+                for t in ids[p:]:
+                    m.forward([t])
+                end = time.perf_counter()
+                prompt_s[i] = min(prompt_s[i], middle - start)
+                step_s[i] = min(step_s[i], (end - middle) / steps)
+    finally:
+        for m in models:
+            m.close()
+    return {"prompt_s": prompt_s, "step_s": step_s}
 
 
 # -- smoke ------------------------------------------------------------------------------------------------
@@ -142,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["probe"] and len(argv) == 2:
         answer = probe(json.loads(argv[1]))
+    elif argv[:1] == ["race"] and len(argv) == 2:
+        answer = race(json.loads(argv[1]))
     elif argv[:1] == ["smoke"]:
         threads = (1, 2)
         if argv[1:2] == ["--threads"]:

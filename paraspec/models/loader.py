@@ -79,19 +79,23 @@ def _gguf_companion(path: Path) -> Path:
         return Path(convert_gguf(path, out, weights=False, progress=False, with_tokenizer=False))
 
 
-def widened_draft(folder):
+def widened_draft(folder, n_threads: int):
     """For the llamacpp backend: a draft's folder, or one over a copy of its GGUF with the Q5_0 matrices as Q8_0
-    (the same weights; models/gguf_widen.py) where `widen_drafts()` says so (CPUs with AMX, where Q8_0 has AMX
-    kernels and Q5_0 none). A draft's numbers never reach the output, so only its speed changes."""
-    from paraspec.models.gguf_widen import widen_drafts, widened
+    (the same weights; models/gguf_widen.py) where that runs faster: measured once per (build, CPU, file,
+    `n_threads`) and cached (`widen_verdict`), or as PARASPEC_LLAMACPP_WIDEN_Q5_0=1/0 says. A draft's numbers never
+    reach the output, so only its speed changes."""
+    from paraspec.models.gguf_widen import widen_switch, widen_verdict, widened
     source = gguf_source(folder) if isinstance(folder, Path) else None
-    if source is None or not widen_drafts():
+    switch = widen_switch()
+    if source is None or switch == "0":
         return folder
     try:
         wide = widened(source)
     except (OSError, ValueError) as e:      # a full disk, an unreadable file: the draft as it is, slower
         logger.warning("could not write %s's Q5_0 matrices as Q8_0 (%s); the draft runs from the file as it is "
                        "(PARASPEC_LLAMACPP_WIDEN_Q5_0=0 skips the attempt)", source.name, e)
+        return folder
+    if wide != source and switch == "auto" and not widen_verdict(source, wide, n_threads)["widen"]:
         return folder
     if wide == source:
         return folder

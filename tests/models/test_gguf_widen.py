@@ -9,8 +9,8 @@ from gguf import GGUFReader, dequantize, quantize
 
 from paraspec import Engine, SamplingParams
 from paraspec.models import gguf_widen
-from paraspec.models.gguf_widen import q5_0_to_q8_0, widen_drafts, widen_q5_0, widened
-from paraspec.models.cpu import cpu_flags
+from paraspec.models.gguf_widen import (RACE, q5_0_to_q8_0, widen_q5_0, widen_switch, widen_verdict, widened,
+                                        widening_pays)
 from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf
 
 
@@ -80,21 +80,88 @@ def test_widened_copies_are_made_once_and_files_without_q5_0_are_left_alone(q5_p
 def test_the_switch(monkeypatch):
     monkeypatch.setenv("PARASPEC_LLAMACPP_WIDEN_Q5_0", "sometimes")
     with pytest.raises(ValueError, match="use auto, 0 or 1"):
-        widen_drafts()
-    monkeypatch.setenv("PARASPEC_LLAMACPP_WIDEN_Q5_0", "0")
-    assert widen_drafts() is False
-    monkeypatch.setenv("PARASPEC_LLAMACPP_WIDEN_Q5_0", "1")
-    assert widen_drafts() is True
+        widen_switch()
+    for value in ("0", "1", "auto"):
+        monkeypatch.setenv("PARASPEC_LLAMACPP_WIDEN_Q5_0", value)
+        assert widen_switch() == value
     monkeypatch.delenv("PARASPEC_LLAMACPP_WIDEN_Q5_0")
-    assert widen_drafts() == ("amx_int8" in cpu_flags())
+    assert widen_switch() == "auto"
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_the_engine_widens_llama_cpp_drafts_only(q5_pair, monkeypatch, tmp_path, switch):
+def race(prompt: tuple[float, float], step: tuple[float, float]) -> dict:
+    return {"prompt_s": list(prompt), "step_s": list(step)}
+
+
+def test_widening_pays_where_a_prompt_and_its_decode_cost_less():
+    p = RACE["prompt_tokens"]
+    # measured with the reference draft (s): Zen 3 at 2 threads (64-token prompt: both faster), an AMX Xeon (157
+    # tokens: both faster, the prompt 5x), Zen 3 at 1 thread (a faster prompt, a 9% slower step: amusd's one-core
+    # draft would lose)
+    assert widening_pays(race((1.137, 0.852), (0.0384, 0.0382)))
+    assert widening_pays(race((1.563, 0.305), (0.0371, 0.0300)))
+    assert not widening_pays(race((2.317, 1.770), (0.0616, 0.0672)))
+    assert not widening_pays(race((1.0, 1.0), (0.030, 0.030)))       # a tie is not worth a 1.4x larger file
+    assert not widening_pays(race((1.0, 0.5), (0.030, 0.045)), p)    # a faster prompt, a much slower decode
+    # the margin: 2% faster is noise, 4% is not
+    assert not widening_pays(race((1.0, 0.98), (0.01, 0.0098)))
+    assert widening_pays(race((1.0, 0.96), (0.01, 0.0096)))
+
+
+def test_the_verdict_is_measured_once_per_threads_and_cached(q5_pair, monkeypatch, tmp_path):
+    from paraspec.models import crashes
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    wide = widened(q5_pair)
+    asked = []
+
+    def child(args, what, timeout=None):
+        assert args[0] == "race"
+        asked.append(args[1])
+        return race((1.0, 0.5), (0.03, 0.02)) if '"n_threads": 1' in args[1] else race((1.0, 1.2), (0.03, 0.04))
+    monkeypatch.setattr(crashes, "run_child", child)
+    assert widen_verdict(q5_pair, wide, 1)["widen"] is True
+    assert widen_verdict(q5_pair, wide, 2)["widen"] is False
+    assert len(asked) == 2 and str(wide) in asked[0]
+    assert widen_verdict(q5_pair, wide, 1)["widen"] is True and widen_verdict(q5_pair, wide, 2)["widen"] is False
+    assert len(asked) == 2                                              # read from the cache
+
+
+def test_the_race_runs_both_files_in_a_child(q5_pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    verdict = widen_verdict(q5_pair, widened(q5_pair), 1)
+    assert "error" not in verdict, verdict
+    for key in ("prompt_s", "step_s"):
+        assert len(verdict["race"][key]) == 2 and all(0 < t < 10 for t in verdict["race"][key])
+    assert verdict["widen"] == widening_pays(verdict["race"]) and verdict["threads"] == 1
+
+
+def test_a_race_killed_by_a_signal_keeps_the_file_and_says_why(q5_pair, monkeypatch, tmp_path, caplog):
+    """The widened file's first products on this CPU run in a child: an instruction the CPU refuses there is a verdict
+    against widening (cached: the next Engine does not crash the same child again), not a dead caller."""
+    import sys
+
+    from paraspec.models import crashes
+    monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(crashes, "CHILD_COMMAND",
+                        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    with caplog.at_level("WARNING"):
+        verdict = widen_verdict(q5_pair, widened(q5_pair), 1)
+    assert verdict["widen"] is False and "SIGILL" in verdict["error"] and "SIGILL" in caplog.text
+    monkeypatch.setattr(crashes, "CHILD_COMMAND", [sys.executable, "-c", "raise SystemExit('ran again')"])
+    assert widen_verdict(q5_pair, widened(q5_pair), 1) == verdict
+
+
+@pytest.mark.parametrize("switch, verdict, widens", [("1", None, True), ("0", None, False), ("auto", True, True),
+                                                     ("auto", False, False)])
+def test_the_engine_widens_llama_cpp_drafts_only(q5_pair, monkeypatch, tmp_path, switch, verdict, widens):
     """sd on llama.cpp with the Q5_0 file as target and as draft: the draft runs on the widened copy where the switch
-    says so, the target on the file as given, and the tokens are ar's."""
+    (or, on auto, the measured verdict) says so, the target on the file as given, and the tokens are ar's."""
     monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("PARASPEC_LLAMACPP_WIDEN_Q5_0", switch)
+
+    def measured(source, wide, n_threads):
+        assert switch == "auto", "measured although the switch decides"
+        return {"widen": verdict}
+    monkeypatch.setattr(gguf_widen, "widen_verdict", measured)
     params = SamplingParams(temperature=0.0, max_new_tokens=24)
     prompt = list(range(5, 45))
     with Engine(str(q5_pair), strategy="ar", backend="llamacpp", max_num_seqs=1) as engine:
@@ -103,7 +170,7 @@ def test_the_engine_widens_llama_cpp_drafts_only(q5_pair, monkeypatch, tmp_path,
                 max_num_seqs=1) as engine:
         assert engine.strategy.target.path == q5_pair
         draft = engine.strategy.draft_models[0].path
-        assert (draft != q5_pair and "q5_0-as-q8_0" in draft.name) == (switch == "1")
+        assert (draft != q5_pair and "q5_0-as-q8_0" in draft.name) == widens
         assert engine.generate(prompt, params).token_ids == reference
 
 
@@ -119,6 +186,6 @@ def test_a_failed_widening_leaves_the_draft_as_it_is(q5_pair, monkeypatch, tmp_p
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(gguf_widen, "widen_q5_0", full)
     with caplog.at_level("WARNING"):
-        assert widened_draft(folder) == folder
+        assert widened_draft(folder, 1) == folder
     assert "No space left" in caplog.text and "PARASPEC_LLAMACPP_WIDEN_Q5_0=0" in caplog.text
     assert gguf_source(folder) == q5_pair.resolve()
