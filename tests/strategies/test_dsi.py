@@ -192,7 +192,7 @@ def mid_speed_draft(tmp_path_factory):
     """A second draft with its own distribution, slower than slow_target_pair's draft and faster than its
     target: as drafter 0 it is ahead only some of the time, so both drafters' drafts get judged."""
     return make_checkpoint(tmp_path_factory.mktemp("mid-draft") / "d", "qwen2", seed=23, scale=5,
-                           tokenizer=False, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=6,
+                           tokenizer=False, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=2,
                            hidden_size=128, intermediate_size=512)
 
 
