@@ -150,3 +150,12 @@ def _fix_modes(folder: Path) -> None:
     for p in folder.iterdir():
         if p.is_file():
             os.chmod(p, 0o666 & ~umask)
+
+
+def write_json(path: Path, record) -> None:
+    """`record` as JSON at `path`, whole or not at all (a per-process temporary file, then a rename: two processes
+    writing the same verdict do not interleave)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paraspec.models.cache import cache_dir, sha256_prefix
+from paraspec.models.cache import cache_dir, sha256_prefix, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -84,21 +84,16 @@ def widen_verdict(source: Path, wide: Path, n_threads: int) -> dict:
         race = run_child(["race", json.dumps({"files": [str(source), str(wide)], "n_threads": n_threads, **RACE})],
                          f"timing {source.name} against its widened copy", timeout=600)
         verdict = {"widen": widening_pays(race), "race": race}
-    except RuntimeError as e:                # NativeCrash included: the draft runs from its own file
-        verdict = {"widen": False, "error": str(e)}
-    verdict.update(seconds=round(time.perf_counter() - start, 2), threads=n_threads)
-    if "race" in verdict:
         (p0, p1), (s0, s1) = race["prompt_s"], race["step_s"]
         print(f"paraspec: {source.name}: prompt of {RACE['prompt_tokens']} {p0 * 1e3:.0f} -> {p1 * 1e3:.0f} ms, "
               f"one-token forward {s0 * 1e3:.1f} -> {s1 * 1e3:.1f} ms widened: "
               f"{'widening' if verdict['widen'] else 'kept as it is'}", file=sys.stderr, flush=True)
-    else:
+    except RuntimeError as e:                # NativeCrash included: the draft runs from its own file
+        verdict = {"widen": False, "error": str(e)}
         logger.warning("%s: the widened copy could not be timed (%s); the draft runs from its own file",
-                       source.name, verdict["error"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(verdict, indent=1))
-    os.replace(tmp, path)
+                       source.name, e)
+    verdict.update(seconds=round(time.perf_counter() - start, 2), threads=n_threads)
+    write_json(path, verdict)
     return verdict
 
 

@@ -654,10 +654,8 @@ def probe_exact_width(model: LlamaCppModel) -> tuple[int, bool]:
     record = {"exact_width": width, "batch_exact": batch_exact, "kernels": model.kernels,
               "tiled_matmul": tiled_matmul(), "model": str(model.path),
               "threads": model.n_threads, "seconds": round(time.perf_counter() - start, 2), "rows": rows}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    from paraspec.models.cache import write_json
+    write_json(path, record)
     return width, batch_exact
 
 

@@ -67,7 +67,6 @@ def race(spec: dict) -> dict:
             order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
             for i in order:
                 m = models[i]
-                m.rollback(0)
                 start = time.perf_counter()
                 m.prefill(ids[:p])
                 middle = time.perf_counter()

@@ -95,9 +95,7 @@ def widened_draft(folder, n_threads: int):
         logger.warning("could not write %s's Q5_0 matrices as Q8_0 (%s); the draft runs from the file as it is "
                        "(PARASPEC_LLAMACPP_WIDEN_Q5_0=0 skips the attempt)", source.name, e)
         return folder
-    if wide != source and switch == "auto" and not widen_verdict(source, wide, n_threads)["widen"]:
-        return folder
-    if wide == source:
+    if wide == source or (switch == "auto" and not widen_verdict(source, wide, n_threads)["widen"]):
         return folder
     # the draft's own folder (config, tokenizer, chat template) without weights, pointing at the widened file
     out = cache_dir() / "converted" / f"{wide.stem}-companion"
