@@ -83,7 +83,9 @@ def test_stop_string_and_cancel_across_nodes(dsi_across, expected):
 
 @pytest.mark.parametrize("strategy", ["dsi", "amusd"])
 def test_sampling_across_nodes_follows_the_target(ray_cluster, small_vocab_pair, strategy):
-    """The first two sampled tokens over 1,000 seeds against the target's exact joint distribution."""
+    """The first two sampled tokens against the target's exact joint distribution: 1,000 seeds for amusd, 500 for
+    dsi (113 ms a request over Ray on Zen 3 against amusd's 27; its sampling is also checked in-process on 1,200
+    and as processes on 400)."""
     target, draft = small_vocab_pair
     prompt, params = [1, 2, 3], dict(temperature=1.0)
     devices = dict(target_devices=["box-a/cpu:0", "box-b/cpu:0"] if strategy == "dsi" else ["box-a/cpu:0"],
@@ -92,13 +94,13 @@ def test_sampling_across_nodes_follows_the_target(ray_cluster, small_vocab_pair,
                 **devices) as engine:
         joint = exact_joint(engine, prompt, SamplingParams(**params))
         counts, drafted = np.zeros((VOCAB, VOCAB)), 0
-        for seed in range(1000):
+        for seed in range(500 if strategy == "dsi" else 1000):
             result = engine.generate(prompt, SamplingParams(max_new_tokens=2, seed=seed, **params))
             counts[tuple(result.token_ids)] += 1
             drafted += result.stats.drafted
     # dsi waits for full chunks, so it always drafts; amusd's verifier takes the target's own token when the draft
     # is not there yet, so how often it judges a draft depends on timing: enough that acceptance really ran
-    assert drafted > (300 if strategy == "dsi" else 20)
+    assert drafted > (150 if strategy == "dsi" else 20)
     assert_matches(counts, joint)
 
 

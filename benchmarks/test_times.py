@@ -1,0 +1,55 @@
+"""Where the test suite's time goes: a pytest JUnit report summed per file and listed per test.
+
+    .venv/bin/python -m pytest -q --junitxml=/tmp/junit.xml        # the whole suite (make test's command)
+    .venv/bin/python benchmarks/test_times.py /tmp/junit.xml [--top 40] [--compare /tmp/before.xml]
+
+A test's time includes the set-up of the fixtures it is the first to use (the real-pair references, a Ray cluster),
+so compare files, or the same test across two reports of the same machine on the same day: this project's VMs
+change speed by up to 2x between days (docs/BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import xml.etree.ElementTree as ET
+
+
+def cases(path: str) -> dict[str, tuple[str, float]]:
+    """test id -> (file, seconds) for every test case in a JUnit report."""
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        file = case.get("classname", "")
+        out[f"{file}::{case.get('name')}"] = (file, float(case.get("time", 0.0)))
+    return out
+
+
+def by_file(report: dict[str, tuple[str, float]]) -> collections.Counter:
+    totals = collections.Counter()
+    for file, seconds in report.values():
+        totals[file] += seconds
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("report", help="a pytest --junitxml file")
+    parser.add_argument("--top", type=int, default=40, help="how many of the slowest tests to list")
+    parser.add_argument("--compare", help="an earlier report: files and tests side by side, before -> after")
+    args = parser.parse_args()
+    after = cases(args.report)
+    before = cases(args.compare) if args.compare else {}
+    total = sum(s for _, s in after.values())
+    print(f"{len(after)} tests, {total / 60:.1f} min" + (
+        f" (before: {len(before)} tests, {sum(s for _, s in before.values()) / 60:.1f} min)" if before else ""))
+    files_before = by_file(before)
+    print("\nper file (s):")
+    for file, seconds in by_file(after).most_common(25):
+        print(f"{seconds:8.1f}" + (f"  (before {files_before[file]:7.1f})" if before else "") + f"  {file}")
+    print(f"\nthe {args.top} slowest tests (s):")
+    for name, (_, seconds) in sorted(after.items(), key=lambda kv: -kv[1][1])[:args.top]:
+        was = f"  (before {before[name][1]:6.1f})" if name in before else ("  (new)" if before else "")
+        print(f"{seconds:8.1f}{was}  {name}")
+
+
+if __name__ == "__main__":
+    main()
