@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import warnings
 
 import torch
 
-from paraspec.models.cache import cache_dir
+from paraspec.models.cache import cache_dir, write_json
 
 WIDTHS = (1, 2, 4, 8, 16, 32)        # the widths "auto" measures
 AUTO_TOLERANCE = 1.15                # "auto": the widest W whose forward costs at most this times the cheapest's
@@ -216,9 +215,7 @@ def measured_width(model, widths=WIDTHS) -> int:
             pass
         costs = {w: forward_cost_ms(model, w) for w in widths}
         width = choose_width(costs)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"width": width, "costs_ms": costs, "tolerance": AUTO_TOLERANCE}, indent=2))
-        os.replace(tmp, path)
+        write_json(path, {"width": width, "costs_ms": costs, "tolerance": AUTO_TOLERANCE})
         return width
 
 
