@@ -16,6 +16,7 @@ import statistics
 import pytest
 
 STARTS: list[dict] = []
+CURRENT = {"test": None}             # the test running now, for the JSON
 
 
 def pytest_addoption(parser):
@@ -29,17 +30,16 @@ def pytest_configure(config):
 
     def recording(self, envelope, load_body):
         dispatch(self, envelope, load_body)
-        if envelope[0] == "ready" and isinstance(self, workers.ProcessWorker) and self._info is not None:
-            STARTS.append({"worker": self.name, "device": str(self.device), "startup_s": self._info.startup_s,
-                           "test": config._worker_starts_current})
+        if envelope[0] == "ready" and isinstance(self, workers.ProcessWorker):
+            STARTS.append({"worker": self.name, "device": str(self.device), "startup_s": self.info.startup_s,
+                           "test": CURRENT["test"]})
 
-    config._worker_starts_current = None
     workers.Worker._dispatch = recording
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    item.config._worker_starts_current = item.nodeid
+    CURRENT["test"] = item.nodeid
     yield
 
 
