@@ -53,9 +53,9 @@ test-fast: setup
 #    prompt: every setting restarts the server, ~20 s each; the full 3 x 3 grid is `make bench`'s);
 #  - copy-heavy editing, out/demo/code-edit/: 3 code-edit prompts x 128 tokens; paraspec ar and sd[suffix] (the
 #    suffix drafter, adaptive length up to 32) against llamacpp-ar and llama-server's own n-gram drafting
-#    (llamacpp-ngram, ngram-simple n 4 m 16). Every variant in-process on both cores, and no --target-devices:
-#    the adaptive rule times the verification widths when the engine starts, on the engine's devices, and it
-#    must time them with the 2 threads the runs use (a 1-thread profile is steeper).
+#    (llamacpp-ngram, ngram-simple n 4 m 16). Every variant in-process on both cores: the adaptive rule times the
+#    verification widths when the engine starts and must time them with the 2 threads the runs use (a 1-thread
+#    profile is steeper), so the bench builds an in-process @2t variant on 2 cores whatever --target-devices says.
 # 3 min 19 s on Zen 5 (2 prompts per dataset, 2026-11-26), 8 min 48 s on a Xeon with AMX and 11 min 29 s on a
 # Zen 3 machine (3 prompts, 2026-11-27), set up.
 # Timings assume a quiet machine:

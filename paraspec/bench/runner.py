@@ -360,9 +360,26 @@ def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConf
     needs_draft = STRATEGIES[variant.strategy].caps.needs_draft
     # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check;
     # one sequence: the bench times one request at a time (its variants share the loaded models)
-    return replace(config.engine.for_strategy(variant.strategy, {**config.options, **dict(variant.options)},
-                                              variant_drafts(variant, config.engine.draft) if needs_draft else None),
-                   max_num_seqs=1)
+    engine = replace(config.engine.for_strategy(variant.strategy, {**config.options, **dict(variant.options)},
+                                                variant_drafts(variant, config.engine.draft) if needs_draft else None),
+                     max_num_seqs=1)
+    return replace(engine, **variant_cpu_devices(engine, variant))
+
+
+def variant_cpu_devices(engine: EngineConfig, variant: Variant) -> dict:
+    """An in-process variant with a thread count (`sd@2t`) runs with that many threads on this process's cores,
+    not on --target-devices (meant for the worker strategies): its engine is built on as many of those cores,
+    since what the engine measures at start-up — the adaptive rule's costs by width — must be measured with the
+    threads the variant decodes with (a 1-thread profile is steeper than a 2-thread one). GPUs and nodes stay."""
+    from paraspec.runtime.devices import Device, available_cores, parse_device
+    if variant.threads is None or runs_in_workers(variant.strategy):
+        return {}
+    devices = [parse_device(d) for d in [*engine.target_devices, *engine.draft_devices]]
+    if any(d.kind != "cpu" or d.node for d in devices):
+        return {}
+    cores = sorted(current_pinning()[0] or available_cores())
+    here = [str(Device("cpu", tuple(cores[:variant.threads])))]
+    return dict(target_devices=here, draft_devices=here)
 
 
 def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) -> dict:

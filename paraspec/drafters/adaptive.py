@@ -188,7 +188,12 @@ class ForwardCost:
     @classmethod
     def measure(cls, model, widths, context: int = 32, repeats: int = 2) -> "ForwardCost":
         """Time forwards of each width after a `context`-token prefix (the fastest of `repeats`); the model's
-        cache is left empty. A GPU is waited for before each clock read (a forward returns once queued)."""
+        cache is left empty. A GPU is waited for before each clock read (a forward returns once queued). In a
+        small context (max_context 24) the prefix is shorter and widths that would not fit are left out (the
+        rule extrapolates; no round can verify more than the context holds)."""
+        room = getattr(model, "max_context", None) or context + max(widths)
+        widths = [w for w in widths if w < room] or [1]
+        context = max(1, min(context, room - max(widths)))
         tokens = [i % max(model.vocab_size, 1) for i in range(context + max(widths))]
         device = getattr(model, "device", None)     # llama.cpp, simulated and remote models return when done
         model.rollback(0)

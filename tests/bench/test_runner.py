@@ -7,7 +7,8 @@ import pytest
 from paraspec.bench.datasets import BenchPrompt, encode_prompt
 from paraspec.bench.metrics import Variant
 from paraspec.bench.runner import (
-    BenchConfig, Contender, _run, interleave, parse_variants, variant_drafts, variant_engine_config,
+    BenchConfig, Contender, _run, interleave, parse_variants, variant_cpu_devices, variant_drafts,
+    variant_engine_config,
 )
 from paraspec.config import EngineConfig
 from paraspec.engine import GenerationResult
@@ -82,6 +83,25 @@ def test_variants_with_their_own_options(bench_target, bench_draft):
     bench = BenchConfig(base, [], SamplingParams(max_new_tokens=4), options={"lookahead": 3, "adaptive": True})
     assert [variant_engine_config(bench, v).options for v in variants] == [
         {"lookahead": 3, "adaptive": True}, {"lookahead": 16, "adaptive": True}, {"lookahead": 3, "adaptive": False}]
+
+
+def test_in_process_variants_are_built_with_their_own_threads(bench_target, bench_draft):
+    """--target-devices cpu:1 is for the worker strategies: an in-process `sd@2t` decodes with 2 threads on this
+    process's cores, so its engine is built (and the adaptive rule's costs timed) on 2 of them, `sd@1t` on one;
+    a worker strategy, a variant without a thread count and a GPU keep the devices given."""
+    from paraspec.runtime.devices import Device, available_cores
+    cores = available_cores()
+    base = EngineConfig(bench_target, str(bench_draft), strategy="sd", dtype="float32", max_context=512,
+                        target_devices=[f"cpu:{cores[-1]}"], draft_devices=[f"cpu:{cores[0]}"])
+    bench = BenchConfig(base, [], SamplingParams(max_new_tokens=4))
+    for threads in sorted({1, len(cores)}):
+        config = variant_engine_config(bench, Variant("sd", threads))
+        assert config.target_devices == config.draft_devices == (Device("cpu", tuple(cores[:threads])),)
+    assert variant_engine_config(bench, Variant("sd", None)).target_devices == base.target_devices
+    assert variant_engine_config(bench, Variant("amusd", None)).target_devices == base.target_devices
+    from types import SimpleNamespace
+    gpu = SimpleNamespace(target_devices=(Device("cuda", index=0),), draft_devices=(Device("cuda", index=0),))
+    assert variant_cpu_devices(gpu, Variant("sd", 2)) == {}         # this machine need not have the GPU
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from paraspec import SamplingParams
 from paraspec.drafters import DraftPolicy, NGramDrafter, Proposal, SuffixDrafter
 from paraspec.drafters.adaptive import (SOURCE_STRIDE, TRIAL_REMAINING, Acceptance, ForwardCost, best_length,
-                                        bucket_label, catch_up_pays, expected_tokens, match_bucket)
+                                        bucket_label, calibration_widths, catch_up_pays, expected_tokens, match_bucket)
 from paraspec.drafters.base import Drafter
 from paraspec.drafters.policy import prune
 from paraspec.drafters.suffix import SuffixTrie
@@ -240,6 +240,32 @@ def test_adaptive_rule_zero_acceptance_drafts_nothing():
 def test_adaptive_rule_full_acceptance_flat_cost_drafts_the_most():
     assert best_length(1.0, 0.0, flat, 1, 16)[0] == 16
     assert best_length(0.999, 0.0, flat, 1, 12)[0] == 12
+
+
+def test_forward_costs_are_measured_within_a_small_context():
+    """An engine with max_context 24 (sd's default is adaptive) times its widths in what the context holds: a
+    shorter prefix, and the widths that would not fit left out, rather than failing at start-up."""
+    class Model:                                   # records the forwards: what a model with 24 positions accepts
+        vocab_size, max_context, device = 50, 24, None
+
+        def __init__(self):
+            self.cached, self.forwards = 0, []
+
+        def rollback(self, n):
+            self.cached = min(self.cached, n)
+
+        def forward(self, tokens, last_n=1):
+            assert tokens and self.cached + len(tokens) <= self.max_context, "context full"
+            self.cached += len(tokens)
+            self.forwards.append(len(tokens))
+
+    model = Model()
+    cost = ForwardCost.measure(model, calibration_widths(32))
+    assert sorted(cost.seconds) == [w for w in calibration_widths(32) if w < 24] and model.cached == 0
+    assert model.forwards[0] == 24 - 20                  # the prefix: what the widest width (20) leaves
+    model = Model()
+    model.max_context = 4096
+    assert sorted(ForwardCost.measure(model, [1, 8]).seconds) == [1, 8] and model.forwards[0] == 32
 
 
 def test_adaptive_rule_prompt_round_pays_at_the_margin():
