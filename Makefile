@@ -45,10 +45,11 @@ test-fast: setup
 # The main job, minutes on a warm cache (models fetched, llama.cpp built): the reference pair, greedy, on the
 # machine's 2 cores, on llama.cpp's kernels (--backend auto), against llama.cpp itself; one `paraspec bench` per
 # workload, each writing its tables, report.md, results.json and plots:
-#  - model drafts, out/demo/: 3 HumanEval and 3 MT-Bench prompts x 64 tokens; paraspec ar, sd (lookahead 5) and
-#    sd{lookahead=16,draft_confidence=0.6} (drafting stops where the draft's probability of its token falls below
-#    0.6, as llama.cpp's p-min; 2 threads) and amusd (target on core 1, draft on core 0) against llama-server
-#    alone (llamacpp-ar) and with its own
+#  - model drafts, out/demo/: 3 HumanEval and 3 MT-Bench prompts x 64 tokens; paraspec ar, sd (its default: the
+#    adaptive rule picks each round's length up to 5, 0 where speculation does not pay), sd{adaptive=false} (5
+#    every round), sd{lookahead=16,draft_confidence=0.6,adaptive=false} (drafting stops where the draft's
+#    probability of its token falls below 0.6, as llama.cpp's p-min; 2 threads) and amusd (target on core 1,
+#    draft on core 0) against llama-server alone (llamacpp-ar) and with its own
 #    speculative decoding (llamacpp-spec, the best of draft max 4/8/16 at p-min 0.8, timed on each dataset's first
 #    prompt: every setting restarts the server, ~20 s each; the full 3 x 3 grid is `make bench`'s);
 #  - copy-heavy editing, out/demo/code-edit/: 3 code-edit prompts x 128 tokens; paraspec ar and sd[suffix] (the
@@ -62,7 +63,8 @@ test-fast: setup
 # llama.cpp's OpenMP threads slow down many-fold when another process competes for the cores.
 demo: setup models peer
 	$(PYTHON) -m paraspec bench --target $(TARGET) --draft $(DRAFT) \
-		--strategies "ar,sd,sd{lookahead=16,draft_confidence=0.6},amusd,llamacpp-ar,llamacpp-spec" --threads 2 \
+		--strategies "ar,sd,sd{adaptive=false},sd{lookahead=16,draft_confidence=0.6,adaptive=false},amusd,llamacpp-ar,llamacpp-spec" \
+		--threads 2 \
 		--target-devices cpu:1 --draft-devices cpu:0 --llamacpp-spec-grid 4:0.8,8:0.8,16:0.8 \
 		--dataset humaneval mt-bench --num-prompts 3 --max-new-tokens 64 --out out/demo
 	$(PYTHON) -m paraspec bench --target $(TARGET) \

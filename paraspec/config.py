@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 from paraspec.drafters import DraftSpec
 from paraspec.runtime.devices import parse_devices
-from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy
+from paraspec.strategies import OPTIONS, STRATEGIES, get_strategy, option_default
 from paraspec.strategies.base import Capabilities
 
 MAX_NUM_SEQS = 64         # llama.cpp's own limit on sequences per context (LLAMA_MAX_SEQ)
@@ -176,7 +176,8 @@ class EngineConfig:
     @property
     def strategy_options(self) -> dict:
         """The strategy's own options: given values, defaults for the rest."""
-        return {name: self.options.get(name, OPTIONS[name].default) for name in self.strategy_class.options}
+        cls = self.strategy_class
+        return {name: self.options.get(name, option_default(cls, name)) for name in cls.options}
 
     @property
     def used_draft_devices(self) -> list:

@@ -28,7 +28,7 @@ PROMPTS = [
 ]
 PARAMS = SamplingParams(max_new_tokens=64)
 STRATEGIES = {
-    "sd": dict(strategy="sd", lookahead=5),
+    "sd": dict(strategy="sd", lookahead=5, adaptive=False),    # every round verified: what these tests are about
     "amusd": dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
     "tree": dict(strategy="tree", tree_width=4, tree_depth=5, tree_budget=20),
     "easyspec": dict(strategy="easyspec", tree_width=4, tree_depth=5, tree_budget=20, lp_size=2,
@@ -101,13 +101,13 @@ def test_strategy_equals_ar_on_the_reference_pair(reference, name):
 
 # -- the llamacpp backend: exact by construction, so no near-tie allowance -------------------------------------
 LLAMACPP_STRATEGIES = {
-    "sd": dict(strategy="sd", lookahead=5),
-    "sd-confidence": dict(strategy="sd", lookahead=16, draft_confidence=0.6),                  # make demo's
+    "sd": dict(strategy="sd", lookahead=5),                       # sd's default: the adaptive rule (costs injected)
+    "sd-confidence": dict(strategy="sd", lookahead=16, draft_confidence=0.6, adaptive=False),  # make demo's
     "amusd": dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
     "dsi": dict(strategy="dsi", lookahead=4, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
     # model-free drafters, the hybrid and the adaptive length (draft= replaces the draft model)
-    "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8),
-    "sd-suffix": dict(strategy="sd", draft="suffix", lookahead=8),
+    "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8, adaptive=False),
+    "sd-suffix": dict(strategy="sd", draft="suffix", lookahead=8, adaptive=False),
     "sd-ngram+model-adaptive": dict(strategy="sd", draft=["ngram", DRAFT], lookahead=8, adaptive=True),
     "sd-suffix-adaptive": dict(strategy="sd", draft="suffix", lookahead=32, adaptive=True),     # make demo's
     "dsi-ngram+model": dict(strategy="dsi", draft=["ngram", DRAFT], lookahead=4, target_devices=["cpu:1"],
@@ -129,13 +129,14 @@ def test_llamacpp_strategy_equals_ar_exactly(llamacpp_reference, name):
     options = dict(LLAMACPP_STRATEGIES[name])
     draft = options.pop("draft", DRAFT)
     with Engine(TARGET, draft, backend="llamacpp", max_num_seqs=1, **options) as engine:
-        if options.get("adaptive"):
+        adaptive = engine.options.get("adaptive", False) is not False    # True, or None: auto (greedy: the rule)
+        if adaptive:
             inject_flat_costs(engine)       # the rule drafts wherever it has a chance, whatever the machine's load
         drafted = 0
         for prompt, expected in zip(LLAMACPP_PROMPTS, llamacpp_reference, strict=True):
             result = engine.generate(prompt, PARAMS)
             drafted += result.stats.drafted
-            assert options.get("adaptive") or result.stats.accepted > 0   # (adaptive: may rightly not draft)
+            assert adaptive or result.stats.accepted > 0   # (adaptive: may rightly not draft)
             assert result.token_ids == expected.token_ids, (
                 f"{name} on llamacpp differs from ar at output token "
                 f"{next((i for i, (a, b) in enumerate(zip(expected.token_ids, result.token_ids)) if a != b), '(end)')}")
@@ -151,8 +152,8 @@ def test_llamacpp_batched_requests_equal_ar_alone(llamacpp_reference, name):
     """Four callers at once on one Engine (max_num_seqs=4: their forwards shared, batching.py), each prompt twice
     with different lengths: every answer is ar's alone, bitwise, where the probe found batched rows exact."""
     import threading
-    options = {"ar": dict(strategy="ar"), "sd": dict(strategy="sd", lookahead=5),
-               "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8)}[name]
+    options = {"ar": dict(strategy="ar"), "sd": dict(strategy="sd", lookahead=5, adaptive=False),
+               "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=8, adaptive=False)}[name]
     draft = options.pop("draft", None if name == "ar" else DRAFT)
     with Engine(TARGET, draft, backend="llamacpp", max_num_seqs=4, **options) as engine:
         if not engine.target.batch_exact:

@@ -9,6 +9,7 @@ from pathlib import Path
 from paraspec.bench.metrics import summarize
 from paraspec.bench.plots import plot_progress, plot_timeline
 from paraspec.bench.runner import BenchResult
+from paraspec.strategies import OPTIONS
 
 NONE = "—"
 
@@ -130,9 +131,10 @@ def _options_text(result: BenchResult) -> str:
     """`; sd: lookahead=5; amusd: max_ahead=16, verify_chunk=8` (the options each strategy ran with)."""
     parts = {}
     for info in result.contenders.values():
-        options = {k: v for k, v in info["settings"].items() if k in result.config.options}
+        options = {k: v for k, v in info["settings"].items() if k in OPTIONS}
         if options:
-            parts[info["strategy"]] = ", ".join(f"{k}={v}" for k, v in options.items())
+            parts[info["strategy"]] = ", ".join(f"{k}={OPTIONS[k].none if v is None else v}"
+                                                for k, v in options.items())
     return "".join(f"; {name}: {text}" for name, text in parts.items())
 
 

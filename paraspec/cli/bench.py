@@ -141,7 +141,6 @@ def cmd_bench(args) -> int:
     from paraspec.cli.main import sampling_params
     from paraspec.models.loader import load_tokenizer
     from paraspec.cli.main import engine_config, given_options
-    from paraspec.strategies import OPTIONS
     variants = parse_variants(args.strategies, args.threads)
     if args.warmup_tokens < 1:
         raise ValueError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
@@ -153,7 +152,7 @@ def cmd_bench(args) -> int:
                          f"takes it ({args.strategies}); drop it or add a strategy that does")
     config = BenchConfig(
         engine=engine_config(args, strategy="sd" if args.draft else "ar", options={}),   # each variant sets its own
-        options={name: given.get(name, option.default) for name, option in OPTIONS.items()},
+        options=given,                                      # each strategy's own defaults for the rest
         variants=variants, params=sampling_params(args), chat=args.chat,
         warmup_tokens=args.warmup_tokens, hf_assistant_tokens=args.hf_assistant_tokens,
         hf_confidence_threshold=args.hf_confidence_threshold, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens,

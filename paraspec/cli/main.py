@@ -13,7 +13,10 @@ import threading
 
 def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> None:
     """Flags shared by every command that builds an Engine (named like the Engine keyword arguments)."""
-    from paraspec.strategies import OPTIONS
+    from paraspec.strategies import OPTIONS, STRATEGIES
+
+    def show(value, option) -> str:             # None is the option's own word (adaptive: auto)
+        return option.none if value is None and option.none else repr(value)
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
     if several_drafts:
         p.add_argument("--draft", action="append", help="draft model (needed by every speculative strategy), or "
@@ -25,7 +28,9 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
         p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
     for option in OPTIONS.values():   # every strategy's options, from the registry; None: not given
         flag = "--" + option.name.replace("_", "-")
-        help = f"{option.help} (default {option.default!r})"
+        others = "".join(f"; {name}: {show(cls.option_defaults[option.name], option)}"
+                         for name, cls in STRATEGIES.items() if option.name in cls.option_defaults)
+        help = f"{option.help} (default {show(option.default, option)}{others})"
         if option.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:

@@ -32,13 +32,14 @@ from paraspec.sampling import SamplingParams
 
 class DraftPolicy(Drafter):
     def __init__(self, drafters: list[Drafter], cost: ForwardCost | None = None,
-                 draft_costs: dict[int, ForwardCost] | None = None):
+                 draft_costs: dict[int, ForwardCost] | None = None, auto: bool = False):
         """cost: the target's forward cost by width; None drafts fixed lengths (not adaptive). draft_costs: a draft
         model's forward cost by width, by its index in `drafters` (measured at start-up; else learned from its
-        forwards)."""
+        forwards). auto: the rule stands aside for a sampled request with a seed (begin)."""
         if not drafters:
             raise ValueError("DraftPolicy needs at least one drafter")
-        self.drafters, self.cost = list(drafters), cost
+        self.drafters, self.cost, self.auto = list(drafters), cost, auto
+        self._fixed = False                    # this request drafts fixed lengths (auto, a seeded sampled one)
         self.draft_costs = {i: (draft_costs or {}).get(i) or ForwardCost()
                             for i, d in enumerate(self.drafters) if not d.free}
         # acceptance per (drafter, bucket): a model-free drafter's by the context length each drafted token
@@ -51,7 +52,15 @@ class DraftPolicy(Drafter):
 
     @property
     def adaptive(self) -> bool:
-        return self.cost is not None
+        """The rule decides this request's rounds."""
+        return self.cost is not None and not self._fixed
+
+    def begin(self, params: SamplingParams) -> None:
+        """A request starts. With `auto`, a sampled request with a seed drafts fixed lengths: the rule's choices
+        follow measured times (and a busy step's other rows), and where rounds end changes which draws a sampled
+        answer spends, so only fixed lengths let the seed give the same tokens again, alone or batched. Greedy
+        answers are the target's whatever the lengths; an unseeded request promises no repeat."""
+        self._fixed = self.auto and not params.greedy and params.seed is not None
 
     def reset(self) -> None:
         self.decisions = []

@@ -4,8 +4,10 @@
     base.py      the Strategy interface, LocalStrategy, WorkerStrategy, Placement
     ar.py sd.py tree.py amusd.py dsi.py easyspec.py   the strategies
 """
-from paraspec.strategies.registry import (DRAFTER_OPTIONS, OPTIONS, STRATEGIES, Option, get_strategy, register,
+from paraspec.strategies.registry import (DRAFTER_OPTIONS, OPTIONS, STRATEGIES, Option, get_strategy, option_default,
+                                          register,
                                           unregister)
 from paraspec.strategies import ar, sd, amusd, dsi, tree, easyspec  # noqa: E402,F401  (each registers itself)
 
-__all__ = ["DRAFTER_OPTIONS", "OPTIONS", "STRATEGIES", "Option", "get_strategy", "register", "unregister"]
+__all__ = ["DRAFTER_OPTIONS", "OPTIONS", "STRATEGIES", "Option", "get_strategy", "option_default", "register",
+           "unregister"]

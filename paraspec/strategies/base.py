@@ -110,6 +110,9 @@ class Strategy(abc.ABC):
     summary: ClassVar[str] = ""
     caps: ClassVar[Capabilities] = Capabilities()    # what it accepts (above); EngineConfig checks it
     options: ClassVar[tuple[str, ...]] = ()           # names in strategies.OPTIONS (composed by subclasses)
+    # this strategy's defaults where they differ from the option's own (sd: adaptive=None, auto);
+    # registry.option_default reads both
+    option_defaults: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -219,11 +222,12 @@ class LocalStrategy(Strategy):
     def make_policy(self, for_model, widest: int) -> None:
         """Build the kept drafters (`make_drafters`) in order; with the `adaptive` option, time the target's
         verification widths up to `widest` + 1 and each draft model's forwards (its drafts and catch-ups) now, at
-        start-up, not in the first request."""
+        start-up, not in the first request. adaptive=None (auto): the same, the rule standing aside for seeded
+        sampled requests (DraftPolicy.begin)."""
         from paraspec.drafters import DraftPolicy
         from paraspec.drafters.adaptive import DRAFT_WIDTHS, ForwardCost, calibration_widths
         drafters = self.make_drafters(for_model)
-        if not self.options["adaptive"]:
+        if self.options["adaptive"] is False:
             self.policy = DraftPolicy(drafters)
             return
         # a batched request's verification shares its step with the others' rows: the cost table covers them
@@ -231,7 +235,7 @@ class LocalStrategy(Strategy):
         rows = self.target.model.exact_width if shared is not None and self.target.model.batch_exact else 0
         cost = ForwardCost.measure(self.target, calibration_widths(max(widest, rows - 1)))
         draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS) for i, d in enumerate(drafters) if not d.free}
-        self.policy = DraftPolicy(drafters, cost, draft_costs)
+        self.policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
         self.policy.shared = shared
 
     def close(self) -> None:

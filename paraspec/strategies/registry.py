@@ -20,14 +20,17 @@ class Option:
     help: str
     minimum: int | None = 1           # ints and floats: the smallest valid value
     maximum: float | None = None      # and the largest
+    none: str = ""                    # what None means, where the option takes it ("" : it does not)
 
     def check(self, value):
+        if value is None and self.none:
+            return None
         if self.type is int and (not isinstance(value, int) or isinstance(value, bool)):
             raise ValueError(f"{self.name} must be an integer, got {value!r}")
         if self.type is float and not isinstance(value, (int, float)):
             raise ValueError(f"{self.name} must be a number, got {value!r}")
         if self.type is bool and not isinstance(value, bool):
-            raise ValueError(f"{self.name} must be True or False, got {value!r}")
+            raise ValueError(f"{self.name} must be True or False{' or None' if self.none else ''}, got {value!r}")
         if self.minimum is not None and self.type in (int, float) and value < self.minimum:
             raise ValueError(f"{self.name} must be >= {self.minimum}, got {value!r}")
         if self.maximum is not None and self.type in (int, float) and value > self.maximum:
@@ -69,7 +72,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
                                        "--suffix-factor when it was right throughout"),
     Option("adaptive", bool, False, "sd, tree: choose each round's draft length (tree: depth) maximising expected "
                                     "tokens per second from measured verification costs and acceptance; 0 drafts "
-                                    "when speculation does not pay (lookahead / tree_depth is the most)"),
+                                    "when speculation does not pay (lookahead / tree_depth is the most). None "
+                                    "(auto, sd's default): the rule for greedy and unseeded requests, `lookahead` "
+                                    "every round for a sampled request with a seed (its answer then repeats, "
+                                    "alone or batched)",
+           none="auto"),
 )}
 
 DRAFTER_OPTIONS = ("ngram_min", "ngram_max", "suffix_depth", "suffix_cache", "suffix_factor", "suffix_min_prob")
@@ -91,6 +98,12 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 def unregister(name: str) -> None:
     STRATEGIES.pop(name, None)
+
+
+def option_default(strategy: type[Strategy], name: str):
+    """The value option `name` takes in `strategy` when it is not given: the strategy's own default, if it has one
+    (sd's adaptive=None, auto), else the option's."""
+    return strategy.option_defaults.get(name, OPTIONS[name].default)
 
 
 def get_strategy(name: str) -> type[Strategy]:

@@ -34,6 +34,7 @@ def speculative_rounds(run: Run, target, policy: DraftPolicy | Drafter, draft: D
     policy = policy if isinstance(policy, DraftPolicy) else DraftPolicy([policy])
     target.rollback(0)
     policy.reset()
+    policy.begin(run.params)
     try:
         while not run.done:
             sequence = run.sequence

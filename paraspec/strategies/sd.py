@@ -6,7 +6,10 @@ the kept prefix. This module gives the round's draft and verify steps; the loop 
 
 The drafter is a draft model, a model-free drafter ("ngram": prompt lookup; "suffix": suffix tries), or several
 in order (`draft=["ngram", MODEL]`: the model drafts where the n-gram has nothing). With `adaptive=True` each
-round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does not pay.
+round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does not pay; `adaptive=False` drafts
+`lookahead` tokens every round (Algorithm 1 as written); the default, None (auto), is the rule except for a
+sampled request with a seed, which drafts fixed lengths (the rule's choices follow measured times, and a sampled
+answer depends on where rounds end).
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ class SD(LocalStrategy):
     name = "sd"
     summary = "synchronous speculative decoding (draft k, verify in one forward)"
     options = ("lookahead", "draft_confidence", "adaptive") + ROUND_DRAFTER_OPTIONS
+    # auto: the adaptive rule decides each round's length (up to lookahead) for greedy and unseeded requests,
+    # measured to decide better than a fixed lookahead on every CPU tried (docs/DRAFTERS.md, "sd's default");
+    # a seeded sampled request drafts `lookahead` every round, so its seed reproduces it
+    option_defaults = {"adaptive": None}
     # drafters in order: a model-free one first, the model where it has nothing
     caps = Capabilities(drafts="several", model_free=True, batches=True)
 

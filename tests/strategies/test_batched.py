@@ -20,9 +20,9 @@ pytest.importorskip("llama_cpp")
 PROMPTS = [[5, 17, 33, 90, 12, 7], list(range(20, 60)), [3, 3, 3, 9], list(range(200, 150, -1)),
            [40, 41, 40, 41, 40, 41, 42], [7] * 12, list(range(100, 130)), [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 LIMITS = [40, 25, 33, 12, 48, 20, 30, 17]
-CONFIGS = {"ar": dict(strategy="ar"), "sd-ngram": dict(strategy="sd", draft="ngram", lookahead=4),
-           "sd-model": dict(strategy="sd", draft="model", lookahead=3),
-           "sd-ngram+model": dict(strategy="sd", draft=["ngram", "model"], lookahead=5)}
+CONFIGS = {"ar": dict(strategy="ar"), "sd-ngram": dict(strategy="sd", adaptive=False, draft="ngram", lookahead=4),
+           "sd-model": dict(strategy="sd", adaptive=False, draft="model", lookahead=3),
+           "sd-ngram+model": dict(strategy="sd", adaptive=False, draft=["ngram", "model"], lookahead=5)}
 
 
 def params(i: int, sampling: bool) -> SamplingParams:

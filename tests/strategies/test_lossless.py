@@ -23,7 +23,15 @@ SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.caps.needs_draft]
 
 
 def shapes(name: str) -> list[dict]:
-    """Option sets that move where chunks end: the strategy's own lookahead-like options, at small and large."""
+    """Option sets that move where chunks end: the strategy's own lookahead-like options, at small and large; fixed
+    lengths (sd's default, the adaptive rule, may draft nothing on these tiny models: its cases are below)."""
+    options = STRATEGIES[name].options
+    if "adaptive" in options:
+        return [dict(shape, adaptive=False) for shape in _shapes(name)]
+    return _shapes(name)
+
+
+def _shapes(name: str) -> list[dict]:
     options = STRATEGIES[name].options
     if "lookahead" in options:
         return [dict(lookahead=k, max_ahead=max(OPTIONS["max_ahead"].default, 2 * k)) if "max_ahead" in options

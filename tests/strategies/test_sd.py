@@ -24,7 +24,7 @@ def test_sd_model_eos_ends_generation(tmp_path):
         eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
         ar.target.eos_token_ids = (eos,)
         expected = ar.generate([3, 4, 5], SamplingParams(max_new_tokens=30))
-    with Engine(target, target, strategy="sd", lookahead=6, dtype="float32") as sd:
+    with Engine(target, target, strategy="sd", adaptive=False, lookahead=6, dtype="float32") as sd:
         sd.target.eos_token_ids = (eos,)
         result = sd.generate([3, 4, 5], SamplingParams(max_new_tokens=30))
     assert expected.finish_reason == result.finish_reason == "stop"
@@ -49,7 +49,7 @@ def sampled_joint(engine, prompt, params_for_seed, n: int = N_SAMPLES):
 def test_sd_sampling_matches_target_distribution(small_vocab_pair, sampling):
     target, draft = small_vocab_pair
     prompt = [1, 2, 3]
-    with Engine(target, draft, strategy="sd", lookahead=3, dtype="float32") as sd:
+    with Engine(target, draft, strategy="sd", adaptive=False, lookahead=3, dtype="float32") as sd:
         joint = exact_joint(sd, prompt, SamplingParams(**sampling))
         counts = sampled_joint(sd, prompt, lambda s: SamplingParams(max_new_tokens=2, seed=s, **sampling))
     # both branches of the acceptance rule ran many times: kept drafts and resampled rejections
@@ -79,7 +79,7 @@ def test_sd_confidence_stop_equals_ar(ar_engine, qwen2_target, qwen2_partial, co
     """Stopping a round's drafting where the draft is unsure (HF's assisted-generation rule) stays exact,
     and really shortens rounds."""
     params = SamplingParams(max_new_tokens=40)
-    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=12, draft_confidence=confidence,
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", adaptive=False, lookahead=12, draft_confidence=confidence,
                 dtype="float32") as sd:
         result = sd.generate(PROMPT, params)
     assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
@@ -87,7 +87,7 @@ def test_sd_confidence_stop_equals_ar(ar_engine, qwen2_target, qwen2_partial, co
 
 
 def test_sd_trace_counts_the_tokens_really_drafted(qwen2_target, qwen2_partial):
-    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=12, draft_confidence=0.9,
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", adaptive=False, lookahead=12, draft_confidence=0.9,
                 dtype="float32") as sd:
         result = sd.generate(PROMPT, SamplingParams(max_new_tokens=30))
     drafted = sum(e.tokens for e in result.trace.events if e.kind == "draft")
@@ -97,7 +97,7 @@ def test_sd_trace_counts_the_tokens_really_drafted(qwen2_target, qwen2_partial):
 def test_sd_traces_the_prompt_forward_as_the_prefill(ar_engine, qwen2_target, qwen2_partial):
     """The first round's target forward takes the prompt (and verifies the first drafts): the timeline shows it
     as the prefill, like ar's, and every later target forward as a verification; verify_s counts only those."""
-    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=4, dtype="float32") as sd:
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", adaptive=False, lookahead=4, dtype="float32") as sd:
         result = sd.generate(PROMPT, SamplingParams(max_new_tokens=20))
         prompt = len(sd.encode(PROMPT))
     target = [e for e in result.trace.events if e.device == "target"]
@@ -124,3 +124,52 @@ def test_set_options_reaches_the_kept_drafters(qwen2_target):
         assert sd.strategy.policy is rebuilt
         with pytest.raises(ValueError, match="suffix_min_prob must be <= 1"):
             sd.set_options(suffix_min_prob=1.5)
+
+
+# -- the default: the adaptive rule, standing aside for seeded sampled requests ---------------------------------
+
+def with_costs(engine, per_token: float) -> None:
+    """Give the rule verification costs that make drafting pay (flat) or never pay (steep), whatever it measured."""
+    from paraspec.drafters.adaptive import ForwardCost
+
+    class Fixed(ForwardCost):
+        def observe(self, width: int, seconds: float) -> None:      # not refined by what the rounds measure
+            pass
+
+    policy = engine.strategy.policy
+    policy.cost = Fixed({1: 0.01, 64: 0.01 + 63 * per_token})
+    policy.draft_costs = {i: Fixed({1: 1e-4, 64: 1e-4}) for i in policy.draft_costs}
+
+
+def rounds_and_tokens(engine, params):
+    result = engine.generate(PROMPT, params)
+    plans = [e for e in result.trace.events if e.kind == "plan"]
+    return result.token_ids, result.stats.drafted, bool(plans), "adaptive" in result.worker_reports
+
+
+def test_sd_default_is_the_rule_but_a_seeded_sample_repeats(ar_engine, qwen2_target, qwen2_partial):
+    """sd's default (adaptive=None, auto): greedy and unseeded requests are the rule's (its plan events and
+    report), and greedy answers are ar's; a sampled request with a seed drafts `lookahead` every round, so the
+    same seed gives the same tokens after the rule's costs changed. With adaptive=True the same change moves
+    where its rounds end (what would make a seeded answer drift)."""
+    greedy = SamplingParams(max_new_tokens=24)
+    seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=4, dtype="float32", max_num_seqs=1) as sd:
+        assert sd.options["adaptive"] is None and sd.strategy.policy.auto
+        with_costs(sd, 0.0)
+        tokens, drafted, planned, reported = rounds_and_tokens(sd, greedy)
+        assert tokens == ar_engine.generate(PROMPT, greedy).token_ids and planned and reported and drafted > 0
+        _, _, planned, _ = rounds_and_tokens(sd, SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert planned                                   # unseeded: the rule's
+        first = rounds_and_tokens(sd, seeded)
+        with_costs(sd, 1.0)                              # drafting would never pay now
+        assert rounds_and_tokens(sd, greedy)[1] < drafted   # the rule decodes greedy requests (nearly) plainly
+        again = rounds_and_tokens(sd, seeded)
+        assert first == again and not first[2] and not first[3] and first[1] > 0
+    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=4, dtype="float32", max_num_seqs=1,
+                adaptive=True) as rule:
+        with_costs(rule, 0.0)
+        cheap = rounds_and_tokens(rule, seeded)
+        with_costs(rule, 1.0)
+        steep = rounds_and_tokens(rule, seeded)
+        assert cheap[2] and cheap[1] > steep[1]          # the same seed, other rounds
