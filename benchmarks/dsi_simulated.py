@@ -48,7 +48,7 @@ def open_engine(case: Case, runtime: str = "inprocess", seed: int = 0) -> Engine
     target = SimulatedSpec(cost=case.target, seed=seed)
     draft = SimulatedSpec(role="draft", cost=case.draft, seed=seed, draft_seed=seed + 1,
                           acceptance_rate=case.acceptance_rate)
-    options = {"ar": {}, "sd": dict(lookahead=case.lookahead),
+    options = {"ar": {}, "sd": dict(lookahead=case.lookahead, adaptive=False),      # the papers' SI: fixed k
                "amusd": dict(max_ahead=case.ahead, verify_chunk=case.ahead),
                "dsi": dict(lookahead=case.lookahead, max_ahead=case.ahead,
                            target_devices=["cpu"] * case.servers)}[case.strategy]
@@ -143,7 +143,7 @@ def part_overhead(tokens: int, repeats: int, runtime: str) -> None:
                  Case("dsi", zero, zero, 0.8, lookahead=2, servers=8)):
         target = SimulatedSpec()
         draft = SimulatedSpec(role="draft", acceptance_rate=case.acceptance_rate)
-        options = {"sd": dict(lookahead=case.lookahead), "amusd": dict(max_ahead=case.ahead),
+        options = {"sd": dict(lookahead=case.lookahead, adaptive=False), "amusd": dict(max_ahead=case.ahead),
                    "dsi": dict(lookahead=case.lookahead, max_ahead=case.ahead,
                                target_devices=["cpu"] * case.servers)}[case.strategy]
         per_token = []

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     tree = dict(tree_width=args.tree_width, tree_depth=args.tree_depth, tree_budget=args.tree_width * args.tree_depth)
     variants = {
         "ar": dict(strategy="ar"),
-        "sd": dict(strategy="sd", lookahead=args.lookahead),
+        "sd": dict(strategy="sd", lookahead=args.lookahead, adaptive=False),    # the paper's baseline: fixed k
         "tree": dict(strategy="tree", **tree),
         # drafting spread over cpu:0 (this process) and cpu:1 (a worker), one rank each
         "easyspec": dict(strategy="easyspec", draft_devices=["cpu:0", "cpu:1"], lp_size=args.lp_size,

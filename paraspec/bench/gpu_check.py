@@ -290,7 +290,8 @@ def time_dynamic(model, width: int, repeats: int) -> float:
 def strategy_runs() -> list[tuple[str, float | None, dict]]:
     """(strategy, the draft's acceptance rate, options) of each run; ar first (the others are compared with it)."""
     runs = [("ar", None, {})]
-    runs += [("sd", a, {"lookahead": SD_LOOKAHEAD[a]}) for a in ACCEPTANCE]
+    # a fixed lookahead (not sd's default, the adaptive rule): what the planner's prediction is compared with
+    runs += [("sd", a, {"lookahead": SD_LOOKAHEAD[a], "adaptive": False}) for a in ACCEPTANCE]
     runs += [("amusd", 0.8, {"max_ahead": 16, "verify_chunk": 8}), ("dsi", 0.8, {"lookahead": 4, "max_ahead": 16})]
     return runs
 
@@ -558,7 +559,7 @@ def engine_runs(check: Check, record: dict, deadline: float, save, target_shape:
                 target = SimulatedSpec(role="target", shape=target_shape, seed=0, compile_step=compile_step)
                 draft = None if rate is None else SimulatedSpec(role="draft", shape=draft_shape, seed=0,
                                                                 acceptance_rate=rate, compile_step=compile_step)
-                options = {} if rate is None else {"lookahead": SD_LOOKAHEAD[rate]}
+                options = {} if rate is None else {"lookahead": SD_LOOKAHEAD[rate], "adaptive": False}
                 start = time.perf_counter()
                 with Engine(target, draft, strategy=strategy, target_devices=[check.engine_device],
                             draft_devices=[check.engine_device], max_context=CONTEXT_SLOTS, static_width=width,

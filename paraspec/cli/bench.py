@@ -175,7 +175,8 @@ def cmd_profile(args) -> int:
     from paraspec.engine import Engine
     prompts = load_prompts(args.dataset, args.num_prompts)
     from paraspec.cli.main import engine_config
-    with Engine.from_config(engine_config(args, strategy="sd")) as engine:
+    # the engine only loads the pair: fixed lengths, so no start-up timing of the adaptive rule
+    with Engine.from_config(engine_config(args, strategy="sd", options={"adaptive": False})) as engine:
         if engine.tokenizer is None:
             raise ValueError("profile needs the target's tokenizer to build prompts; the checkpoint has none")
         chat = resolve_chat(args.chat, engine.tokenizer)
