@@ -175,20 +175,23 @@ def inject_flat_costs(engine) -> None:
     """Make an adaptive engine's rule see every forward width as equally cheap (the target's and the draft
     models'), whatever it measures: verification of any length pays, so the rule drafts wherever the acceptance
     estimate is above zero (its decisions stay the rule's; only the costs are fixed)."""
+    inject_costs(engine, {1: 0.01, 4096: 0.01}, {1: 0.01, 4096: 0.01})
+
+
+def inject_costs(engine, target: dict, draft: dict) -> None:
+    """Give an adaptive engine's rule these forward costs (seconds by width) for the target and every draft
+    model, kept whatever the rounds measure."""
     from paraspec.drafters.adaptive import ForwardCost
 
-    class FlatCost(ForwardCost):
-        def __init__(self):
-            super().__init__({1: 0.01, 4096: 0.01})
-
-        def observe(self, width: int, seconds: float) -> None:
+    class Fixed(ForwardCost):
+        def observe(self, width: int, seconds: float) -> None:      # not refined by what the rounds measure
             pass
 
-    assert engine.max_num_seqs == 1, "inject_flat_costs sets the Engine's own policy: pass max_num_seqs=1 (a batched " \
+    assert engine.max_num_seqs == 1, "inject_costs sets the Engine's own policy: pass max_num_seqs=1 (a batched " \
                                      "Engine's requests build a policy per sequence)"
     policy = engine.strategy.policy
-    policy.cost = FlatCost()
-    policy.draft_costs = {i: FlatCost() for i in policy.draft_costs}
+    policy.cost = Fixed(target)
+    policy.draft_costs = {i: Fixed(draft) for i in policy.draft_costs}
 
 
 # -- processes: what a test that kills or interrupts workers checks ---------------------------------------

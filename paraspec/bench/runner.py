@@ -374,6 +374,7 @@ def variant_cpu_devices(engine: EngineConfig, variant: Variant) -> dict:
     from paraspec.runtime.devices import Device, available_cores, parse_device
     if variant.threads is None or runs_in_workers(variant.strategy):
         return {}
+    # (a config without a draft model leaves its draft devices unparsed)
     devices = [parse_device(d) for d in [*engine.target_devices, *engine.draft_devices]]
     if any(d.kind != "cpu" or d.node for d in devices):
         return {}

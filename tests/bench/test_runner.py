@@ -1,6 +1,7 @@
 """The runner's variants, its interleaved schedule, and what it hands every contender."""
 import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,7 +100,6 @@ def test_in_process_variants_are_built_with_their_own_threads(bench_target, benc
         assert config.target_devices == config.draft_devices == (Device("cpu", tuple(cores[:threads])),)
     assert variant_engine_config(bench, Variant("sd", None)).target_devices == base.target_devices
     assert variant_engine_config(bench, Variant("amusd", None)).target_devices == base.target_devices
-    from types import SimpleNamespace
     gpu = SimpleNamespace(target_devices=(Device("cuda", index=0),), draft_devices=(Device("cuda", index=0),))
     assert variant_cpu_devices(gpu, Variant("sd", 2)) == {}         # this machine need not have the GPU
 

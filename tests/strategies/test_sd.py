@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from paraspec import Engine, SamplingParams
-from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
+from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint, inject_costs
 from tests.tiny import make_checkpoint
 
 N_SAMPLES = 5_000
@@ -130,15 +130,7 @@ def test_set_options_reaches_the_kept_drafters(qwen2_target):
 
 def with_costs(engine, per_token: float) -> None:
     """Give the rule verification costs that make drafting pay (flat) or never pay (steep), whatever it measured."""
-    from paraspec.drafters.adaptive import ForwardCost
-
-    class Fixed(ForwardCost):
-        def observe(self, width: int, seconds: float) -> None:      # not refined by what the rounds measure
-            pass
-
-    policy = engine.strategy.policy
-    policy.cost = Fixed({1: 0.01, 64: 0.01 + 63 * per_token})
-    policy.draft_costs = {i: Fixed({1: 1e-4, 64: 1e-4}) for i in policy.draft_costs}
+    inject_costs(engine, {1: 0.01, 64: 0.01 + 63 * per_token}, {1: 1e-4, 64: 1e-4})
 
 
 def rounds_and_tokens(engine, params):
