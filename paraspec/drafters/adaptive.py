@@ -65,6 +65,7 @@ TRIAL_REMAINING = 32         # a trial starts only in a request with at least th
 PRIOR_WEIGHT = 2.0           # judged drafts a prior is worth (Beta(1, 1) for a drafter's first bucket)
 LOWER_Z = 0.5                # the rule drafts by the estimate less this many standard deviations
 OBSERVED_WIDTHS = 64         # a forward wider than this (a prompt) does not move the per-width costs
+REPEAT_UNDER_S = 0.2         # start-up: a forward timed under this is timed again (the fastest kept); longer, once
 # context lengths grouped for the per-position acceptance of model-free drafters: 1, 2, 3, 4, 5-7, 8-11, 12-15, 16+
 MATCH_BUCKETS = (1, 2, 3, 4, 5, 8, 12, 16)
 SOURCE_STRIDE = 1000         # bucket ids of a drafter's second source of evidence start here (Drafter.sources)
@@ -186,11 +187,16 @@ class ForwardCost:
                     self.seconds[w] *= level
 
     @classmethod
-    def measure(cls, model, widths, context: int = 32, repeats: int = 2) -> "ForwardCost":
-        """Time forwards of each width after a `context`-token prefix (the fastest of `repeats`); the model's
-        cache is left empty. A GPU is waited for before each clock read (a forward returns once queued). In a
-        small context (max_context 24) the prefix is shorter and widths that would not fit are left out (the
+    def measure(cls, model, widths, context: int = 32, repeats: int = 2,
+                repeat_under: float | None = None) -> "ForwardCost":
+        """Time forwards of each width after a `context`-token prefix; the model's cache is left empty. A forward
+        that took under `repeat_under` seconds (default REPEAT_UNDER_S) is timed again, up to `repeats` times, and
+        the fastest kept (a short forward is the one a stray interruption distorts most); a longer one once (it is
+        start-up time: on two cores a 33-token forward of the 1.5B target takes ~1 s, and the rule rescales every
+        width by what the rounds measure, `observe`). A GPU is waited for before each clock read (a forward returns once queued).
+        In a small context (max_context 24) the prefix is shorter and widths that would not fit are left out (the
         rule extrapolates; no round can verify more than the context holds)."""
+        repeat_under = REPEAT_UNDER_S if repeat_under is None else repeat_under
         room = getattr(model, "max_context", None) or context + max(widths)
         widths = [w for w in widths if w < room] or [1]
         context = max(1, min(context, room - max(widths)))
@@ -208,6 +214,8 @@ class ForwardCost:
                 sync(device)
                 best = min(best, time.perf_counter() - start)
                 model.rollback(context)
+                if best >= repeat_under:
+                    break
             cost.seconds[width] = best
         model.rollback(0)
         return cost
@@ -226,9 +234,12 @@ def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
                   set(range(CALIBRATE_EVERY_WIDTH + 4, top + 1, 4)) | {top})
 
 
-# a draft model's widths measured at start-up: one-token drafts, tree levels, and catch-ups up to a short prompt
-# (longer ones are extrapolated from the last two)
-DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+# a draft model's widths measured at start-up: one-token drafts, tree levels, and catch-ups up to 16 tokens; longer
+# catch-ups are extrapolated from the last two (a forward's cost is close to linear there: the 0.5B draft on Zen 3,
+# llama.cpp, 2 threads, measured 590 and 1382 ms at 32 and 64 tokens, 638 and 1278 extrapolated from 8 and 16).
+# Timing 32 and 64 too made up 4 of the 10 s the rule added to an sd engine's start-up
+# (benchmarks/adaptive_startup.py).
+DRAFT_WIDTHS = (1, 2, 4, 8, 16)
 
 
 @dataclass

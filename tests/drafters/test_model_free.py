@@ -268,6 +268,37 @@ def test_forward_costs_are_measured_within_a_small_context():
     assert sorted(ForwardCost.measure(model, [1, 8]).seconds) == [1, 8] and model.forwards[0] == 32
 
 
+def test_start_up_times_a_short_forward_twice_and_a_long_one_once(monkeypatch):
+    """The rule's start-up timing: a forward under REPEAT_UNDER_S is timed again and the faster kept; a longer
+    one is timed once (start-up time). The clock is the model's own: each forward advances it by its cost."""
+    import types
+    from paraspec.drafters import adaptive
+
+    class Model:
+        vocab_size, max_context, device = 50, 4096, None
+
+        def __init__(self):
+            self.now, self.cached, self.forwards = 0.0, 0, []
+
+        def rollback(self, n):
+            self.cached = min(self.cached, n)
+
+        def forward(self, tokens, last_n=1):
+            self.cached += len(tokens)
+            self.forwards.append(len(tokens))
+            # 0.04 s a token, and the first forward of a width 10 ms slower (a first call's allocation)
+            self.now += 0.04 * len(tokens) + (0.01 if self.forwards.count(len(tokens)) == 1 else 0.0)
+
+    model = Model()
+    monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: model.now))
+    cost = ForwardCost.measure(model, adaptive.DRAFT_WIDTHS)
+    timed = model.forwards[1:]                                  # after the prefix
+    short = [w for w in adaptive.DRAFT_WIDTHS if 0.04 * w + 0.01 < adaptive.REPEAT_UNDER_S]
+    assert short == [1, 2, 4] and all(timed.count(w) == (2 if w in short else 1) for w in adaptive.DRAFT_WIDTHS)
+    assert cost.seconds[1] == pytest.approx(0.04) and cost.seconds[16] == pytest.approx(0.65)    # fastest; once
+    assert cost(64) == pytest.approx(0.04 * 64 + 0.01)          # beyond the widths: extrapolated from 8 and 16
+
+
 def test_adaptive_rule_prompt_round_pays_at_the_margin():
     """With 400 pending prompt tokens the ratio would favour any draft; the margin rule drafts only when the
     expected extra tokens are worth their extra verification."""
