@@ -172,10 +172,11 @@ def assert_matches(counts, joint):
 # -- the adaptive rule on injected costs: a test that needs drafts must not hang on the machine's load ---------
 
 def inject_flat_costs(engine) -> None:
-    """Make an adaptive engine's rule see every forward width as equally cheap (the target's and the draft
-    models'), whatever it measures: verification of any length pays, so the rule drafts wherever the acceptance
-    estimate is above zero (its decisions stay the rule's; only the costs are fixed)."""
-    inject_costs(engine, {1: 0.01, 4096: 0.01}, {1: 0.01, 4096: 0.01})
+    """Make an adaptive engine's rule see every forward width as equally cheap, whatever it measures: the target's
+    at 10 ms, a draft model's at 1 ms: verification of any length pays and a draft model's step is a tenth of the
+    target's, so the rule drafts wherever the acceptance estimate is worth it (its decisions stay the rule's; only
+    the costs are fixed). (A draft model as costly as the target could never pay: the rule would not even try it.)"""
+    inject_costs(engine, {1: 0.01, 4096: 0.01}, {1: 0.001, 4096: 0.001})
 
 
 def inject_costs(engine, target: dict, draft: dict) -> None:

@@ -208,20 +208,32 @@ class DraftPolicy(Drafter):
                 steady = rate if pending == 1 else best_length(alphas, draft_s, verify(1), 1, max_k)[1]
                 if not catch_up_pays(catch_up, steady, self.cost(1), remaining):
                     k = 0
-            if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0:
+            # a look at a drafter (its trial, a probe) only where drafting could pay were every draft right: on a
+            # CPU where the draft model's step costs most of the target's and verification grows with its width,
+            # no acceptance pays, and the look would only buy the prompt's catch-up (2.2 s of TTFT, Zen 3)
+            if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0 and \
+                    self._could_pay(draft_s, verify(1), max_k, catch_up, remaining):
                 k, self._trial = max(k, min(max_k, state.trial_k)), True      # never judged: try it
             elif k == 0:
                 state.plain_rounds += 1
                 # probe a model drafter that has not drafted lately, if its catch-up is a small share of the
                 # plain rounds since (a probe that has to feed it the whole prompt is not worth the look)
                 if state.plain_rounds >= state.probe_after and \
-                        catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(1):
+                        catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(1) and \
+                        self._could_pay(draft_s, verify(1), max_k, catch_up, remaining):
                     k, self._probing = 1, True
             if k > 0:
                 state.plain_rounds = 0
         self.decisions.append({"drafter": drafter.name, "k": k, "alpha": round(alphas[0], 3) if alphas else None,
                                "tokens_per_s": round(rate, 2), "probe": self._probing, "trial": self._trial})
         return k
+
+    def _could_pay(self, draft_s: float, verify_s, max_k: int, catch_up: float, remaining: int | None) -> bool:
+        """Whether drafting would beat plain decoding if every draft were accepted (the best case), its catch-up
+        paid within the request's remaining tokens: where even that loses, learning the drafter's acceptance is
+        worth nothing."""
+        k, rate = best_length(1.0, draft_s, verify_s, 1, max_k)
+        return k > 0 and catch_up_pays(catch_up, rate, self.cost(1), remaining)
 
     def _catch_up_s(self, i: int, sequence: list[int], width: int) -> float:
         """Seconds drafter i spends feeding the tokens it has not seen, beyond a round's usual one-token feed."""

@@ -386,12 +386,20 @@ def test_adaptive_sampling_keeps_a_model_free_proposals_q_none():
         assert proposal.q is None
 
 
-def test_adaptive_model_drafter_is_probed_after_plain_rounds():
+# verification whose width is nearly free (drafting could pay), and one that grows a forward's cost per token
+# (no acceptance pays for a draft step of 20 ms: 2 tokens in 0.02 + 0.1 s is slower than 1 in 0.05 s)
+ROOMY_VERIFY, LINEAR_VERIFY = ForwardCost({1: 0.05, 2: 0.06, 9: 0.2}), ForwardCost({1: 0.05, 2: 0.1, 9: 0.45})
+
+
+@pytest.mark.parametrize("verify, probed", [(ROOMY_VERIFY, True), (LINEAR_VERIFY, False)])
+def test_adaptive_model_drafter_is_probed_after_plain_rounds(verify, probed):
+    """A draft model judged always wrong is probed after plain rounds, where drafting could pay at all: not where
+    it would lose even if every draft were right."""
     model = Fixed("model", [7] * 8, False)
-    policy = DraftPolicy([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost({1: 0.02})})
+    policy = DraftPolicy([model], ForwardCost(dict(verify.seconds)), {0: ForwardCost({1: 0.02})})
     policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
     drafted = [len(policy.propose([1], 8, GREEDY, GEN).tokens) for _ in range(8)]
-    assert drafted == [0] * 7 + [1]                          # plain rounds, then one probe
+    assert drafted == [0] * 7 + [1 if probed else 0]         # plain rounds, then one probe
 
 
 def test_match_buckets():
@@ -507,7 +515,7 @@ def test_a_probe_must_not_cost_a_catch_up_on_many_tokens():
     at most PROBE_SHARE of the plain rounds since."""
     for length, probed in ((299, True), (0, False)):
         model = Model([7] * 8, length)
-        policy = DraftPolicy([model], ForwardCost({1: 0.05, 2: 0.1, 9: 0.45}), {0: ForwardCost(dict(DRAFT.seconds))})
+        policy = DraftPolicy([model], ForwardCost(dict(ROOMY_VERIFY.seconds)), {0: ForwardCost(dict(DRAFT.seconds))})
         policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
         drafted = [len(policy.propose(list(range(300)), 8, GREEDY, GEN).tokens) for _ in range(8)]
         assert drafted == [0] * 7 + [1 if probed else 0]
@@ -570,6 +578,25 @@ def test_an_untried_draft_model_is_tried_then_drafts_by_its_own_estimate():
     assert trial == [1, 2, 4]
     assert all(d["k"] > 0 for d in policy.decisions[3:])
     assert adaptive < 0.8 * plain
+
+
+# Zen 3 (AVX2), llama.cpp, 2 threads, the reference pair (benchmarks/adaptive_startup.py's widths): the draft
+# model's step costs 60% of the target's and verification grows with its width
+ZEN3_VERIFY = ForwardCost({1: 0.070, 2: 0.110, 4: 0.159, 8: 0.303, 16: 0.545})
+ZEN3_DRAFT = ForwardCost({1: 0.043, 2: 0.066, 4: 0.092, 8: 0.158, 16: 0.318})
+
+
+def test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried():
+    """On Zen 3's costs no round with drafts beats plain decoding even if every draft is accepted: the untried draft
+    model gets no trial and no probe, so the target decodes plainly and the draft never catches up on the prompt
+    (a first-request trial cost 2.2 s of TTFT in make demo). The AMX profile's draft model, which can pay, is
+    tried at once."""
+    for verify, draft, tried in ((ZEN3_VERIFY, ZEN3_DRAFT, False), (AMX_VERIFY, AMX_DRAFT, True)):
+        drafter = Model([7] * 16, 0)
+        policy = DraftPolicy([drafter], ForwardCost(dict(verify.seconds)), {0: ForwardCost(dict(draft.seconds))})
+        plain_and_adaptive_seconds(drafter, policy, verify, draft, 200, lambda k: k)
+        assert bool(drafter.asked) == tried and policy.decisions[0]["trial"] == tried
+        assert all(d["k"] == 0 and not d["probe"] for d in policy.decisions) != tried
 
 
 def test_a_trial_that_fails_ends_and_decoding_goes_plain():
