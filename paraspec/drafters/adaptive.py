@@ -187,16 +187,14 @@ class ForwardCost:
                     self.seconds[w] *= level
 
     @classmethod
-    def measure(cls, model, widths, context: int = 32, repeats: int = 2,
-                repeat_under: float | None = None) -> "ForwardCost":
+    def measure(cls, model, widths, context: int = 32, repeats: int = 2) -> "ForwardCost":
         """Time forwards of each width after a `context`-token prefix; the model's cache is left empty. A forward
-        that took under `repeat_under` seconds (default REPEAT_UNDER_S) is timed again, up to `repeats` times, and
-        the fastest kept (a short forward is the one a stray interruption distorts most); a longer one once (it is
-        start-up time: on two cores a 33-token forward of the 1.5B target takes ~1 s, and the rule rescales every
-        width by what the rounds measure, `observe`). A GPU is waited for before each clock read (a forward
+        that took under REPEAT_UNDER_S seconds is timed again, up to `repeats` times, and the fastest kept (a short
+        forward is the one a stray interruption distorts most); a longer one once (it is start-up time: on two
+        cores a 33-token forward of the 1.5B target takes ~1 s, and the rule rescales every width by what the
+        rounds measure, `observe`). A GPU is waited for before each clock read (a forward
         returns once queued). In a small context (max_context 24) the prefix is shorter and widths that would not
         fit are left out (the rule extrapolates; no round can verify more than the context holds)."""
-        repeat_under = REPEAT_UNDER_S if repeat_under is None else repeat_under
         room = getattr(model, "max_context", None) or context + max(widths)
         widths = [w for w in widths if w < room] or [1]
         context = max(1, min(context, room - max(widths)))
@@ -214,7 +212,7 @@ class ForwardCost:
                 sync(device)
                 best = min(best, time.perf_counter() - start)
                 model.rollback(context)
-                if best >= repeat_under:
+                if best >= REPEAT_UNDER_S:
                     break
             cost.seconds[width] = best
         model.rollback(0)

@@ -208,19 +208,23 @@ class DraftPolicy(Drafter):
                 steady = rate if pending == 1 else best_length(alphas, draft_s, verify(1), 1, max_k)[1]
                 if not catch_up_pays(catch_up, steady, self.cost(1), remaining):
                     k = 0
-            # a look at a drafter (its trial, a probe) only where drafting could pay were every draft right: on a
-            # CPU where the draft model's step costs most of the target's and verification grows with its width,
-            # no acceptance pays, and the look would only buy the prompt's catch-up (2.2 s of TTFT, Zen 3)
-            if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0 and \
-                    self._could_pay(draft_s, verify(1), max_k, catch_up, remaining):
-                k, self._trial = max(k, min(max_k, state.trial_k)), True      # never judged: try it
+            look = None                    # a look at the drafter: its trial (never judged), or a probe
+            if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0:
+                look = "trial"
             elif k == 0:
                 state.plain_rounds += 1
                 # probe a model drafter that has not drafted lately, if its catch-up is a small share of the
                 # plain rounds since (a probe that has to feed it the whole prompt is not worth the look)
                 if state.plain_rounds >= state.probe_after and \
-                        catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(1) and \
-                        self._could_pay(draft_s, verify(1), max_k, catch_up, remaining):
+                        catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(1):
+                    look = "probe"
+            # a look only where drafting could pay were every draft right: on a CPU where the draft model's step
+            # costs most of the target's and verification grows with its width, no acceptance pays, and the look
+            # would only buy the prompt's catch-up (2.2 s of TTFT, Zen 3)
+            if look and self._could_pay(draft_s, verify(1), max_k, catch_up, remaining):
+                if look == "trial":
+                    k, self._trial = max(k, min(max_k, state.trial_k)), True
+                else:
                     k, self._probing = 1, True
             if k > 0:
                 state.plain_rounds = 0
