@@ -6,7 +6,8 @@ Builds `Engine(target, draft, strategy="sd")` in turn (interleaved, `--rounds` t
 - `rule`: the default (auto: the rule times the target's verification widths and the draft's widths);
 - `rule-before`: the same with the timing as it was before the thirteenth session (draft widths up to 64, every
   width timed twice), by patching DRAFT_WIDTHS and REPEAT_UNDER_S.
-and prints each build's seconds and the timing's share (each ForwardCost.measure call, its widths and seconds).
+and prints each build's seconds and the timing's share (each ForwardCost.measure call: its widths, its seconds, and
+the time it measured at each width, ms).
 
     .venv/bin/python benchmarks/adaptive_startup.py --backend llamacpp --rounds 2
 """
@@ -34,7 +35,7 @@ def main() -> None:
     def timed(cls, model, widths, *a, **k):
         start = time.perf_counter()
         cost = measure(cls, model, widths, *a, **k)
-        log.append((list(widths), time.perf_counter() - start))
+        log.append((list(widths), time.perf_counter() - start, dict(cost.seconds)))
         return cost
 
     adaptive.ForwardCost.measure = classmethod(timed)
@@ -51,9 +52,11 @@ def main() -> None:
                         max_num_seqs=args.max_num_seqs, **options):
                 seconds = time.perf_counter() - start
             builds[name].append(seconds)
-            parts = ", ".join(f"widths {w[0]}..{w[-1]} ({len(w)}): {s:.2f} s" for w, s in log)
-            print(f"{name:12s} build {seconds:6.2f} s   timing {sum(s for _, s in log):5.2f} s   {parts}",
+            parts = ", ".join(f"widths {w[0]}..{w[-1]} ({len(w)}): {s:.2f} s" for w, s, _ in log)
+            print(f"{name:12s} build {seconds:6.2f} s   timing {sum(s for _, s, _ in log):5.2f} s   {parts}",
                   flush=True)
+            for _, _, measured in log:
+                print(" " * 14 + "ms by width: " + " ".join(f"{w}:{ms * 1e3:.1f}" for w, ms in measured.items()))
     print(f"\nmedian build ({args.backend}, lookahead {args.lookahead}, {args.rounds} rounds, interleaved):")
     for name, seconds in builds.items():
         print(f"  {name:12s} {statistics.median(seconds):6.2f} s")

@@ -234,9 +234,9 @@ def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
 
 # a draft model's widths measured at start-up: one-token drafts, tree levels, and catch-ups up to 16 tokens; longer
 # catch-ups are extrapolated from the last two (a forward's cost is close to linear there: the 0.5B draft on Zen 3,
-# llama.cpp, 2 threads, measured 590 and 1382 ms at 32 and 64 tokens, 638 and 1278 extrapolated from 8 and 16).
+# llama.cpp, 2 threads, measured 590 and 1382 ms at 32 and 64 tokens, 636 and 1273 extrapolated from 8 and 16).
 # Timing 32 and 64 too made up 4 of the 10 s the rule added to an sd engine's start-up
-# (benchmarks/adaptive_startup.py).
+# (benchmarks/adaptive_startup.py: its `rule-before` rows time every width to 64).
 DRAFT_WIDTHS = (1, 2, 4, 8, 16)
 
 

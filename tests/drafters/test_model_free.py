@@ -580,8 +580,9 @@ def test_an_untried_draft_model_is_tried_then_drafts_by_its_own_estimate():
     assert adaptive < 0.8 * plain
 
 
-# Zen 3 (AVX2), llama.cpp, 2 threads, the reference pair (benchmarks/adaptive_startup.py's widths): the draft
-# model's step costs 60% of the target's and verification grows with its width
+# Zen 3 (AVX2), llama.cpp, 2 threads, the reference pair, as ForwardCost.measure timed them at start-up (the first of
+# two runs; benchmarks/adaptive_startup.py prints these per-width times): the draft model's step costs 60% of the
+# target's and verification grows with its width
 ZEN3_VERIFY = ForwardCost({1: 0.070, 2: 0.110, 4: 0.159, 8: 0.303, 16: 0.545})
 ZEN3_DRAFT = ForwardCost({1: 0.043, 2: 0.066, 4: 0.092, 8: 0.158, 16: 0.318})
 
