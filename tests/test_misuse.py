@@ -487,6 +487,36 @@ def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(qwen2_target, qwen2_pa
     assert_interrupted(cli, out, seen)
 
 
+COMMAND_INTERRUPTED = {
+    # dataclasses, typing and enum build code with exec while a module imports: the interrupt inside it is caught,
+    # yet CPython remembers it as unhandled and would end the process with SIGINT (returncode -2, not 130)
+    "inside exec": 'exec("raise KeyboardInterrupt")',
+    # Python 3.11 wraps an interrupt raised while a class is built ("Error calling __set_name__") in a RuntimeError
+    "inside a class being built": "class Field:\n"
+                                  "        def __set_name__(self, owner, name): raise KeyboardInterrupt\n"
+                                  "    class Owner:\n"
+                                  "        field = Field()",
+}
+
+
+@pytest.mark.parametrize("where", list(COMMAND_INTERRUPTED))
+def test_ctrl_c_inside_an_import_of_the_command_exits_130(where, tmp_path):
+    """Ctrl-C while the command imports its libraries (the tokenizer's transformers, seconds on a slow machine)
+    lands in such code: still one line and exit 130 (a CI run got -2, with the line printed). Run with `-m`, as
+    `python -m paraspec` is: a `-c` script's SystemExit ends the process before CPython checks that flag."""
+    (tmp_path / "interrupted_cli.py").write_text("import sys\n"
+              "from paraspec.cli import main as cli\n"
+              "def command(args):\n"
+              f"    {COMMAND_INTERRUPTED[where]}\n"
+              "cli.cmd_generate = command\n"
+              "sys.exit(cli.main(['generate', '--target', 'unused', '--prompt', 'hello']))\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "interrupted_cli"], cwd=root, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)])), timeout=120)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr.splitlines() == ["interrupted"], done.stderr
+
+
 def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):
     cli = start_cli(qwen2_target, qwen2_partial, 50)
     try:

@@ -230,6 +230,28 @@ def _exit_interrupted(signum, frame):
     os._exit(130)
 
 
+def _caused_by_ctrl_c(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in `error`'s chain: Python wraps one raised where it calls back into an
+    object while building a class (3.11: "RuntimeError: Error calling __set_name__"), and a library may wrap it."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _interrupted() -> int:
+    """The one line and exit 130. A KeyboardInterrupt raised inside code run by `exec` of a string (dataclasses,
+    typing and enum build classes that way while a module imports) leaves CPython's "unhandled KeyboardInterrupt"
+    flag set even though we caught it, and `python -m paraspec` would then end by killing itself with SIGINT
+    (returncode -2) instead of exiting 130 (CPython 3.10-3.13). An `exec` that completes clears that flag."""
+    exec("pass")
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
 def main(argv=None) -> int:
     """Ctrl-C at any moment prints one line and exits 130 (workers ignore SIGINT: the Engine stops them);
     SIGTERM closes the Engine the same way and exits 143. Until the command runs, Ctrl-C exits at once
@@ -248,14 +270,19 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGINT, previous_int)
         return args.func(args)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
     except Terminated:
         print("terminated", file=sys.stderr)
         return 143
     except (ValueError, FileNotFoundError) as e:
+        if _caused_by_ctrl_c(e):
+            return _interrupted()
         print(f"paraspec: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if _caused_by_ctrl_c(e):
+            return _interrupted()
+        raise
     finally:
         if in_main:
             signal.signal(signal.SIGINT, previous_int)
