@@ -517,6 +517,25 @@ def test_ctrl_c_inside_an_import_of_the_command_exits_130(where, tmp_path):
     assert done.stderr.splitlines() == ["interrupted"], done.stderr
 
 
+def test_sigterm_inside_an_import_of_the_command_exits_143(tmp_path):
+    """SIGTERM's exception raised while a class is built (Python 3.11 wraps it in a RuntimeError): still
+    `terminated` and 143, not a traceback."""
+    (tmp_path / "terminated_cli.py").write_text(
+        "import sys\n"
+        "from paraspec.cli import main as cli\n"
+        "def command(args):\n"
+        "    class Field:\n"
+        "        def __set_name__(self, owner, name): raise cli.Terminated()\n"
+        "    class Owner:\n"
+        "        field = Field()\n"
+        "cli.cmd_generate = command\n"
+        "sys.exit(cli.main(['generate', '--target', 'unused', '--prompt', 'hello']))\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "terminated_cli"], cwd=root, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)])), timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (143, ["terminated"]), done.stderr
+
+
 def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):
     cli = start_cli(qwen2_target, qwen2_partial, 50)
     try:

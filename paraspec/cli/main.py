@@ -230,12 +230,13 @@ def _exit_interrupted(signum, frame):
     os._exit(130)
 
 
-def _caused_by_ctrl_c(error: BaseException) -> bool:
-    """Whether a KeyboardInterrupt is in `error`'s chain: Python wraps one raised where it calls back into an
-    object while building a class (3.11: "RuntimeError: Error calling __set_name__"), and a library may wrap it."""
+def _caused_by(error: BaseException, kind: type) -> bool:
+    """Whether an exception of `kind` (KeyboardInterrupt, Terminated) is in `error`'s chain: Python wraps one raised
+    where it calls back into an object while building a class (3.11: "RuntimeError: Error calling __set_name__"), as
+    modules do while they import, and a library may wrap it."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, KeyboardInterrupt):
+        if isinstance(error, kind):
             return True
         seen.add(id(error))
         error = error.__cause__ or error.__context__
@@ -274,14 +275,15 @@ def main(argv=None) -> int:
     except Terminated:
         print("terminated", file=sys.stderr)
         return 143
-    except (ValueError, FileNotFoundError) as e:
-        if _caused_by_ctrl_c(e):
-            return _interrupted()
-        print(f"paraspec: error: {e}", file=sys.stderr)
-        return 2
     except Exception as e:
-        if _caused_by_ctrl_c(e):
+        if _caused_by(e, KeyboardInterrupt):
             return _interrupted()
+        if _caused_by(e, Terminated):
+            print("terminated", file=sys.stderr)
+            return 143
+        if isinstance(e, (ValueError, FileNotFoundError)):
+            print(f"paraspec: error: {e}", file=sys.stderr)
+            return 2
         raise
     finally:
         if in_main:
