@@ -487,53 +487,41 @@ def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(qwen2_target, qwen2_pa
     assert_interrupted(cli, out, seen)
 
 
-COMMAND_INTERRUPTED = {
+def raising_while_a_class_is_built(exception: str) -> str:
+    return ("class Field:\n"
+            f"        def __set_name__(self, owner, name): raise {exception}\n"
+            "    class Owner:\n"
+            "        field = Field()")
+
+
+SIGNALLED_COMMANDS = {
     # dataclasses, typing and enum build code with exec while a module imports: the interrupt inside it is caught,
     # yet CPython remembers it as unhandled and would end the process with SIGINT (returncode -2, not 130)
-    "inside exec": 'exec("raise KeyboardInterrupt")',
-    # Python 3.11 wraps an interrupt raised while a class is built ("Error calling __set_name__") in a RuntimeError
-    "inside a class being built": "class Field:\n"
-                                  "        def __set_name__(self, owner, name): raise KeyboardInterrupt\n"
-                                  "    class Owner:\n"
-                                  "        field = Field()",
+    "ctrl-c inside exec": ('exec("raise KeyboardInterrupt")', 130, "interrupted"),
+    # Python 3.11 wraps an exception raised while a class is built ("Error calling __set_name__") in a RuntimeError
+    "ctrl-c inside a class being built": (raising_while_a_class_is_built("KeyboardInterrupt"), 130, "interrupted"),
+    "sigterm inside a class being built": (raising_while_a_class_is_built("cli.Terminated()"), 143, "terminated"),
 }
 
 
-@pytest.mark.parametrize("where", list(COMMAND_INTERRUPTED))
-def test_ctrl_c_inside_an_import_of_the_command_exits_130(where, tmp_path):
-    """Ctrl-C while the command imports its libraries (the tokenizer's transformers, seconds on a slow machine)
-    lands in such code: still one line and exit 130 (a CI run got -2, with the line printed). Run with `-m`, as
-    `python -m paraspec` is: a `-c` script's SystemExit ends the process before CPython checks that flag."""
-    (tmp_path / "interrupted_cli.py").write_text("import sys\n"
-              "from paraspec.cli import main as cli\n"
-              "def command(args):\n"
-              f"    {COMMAND_INTERRUPTED[where]}\n"
-              "cli.cmd_generate = command\n"
-              "sys.exit(cli.main(['generate', '--target', 'unused', '--prompt', 'hello']))\n")
+@pytest.mark.parametrize("case", list(SIGNALLED_COMMANDS))
+def test_a_signal_inside_an_import_of_the_command_exits_with_its_code(case, tmp_path):
+    """Ctrl-C or SIGTERM while the command imports its libraries (the tokenizer's transformers, seconds on a slow
+    machine) lands in such code: still one line and exit 130 / 143 (a CI run got -2, with the line printed). Run
+    with `-m`, as `python -m paraspec` is: a `-c` script's SystemExit ends the process before CPython checks that
+    flag."""
+    body, code, line = SIGNALLED_COMMANDS[case]
+    (tmp_path / "signalled_cli.py").write_text("import sys\n"
+                                               "from paraspec.cli import main as cli\n"
+                                               "def command(args):\n"
+                                               f"    {body}\n"
+                                               "cli.cmd_generate = command\n"
+                                               "sys.exit(cli.main(['generate', '--target', 'unused', '--prompt', "
+                                               "'hello']))\n")
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "interrupted_cli"], cwd=root, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "signalled_cli"], cwd=root, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)])), timeout=120)
-    assert done.returncode == 130, (done.returncode, done.stderr)
-    assert done.stderr.splitlines() == ["interrupted"], done.stderr
-
-
-def test_sigterm_inside_an_import_of_the_command_exits_143(tmp_path):
-    """SIGTERM's exception raised while a class is built (Python 3.11 wraps it in a RuntimeError): still
-    `terminated` and 143, not a traceback."""
-    (tmp_path / "terminated_cli.py").write_text(
-        "import sys\n"
-        "from paraspec.cli import main as cli\n"
-        "def command(args):\n"
-        "    class Field:\n"
-        "        def __set_name__(self, owner, name): raise cli.Terminated()\n"
-        "    class Owner:\n"
-        "        field = Field()\n"
-        "cli.cmd_generate = command\n"
-        "sys.exit(cli.main(['generate', '--target', 'unused', '--prompt', 'hello']))\n")
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "terminated_cli"], cwd=root, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)])), timeout=120)
-    assert (done.returncode, done.stderr.splitlines()) == (143, ["terminated"]), done.stderr
+    assert (done.returncode, done.stderr.splitlines()) == (code, [line]), done.stderr
 
 
 def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):

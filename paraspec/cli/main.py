@@ -270,12 +270,7 @@ def main(argv=None) -> int:
             previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
             signal.signal(signal.SIGINT, previous_int)
         return args.func(args)
-    except KeyboardInterrupt:
-        return _interrupted()
-    except Terminated:
-        print("terminated", file=sys.stderr)
-        return 143
-    except Exception as e:
+    except (KeyboardInterrupt, Exception) as e:        # Terminated is an Exception; either may come wrapped
         if _caused_by(e, KeyboardInterrupt):
             return _interrupted()
         if _caused_by(e, Terminated):
