@@ -43,7 +43,9 @@ from pathlib import Path
 VERSION = "0.3.36"
 WHEEL_CMAKE_ARGS = [
     "-DGGML_NATIVE=ON",
-    "-DGGML_LLAMAFILE=OFF",  # tinyBLAS is not batch-invariant (docs/BENCHMARKS.md)
+    # tinyBLAS is not batch-invariant (docs/LLAMACPP.md): compiled in, but the gated-llamafile patch runs it only
+    # in contexts that ask for it (draft models), so a target computes what a build without it computes
+    "-DGGML_LLAMAFILE=ON",
     "-DLLAVA_BUILD=OFF",  # multimodal helpers: not used, and a third of the build time
 ]
 # The builds `wheel` tries, in order, until one survives its smoke run on this CPU: native; native without AMX

@@ -34,20 +34,22 @@ PATCH = """a comment about why, which patch ignores
 
 
 def test_the_wheel_is_patched_and_its_key_follows_the_patches(build, tmp_path):
-    assert [p.name for p in build.PATCHES] == ["llamacpp-0.3.36-fix-amx-tile-config.patch",
-                                               "llamacpp-0.3.36-invariant-amx.patch",
-                                               "llamacpp-0.3.36-invariant-flash-attn.patch",
-                                               "llamacpp-0.3.36-invariant-gemv.patch",
-                                               "llamacpp-0.3.36-invariant-tiled-kquants.patch"]
+    names = {p.name.removeprefix("llamacpp-0.3.36-").removesuffix(".patch"): p for p in build.PATCHES}
+    assert list(names) == ["fix-amx-tile-config", "gated-llamafile", "invariant-amx", "invariant-flash-attn",
+                           "invariant-gemv", "invariant-tiled-kquants"]
     # the peer gets the crash fix and none of the exactness patches: it stays llama.cpp's defaults
     assert [p.name for p in build.PEER_PATCHES] == ["llamacpp-0.3.36-fix-amx-tile-config.patch"]
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/amx/mmq.cpp" in build.PEER_PATCHES[0].read_text()
-    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/amx/mmq.cpp" in build.PATCHES[1].read_text()
-    flash = build.PATCHES[2].read_text()
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/amx/mmq.cpp" in names["invariant-amx"].read_text()
+    gated = names["gated-llamafile"].read_text()
+    # tinyBLAS only where a context asks for it: the switch, and the symbol the backend finds it by
+    assert "+    if (src1_cont && params->use_llamafile) {" in gated
+    assert "+    LLAMA_API bool llama_paraspec_set_llamafile(struct llama_context * ctx, bool on);" in gated
+    flash = names["invariant-flash-attn"].read_text()
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp" in flash
     assert "+__paraspec_flash_attn__ = True" in flash          # the mark the backend turns flash attention on by
-    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/repack.cpp" in build.PATCHES[3].read_text()
-    tiled = build.PATCHES[4].read_text()
+    assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/repack.cpp" in names["invariant-gemv"].read_text()
+    tiled = names["invariant-tiled-kquants"].read_text()
     assert "+++ b/vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/quants.c" in tiled
     assert "+__paraspec_tiled_kquants__ = True" in tiled      # the mark the backend trusts the tiled matmul by
     args = build.WHEEL_CMAKE_ARGS
@@ -151,5 +153,7 @@ def test_no_amx_variant_leaves_amx_out_and_keeps_the_exact_options(build):
     native, no_amx = build.WHEEL_VARIANTS["native"], build.WHEEL_VARIANTS["native-no-amx"]
     assert native == build.WHEEL_CMAKE_ARGS and set(native) < set(no_amx)
     assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile" in no_amx           # -mno-amx-tile drops AMX-INT8/BF16 with it
-    assert "-DGGML_LLAMAFILE=OFF" in build.WHEEL_VARIANTS["portable"]
+    # tinyBLAS compiled in everywhere, behind the gated-llamafile patch's per-context switch (drafts only)
+    assert all("-DGGML_LLAMAFILE=ON" in args for args in build.WHEEL_VARIANTS.values())
+    assert any("gated-llamafile" in p.name for p in build.PATCHES)
     assert len({build.build_key("wheel", a, "tag") for a in build.WHEEL_VARIANTS.values()}) == 3

@@ -192,8 +192,9 @@ def cmd_profile(args) -> int:
                                widths=tuple(args.widths), progress=progress)
         for role, model in (("target", engine.target), ("draft", engine.draft)):
             if getattr(model, "kernels", None):        # llamacpp: which kernels ran, and the exact width
-                profile[role]["llamacpp"] = {"kernels": model.kernels, "exact_width": model.exact_width,
-                                             "tiled_matmul": model.tiled_matmul}
+                profile[role]["llamacpp"] = {"kernels": model.kernels, "exact": model.exact,
+                                             "exact_width": model.exact_width, "tiled_matmul": model.tiled_matmul,
+                                             "tinyblas": model.tinyblas, "flash_attention": model.flash_attention}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
     print(json.dumps(profile, indent=1))

@@ -189,6 +189,13 @@ class DraftPolicy(Drafter):
                 width: int = 1, budget: int | None = None) -> int:
         """k* for drafter i (see adaptive.py)."""
         drafter = self.drafters[i]
+        if not drafter.free and 1 < pending >= len(sequence):
+            # the prompt round: the target's prefill runs alone, so the first token comes as soon as `ar`'s; the
+            # draft model reads the prompt after it, in a catch-up priced like any other (rather than before the
+            # first token, where its prompt would add to the time to first token whatever it saves later)
+            self.decisions.append({"drafter": drafter.name, "k": 0, "alpha": None, "tokens_per_s": 0.0,
+                                   "probe": False, "trial": False, "prompt": True})
+            return 0
         nodes = (lambda k: k) if width == 1 else (lambda k: min(budget, k * width))
 
         def verify(waiting: int):

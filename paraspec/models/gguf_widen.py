@@ -60,7 +60,7 @@ def widening_pays(race: dict, prompt_tokens: int = RACE["prompt_tokens"]) -> boo
 
 def _verdict_path(source: Path, n_threads: int) -> Path:
     from paraspec.models.llamacpp import _library_fingerprint      # the build and the CPU's flags
-    key = hashlib.sha256("\n".join([_library_fingerprint(), sha256_prefix(source), str(n_threads),
+    key = hashlib.sha256("\n".join([_library_fingerprint(), "draft kernels", sha256_prefix(source), str(n_threads),
                                     json.dumps(RACE, sort_keys=True),
                                     str(WIDEN_MARGIN), str(DECODE_PER_PROMPT_TOKEN)]).encode())
     return cache_dir() / "widened" / "verdicts" / f"{source.stem}-{key.hexdigest()[:20]}.json"

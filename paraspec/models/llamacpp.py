@@ -91,11 +91,12 @@ def _llama_cpp():
                 f"GGML_CPU_TILED_MM={asked}: llama.cpp's tiled K-quant matmul (8 rows and more) is batch-invariant "
                 f"only in paraspec's patched build on an AVX512-VNNI CPU, and this build or CPU is not one, so the "
                 f"llamacpp backend would not be exact: unset it (paraspec then turns it off)")
-        if "LLAMAFILE = 1" in info:
+        if "LLAMAFILE = 1" in info and _llamafile_switch(llama_cpp) is None:
             raise LlamaCppUnavailable(
-                "this llama-cpp-python was built with llamafile's tinyBLAS, whose multi-token attention products "
-                "differ from its one-token ones (not exact); rebuild it with `python scripts/build_llamacpp.py "
-                f"wheel --force --python {sys.executable}` (it builds with -DGGML_LLAMAFILE=OFF)")
+                "this llama-cpp-python was built with llamafile's tinyBLAS in every context, whose multi-token "
+                "products differ from its one-token ones (not exact); rebuild it with `python "
+                f"scripts/build_llamacpp.py wheel --force --python {sys.executable}` (paraspec's build runs tinyBLAS "
+                "only in draft models' contexts)")
         llama_cpp.llama_backend_init()
         global _log_callback
         _log_callback = llama_cpp.llama_log_callback(_log)   # kept referenced: C holds the pointer
@@ -105,6 +106,22 @@ def _llama_cpp():
 
 
 _log_callback = None
+
+
+def _llamafile_switch(llama_cpp):
+    """paraspec's per-context switch for llamafile's tinyBLAS (scripts/patches/*gated-llamafile*), or None in a build
+    without it."""
+    fn = getattr(llama_cpp.llama_cpp._lib, "llama_paraspec_set_llamafile", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_bool], ctypes.c_bool
+    return fn
+
+
+def tinyblas_available() -> bool:
+    """Whether this build can run llamafile's tinyBLAS in a draft's context (compiled in, behind paraspec's switch)."""
+    lib = _llama_cpp()
+    return "LLAMAFILE = 1" in lib.llama_print_system_info().decode(errors="replace") and \
+        _llamafile_switch(lib) is not None
 
 
 def _log(level, text, user_data):
@@ -177,7 +194,7 @@ class LlamaCppModel(SequenceChecks):
 
     def __init__(self, path: Path, max_context: int, eos_token_ids: tuple[int, ...], n_threads: int | None = None,
                  probe: bool = True, kv_f32: bool = False, fast_prefill: bool | None = None,
-                 kernels: str | None = None, n_seqs: int = 1):
+                 kernels: str | None = None, n_seqs: int = 1, exact: bool = True):
         """n_threads None: follow torch's thread count (set by the Engine or worker to the device group's cores,
         and by the benchmark per variant), checked at every prefill; an int fixes it. kv_f32: keep K/V in f32
         instead of llama.cpp's f16 (twice the cache memory; the tests use it to compare with fp32 references;
@@ -186,20 +203,29 @@ class LlamaCppModel(SequenceChecks):
         PARASPEC_LLAMACPP_FAST_PREFILL=0). kernels: "repacked" or "plain" (weight repacking on or off), or None:
         PARASPEC_LLAMACPP_KERNELS, else "auto" = repacked if the probe finds every width exact, else plain
         (plain without a probe). n_seqs: the sequences the context holds (the probe then also checks that a row's
-        logits are the same alone and beside other sequences' rows: `batch_exact`)."""
+        logits are the same alone and beside other sequences' rows: `batch_exact`).
+        exact=False: a draft model's configuration (its numbers never reach the output: acceptance judges its tokens
+        against the target's): llama.cpp's fastest kernels for every shape -- weight repacking, llamafile's tinyBLAS
+        where the build gates it per context (`tinyblas`), flash attention -- with no probe, forwards never split,
+        prompts in whole chunks, and rows never shared with other sequences' (not batch-invariant, so a seeded
+        request's draft is the same alone and batched). The target keeps the exact configuration."""
         if not isinstance(n_seqs, int) or n_seqs < 1:
             raise ValueError(f"n_seqs must be a positive integer, got {n_seqs!r}")
         _llama_cpp()
+        self.exact = exact
         self.tiled_matmul = tiled_matmul()         # llama.cpp's tiled K-quant matmul on (patched VNNI builds)
-        # llama.cpp's flash attention on (patched builds), but not for f32 K/V: flash attention casts them to f16
-        self.flash_attention = flash_attention() and not kv_f32
+        # llama.cpp's flash attention on (patched builds; llama.cpp's own default for a draft), but not for f32 K/V:
+        # flash attention casts them to f16
+        self.flash_attention = (flash_attention() or not exact) and not kv_f32
+        self.tinyblas = False                      # llamafile's tinyBLAS runs this context's products (exact=False)
         self._follow_torch = n_threads is None
         self.n_threads = n_threads or torch.get_num_threads()
         self.path = Path(path)
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
-        self._asked = {"max_context": max_context, "kv_f32": kv_f32, "kernels": _kernels_asked(kernels),
-                       "fast_prefill": (os.environ.get("PARASPEC_LLAMACPP_FAST_PREFILL", "1") != "0"
-                                        if fast_prefill is None else fast_prefill)}
+        self._asked = {"max_context": max_context, "kv_f32": kv_f32,
+                       "kernels": _kernels_asked(kernels) if exact else "repacked",
+                       "fast_prefill": exact and (os.environ.get("PARASPEC_LLAMACPP_FAST_PREFILL", "1") != "0"
+                                                  if fast_prefill is None else fast_prefill)}
         self._model = self._ctx = self._fast = None
         self.fast_prefills = 0                    # prompts decoded on the repacked copy (tests, reports)
         self.n_seqs = n_seqs
@@ -208,12 +234,14 @@ class LlamaCppModel(SequenceChecks):
         self.batch_exact = n_seqs == 1            # several sequences in one forward: as alone (the probe's verdict)
         self.min_shared_width = 1                 # the narrowest ask that shares a forward (the Batcher reads it)
         self.forward_widths: dict[int, int] = {}      # sub-forward width -> count (what the split really ran)
-        self._probe = probe
+        self._probe = probe and exact
         try:
             asked = self._asked["kernels"]
-            self._open("plain" if asked == "plain" or (asked == "auto" and not probe) else "repacked")
-            if probe:
+            self._open("plain" if asked == "plain" or (asked == "auto" and not self._probe) else "repacked")
+            if self._probe:
                 self._measure()
+            elif not exact:
+                self.exact_width = self.n_batch      # no width is exact, none needs to be: forwards whole
         except BaseException:
             self.close()
             raise
@@ -252,6 +280,8 @@ class LlamaCppModel(SequenceChecks):
             raise ValueError(f"llama.cpp could not create a context of {self.max_context} tokens for {self.path}; "
                              f"lower max_context")
         self._ctx = ctx
+        if not self.exact and "LLAMAFILE = 1" in lib.llama_print_system_info().decode(errors="replace"):
+            self.tinyblas = bool(_llamafile_switch(lib)(ctx, True))
         self._mem = lib.llama_get_memory(ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
@@ -339,6 +369,8 @@ class LlamaCppModel(SequenceChecks):
         ones -- the repacked copy of the fast prefill, or flash attention's tiled pass for a last chunk of 64+
         tokens -- all but the last token go first and the last one alone, here."""
         head, chunk = token_ids[:-1], (len(token_ids) - 1) % self.n_batch + 1
+        if not self.exact:                   # a draft: its prompt in whole chunks, on whatever kernels are fastest
+            return self._decode_chunks(token_ids, seq, outputs=1)
         if head and self._fast is not None:
             self._fast.prefill(head, self.n_batch, into=self, seq=seq)
             self._lengths[seq] = len(head)
@@ -660,9 +692,9 @@ def probe_exact_width(model: LlamaCppModel) -> tuple[int, bool]:
 
 
 def load_llamacpp(gguf_path: Path, folder: Path | None, max_context: int | None = None,
-                  device: str = "cpu", n_seqs: int = 1) -> LlamaCppModel:
+                  device: str = "cpu", n_seqs: int = 1, draft: bool = False) -> LlamaCppModel:
     """A LlamaCppModel with torch's thread count: the Engine (or a worker) has set it to its device group's cores
-    and pinned the process there before loading."""
+    and pinned the process there before loading. A draft runs llama.cpp's fastest configuration (exact=False)."""
     from paraspec.models.base import generation_eos_ids
     if str(device) != "cpu" and not str(device).startswith("cpu"):
         raise ValueError(f"the llamacpp backend runs on CPU cores only, got device {device!r}; use backend='native' "
@@ -674,4 +706,4 @@ def load_llamacpp(gguf_path: Path, folder: Path | None, max_context: int | None 
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is not a GGUF file (bad magic); pass a .gguf model file")
     eos = generation_eos_ids(folder, ()) if folder is not None else ()
-    return LlamaCppModel(gguf_path, max_context or 4096, eos, n_seqs=n_seqs)
+    return LlamaCppModel(gguf_path, max_context or 4096, eos, n_seqs=n_seqs, exact=not draft)

@@ -13,9 +13,9 @@
   on each, interleaved, the fastest of a few rounds. The widened file is the first Q8_0 product of a draft on this
   CPU, so it runs here for the same reason as the probe.
 - `smoke`: after a build, tiny random GGUF files (Q4_K_M, Q4_0, Q8_0: every kind of quantized weight llama.cpp
-  moves to its repacked or AMX kernels) are loaded with weight repacking on and decoded at widths 1 and 8, at 1
-  and 2 threads, with a bf16 torch matmul (oneDNN, which uses AMX where the CPU has it) between two of the
-  forwards on the same thread. scripts/build_llamacpp.py runs it and rebuilds without the instructions that crash.
+  moves to its repacked or AMX kernels; Q5_0, which only llamafile's tinyBLAS takes) are loaded with weight
+  repacking on, as a target and as a draft (tinyBLAS on), and decoded at widths 1 and 8, at 1 and 2 threads, with
+  a bf16 torch matmul (oneDNN, which uses AMX where the CPU has it) between two of the forwards on the same thread. scripts/build_llamacpp.py runs it and rebuilds without the instructions that crash.
 Each prints one JSON line on success; `crashes.run_child` runs them.
 """
 from __future__ import annotations
@@ -53,8 +53,9 @@ def race(spec: dict) -> dict:
 
     from paraspec.models.llamacpp import LlamaCppModel
     p, steps = spec["prompt_tokens"], spec["steps"]
-    models = [LlamaCppModel(Path(f), p + steps + 8, (), n_threads=spec["n_threads"], probe=False,
-                            kernels="repacked") for f in spec["files"]]
+    # as drafts run: llama.cpp's fastest kernels (LlamaCppModel's exact=False)
+    models = [LlamaCppModel(Path(f), p + steps + 8, (), n_threads=spec["n_threads"], exact=False)
+              for f in spec["files"]]
     try:
         vocab = min(m.vocab_size for m in models)
         ids = np.random.default_rng(0).integers(0, vocab, size=p + steps).tolist()
@@ -82,7 +83,7 @@ def race(spec: dict) -> dict:
 
 
 # -- smoke ------------------------------------------------------------------------------------------------
-SMOKE_KINDS = ("Q4_K_M", "Q4_0", "Q8_0")
+SMOKE_KINDS = ("Q4_K_M", "Q4_0", "Q8_0", "Q5_0")
 # shapes llama.cpp's AMX and repacked kernels take (rows a multiple of 32, K-quant rows of 256 values)
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 288, 2
 
@@ -146,7 +147,7 @@ def quantize(src: Path, dst: Path, kind: str) -> Path:
     lib = _llama_cpp()
     params = lib.llama_model_quantize_default_params()
     params.ftype = {"Q4_K_M": lib.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q4_0": lib.LLAMA_FTYPE_MOSTLY_Q4_0,
-                    "Q8_0": lib.LLAMA_FTYPE_MOSTLY_Q8_0}[kind]
+                    "Q8_0": lib.LLAMA_FTYPE_MOSTLY_Q8_0, "Q5_0": lib.LLAMA_FTYPE_MOSTLY_Q5_0}[kind]
     params.nthread = 1
     if lib.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to {kind}")
@@ -162,9 +163,10 @@ def smoke(threads: tuple[int, ...] = (1, 2)) -> dict:
         f32 = write_random_gguf(Path(tmp) / "f32.gguf")
         for kind in SMOKE_KINDS:
             path = quantize(f32, Path(tmp) / f"{kind}.gguf", kind)
-            for n in threads:
+            for n, exact in ((n, exact) for n in threads for exact in (True, False)):
+                # exact: the target's kernels; else a draft's (llamafile's tinyBLAS too, where the build has it)
                 model = LlamaCppModel(path, 256, (), n_threads=n, probe=False, fast_prefill=False,
-                                      kernels="repacked")
+                                      kernels="repacked", exact=exact)
                 try:
                     ids = [(7 * i + 3) % 256 for i in range(40)]
                     model.prefill(ids[:24])                  # a prompt: the multi-row kernels
@@ -178,7 +180,7 @@ def smoke(threads: tuple[int, ...] = (1, 2)) -> dict:
                         raise RuntimeError(f"{kind} at {n} thread(s): non-finite logits")
                 finally:
                     model.close()
-                ran.append(f"{kind}@{n}t")
+                ran.append(f"{kind}@{n}t" + ("" if exact else "/draft"))
     return {"ok": True, "ran": ran}
 
 

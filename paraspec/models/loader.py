@@ -266,12 +266,13 @@ def _load_native(folder: Path, dtype: torch.dtype, max_context: int | None, devi
 
 def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int | None = None,
                device: str = "cpu", static_width: int | str | None = "auto", n_seqs: int = 1,
-               compile_step: bool = False):
+               compile_step: bool = False, draft: bool = False):
     """Load `spec` as a Model (protocol in models/base.py) with the given backend. `static_width` applies to the
     native backend (NativeModel: "auto" pads forwards to a measured width on CUDA, not on CPU); `n_seqs` to
     llama.cpp and the native decoder (that many sequences, each with its own KV cache: the Engine's batched
     requests; models/native_seqs.py);
-    `compile_step` to the native backend's static-shape step (torch.compile)."""
+    `compile_step` to the native backend's static-shape step (torch.compile). `draft`: the model drafts (its numbers
+    never reach the output): on llama.cpp it runs the fastest kernels, not the exact ones (LlamaCppModel's exact)."""
     if compile_step and backend != "native":
         raise ValueError(f"compile_step compiles the native decoder's static-shape step, not the {backend!r} "
                          f"backend's forward; use backend='native'")
@@ -289,7 +290,7 @@ def load_model(spec, dtype="bfloat16", backend: str = "native", max_context: int
             raise CheckpointError(f"{spec} has no GGUF file for the llamacpp backend (its folder {folder} was not "
                                   f"made from one, or the file has moved); pass a .gguf file, or use "
                                   f"backend='native'")
-        return load_llamacpp(gguf, folder, max_context=max_context, device=device, n_seqs=n_seqs)
+        return load_llamacpp(gguf, folder, max_context=max_context, device=device, n_seqs=n_seqs, draft=draft)
     if backend == "hf":
         from paraspec.models.hf import HFModel
         return HFModel.load(folder, torch_dtype, max_context=max_context, device=device)

@@ -140,7 +140,7 @@ class SimulatedModel:
 
 def load_simulated(spec: SimulatedSpec, dtype=None, backend: str = "native", max_context: int | None = None,
                    device: str = "cpu", static_width: int | str | None = "auto",
-                   compile_step: bool = False) -> SimulatedModel:
+                   compile_step: bool = False, draft: bool = False) -> SimulatedModel:
     """load_model's signature, so the Engine and the runtime build a simulated model like a real one. `device`,
     `dtype` and `static_width` apply to the real decoder of a spec with a `shape` ("auto" dtype: bfloat16 on
     CUDA, float32 on CPU)."""

@@ -48,7 +48,8 @@ class AMUSD(WorkerStrategy):
 
     def setup(self, placement: Placement) -> None:
         self.start_workers(placement, [("target", placement.target, placement.target_devices[0]),
-                                       ("draft", placement.draft_checkpoints[0], placement.draft_devices[0])])
+                                       ("draft", placement.draft_checkpoints[0], placement.draft_devices[0])],
+                           drafts=("draft",))
         self.target, self.draft_models = self.remote("target"), [self.remote("draft")]
         self.channel = self.runtime.channel(CHANNEL, capacity=min(self.target.max_context, self.draft_models[0].max_context),
                                             vocab_size=self.target.vocab_size, q_window=64)

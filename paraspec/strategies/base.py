@@ -93,14 +93,15 @@ class Placement:
         from paraspec.models.loader import load_model
         return load_model
 
-    def load_here(self, spec, device: Device):
-        return self.loader(spec)(spec, device=device.torch_device, **self.load)
+    def load_here(self, spec, device: Device, draft: bool = False):
+        """`spec` loaded in this process; `draft`: it drafts (llama.cpp runs it on its fastest kernels)."""
+        return self.loader(spec)(spec, device=device.torch_device, draft=draft, **self.load)
 
-    def worker_args(self, spec, device: Device) -> dict:
-        """The factory arguments of a worker building `spec` on `device`."""
+    def worker_args(self, spec, device: Device, draft: bool = False) -> dict:
+        """The factory arguments of a worker building `spec` on `device` (`draft`: as load_here)."""
         from paraspec.models.simulated import SimulatedSpec
         return dict(spec=spec if isinstance(spec, SimulatedSpec) else str(spec), device=device.torch_device,
-                    **self.load)
+                    draft=draft, **self.load)
 
 
 class Strategy(abc.ABC):
@@ -197,7 +198,8 @@ class LocalStrategy(Strategy):
             apply_device(Device("cpu", cores=tuple(cores)))
         self.target = placement.load_here(placement.target, placement.target_devices[0])
         self.draft_specs = list(placement.draft_specs)
-        self.draft_models = [placement.load_here(d, placement.draft_devices[0]) for d in placement.draft_checkpoints]
+        self.draft_models = [placement.load_here(d, placement.draft_devices[0], draft=True)
+                             for d in placement.draft_checkpoints]
 
     def build_policy(self) -> None:
         """Build `policy` from the options (sd, tree: make_policy with their drafters)."""
@@ -252,12 +254,14 @@ class WorkerStrategy(Strategy):
     # its workers exchange tokens only through channels: any node will do
     caps = Capabilities(runtimes=WITH_RAY, in_workers=True, across_nodes=True, why_not_across_nodes="")
 
-    def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]]) -> None:
-        """Start one worker per (name, checkpoint, device) and wait until every model is built."""
+    def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]], drafts=()) -> None:
+        """Start one worker per (name, checkpoint, device) and wait until every model is built; the workers named in
+        `drafts` hold draft models (load_here's `draft`)."""
         from paraspec.runtime import RemoteError
         self.open_runtime(placement)
         for name, spec, device in workers:
-            self.runtime.add_worker(name, device, placement.loader(spec), placement.worker_args(spec, device))
+            self.runtime.add_worker(name, device, placement.loader(spec),
+                                    placement.worker_args(spec, device, draft=name in drafts))
         try:
             self.runtime.wait_ready()
         except RemoteError as e:          # a bad checkpoint found while loading: raise its own clear error

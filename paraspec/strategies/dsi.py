@@ -89,7 +89,8 @@ class DSI(WorkerStrategy):
         self.start_workers(placement, [(name, placement.target, d)
                                        for name, d in zip(self.server_names, placement.target_devices)] +
                            [(name, spec, devices[min(i, len(devices) - 1)])
-                            for i, (name, spec) in enumerate(zip(self.drafter_names, models))])
+                            for i, (name, spec) in enumerate(zip(self.drafter_names, models))],
+                           drafts=self.drafter_names)
         self.target = self.remote(self.server_names[0])
         self.draft_models = [self.remote(name) for name in self.drafter_names]
         capacity = min(m.max_context for m in [self.target, *self.draft_models])
