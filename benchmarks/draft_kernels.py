@@ -23,7 +23,7 @@ import numpy as np
 
 from paraspec.bench.llamacpp_peers import LlamaServer, gguf_file, peer_binaries
 from paraspec.models.gguf_widen import widened
-from paraspec.models.llamacpp import LlamaCppModel, _lib, _llama_cpp
+from paraspec.models.llamacpp import LlamaCppModel, _llama_cpp
 from paraspec.sampling import SamplingParams
 
 MODELS = {"target": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "draft": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
@@ -56,8 +56,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true")
     args = parser.parse_args()
-    _llama_cpp()
-    print(f"load average {os.getloadavg()[0]:.2f}; {_lib.llama_print_system_info().decode()}")
+    lib = _llama_cpp()
+    print(f"load average {os.getloadavg()[0]:.2f}; {lib.llama_print_system_info().decode()}")
     draft, target = gguf_file(MODELS["draft"], "draft"), gguf_file(MODELS["target"])
     files = {"as given": draft, "Q5_0 as Q8_0": widened(draft)}
     ctx = max(args.prompt_tokens) + 16

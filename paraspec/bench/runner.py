@@ -236,14 +236,14 @@ def shared_model_loads():
     original, cache = loader_module.load_model, {}
 
     def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu", static_width="auto",
-             compile_step=False, n_seqs=1):
-        # a hub id and the folder it resolves to are one model
+             compile_step=False, n_seqs=1, draft=False):
+        # a hub id and the folder it resolves to are one model; a draft is another (llama.cpp: its fast kernels)
         torch_dtype = parse_dtype(dtype, device)
         key = (str(resolve_checkpoint(spec, torch_dtype, backend)), torch_dtype, backend, max_context, str(device),
-               static_width, compile_step, n_seqs)
+               static_width, compile_step, n_seqs, draft)
         if key not in cache:
             cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device,
-                                  static_width=static_width, compile_step=compile_step, n_seqs=n_seqs)
+                                  static_width=static_width, compile_step=compile_step, n_seqs=n_seqs, draft=draft)
         return cache[key]
 
     loader_module.load_model = load

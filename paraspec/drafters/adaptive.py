@@ -188,8 +188,10 @@ class ForwardCost:
                     self.seconds[w] *= level
 
     @classmethod
-    def measure(cls, model, widths, context: int = 32, repeats: int = 2) -> "ForwardCost":
-        """Time forwards of each width after a `context`-token prefix; the model's cache is left empty. A forward
+    def measure(cls, model, widths, context: int = 32, repeats: int = 2, last_only: bool = False) -> "ForwardCost":
+        """Time forwards of each width after a `context`-token prefix; the model's cache is left empty. `last_only`:
+        each forward asks for its last row's logits only, as a draft model's catch-ups and drafts do (a verification
+        reads every row's, and on a 150k vocabulary the output matrix is a large share of a wide forward). A forward
         that took under REPEAT_UNDER_S seconds is timed again, up to `repeats` times, and the fastest kept (a short
         forward is the one a stray interruption distorts most); a longer one once (it is start-up time: on two
         cores a 33-token forward of the 1.5B target takes ~1 s, and the rule rescales every width by what the
@@ -209,7 +211,7 @@ class ForwardCost:
             for _ in range(repeats):
                 sync(device)
                 start = time.perf_counter()
-                model.forward(tokens[context:context + width], last_n=width)
+                model.forward(tokens[context:context + width], last_n=1 if last_only else width)
                 sync(device)
                 best = min(best, time.perf_counter() - start)
                 model.rollback(context)
@@ -233,12 +235,11 @@ def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
                   set(range(CALIBRATE_EVERY_WIDTH + 4, top + 1, 4)) | {top})
 
 
-# a draft model's widths measured at start-up: one-token drafts, tree levels, and catch-ups up to 16 tokens; longer
-# catch-ups are extrapolated from the last two (a forward's cost is close to linear there: the 0.5B draft on Zen 3,
-# llama.cpp, 2 threads, measured 590 and 1382 ms at 32 and 64 tokens, 636 and 1273 extrapolated from 8 and 16).
-# Timing 32 and 64 too made up 4 of the 10 s the rule added to an sd engine's start-up
-# (benchmarks/adaptive_startup.py: its `rule-before` rows time every width to 64).
-DRAFT_WIDTHS = (1, 2, 4, 8, 16)
+# a draft model's widths measured at start-up (its last row's logits only: ForwardCost.measure's last_only): one-token
+# drafts, tree levels, and catch-ups; a prompt's catch-up (hundreds of tokens) is extrapolated from the last two,
+# and on llama.cpp's prompt kernels (tinyBLAS) a forward of 16 costs less per token than a prompt does, so 64 is
+# timed too (benchmarks/draft_kernels.py prints what each width costs)
+DRAFT_WIDTHS = (1, 2, 4, 8, 16, 64)
 
 
 @dataclass

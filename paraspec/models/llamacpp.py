@@ -6,8 +6,9 @@ attention's KV split), so by default the logits of a token computed in a forward
 same token's logits computed one token at a time, by up to ~0.5 — enough to flip a greedy choice. A speculative
 strategy on such a backend would not return `ar`'s tokens. So this backend:
 
-1. runs a configuration made batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): a build without
-   llamafile and with paraspec's patches (`scripts/build_llamacpp.py wheel`; a llamafile build is refused) to the
+1. runs a configuration made batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): llamafile's tinyBLAS off
+   (paraspec's build compiles it in behind a per-context switch that only drafts turn on; a build that runs it in
+   every context is refused) and paraspec's patches (`scripts/build_llamacpp.py wheel`) to the
    repacked Q4_K one-row kernel and, on AVX512-VNNI builds, to the one-row Q6_K and Q4_K kernels (so that they
    round like the tiled K-quant matmul llama.cpp uses from 8 rows on: `GGML_CPU_TILED_MM` is left on there, and set
    to 0 on other builds and CPUs, before the first matrix product), flash attention on where the build carries the
@@ -35,6 +36,11 @@ llama.cpp's own default for prompts. That KV cache is copied into the exact
 context (`llama_state_seq_get/set_data`, ~30 ms for 400 tokens of the 1.5B model), which decodes the prompt's last
 token and everything after it: no strategy rolls back into the prompt further than its last token, which it may
 re-feed (dsi's servers do), so every position a strategy recomputes is computed with the exact kernels.
+A draft model (`exact=False`) needs none of this: acceptance judges its tokens against the target's own logits,
+so its numbers never reach the output. It runs llama.cpp's fastest configuration instead -- repacked weights,
+tinyBLAS for the products of several rows (its Q5_0/Q8_0 matrices have no other fast prompt kernel on x86),
+flash attention, no probe, forwards unsplit -- and never shares a forward with another sequence's rows (those
+kernels are not batch-invariant, and a seeded request's draft must be the same alone and batched).
 Tree attention is refused. llama.cpp takes a token tree through sequence ids, and it is exact for the one branch
 whose KV cells are contiguous, but a branch laid out with other nodes between its cells gets other logits (0.32
 apart on the reference target) and so do the tokens decoded after it (0.60): the attention reductions run over

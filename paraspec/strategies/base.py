@@ -236,7 +236,8 @@ class LocalStrategy(Strategy):
         shared = getattr(self.target, "shared_load", None)
         rows = self.target.model.exact_width if shared is not None and self.target.model.batch_exact else 0
         cost = ForwardCost.measure(self.target, calibration_widths(max(widest, rows - 1)))
-        draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS) for i, d in enumerate(drafters) if not d.free}
+        draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS, last_only=True)
+                       for i, d in enumerate(drafters) if not d.free}
         self.policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
         self.policy.shared = shared
 

@@ -278,7 +278,7 @@ def test_start_up_times_a_short_forward_twice_and_a_long_one_once(monkeypatch):
         vocab_size, max_context, device = 50, 4096, None
 
         def __init__(self):
-            self.now, self.cached, self.forwards = 0.0, 0, []
+            self.now, self.cached, self.forwards, self.rows_out = 0.0, 0, [], []
 
         def rollback(self, n):
             self.cached = min(self.cached, n)
@@ -286,6 +286,7 @@ def test_start_up_times_a_short_forward_twice_and_a_long_one_once(monkeypatch):
         def forward(self, tokens, last_n=1):
             self.cached += len(tokens)
             self.forwards.append(len(tokens))
+            self.rows_out.append(last_n)
             # 0.04 s a token, and the first forward of a width 10 ms slower (a first call's allocation)
             self.now += 0.04 * len(tokens) + (0.01 if self.forwards.count(len(tokens)) == 1 else 0.0)
 
@@ -296,7 +297,11 @@ def test_start_up_times_a_short_forward_twice_and_a_long_one_once(monkeypatch):
     short = [w for w in adaptive.DRAFT_WIDTHS if 0.04 * w + 0.01 < adaptive.REPEAT_UNDER_S]
     assert short == [1, 2, 4] and all(timed.count(w) == (2 if w in short else 1) for w in adaptive.DRAFT_WIDTHS)
     assert cost.seconds[1] == pytest.approx(0.04) and cost.seconds[16] == pytest.approx(0.65)    # fastest; once
-    assert cost(64) == pytest.approx(0.04 * 64 + 0.01)          # beyond the widths: extrapolated from 8 and 16
+    assert cost(128) == pytest.approx(0.04 * 128 + 0.01)        # beyond the widths: extrapolated from 16 and 64
+    assert model.rows_out[1:] == model.forwards[1:]             # a verification's widths: every row's logits
+    model = Model()
+    ForwardCost.measure(model, adaptive.DRAFT_WIDTHS, last_only=True)
+    assert set(model.rows_out) == {1}                           # a draft's catch-ups and drafts: the last row's
 
 
 def test_adaptive_rule_prompt_round_pays_at_the_margin():
