@@ -57,6 +57,8 @@ test-fast: setup
 #    (llamacpp-ngram, ngram-simple n 4 m 16). Every variant in-process on both cores: the adaptive rule times the
 #    verification widths when the engine starts and must time them with the 2 threads the runs use (a 1-thread
 #    profile is steeper), so the bench builds an in-process @2t variant on 2 cores whatever --target-devices says.
+#  - the draft's prompt, out/demo/draft-kernels.md: the 0.5B draft on its fast configuration (llama.cpp's tinyBLAS,
+#    run only in drafts' contexts) against the target's exact one and llama-server's own prompt timing.
 # 3 min 19 s on Zen 5 (2 prompts per dataset, 2026-11-26), 8 min 48 s on a Xeon with AMX and 11 min 29 s on a
 # Zen 3 machine (3 prompts, 2026-11-27), set up.
 # Timings assume a quiet machine:
@@ -71,6 +73,7 @@ demo: setup models peer
 		--strategies "ar,sd[suffix],llamacpp-ar,llamacpp-ngram" --adaptive --lookahead 32 --threads 2 \
 		--llamacpp-ngram-grid ngram-simple:4:16 \
 		--dataset code-edit --num-prompts 3 --max-new-tokens 128 --out out/demo/code-edit
+	$(PYTHON) benchmarks/draft_kernels.py --threads 2 --prompt-tokens 157 --rounds 2 --out out/demo/draft-kernels.md
 
 # The full sweep (well over an hour on 2 cores): every strategy, transformers' generate and assisted
 # generation, and the llama.cpp peers, at 1 and 2 threads, on 5 HumanEval and 5 MT-Bench prompts x 128 tokens

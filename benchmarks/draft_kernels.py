@@ -1,6 +1,7 @@
 """What a draft model's prompt and steps cost on llama.cpp, by configuration, beside llama.cpp's own figure.
 
     python benchmarks/draft_kernels.py [--threads 2] [--prompt-tokens 64 157 400] [--rounds 3] [--no-peer]
+                                       [--out TABLE.md]
 
 The reference draft (Qwen2.5-Coder-0.5B Q4_K_M), as given and with its Q5_0 matrices as Q8_0 (models/gguf_widen.py),
 on paraspec's contexts (LlamaCppModel), the same prompt token ids, rounds interleaved (the fastest of `--rounds`):
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[64, 157, 400])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--out", help="also write the table (markdown) to this file")
     args = parser.parse_args()
     lib = _llama_cpp()
     print(f"load average {os.getloadavg()[0]:.2f}; {lib.llama_print_system_info().decode()}")
@@ -91,17 +94,21 @@ def main() -> None:
                 runs = [server.complete(ids[:p], SamplingParams(temperature=0.0, max_new_tokens=1))[0]["timings"]
                         ["prompt_ms"] for _ in range(args.rounds)]
                 peer[p] = min(runs)
-    print(f"\n{args.threads} thread(s), fastest of {args.rounds} rounds, ms: prompt / one-token step / 5-token forward")
-    print("| configuration | " + " | ".join(f"P={p}" for p in args.prompt_tokens) + " |")
-    print("|---|" + "---|" * len(args.prompt_tokens))
+    lines = [f"{args.threads} thread(s), fastest of {args.rounds} rounds, ms: prompt / one-token step / 5-token "
+             f"forward", "", "| configuration | " + " | ".join(f"P={p}" for p in args.prompt_tokens) + " |",
+             "|---|" + "---|" * len(args.prompt_tokens)]
     for name in models:
         cells = [f"{best[(name, p)][0]:.0f} / {best[(name, p)][1]:.1f} / {best[(name, p)][2]:.1f}"
                  for p in args.prompt_tokens]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if peer:
-        print("| llama-server, draft file (timings.prompt_ms) | " +
-              " | ".join(f"{peer[p]:.0f}" for p in args.prompt_tokens) + " |")
-    print(f"load average {os.getloadavg()[0]:.2f}")
+        lines.append("| llama-server, draft file (timings.prompt_ms) | " +
+                     " | ".join(f"{peer[p]:.0f}" for p in args.prompt_tokens) + " |")
+    lines.append(f"\nload average {os.getloadavg()[0]:.2f}")
+    print("\n" + "\n".join(lines))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
     for m in models.values():
         m.close()
 

@@ -197,6 +197,9 @@ class LocalStrategy(Strategy):
             self._pinning = current_pinning()
             apply_device(Device("cpu", cores=tuple(cores)))
         self.target = placement.load_here(placement.target, placement.target_devices[0])
+        # the models' forward costs by width (make_policy), timed once: an Engine's sequences, copies of this
+        # strategy, share this dict (a copy of a table each), so no request's first round waits on another's timing
+        self.cost_tables: dict = {}
         self.draft_specs = list(placement.draft_specs)
         self.draft_models = [placement.load_here(d, placement.draft_devices[0], draft=True)
                              for d in placement.draft_checkpoints]
@@ -232,14 +235,24 @@ class LocalStrategy(Strategy):
         if self.options["adaptive"] is False:
             self.policy = DraftPolicy(drafters)
             return
-        # a batched request's verification shares its step with the others' rows: the cost table covers them
-        shared = getattr(self.target, "shared_load", None)
-        rows = self.target.model.exact_width if shared is not None and self.target.model.batch_exact else 0
-        cost = ForwardCost.measure(self.target, calibration_widths(max(widest, rows - 1)))
-        draft_costs = {i: ForwardCost.measure(d.model, DRAFT_WIDTHS, last_only=True)
+        # a batched request's verification shares its step with the others' rows: the cost table covers them (timed
+        # by the Engine's strategy on the model of several sequences, before any request, for every sequence)
+        model = getattr(self.target, "model", self.target)      # a sequence's model (batching.py), or the model
+        rows = model.exact_width if getattr(model, "n_seqs", 1) > 1 and model.batch_exact else 0
+        cost = self.forward_cost("target", self.target, calibration_widths(max(widest, rows - 1)))
+        draft_costs = {i: self.forward_cost(f"draft{i}", d.model, DRAFT_WIDTHS, last_only=True)
                        for i, d in enumerate(drafters) if not d.free}
         self.policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
-        self.policy.shared = shared
+        self.policy.shared = getattr(self.target, "shared_load", None)
+
+    def forward_cost(self, key: str, model, widths, last_only: bool = False):
+        """`model`'s forward cost at `widths` (ForwardCost.measure), timed the first time a policy needs it and then
+        copied out of `cost_tables`: each policy refines its own copy (ForwardCost.observe)."""
+        from paraspec.drafters.adaptive import ForwardCost
+        known = self.cost_tables.get(key)
+        if known is None or not set(widths) <= set(known.seconds):
+            known = self.cost_tables[key] = ForwardCost.measure(model, widths, last_only=last_only)
+        return ForwardCost(dict(known.seconds))
 
     def close(self) -> None:
         super().close()

@@ -207,3 +207,26 @@ def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend
         for slot in slots:
             assert slot.policy.shared == slot.target.shared_load and isinstance(slot.policy.shared(), list)
         assert_same(together(e, 4, False), want)
+
+
+def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
+    """The adaptive rule's forward costs are timed once per model, when the Engine starts (covering the rows a
+    shared step can carry): four concurrent first requests time nothing, so none waits on another's timing."""
+    from paraspec.drafters.adaptive import ForwardCost
+    timed, measure = [], ForwardCost.measure.__func__
+
+    def counted(cls, model, widths, **kwargs):
+        timed.append(max(widths))
+        return measure(cls, model, widths, **kwargs)
+    monkeypatch.setattr(ForwardCost, "measure", classmethod(counted))
+    options = dict(strategy="sd", draft=["ngram", gguf_pair["draft"]], lookahead=5, adaptive=True,
+                   backend="llamacpp")
+    with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
+        at_start = list(timed)
+        together(e, 4, False)
+        slots = [slot for slot in e._slots if slot.policy is not None]
+        tables = [slot.policy.cost for slot in slots] + [e.strategy.policy.cost]
+        widest_step = e.target.exact_width
+    assert len(at_start) == 2 and timed == at_start       # the target's and the draft model's, at start-up only
+    assert at_start[0] >= widest_step - 1                  # the target's table reaches the widest shared step
+    assert len(slots) >= 2 and len({id(t) for t in tables}) == len(tables)    # a copy each: refined apart
