@@ -15,7 +15,9 @@ Why every answer is bit-identical to the same request run alone: a request's loo
 drafters are its own, and a row's logits do not depend on which rows share its forward -- where the load-time
 probe found so for these kernels on this CPU (LlamaCppModel.batch_exact, NativeSequences.batch_exact and
 min_shared_width, measured with forwards of the widths this scheduler builds). Where it did not, every ask runs
-alone: requests still interleave, one forward each.
+alone: requests still interleave, one forward each. A draft on llama.cpp's fastest kernels (not batch-invariant)
+shares its forwards too, except a seeded sampled request's (Member.repeatable): a greedy answer is the target's
+whatever the draft proposed, and only a seeded one promises to repeat.
 A request waiting on its reader (a stream not being read) does not hold the others up: it is idle until its
 reader asks for more.
 """
@@ -45,6 +47,10 @@ class _Ask:
 class Member:
     """One request in the batch: whether it is computing (its forwards are awaited) and what it asks now."""
     computing: bool = True
+    # its answer must repeat as alone (a seeded sampled request): on a model whose rows depend on which rows share
+    # their forward (a draft on llama.cpp's fastest kernels) its forwards run alone; a greedy answer is the target's
+    # whatever the draft proposed, and an unseeded one promises no repeat, so theirs are shared
+    repeatable: bool = False
     ask: _Ask | None = None
     rows: dict = field(default_factory=dict)   # per model (id): tokens of its last shareable ask
 
@@ -69,8 +75,8 @@ class Batcher:
         self.stats = BatchStats()
 
     # -- membership ----------------------------------------------------------------------------------------------
-    def join(self) -> Member:
-        member = Member()
+    def join(self, repeatable: bool = False) -> Member:
+        member = Member(repeatable=repeatable)
         with self._cv:
             self._members.append(member)
         return member
@@ -133,7 +139,8 @@ class Batcher:
             if not prefill:                  # this request's own errors, raised here, not in the step
                 model._check_room(len(tokens), seq)
                 model._check_vocabulary(tokens)
-            shareable = (not prefill and model.batch_exact and model._lengths[seq] > 0
+            exact_rows = model.batch_exact or (not getattr(model, "exact", True) and not member.repeatable)
+            shareable = (not prefill and exact_rows and model._lengths[seq] > 0
                          and model.min_shared_width <= len(tokens) <= model.exact_width)
             ask = _Ask(model, seq, list(tokens), outputs, alone=not shareable, prefill=prefill)
             member.rows[id(model)] = len(tokens) if shareable else 0

@@ -317,7 +317,7 @@ class Engine:
         strategy, member, idle = self.strategy, None, nullcontext
         if self._slots:
             strategy = self._take_slot()
-            member = self._batcher.join()
+            member = self._batcher.join(repeatable=not run.params.greedy and run.params.seed is not None)
             for model in (strategy.target, *strategy.draft_models):
                 model.member = member
             idle = lambda: self._batcher.idle(member)    # noqa: E731

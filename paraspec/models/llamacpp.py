@@ -39,8 +39,8 @@ re-feed (dsi's servers do), so every position a strategy recomputes is computed 
 A draft model (`exact=False`) needs none of this: acceptance judges its tokens against the target's own logits,
 so its numbers never reach the output. It runs llama.cpp's fastest configuration instead -- repacked weights,
 tinyBLAS for the products of several rows (its Q5_0/Q8_0 matrices have no other fast prompt kernel on x86),
-flash attention, no probe, forwards unsplit -- and never shares a forward with another sequence's rows (those
-kernels are not batch-invariant, and a seeded request's draft must be the same alone and batched).
+flash attention, no probe, forwards unsplit. Those kernels are not batch-invariant, so a seeded sampled request's
+draft forwards run alone when requests are batched (its answer must repeat); others share them.
 Tree attention is refused. llama.cpp takes a token tree through sequence ids, and it is exact for the one branch
 whose KV cells are contiguous, but a branch laid out with other nodes between its cells gets other logits (0.32
 apart on the reference target) and so do the tokens decoded after it (0.60): the attention reductions run over
@@ -212,9 +212,10 @@ class LlamaCppModel(SequenceChecks):
         logits are the same alone and beside other sequences' rows: `batch_exact`).
         exact=False: a draft model's configuration (its numbers never reach the output: acceptance judges its tokens
         against the target's): llama.cpp's fastest kernels for every shape -- weight repacking, llamafile's tinyBLAS
-        where the build gates it per context (`tinyblas`), flash attention -- with no probe, forwards never split,
-        prompts in whole chunks, and rows never shared with other sequences' (not batch-invariant, so a seeded
-        request's draft is the same alone and batched). The target keeps the exact configuration."""
+        where the build gates it per context (`tinyblas`), flash attention -- with no probe, forwards never split and
+        prompts in whole chunks; `batch_exact` stays False (a row depends on the rows beside it), so the Batcher
+        shares its forwards only between requests that do not promise to repeat (batching.Member.repeatable). The
+        target keeps the exact configuration."""
         if not isinstance(n_seqs, int) or n_seqs < 1:
             raise ValueError(f"n_seqs must be a positive integer, got {n_seqs!r}")
         _llama_cpp()

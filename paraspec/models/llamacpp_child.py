@@ -15,7 +15,8 @@
 - `smoke`: after a build, tiny random GGUF files (Q4_K_M, Q4_0, Q8_0: every kind of quantized weight llama.cpp
   moves to its repacked or AMX kernels; Q5_0, which only llamafile's tinyBLAS takes) are loaded with weight
   repacking on, as a target and as a draft (tinyBLAS on), and decoded at widths 1 and 8, at 1 and 2 threads, with
-  a bf16 torch matmul (oneDNN, which uses AMX where the CPU has it) between two of the forwards on the same thread. scripts/build_llamacpp.py runs it and rebuilds without the instructions that crash.
+  a bf16 torch matmul (oneDNN, which uses AMX where the CPU has it) between two of the forwards on the same thread.
+  scripts/build_llamacpp.py runs it and rebuilds without the instructions that crash.
 Each prints one JSON line on success; `crashes.run_child` runs them.
 """
 from __future__ import annotations

@@ -18,6 +18,7 @@ class RemoteModel:
         self.vocab_size: int = info.vocab_size
         self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
         self.max_context: int = info.max_context
+        self.exact: bool | None = info.exact      # llama.cpp: exact kernels (a target) or the fastest (a draft)
 
     @property
     def length(self) -> int:

@@ -42,6 +42,7 @@ class WorkerInfo:
     max_context: int | None
     build_s: float                  # pinning + model factory, measured inside the worker
     startup_s: float = 0.0          # from start to ready, measured by the caller (includes spawn + imports)
+    exact: bool | None = None       # llama.cpp: the target's exact kernels, or a draft's fastest (None: no such choice)
 
 
 @dataclass
@@ -210,7 +211,8 @@ def _build_model(name: str, device: Device, spec: bytes, in_process: bool):
         num_threads=torch.get_num_threads(), model_type=type(model).__qualname__,
         vocab_size=getattr(model, "vocab_size", None),
         eos_token_ids=(tuple(model.eos_token_ids) if hasattr(model, "eos_token_ids") else None),
-        max_context=getattr(model, "max_context", None), build_s=time.perf_counter() - t_build)
+        max_context=getattr(model, "max_context", None), build_s=time.perf_counter() - t_build,
+        exact=getattr(model, "exact", None))
     return model, info
 
 

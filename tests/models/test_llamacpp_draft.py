@@ -84,14 +84,20 @@ def test_a_fast_drafts_answer_repeats(gguf_pair):
     assert torch.equal(runs[0], runs[1])
 
 
-def test_the_engine_opens_drafts_fast_and_targets_exact(gguf_pair):
+@pytest.mark.parametrize("config", [
+    dict(strategy="sd", adaptive=False, lookahead=3),
+    dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),              # draft worker
+    dict(strategy="dsi", lookahead=3, target_devices=["cpu:1"], draft_devices=["cpu:0"]),   # drafter worker
+], ids=["sd", "amusd", "dsi"])
+def test_the_engine_opens_drafts_fast_and_targets_exact(gguf_pair, config):
     prompt, params = [5, 17, 33, 90, 12, 7], SamplingParams(max_new_tokens=24)
     with Engine(gguf_pair["target"], strategy="ar", backend="llamacpp") as ar:
         want = ar.generate(prompt, params).token_ids
-    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="sd", backend="llamacpp", adaptive=False,
-                lookahead=3) as engine:
-        assert engine.target.exact and not engine.target.tinyblas
-        assert [(d.exact, d.tinyblas) for d in engine.strategy.draft_models] == [(False, True)]
+    with Engine(gguf_pair["target"], gguf_pair["draft"], backend="llamacpp", **config) as engine:
+        assert engine.strategy.target.exact is True
+        assert [d.exact for d in engine.strategy.draft_models] == [False]
+        if config["strategy"] == "sd":             # in this process: tinyBLAS really is on for the draft only
+            assert engine.strategy.draft_models[0].tinyblas and not engine.strategy.target.tinyblas
         result = engine.generate(prompt, params)
     assert result.token_ids == want and result.stats.drafted > 0
 

@@ -217,7 +217,8 @@ def test_the_tiled_matmul_is_on_only_where_the_patch_covers_it():
 
 
 def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
-    """`paraspec profile` on the llamacpp backend records each model's kernels and exact width."""
+    """`paraspec profile` on the llamacpp backend records each model's kernels and exact width: the target's exact
+    configuration, the draft's fastest (tinyBLAS; its forwards unsplit: n_batch)."""
     import json
 
     from paraspec.cli.main import main
@@ -230,8 +231,11 @@ def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
     profile = json.loads(out.read_text())
     for role in ("target", "draft"):
         assert profile[role]["llamacpp"]["kernels"] in ("repacked", "plain")
-        assert profile[role]["llamacpp"]["exact_width"] == PROBE_WIDTH
         assert profile[role]["llamacpp"]["tiled_matmul"] == tiled_build()
+    target, draft = profile["target"]["llamacpp"], profile["draft"]["llamacpp"]
+    assert (target["exact"], target["tinyblas"], target["exact_width"]) == (True, False, PROBE_WIDTH)
+    assert (draft["exact"], draft["tinyblas"], draft["kernels"]) == (False, True, "repacked")
+    assert draft["exact_width"] > PROBE_WIDTH
 
 
 def test_repacked_one_thread_equals_two_threads(repacked_files):

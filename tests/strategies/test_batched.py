@@ -230,3 +230,17 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     assert len(at_start) == 2 and timed == at_start       # the target's and the draft model's, at start-up only
     assert at_start[0] >= widest_step - 1                  # the target's table reaches the widest shared step
     assert len(slots) >= 2 and len({id(t) for t in tables}) == len(tables)    # a copy each: refined apart
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "seeded"])
+def test_a_fast_drafts_rows_are_shared_unless_the_answer_must_repeat(gguf_pair, sampling):
+    """A draft on llama.cpp's fastest kernels is not batch-invariant: greedy requests share its forwards (their
+    answers are the target's whatever it proposes), a seeded sampled request's run alone (its draft, so its answer,
+    must be what it is alone). The target's rows are kept alone here, so every shared forward is the draft's."""
+    want = alone(gguf_pair, "sd-model", 4, sampling)
+    with engine(gguf_pair, "sd-model", 4, sampling=sampling) as e:
+        assert not e.strategy.draft_models[0].batch_exact and not e.strategy.draft_models[0].exact
+        e.target.batch_exact = False
+        assert_same(together(e, 4, sampling), want)
+        widths = dict(e.batch_stats.widths)
+    assert (max(widths, default=0) >= 2) == (not sampling), widths
