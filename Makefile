@@ -107,8 +107,10 @@ bench-model-free: setup models peer
 # python3 with torch, transformers and pytest. `make gpu-check DEVICE=cpu` runs it with tiny shapes.
 DEVICE ?= cuda:0
 OUT ?= out/gpu-check
+# on a CPU, the venv `make setup` made where there is one (the system python3 may lack torch); on a GPU, python3
+GPU_CHECK_PY = $(if $(and $(filter cpu%,$(DEVICE)),$(wildcard $(PYTHON))),$(PYTHON),$(PY))
 gpu-check:
-	PYTHONPATH=. $(PY) -m paraspec.bench.gpu_check --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
+	PYTHONPATH=. $(GPU_CHECK_PY) -m paraspec.bench.gpu_check --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

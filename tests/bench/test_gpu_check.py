@@ -224,3 +224,24 @@ def test_failed_tests_are_read_from_the_verbose_lines():
 ])
 def test_pytest_summary_parser(output, counts):
     assert gpu_check.parse_pytest_summary(output) == counts
+
+
+def test_make_gpu_check_on_a_cpu_runs_the_venvs_python(tmp_path):
+    """`make gpu-check DEVICE=cpu` on a machine `make setup` set up runs the venv's Python (the system python3 may
+    lack torch); on a GPU (or with no venv) python3, whose torch is the GPU machine's."""
+    import shutil
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+
+    def command(device: str) -> str:
+        proc = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(tmp_path), "gpu-check",
+                               f"DEVICE={device}"],
+                              capture_output=True, text=True, check=True)
+        return proc.stdout.strip().splitlines()[-1]
+    assert command("cpu").startswith("PYTHONPATH=. python3 -m paraspec.bench.gpu_check --device cpu")   # no venv
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("")
+    assert command("cpu").startswith("PYTHONPATH=. .venv/bin/python -m paraspec.bench.gpu_check --device cpu")
+    assert command("cuda:0").startswith("PYTHONPATH=. python3 -m paraspec.bench.gpu_check --device cuda:0")
