@@ -11,8 +11,8 @@ while the other requests wait in the Batcher.
 from __future__ import annotations
 
 import argparse
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from paraspec import Engine, SamplingParams
 from paraspec.bench.datasets import load_prompts
@@ -41,16 +41,10 @@ def main() -> None:
     with Engine(TARGET, draft, strategy="sd", adaptive=True, lookahead=8, backend="llamacpp",
                 max_num_seqs=args.callers) as engine:
         built = time.perf_counter() - start
-        results = [None] * args.callers
-
-        def call(i):
-            results[i] = engine.generate(prompts[i], SamplingParams(max_new_tokens=args.max_tokens))
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(args.callers)]
         begin = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(args.callers) as pool:      # every request at once, one thread each
+            results = list(pool.map(lambda p: engine.generate(p, SamplingParams(max_new_tokens=args.max_tokens)),
+                                    prompts))
         wall = time.perf_counter() - begin
     ttfts = sorted(r.stats.ttft_s for r in results)
     print(f"{'per-sequence timing' if args.per_sequence_timing else 'shared timing'}: engine built in {built:.1f} s; "
