@@ -32,7 +32,7 @@ import torch
 
 @dataclass(eq=False)
 class _Ask:
-    model: object                  # a LlamaCppModel with several sequences
+    model: object                  # a LlamaCppModel or NativeSequences with several sequences
     seq: int
     tokens: list[int]
     outputs: int                   # rows wanted: the last `outputs` tokens'
@@ -139,7 +139,7 @@ class Batcher:
             if not prefill:                  # this request's own errors, raised here, not in the step
                 model._check_room(len(tokens), seq)
                 model._check_vocabulary(tokens)
-            exact_rows = model.batch_exact or (not getattr(model, "exact", True) and not member.repeatable)
+            exact_rows = model.batch_exact or (not model.exact and not member.repeatable)
             shareable = (not prefill and exact_rows and model._lengths[seq] > 0
                          and model.min_shared_width <= len(tokens) <= model.exact_width)
             ask = _Ask(model, seq, list(tokens), outputs, alone=not shareable, prefill=prefill)

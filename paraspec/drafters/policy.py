@@ -189,7 +189,8 @@ class DraftPolicy(Drafter):
                 width: int = 1, budget: int | None = None) -> int:
         """k* for drafter i (see adaptive.py)."""
         drafter = self.drafters[i]
-        if not drafter.free and 1 < pending >= len(sequence):
+        prompt_round = pending > 1 and pending == len(sequence)     # the target has cached nothing yet
+        if prompt_round and not drafter.free:
             # the prompt round: the target's prefill runs alone, so the first token comes as soon as `ar`'s; the
             # draft model reads the prompt after it, in a catch-up priced like any other (rather than before the
             # first token, where its prompt would add to the time to first token whatever it saves later)

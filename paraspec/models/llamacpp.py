@@ -287,7 +287,7 @@ class LlamaCppModel(SequenceChecks):
             raise ValueError(f"llama.cpp could not create a context of {self.max_context} tokens for {self.path}; "
                              f"lower max_context")
         self._ctx = ctx
-        if not self.exact and "LLAMAFILE = 1" in lib.llama_print_system_info().decode(errors="replace"):
+        if not self.exact and tinyblas_available():
             self.tinyblas = bool(_llamafile_switch(lib)(ctx, True))
         self._mem = lib.llama_get_memory(ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)

@@ -21,6 +21,7 @@ Each prints one JSON line on success; `crashes.run_child` runs them.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import tempfile
@@ -164,7 +165,7 @@ def smoke(threads: tuple[int, ...] = (1, 2)) -> dict:
         f32 = write_random_gguf(Path(tmp) / "f32.gguf")
         for kind in SMOKE_KINDS:
             path = quantize(f32, Path(tmp) / f"{kind}.gguf", kind)
-            for n, exact in ((n, exact) for n in threads for exact in (True, False)):
+            for n, exact in itertools.product(threads, (True, False)):
                 # exact: the target's kernels; else a draft's (llamafile's tinyBLAS too, where the build has it)
                 model = LlamaCppModel(path, 256, (), n_threads=n, probe=False, fast_prefill=False,
                                       kernels="repacked", exact=exact)

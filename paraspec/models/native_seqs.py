@@ -27,6 +27,8 @@ PROBE_PROMPTS = (9, 5, 17, 12, 3, 14, 7, 11)     # the probe's context lengths, 
 
 
 class NativeSequences(SequenceChecks, NativeModel):
+    exact = True       # one configuration for targets and drafts (llama.cpp's drafts run others: LlamaCppModel.exact)
+
     def __init__(self, decoder, max_context: int, eos_token_ids: tuple[int, ...] = (), n_seqs: int = 2):
         if n_seqs < 2:
             raise ValueError(f"n_seqs={n_seqs}: NativeSequences holds two or more sequences; use NativeModel")

@@ -230,7 +230,7 @@ class LocalStrategy(Strategy):
         start-up, not in the first request. adaptive=None (auto): the same, the rule standing aside for seeded
         sampled requests (DraftPolicy.begin)."""
         from paraspec.drafters import DraftPolicy
-        from paraspec.drafters.adaptive import DRAFT_WIDTHS, ForwardCost, calibration_widths
+        from paraspec.drafters.adaptive import DRAFT_WIDTHS, calibration_widths
         drafters = self.make_drafters(for_model)
         if self.options["adaptive"] is False:
             self.policy = DraftPolicy(drafters)
