@@ -100,7 +100,7 @@ bench-model-free: setup models peer
 			--out out/model-free-t$$t || exit 1; \
 	done
 
-# What a borrowed GPU should tell us, in one command of under 8 minutes (paraspec/bench/gpu_check.py): forward cost
+# What a borrowed GPU should tell us, in one command of under 8 minutes (benchmarks/gpu_check.py): forward cost
 # by width (eager vs CUDA graph) of random-weight decoders of the reference shapes, ar/sd/amusd/dsi through the
 # Engine with oracle acceptance, the planner's prediction for 2, 4 and 8 GPUs, and the lossless suite on the GPU;
 # $(OUT)/gpu_check.json and gpu_check.md, written section by section. No venv, no downloads: the machine's own
@@ -110,7 +110,7 @@ OUT ?= out/gpu-check
 # on a CPU, the venv `make setup` made where there is one (the system python3 may lack torch); on a GPU, python3
 GPU_CHECK_PY = $(if $(and $(filter cpu%,$(DEVICE)),$(wildcard $(PYTHON))),$(PYTHON),$(PY))
 gpu-check:
-	PYTHONPATH=. $(GPU_CHECK_PY) -m paraspec.bench.gpu_check --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
+	PYTHONPATH=. $(GPU_CHECK_PY) -m benchmarks.gpu_check --device $(DEVICE) --out $(OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

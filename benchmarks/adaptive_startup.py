@@ -11,6 +11,7 @@ the time it measured at each width, ms).
 
     .venv/bin/python benchmarks/adaptive_startup.py --backend llamacpp --rounds 2
 """
+
 import argparse
 import statistics
 import time
@@ -48,13 +49,21 @@ def main() -> None:
             adaptive.REPEAT_UNDER_S = constants["REPEAT_UNDER_S"]
             log.clear()
             start = time.perf_counter()
-            with Engine(TARGET, DRAFT, backend=args.backend, strategy="sd", lookahead=args.lookahead,
-                        max_num_seqs=args.max_num_seqs, **options):
+            with Engine(
+                TARGET,
+                DRAFT,
+                backend=args.backend,
+                strategy="sd",
+                lookahead=args.lookahead,
+                max_num_seqs=args.max_num_seqs,
+                **options,
+            ):
                 seconds = time.perf_counter() - start
             builds[name].append(seconds)
             parts = ", ".join(f"widths {w[0]}..{w[-1]} ({len(w)}): {s:.2f} s" for w, s, _ in log)
-            print(f"{name:12s} build {seconds:6.2f} s   timing {sum(s for _, s, _ in log):5.2f} s   {parts}",
-                  flush=True)
+            print(
+                f"{name:12s} build {seconds:6.2f} s   timing {sum(s for _, s, _ in log):5.2f} s   {parts}", flush=True
+            )
             for _, _, measured in log:
                 print(" " * 14 + "ms by width: " + " ".join(f"{w}:{ms * 1e3:.1f}" for w, ms in measured.items()))
     print(f"\nmedian build ({args.backend}, lookahead {args.lookahead}, {args.rounds} rounds, interleaved):")

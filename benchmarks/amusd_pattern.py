@@ -17,6 +17,7 @@ HumanEval) -- with simulated latencies at the paper's GPU ratios, and on the ref
     .venv/bin/python benchmarks/amusd_pattern.py real            # print the commands
     .venv/bin/python benchmarks/amusd_pattern.py real --run      # run them (quiet machine only)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,36 +26,46 @@ import statistics
 import subprocess
 import sys
 
-from dsi_simulated import Case, measure, predict      # noqa: E402 (benchmarks/ is the script's folder)
+from dsi_simulated import Case, measure, predict  # noqa: E402 (benchmarks/ is the script's folder)
 
 from paraspec.sim.costs import ForwardCost
 
-AMUSD_DRAFT_S = 0.010          # AMUSD paper, section IV: "the draft model takes ~10 ms/token"
-AMUSD_TARGET_S = 0.025         # "... and the verify model takes ~25 ms/token"
+AMUSD_DRAFT_S = 0.010  # AMUSD paper, section IV: "the draft model takes ~10 ms/token"
+AMUSD_TARGET_S = 0.025  # "... and the verify model takes ~25 ms/token"
 AMUSD_ACCEPTANCE = 5.35 / 6.35  # "speculative decoding accepts 5.35 draft tokens per verify step": a/(1-a) = 5.35
-AMUSD_PAPER = {"ar": 22.15, "sd": 17.88, "amusd": 14.08}   # Table I, HumanEval, ms/token
+AMUSD_PAPER = {"ar": 22.15, "sd": 17.88, "amusd": 14.08}  # Table I, HumanEval, ms/token
 
 
 def part_sim(tokens: int, repeats: int, scale: float) -> None:
     target = ForwardCost.constant(AMUSD_TARGET_S * scale)
     draft = ForwardCost.constant(AMUSD_DRAFT_S * scale)
     a = AMUSD_ACCEPTANCE
-    cases = [Case("ar", target, None, a), Case("sd", target, draft, a, lookahead=5),
-             Case("amusd", target, draft, a, max_ahead=16)]
-    print(f"AMUSD Table I pattern with simulated models through the real runtime (process workers): target "
-          f"{1000 * AMUSD_TARGET_S * scale:g} ms per forward of any width, draft {1000 * AMUSD_DRAFT_S * scale:g} ms, "
-          f"a = {a:.3f}, {tokens} tokens, median of {repeats}")
-    print(f"{'strategy':<8} {'measured ms/token':>17} {'x AR':>6} {'event sim ms/token':>18} {'x AR':>6} "
-          f"{'paper ms/token':>14} {'x AR':>6}")
+    cases = [
+        Case("ar", target, None, a),
+        Case("sd", target, draft, a, lookahead=5),
+        Case("amusd", target, draft, a, max_ahead=16),
+    ]
+    print(
+        f"AMUSD Table I pattern with simulated models through the real runtime (process workers): target "
+        f"{1000 * AMUSD_TARGET_S * scale:g} ms per forward of any width, draft {1000 * AMUSD_DRAFT_S * scale:g} ms, "
+        f"a = {a:.3f}, {tokens} tokens, median of {repeats}"
+    )
+    print(
+        f"{'strategy':<8} {'measured ms/token':>17} {'x AR':>6} {'event sim ms/token':>18} {'x AR':>6} "
+        f"{'paper ms/token':>14} {'x AR':>6}"
+    )
     measured, simulated = {}, {}
     for case in cases:
         measured[case.strategy] = 1000 * statistics.median(measure(case, tokens, repeats, "process")) / tokens
         simulated[case.strategy] = 1000 * predict(case, tokens) / tokens
     for name in ("ar", "sd", "amusd"):
         paper = AMUSD_PAPER[name]
-        print(f"{name:<8} {measured[name]:>17.2f} {measured['ar'] / measured[name]:>5.2f}x "
-              f"{simulated[name]:>18.2f} {simulated['ar'] / simulated[name]:>5.2f}x "
-              f"{paper * scale:>14.2f} {AMUSD_PAPER['ar'] / paper:>5.2f}x", flush=True)
+        print(
+            f"{name:<8} {measured[name]:>17.2f} {measured['ar'] / measured[name]:>5.2f}x "
+            f"{simulated[name]:>18.2f} {simulated['ar'] / simulated[name]:>5.2f}x "
+            f"{paper * scale:>14.2f} {AMUSD_PAPER['ar'] / paper:>5.2f}x",
+            flush=True,
+        )
 
 
 # Each setting: (label, strategies, extra flags). One thread per model, draft on core 0, target on core 1; `ar`
@@ -65,21 +76,48 @@ def part_sim(tokens: int, repeats: int, scale: float) -> None:
 LLAMACPP = ["--backend", "llamacpp"]
 REAL_GRID = [
     ("llamacpp, defaults: lookahead 5, max_ahead 16, verify_chunk 8", "ar,sd,amusd,ar@2t,llamacpp-ar", LLAMACPP),
-    ("llamacpp, short chunks: lookahead 3, max_ahead 6, verify_chunk 2", "ar,sd,amusd",
-     LLAMACPP + ["--lookahead", "3", "--max-ahead", "6", "--verify-chunk", "2"]),
-    ("llamacpp, medium: lookahead 4, max_ahead 8, verify_chunk 4", "ar,sd,amusd",
-     LLAMACPP + ["--lookahead", "4", "--max-ahead", "8", "--verify-chunk", "4"]),
+    (
+        "llamacpp, short chunks: lookahead 3, max_ahead 6, verify_chunk 2",
+        "ar,sd,amusd",
+        LLAMACPP + ["--lookahead", "3", "--max-ahead", "6", "--verify-chunk", "2"],
+    ),
+    (
+        "llamacpp, medium: lookahead 4, max_ahead 8, verify_chunk 4",
+        "ar,sd,amusd",
+        LLAMACPP + ["--lookahead", "4", "--max-ahead", "8", "--verify-chunk", "4"],
+    ),
     ("native, dtype auto, defaults", "ar,sd,amusd", ["--backend", "native"]),
 ]
 
 
 def real_commands(python: str, out: str) -> list[list[str]]:
-    base = [python, "-m", "paraspec", "bench", "--target", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
-            "--draft", "Qwen/Qwen2.5-Coder-0.5B-Instruct",
-            "--threads", "1", "--target-devices", "cpu:1", "--draft-devices", "cpu:0",
-            "--dataset", "humaneval", "--num-prompts", "2", "--max-new-tokens", "64", "--no-progress"]
-    return [base + ["--strategies", strategies] + flags + ["--out", f"{out}/{i}"]
-            for i, (_, strategies, flags) in enumerate(REAL_GRID)]
+    base = [
+        python,
+        "-m",
+        "paraspec",
+        "bench",
+        "--target",
+        "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        "--draft",
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        "--threads",
+        "1",
+        "--target-devices",
+        "cpu:1",
+        "--draft-devices",
+        "cpu:0",
+        "--dataset",
+        "humaneval",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "64",
+        "--no-progress",
+    ]
+    return [
+        base + ["--strategies", strategies] + flags + ["--out", f"{out}/{i}"]
+        for i, (_, strategies, flags) in enumerate(REAL_GRID)
+    ]
 
 
 def part_real(run: bool, out: str, only: list[int] | None = None) -> None:

@@ -6,6 +6,7 @@ context) against B one-token forwards of a sequence alone, on the same multi-seq
 Prints ms per forward and the ratio to B forwards alone: batching requests pays where the ratio is below 1.
 Interleaved: every repeat times each B once, in turn.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import numpy as np
-    from paraspec.models.llamacpp import LlamaCppModel
+
+    from paraspec.models.llamacpp.model import LlamaCppModel
     from paraspec.models.loader import gguf_source, resolve_checkpoint
+
     path = gguf_source(resolve_checkpoint(args.target, backend="llamacpp"))
     model = LlamaCppModel(path, 2048, (), n_threads=args.threads, n_seqs=args.seqs)
     rng = np.random.default_rng(0)

@@ -8,6 +8,7 @@ between the two implementations, so machine drift hits both alike.
     python benchmarks/bench_forward_widths.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct --threads 1
     python benchmarks/bench_forward_widths.py --model ... --profile 6     # torch.profiler op table, width 6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ import torch
 
 from paraspec.bench.datasets import encode_prompt, load_prompts
 from paraspec.bench.hf_baselines import hf_causal_lm
-from paraspec.models.loader import load_model, load_tokenizer, resolve_checkpoint, parse_dtype
+from paraspec.models.loader import load_model, load_tokenizer, parse_dtype, resolve_checkpoint
 
 
 def main() -> None:
@@ -37,13 +38,13 @@ def main() -> None:
     tok = load_tokenizer(args.model, args.dtype)
     prompt = encode_prompt(tok, load_prompts("humaneval", 1)[0].as_input(chat=True))
     widths = [int(w) for w in args.widths.split(",")]
-    print(f"{args.model}: {dtype}, {args.threads} thread(s), prompt {len(prompt)} tokens, median of "
-          f"{args.repeats}")
+    print(f"{args.model}: {dtype}, {args.threads} thread(s), prompt {len(prompt)} tokens, median of {args.repeats}")
 
     with torch.inference_mode():
         native.prefill(prompt)
         base = native.length
         from transformers import DynamicCache
+
         cache = DynamicCache(config=hf.config)
         hf(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
@@ -52,13 +53,19 @@ def main() -> None:
             native.rollback(base)
 
         def run_hf(chunk):
-            hf(input_ids=torch.tensor([chunk]), past_key_values=cache, use_cache=True,
-               cache_position=torch.arange(base, base + len(chunk)), logits_to_keep=0)
-            cache.crop(-len(chunk))        # a negative count removes that many (transformers 5)
+            hf(
+                input_ids=torch.tensor([chunk]),
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.arange(base, base + len(chunk)),
+                logits_to_keep=0,
+            )
+            cache.crop(-len(chunk))  # a negative count removes that many (transformers 5)
 
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
-            chunk = prompt[:args.profile]
+
+            chunk = prompt[: args.profile]
             for name, fn in (("native", run_native), ("transformers", run_hf)):
                 fn(chunk)
                 with profile(activities=[ProfilerActivity.CPU]) as prof:

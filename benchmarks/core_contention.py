@@ -8,6 +8,7 @@ Runs the draft on cpu:0 and the target on cpu:1 (llamacpp backend, one thread ea
 each), first each alone, then both at once, and prints each model's TPOT (ms per decoded token) alone, together,
 and the slowdown. Quiet machine only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,16 +19,17 @@ import time
 
 TARGET = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 DRAFT = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def decode_for(model: str, core: int, seconds: float, ready, start, out) -> None:
     """In a child: load `model` on `core`, report ready, wait for the start signal, decode for `seconds`."""
     from paraspec import Engine, SamplingParams
+
     os.sched_setaffinity(0, {core})
     with Engine(model, strategy="ar", backend="llamacpp", target_devices=[f"cpu:{core}"]) as engine:
         ids = engine.tokenizer.encode(PROMPT)
-        engine.generate(ids, SamplingParams(max_new_tokens=4))             # warm-up
+        engine.generate(ids, SamplingParams(max_new_tokens=4))  # warm-up
         ready.put(model)
         start.wait()
         tpots, deadline = [], time.perf_counter() + seconds
@@ -46,7 +48,7 @@ def run(jobs: list[tuple[str, int]], seconds: float) -> dict[str, float]:
     results = {}
     try:
         for _ in procs:
-            ready.get(timeout=300)          # every model loaded and warm: then all start at once
+            ready.get(timeout=300)  # every model loaded and warm: then all start at once
         start.set()
         for _ in procs:
             model, tpot, _n = out.get(timeout=seconds + 120)
@@ -68,8 +70,10 @@ def main() -> None:
     print(f"one thread per model, llamacpp backend, {args.seconds:g} s of 32-token decodes each, median TPOT")
     print(f"{'model':<36} {'core':>4} {'alone ms':>9} {'together ms':>11} {'slowdown':>8}")
     for model, core in ((DRAFT, 0), (TARGET, 1)):
-        print(f"{model:<36} {core:>4} {alone[model]:>9.1f} {together[model]:>11.1f} "
-              f"{together[model] / alone[model]:>7.2f}x")
+        print(
+            f"{model:<36} {core:>4} {alone[model]:>9.1f} {together[model]:>11.1f} "
+            f"{together[model] / alone[model]:>7.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ a dataset's prompts, as the bench's engine does. Beside paraspec's drafters it r
 verified) under the same costs. Printed per dataset: decode speed-up over ar (ar's cost / the replay's, prompt
 round excluded), mean accepted length per drafting round, accepted / drafted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ from paraspec.bench.datasets import encode_prompt, load_prompts
 from paraspec.drafters import DraftPolicy, adaptive, model_free
 from paraspec.drafters.adaptive import ForwardCost
 from paraspec.models.loader import load_tokenizer, read_config, resolve_checkpoint
-from paraspec.run import common_prefix
+from paraspec.request_state import common_prefix
 from paraspec.strategies.registry import OPTIONS
 
 RULE_CONSTANTS = {"lower_z": "LOWER_Z", "decay": "DECAY", "fade": "FADE"}
@@ -42,8 +43,8 @@ def ngram_simple(sequence: list[int], n: int, m: int) -> list[int]:
         return []
     key = sequence[-n:]
     for start in range(len(sequence) - n - 1, -1, -1):
-        if sequence[start:start + n] == key:
-            return sequence[start + n:start + n + m]
+        if sequence[start : start + n] == key:
+            return sequence[start + n : start + n + m]
     return []
 
 
@@ -54,7 +55,7 @@ def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propo
     while pos < len(answer):
         sequence = prompt + answer[:pos]
         pending = len(sequence) - cached
-        drafts = propose(sequence, len(answer) - pos - 1, pending)     # each proposer caps its own length
+        drafts = propose(sequence, len(answer) - pos - 1, pending)  # each proposer caps its own length
         accepted = common_prefix(drafts, answer[pos:])
         width = pending + len(drafts)
         if pending == 1:
@@ -62,16 +63,20 @@ def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propo
             rounds += 1 if drafts else 0
             drafted += len(drafts)
             accepted_total += accepted
-        committed = answer[pos:pos + accepted + 1]
+        committed = answer[pos : pos + accepted + 1]
         settle(sequence, width, drafts, accepted, committed)
         pos += accepted + 1
         cached = len(prompt) + pos - 1
-    return {"seconds": seconds, "ar_seconds": (len(answer) - 1) * cost(1), "draft_rounds": rounds,
-            "drafted": drafted, "accepted": accepted_total}
+    return {
+        "seconds": seconds,
+        "ar_seconds": (len(answer) - 1) * cost(1),
+        "draft_rounds": rounds,
+        "drafted": drafted,
+        "accepted": accepted_total,
+    }
 
 
-def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead: int, vocab_size: int
-                    ) -> list[dict]:
+def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead: int, vocab_size: int) -> list[dict]:
     policy = DraftPolicy([model_free(drafter, vocab_size, options)], ForwardCost(dict(table)))
     params, generator = SamplingParams(max_new_tokens=1), torch.Generator().manual_seed(0)
     cost = ForwardCost(dict(table))
@@ -82,8 +87,18 @@ def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead
 
         def propose(sequence, k, pending):
             start = time.perf_counter()
-            tokens = policy.propose(sequence, min(k, lookahead), params, generator, pending=pending,
-                                    remaining=len(prompt) + len(answer) - len(sequence)).tokens if k > 0 else []
+            tokens = (
+                policy.propose(
+                    sequence,
+                    min(k, lookahead),
+                    params,
+                    generator,
+                    pending=pending,
+                    remaining=len(prompt) + len(answer) - len(sequence),
+                ).tokens
+                if k > 0
+                else []
+            )
             spent[0] += time.perf_counter() - start
             return tokens
 
@@ -99,30 +114,44 @@ def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead
 
 def replay_llamacpp(answers, table: dict, n: int, m: int) -> list[dict]:
     cost = ForwardCost(dict(table))
-    return [replay_answer(prompt, answer, cost, lambda s, k, p: ngram_simple(s, n, m)[:k],
-                          lambda *a: None) for prompt, answer in answers]
+    return [
+        replay_answer(prompt, answer, cost, lambda s, k, p: ngram_simple(s, n, m)[:k], lambda *a: None)
+        for prompt, answer in answers
+    ]
 
 
 def summary(rows: list[dict]) -> str:
     speed = sum(r["ar_seconds"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
     rounds = sum(r["draft_rounds"] for r in rows)
     accepted, drafted = sum(r["accepted"] for r in rows), sum(r["drafted"] for r in rows)
-    drafting = (f", proposing {1e3 * statistics.mean(r['draft_s'] for r in rows):.1f} ms per answer (this machine)"
-                if "draft_s" in rows[0] else "")
-    return (f"{speed:.3f}x (min {min(r['ar_seconds'] / max(r['seconds'], 1e-9) for r in rows):.2f}), "
-            f"accepted {accepted / rounds if rounds else 0:.2f} per drafting round, {accepted}/{drafted}{drafting}")
+    drafting = (
+        f", proposing {1e3 * statistics.mean(r['draft_s'] for r in rows):.1f} ms per answer (this machine)"
+        if "draft_s" in rows[0]
+        else ""
+    )
+    return (
+        f"{speed:.3f}x (min {min(r['ar_seconds'] / max(r['seconds'], 1e-9) for r in rows):.2f}), "
+        f"accepted {accepted / rounds if rounds else 0:.2f} per drafting round, {accepted}/{drafted}{drafting}"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path, help="a paraspec bench results.json with an ar variant")
-    ap.add_argument("--costs", default="69,108,141,265,455",
-                    help="ms of one target forward of 1,2,4,8,16 tokens (default: Zen 3, repacked, P = 400), or "
-                         "WIDTH:MS pairs for any widths (a cost by width that is not smooth, e.g. AVX-512's)")
+    ap.add_argument(
+        "--costs",
+        default="69,108,141,265,455",
+        help="ms of one target forward of 1,2,4,8,16 tokens (default: Zen 3, repacked, P = 400), or "
+        "WIDTH:MS pairs for any widths (a cost by width that is not smooth, e.g. AVX-512's)",
+    )
     ap.add_argument("--drafter", default="suffix", choices=["suffix", "ngram"])
     ap.add_argument("--lookahead", type=int, default=16)
-    ap.add_argument("--variant", action="append", default=[],
-                    help="OPTION=VALUE[,OPTION=VALUE] (sd's options, or the rule's lower_z / decay / fade)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="OPTION=VALUE[,OPTION=VALUE] (sd's options, or the rule's lower_z / decay / fade)",
+    )
     ap.add_argument("--ngram-simple", default="4:16", help="llama.cpp's n:m to replay beside (empty: none)")
     args = ap.parse_args()
     items = args.costs.split(",")
@@ -137,12 +166,14 @@ def main() -> None:
         ar = next(v for v in data["variants"] if v.split("@")[0] == "ar")
         records = sorted((r for r in data["records"] if r["variant"] == ar), key=lambda r: r["prompt_index"])
         prompts = load_prompts(name, len(records))
-        answers = [(encode_prompt(tokenizer, p.as_input(chat=data["chat"])), r["token_ids"])
-                   for p, r in zip(prompts, records)]
+        answers = [
+            (encode_prompt(tokenizer, p.as_input(chat=data["chat"])), r["token_ids"]) for p, r in zip(prompts, records)
+        ]
         for (prompt, _), r in zip(answers, records):
             if len(prompt) != r["prompt_tokens"]:
-                raise SystemExit(f"{name} prompt {r['prompt_index']}: rebuilt {len(prompt)} tokens, the run had "
-                                 f"{r['prompt_tokens']}")
+                raise SystemExit(
+                    f"{name} prompt {r['prompt_index']}: rebuilt {len(prompt)} tokens, the run had {r['prompt_tokens']}"
+                )
         print(f"{name} ({len(answers)} answers of ar):")
         for spec in [""] + args.variant:
             options, saved = dict(base), {}

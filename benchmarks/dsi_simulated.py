@@ -12,6 +12,7 @@ Three parts (select with --part):
     .venv/bin/python benchmarks/dsi_simulated.py --part table1 --runtime process --tokens 50 --repeats 3
     .venv/bin/python benchmarks/dsi_simulated.py --part overhead --runtime process
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 
 from paraspec import Engine, SamplingParams
 from paraspec.models.simulated import SimulatedModel, SimulatedSpec
-from paraspec.sim.events import Setup, simulate
 from paraspec.sim.costs import ForwardCost
+from paraspec.sim.events import Setup, simulate
 
 PROMPT = [5, 6, 7]
 
@@ -46,12 +47,15 @@ class Case:
 
 def open_engine(case: Case, runtime: str = "inprocess", seed: int = 0) -> Engine:
     target = SimulatedSpec(cost=case.target, seed=seed)
-    draft = SimulatedSpec(role="draft", cost=case.draft, seed=seed, draft_seed=seed + 1,
-                          acceptance_rate=case.acceptance_rate)
-    options = {"ar": {}, "sd": dict(lookahead=case.lookahead, adaptive=False),      # the papers' SI: fixed k
-               "amusd": dict(max_ahead=case.ahead, verify_chunk=case.ahead),
-               "dsi": dict(lookahead=case.lookahead, max_ahead=case.ahead,
-                           target_devices=["cpu"] * case.servers)}[case.strategy]
+    draft = SimulatedSpec(
+        role="draft", cost=case.draft, seed=seed, draft_seed=seed + 1, acceptance_rate=case.acceptance_rate
+    )
+    options = {
+        "ar": {},
+        "sd": dict(lookahead=case.lookahead, adaptive=False),  # the papers' SI: fixed k
+        "amusd": dict(max_ahead=case.ahead, verify_chunk=case.ahead),
+        "dsi": dict(lookahead=case.lookahead, max_ahead=case.ahead, target_devices=["cpu"] * case.servers),
+    }[case.strategy]
     if case.strategy == "ar":
         return Engine(target, strategy="ar")
     return Engine(target, draft, strategy=case.strategy, runtime=runtime, **options)
@@ -64,7 +68,7 @@ def measure(case: Case, tokens: int, repeats: int, runtime: str = "inprocess", w
     for r in range(1 - warmup, repeats + 1):
         with open_engine(case, runtime, seed=r) as engine:
             result = engine.generate(PROMPT, SamplingParams(max_new_tokens=tokens))
-            expected = SimulatedModel(SimulatedSpec(seed=r)).predicted[len(PROMPT):len(PROMPT) + tokens]
+            expected = SimulatedModel(SimulatedSpec(seed=r)).predicted[len(PROMPT) : len(PROMPT) + tokens]
             if result.token_ids != expected.tolist():
                 raise AssertionError(f"{case.strategy}: the simulated run did not return the target's tokens")
             if r:
@@ -78,24 +82,38 @@ def _total_s(result) -> float:
 
 def predict(case: Case, tokens: int, repeats: int = 20) -> float:
     """The event simulator's mean time for the same latencies, including prefill of the prompt."""
-    setup = Setup(case.strategy, target=case.target, draft=case.draft, acceptance_rate=case.acceptance_rate,
-                  lookahead=case.lookahead, servers=case.servers, max_ahead=case.ahead if case.strategy in
-                  ("amusd", "dsi") else None, target_only_thread=False,
-                  preempt=False,      # the real workers finish a forward in flight first
-                  target_prefill_s=case.target(len(PROMPT)),
-                  draft_prefill_s=case.draft(len(PROMPT)) if case.draft is not None else 0.0)
+    setup = Setup(
+        case.strategy,
+        target=case.target,
+        draft=case.draft,
+        acceptance_rate=case.acceptance_rate,
+        lookahead=case.lookahead,
+        servers=case.servers,
+        max_ahead=case.ahead if case.strategy in ("amusd", "dsi") else None,
+        target_only_thread=False,
+        preempt=False,  # the real workers finish a forward in flight first
+        target_prefill_s=case.target(len(PROMPT)),
+        draft_prefill_s=case.draft(len(PROMPT)) if case.draft is not None else 0.0,
+    )
     return statistics.mean(simulate(setup, tokens, seed=s).total_s for s in range(repeats))
 
 
 def sim_cases(target_s: float = 0.02, draft_s: float = 0.004, a: float = 0.7) -> list[Case]:
     t, d = ForwardCost.linear(target_s), ForwardCost.linear(draft_s)
-    return [Case("ar", t, None, a), Case("sd", t, d, a, lookahead=3), Case("amusd", t, d, a),
-            Case("dsi", t, d, a, lookahead=3, servers=1), Case("dsi", t, d, a, lookahead=2, servers=4)]
+    return [
+        Case("ar", t, None, a),
+        Case("sd", t, d, a, lookahead=3),
+        Case("amusd", t, d, a),
+        Case("dsi", t, d, a, lookahead=3, servers=1),
+        Case("dsi", t, d, a, lookahead=2, servers=4),
+    ]
 
 
 def part_sim(tokens: int, repeats: int, runtime: str) -> None:
-    print(f"measured vs event simulator: target 20 ms, draft 4 ms (+2%/token), a = 0.7, {tokens} tokens, "
-          f"runtime={runtime}, median of {repeats}")
+    print(
+        f"measured vs event simulator: target 20 ms, draft 4 ms (+2%/token), a = 0.7, {tokens} tokens, "
+        f"runtime={runtime}, median of {repeats}"
+    )
     print(f"{'strategy':<18} {'measured s':>10} {'simulated s':>11} {'ratio':>7}")
     for case in sim_cases():
         measured = statistics.median(measure(case, tokens, repeats, runtime))
@@ -113,10 +131,15 @@ def part_table1(tokens: int, repeats: int, runtime: str, scale: float, measured:
     from paraspec.sim import dsi_online as online
     from paraspec.sim import dsi_paper as paper
     from paraspec.sim.table1 import events_choice, online_choice
-    print(f"DSI paper Table 1 with simulated devices (latencies x {scale}), {tokens} tokens, runtime={runtime}, "
-          f"median of {repeats}")
-    print(f"{'pair':<42} {'SI k':>4} {'DSI k':>5} {'N':>2} {'measured':>8} {'as run':>7} {'events':>7} {'online':>7} "
-          f"{'paper':>6}")
+
+    print(
+        f"DSI paper Table 1 with simulated devices (latencies x {scale}), {tokens} tokens, runtime={runtime}, "
+        f"median of {repeats}"
+    )
+    print(
+        f"{'pair':<42} {'SI k':>4} {'DSI k':>5} {'N':>2} {'measured':>8} {'as run':>7} {'events':>7} {'online':>7} "
+        f"{'paper':>6}"
+    )
     for row in paper.PAPER_TABLE1:
         ev = events_choice(row, repeats=30, tokens=tokens)
         on = online_choice(row, online.VARIANTS["paper"], repeats=300)
@@ -128,24 +151,32 @@ def part_table1(tokens: int, repeats: int, runtime: str, scale: float, measured:
         m_dsi = statistics.median(measure(dsi, tokens, repeats, runtime)) if measured else float("nan")
         as_run = predict(si, tokens, repeats=100) / predict(dsi, tokens, repeats=100)
         name = f"{row.target} / {row.drafter}, {row.dataset}"
-        print(f"{name:<42} {ev.si_k:>4} {ev.dsi_k:>5} {ev.dsi_servers:>2} {m_si / m_dsi:>7.2f}x {as_run:>6.2f}x "
-              f"{ev.speedup:>6.2f}x "
-              f"{on.speedup:>6.2f}x {row.paper_speedup:>5.2f}x", flush=True)
+        print(
+            f"{name:<42} {ev.si_k:>4} {ev.dsi_k:>5} {ev.dsi_servers:>2} {m_si / m_dsi:>7.2f}x {as_run:>6.2f}x "
+            f"{ev.speedup:>6.2f}x "
+            f"{on.speedup:>6.2f}x {row.paper_speedup:>5.2f}x",
+            flush=True,
+        )
 
 
 def part_overhead(tokens: int, repeats: int, runtime: str) -> None:
     print(f"orchestration overhead, zero-latency simulated models, {tokens} tokens, a = 0.8, runtime={runtime}")
     print(f"{'strategy':<18} {'ms/token (median)':>17} {'min':>7}")
     zero = ForwardCost.constant(1e-9)
-    for case in (Case("sd", zero, zero, 0.8, lookahead=4), Case("amusd", zero, zero, 0.8, max_ahead=8),
-                 Case("dsi", zero, zero, 0.8, lookahead=4, servers=1),
-                 Case("dsi", zero, zero, 0.8, lookahead=4, servers=2),
-                 Case("dsi", zero, zero, 0.8, lookahead=2, servers=8)):
+    for case in (
+        Case("sd", zero, zero, 0.8, lookahead=4),
+        Case("amusd", zero, zero, 0.8, max_ahead=8),
+        Case("dsi", zero, zero, 0.8, lookahead=4, servers=1),
+        Case("dsi", zero, zero, 0.8, lookahead=4, servers=2),
+        Case("dsi", zero, zero, 0.8, lookahead=2, servers=8),
+    ):
         target = SimulatedSpec()
         draft = SimulatedSpec(role="draft", acceptance_rate=case.acceptance_rate)
-        options = {"sd": dict(lookahead=case.lookahead, adaptive=False), "amusd": dict(max_ahead=case.ahead),
-                   "dsi": dict(lookahead=case.lookahead, max_ahead=case.ahead,
-                               target_devices=["cpu"] * case.servers)}[case.strategy]
+        options = {
+            "sd": dict(lookahead=case.lookahead, adaptive=False),
+            "amusd": dict(max_ahead=case.ahead),
+            "dsi": dict(lookahead=case.lookahead, max_ahead=case.ahead, target_devices=["cpu"] * case.servers),
+        }[case.strategy]
         per_token = []
         with Engine(target, draft, strategy=case.strategy, runtime=runtime, **options) as engine:
             engine.generate(PROMPT, SamplingParams(max_new_tokens=tokens))

@@ -6,6 +6,7 @@ code, the same calls, no sleeps) to put a measured figure on `paraspec simulate 
 
     .venv/bin/python benchmarks/dsi_table1_restart.py --windows 40
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 def _window(shared, pipe) -> None:
     pool = ThreadPoolExecutor(max_workers=7)
-    pool._work_queue = queue.LifoQueue()           # as the authors' (simulation_core.py:162-165)
+    pool._work_queue = queue.LifoQueue()  # as the authors' (simulation_core.py:162-165)
     shared["correct"] = 3
     pool.submit(lambda: shared["correct"]).result()
     shared["total_tokens"] = shared["total_tokens"] + shared["correct"]
@@ -32,7 +33,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--windows", type=int, default=40)
     args = p.parse_args()
-    multiprocessing.set_start_method("fork")         # Linux's default in the authors' Python 3.10
+    multiprocessing.set_start_method("fork")  # Linux's default in the authors' Python 3.10
     shared = multiprocessing.Manager().dict(total_tokens=100, prompt_tokens=100)
     times = []
     for _ in range(args.windows):
@@ -45,8 +46,10 @@ def main() -> None:
         process.join()
         times.append(1000 * (time.perf_counter() - start))
     q = statistics.quantiles(times, n=10)
-    print(f"restart per window: median {statistics.median(times):.1f} ms (p10 {q[0]:.1f}, p90 {q[-1]:.1f}), "
-          f"{args.windows} windows, {os.cpu_count()} CPUs")
+    print(
+        f"restart per window: median {statistics.median(times):.1f} ms (p10 {q[0]:.1f}, p90 {q[-1]:.1f}), "
+        f"{args.windows} windows, {os.cpu_count()} CPUs"
+    )
 
 
 if __name__ == "__main__":

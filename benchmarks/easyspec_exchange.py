@@ -4,6 +4,7 @@ all-gathers (one per group of two layers).
 
     python benchmarks/easyspec_exchange.py --iters 2000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,11 +14,12 @@ import time
 
 import torch
 
-HIDDEN = 896          # Qwen2.5-0.5B
+HIDDEN = 896  # Qwen2.5-0.5B
 
 
 def shm_rank(rank, name, rows, iters, out):
     from paraspec.runtime.exchange import ShmExchange
+
     os.sched_setaffinity(0, {rank})
     torch.set_num_threads(1)
     ex = ShmExchange.attach(name, rank, 2, rows * HIDDEN * 4)
@@ -33,6 +35,7 @@ def shm_rank(rank, name, rows, iters, out):
 
 def gloo_rank(rank, port, rows, iters, out):
     import torch.distributed as dist
+
     os.sched_setaffinity(0, {rank})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -64,6 +67,7 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = p.parse_args()
     from paraspec.runtime.exchange import ShmExchange
+
     print("| rows (tokens) | shared memory (us) | gloo (us) |\n|---|---|---|")
     for i, rows in enumerate(args.rows):
         ex = ShmExchange.create(2, rows * HIDDEN * 4)

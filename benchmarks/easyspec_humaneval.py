@@ -9,13 +9,13 @@ Every strategy gets the same hardware budget, both cores: ar, sd and tree run in
 verifies with 2 threads. Each variant has its own Engine (the pair loads once per variant); prompts are
 interleaved across variants after a warm-up.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
 import sys
-import time
 
 
 def main(argv=None) -> int:
@@ -40,19 +40,30 @@ def main(argv=None) -> int:
     tree = dict(tree_width=args.tree_width, tree_depth=args.tree_depth, tree_budget=args.tree_width * args.tree_depth)
     variants = {
         "ar": dict(strategy="ar"),
-        "sd": dict(strategy="sd", lookahead=args.lookahead, adaptive=False),    # the paper's baseline: fixed k
+        "sd": dict(strategy="sd", lookahead=args.lookahead, adaptive=False),  # the paper's baseline: fixed k
         "tree": dict(strategy="tree", **tree),
         # drafting spread over cpu:0 (this process) and cpu:1 (a worker), one rank each
-        "easyspec": dict(strategy="easyspec", draft_devices=["cpu:0", "cpu:1"], lp_size=args.lp_size,
-                         layer_groups="", calibration=True, **tree),
+        "easyspec": dict(
+            strategy="easyspec",
+            draft_devices=["cpu:0", "cpu:1"],
+            lp_size=args.lp_size,
+            layer_groups="",
+            calibration=True,
+            **tree,
+        ),
     }
     engines = {}
     rows = []
     try:
-        for name, kwargs in variants.items():              # load, then warm up (easyspec starts its draft worker)
+        for name, kwargs in variants.items():  # load, then warm up (easyspec starts its draft worker)
             kwargs = {"draft_devices": ["cpu:0-1"]} | kwargs
-            engines[name] = Engine(args.target, None if name == "ar" else args.draft, dtype=args.dtype,
-                                   target_devices=["cpu:0-1"], **kwargs)
+            engines[name] = Engine(
+                args.target,
+                None if name == "ar" else args.draft,
+                dtype=args.dtype,
+                target_devices=["cpu:0-1"],
+                **kwargs,
+            )
             engines[name].generate(prompts[0], SamplingParams(max_new_tokens=4))
         for temperature in args.temperature:
             rows += _measure(engines, prompts, temperature, args.max_new_tokens)
@@ -69,13 +80,15 @@ def main(argv=None) -> int:
 def _measure(engines: dict, prompts: list, temperature: float, max_new_tokens: int) -> list[dict]:
     """One interleaved pass: each prompt through every variant in turn."""
     from paraspec import SamplingParams
+
     results = {name: [] for name in engines}
     for i, prompt in enumerate(prompts):
         for name, engine in engines.items():
             params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=i)
             results[name].append(engine.generate(prompt, params))
-            print(f"T={temperature} prompt {i} {name}: {results[name][-1].stats.summary()}", flush=True,
-                  file=sys.stderr)
+            print(
+                f"T={temperature} prompt {i} {name}: {results[name][-1].stats.summary()}", flush=True, file=sys.stderr
+            )
     ar_ms = _total(results["ar"])["ms_per_token"]
     rows = []
     for name, res in results.items():
@@ -83,7 +96,7 @@ def _measure(engines: dict, prompts: list, temperature: float, max_new_tokens: i
         row["speedup"] = ar_ms / row["ms_per_token"]
         if temperature == 0:
             row["same_tokens_as_ar"] = all(a.token_ids == b.token_ids for a, b in zip(res, results["ar"]))
-        if name == "ar":                            # every second of ar is target time
+        if name == "ar":  # every second of ar is target time
             row["verify_s_per_100"] = row["total_s_per_100"]
         rows.append(row)
     return rows
@@ -92,25 +105,31 @@ def _measure(engines: dict, prompts: list, temperature: float, max_new_tokens: i
 def _total(results) -> dict:
     tokens = sum(r.stats.new_tokens for r in results)
     drafted = sum(r.stats.drafted for r in results)
-    return dict(tokens=tokens,
-                draft_s_per_100=100 * sum(r.stats.draft_s for r in results) / tokens,
-                verify_s_per_100=100 * sum(r.stats.verify_s for r in results) / tokens,
-                total_s_per_100=100 * sum(r.stats.total_s for r in results) / tokens,
-                ms_per_token=1000 * sum(r.stats.total_s for r in results) / tokens,
-                tpot_ms=statistics.median(r.stats.tpot_ms for r in results),
-                acceptance_rate=(sum(r.stats.accepted for r in results) / drafted) if drafted else None,
-                rounds=sum(r.stats.rounds for r in results))
+    return dict(
+        tokens=tokens,
+        draft_s_per_100=100 * sum(r.stats.draft_s for r in results) / tokens,
+        verify_s_per_100=100 * sum(r.stats.verify_s for r in results) / tokens,
+        total_s_per_100=100 * sum(r.stats.total_s for r in results) / tokens,
+        ms_per_token=1000 * sum(r.stats.total_s for r in results) / tokens,
+        tpot_ms=statistics.median(r.stats.tpot_ms for r in results),
+        acceptance_rate=(sum(r.stats.accepted for r in results) / drafted) if drafted else None,
+        rounds=sum(r.stats.rounds for r in results),
+    )
 
 
 def table(rows) -> str:
-    lines = ["| T | strategy | draft s/100 tok | verify s/100 tok | total s/100 tok | speedup | acceptance | "
-             "same as ar |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | strategy | draft s/100 tok | verify s/100 tok | total s/100 tok | speedup | acceptance | same as ar |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
         same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_ar"), "-")
-        lines.append(f"| {r['temperature']} | {r['strategy']} | {r['draft_s_per_100']:.2f} | "
-                     f"{r['verify_s_per_100']:.2f} | {r['total_s_per_100']:.2f} | {r['speedup']:.2f}x | {acc} | "
-                     f"{same} |")
+        lines.append(
+            f"| {r['temperature']} | {r['strategy']} | {r['draft_s_per_100']:.2f} | "
+            f"{r['verify_s_per_100']:.2f} | {r['total_s_per_100']:.2f} | {r['speedup']:.2f}x | {acc} | "
+            f"{same} |"
+        )
     return "\n".join(lines)
 
 

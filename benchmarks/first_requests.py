@@ -8,6 +8,7 @@ The rule's forward costs are timed once per model when the Engine starts and sha
 (Strategy.cost_tables); `--per-sequence-timing` makes every sequence time its own at its first request, as before,
 while the other requests wait in the Batcher.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,23 +33,28 @@ def main() -> None:
         measure = LocalStrategy.forward_cost
 
         def own_timing(self, key, model, widths, last_only=False):
-            self.cost_tables = {}              # this sequence's own table: timed now, as before
+            self.cost_tables = {}  # this sequence's own table: timed now, as before
             return measure(self, key, model, widths, last_only)
+
         LocalStrategy.forward_cost = own_timing
     draft = DRAFT if args.draft == "model" else args.draft
     prompts = [p.as_input(True) for p in load_prompts("humaneval", args.callers)]
     start = time.perf_counter()
-    with Engine(TARGET, draft, strategy="sd", adaptive=True, lookahead=8, backend="llamacpp",
-                max_num_seqs=args.callers) as engine:
+    with Engine(
+        TARGET, draft, strategy="sd", adaptive=True, lookahead=8, backend="llamacpp", max_num_seqs=args.callers
+    ) as engine:
         built = time.perf_counter() - start
         begin = time.perf_counter()
-        with ThreadPoolExecutor(args.callers) as pool:      # every request at once, one thread each
-            results = list(pool.map(lambda p: engine.generate(p, SamplingParams(max_new_tokens=args.max_tokens)),
-                                    prompts))
+        with ThreadPoolExecutor(args.callers) as pool:  # every request at once, one thread each
+            results = list(
+                pool.map(lambda p: engine.generate(p, SamplingParams(max_new_tokens=args.max_tokens)), prompts)
+            )
         wall = time.perf_counter() - begin
     ttfts = sorted(r.stats.ttft_s for r in results)
-    print(f"{'per-sequence timing' if args.per_sequence_timing else 'shared timing'}: engine built in {built:.1f} s; "
-          f"{args.callers} first requests: TTFT " + ", ".join(f"{t:.1f}" for t in ttfts) + f" s; all done in {wall:.1f} s")
+    print(
+        f"{'per-sequence timing' if args.per_sequence_timing else 'shared timing'}: engine built in {built:.1f} s; "
+        f"{args.callers} first requests: TTFT " + ", ".join(f"{t:.1f}" for t in ttfts) + f" s; all done in {wall:.1f} s"
+    )
 
 
 if __name__ == "__main__":

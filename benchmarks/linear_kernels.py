@@ -4,7 +4,7 @@ A verification forward of k+1 tokens must cost little more than a one-token forw
 On this AVX2 machine `F.linear` (MKL sgemm) costs ~3.5x more for 8 rows than for 1, so this script times the
 alternatives on the reference target's weight shapes, per row count n, median of `--repeats`:
 
-    linear      F.linear(x, W)                              (what models/llama.py used)
+    linear      F.linear(x, W)                              (what models/native/decoder.py used)
     t-layout    x @ W_t with W_t = W.t().contiguous()        (weights stored [in, out])
     w-left      (W @ x.t()).t()                              (the big matrix as the left operand)
     mkl-packed  torch.ops.mkl._mkl_linear with a weight packed once by _mkl_reorder_linear_weight
@@ -12,6 +12,7 @@ alternatives on the reference target's weight shapes, per row count n, median of
 
     python benchmarks/linear_kernels.py --threads 1 --rows 1,2,4,6,8,16,24
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ def kernels(weight: torch.Tensor, rows: int) -> dict:
         out["mkl-packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         try:
-            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if hasattr(
-                torch.ops.mkldnn, "_reorder_linear_weight") else weight
+            reordered = (
+                torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                if hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                else weight
+            )
             out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], "")
         except RuntimeError:
             pass
@@ -52,8 +56,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"{args.threads} thread(s); ms per call for all four projections of one layer (sum), median of "
-          f"{args.repeats}")
+    print(
+        f"{args.threads} thread(s); ms per call for all four projections of one layer (sum), median of {args.repeats}"
+    )
     weights = {name: torch.randn(shape) / shape[1] ** 0.5 for name, shape in SHAPES.items()}
     names = None
     with torch.inference_mode():

@@ -21,6 +21,7 @@ each; TPOT = (wall time - TTFT) / (tokens - 1), TTFT for llama-server is its own
 variant's median TPOT and the median over (round, prompt) pairs of paraspec's TPOT over the variant's on the same
 pair. The load average is printed at the start and the end: quote the figures only from a quiet machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,7 +78,7 @@ for line in sys.stdin:
 def same_config_loop(model, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
     """(tokens, TTFT s, total s) on paraspec's own llama.cpp context: its prefill, then one-token llama_decode
     calls (the backend's own `_llama_decode_many`) and an argmax in numpy, without the Engine around them."""
-    from paraspec.models.llamacpp import _lib, _llama_decode_many
+    from paraspec.models.llamacpp.model import _lib, _llama_decode_many
 
     def argmax_last() -> int:
         return int(np.ctypeslib.as_array(_lib.llama_get_logits_ith(model._ctx, -1), shape=(model.vocab_size,)).argmax())
@@ -96,9 +97,13 @@ class BareLoop:
     """llama-cpp-python's Llama with default options in a child process; `generate` -> (ids, ttft s, total s)."""
 
     def __init__(self, gguf: Path, threads: int, lib: str | None):
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(gguf), str(threads), lib or ""],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(gguf), str(threads), lib or ""],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"},
+        )
         hello = self.proc.stdout.readline()
         if not hello:
             raise RuntimeError(f"the llama-cpp-python child exited with status {self.proc.wait()}")
@@ -128,15 +133,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dataset", default="humaneval")
     ap.add_argument("--bare-lib", default=None, help="a folder holding another llama_cpp package for the bare loop")
-    ap.add_argument("--flash-off", action="store_true",
-                    help="also paraspec ar with flash attention off (PARASPEC_LLAMACPP_FLASH_ATTN=0), interleaved")
+    ap.add_argument(
+        "--flash-off",
+        action="store_true",
+        help="also paraspec ar with flash attention off (PARASPEC_LLAMACPP_FLASH_ATTN=0), interleaved",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cores = list(range(args.threads))
     gguf = gguf_file(args.model)
     names = ["paraspec ar", "bare loop, same config", "llama-cpp-python", "llama-server"]
     names += ["paraspec ar, flash attention off"] if args.flash_off else []
-    rows = {name: [] for name in names}          # (round, prompt) -> (ids, ttft s, tpot s)
+    rows = {name: [] for name in names}  # (round, prompt) -> (ids, ttft s, tpot s)
     devices = [f"cpu:0-{args.threads - 1}" if args.threads > 1 else "cpu:0"]
 
     def ar_engine(flash_off: bool) -> Engine:
@@ -150,11 +158,12 @@ def main() -> None:
         server = stack.enter_context(LlamaServer(peer_binaries(), gguf, args.threads, cores))
         bare = BareLoop(gguf, args.threads, args.bare_lib)
         try:
-            prompts = [encode_prompt(engine.tokenizer, p.as_input(chat=True))
-                       for p in load_prompts(args.dataset, args.prompts)]
+            prompts = [
+                encode_prompt(engine.tokenizer, p.as_input(chat=True)) for p in load_prompts(args.dataset, args.prompts)
+            ]
             for e in (engine, off):
                 if e is not None:
-                    e.target.eos_token_ids = ()       # paraspec does not stop either: --tokens tokens, as the loops
+                    e.target.eos_token_ids = ()  # paraspec does not stop either: --tokens tokens, as the loops
 
             def run(name, prompt, tokens):
                 """(token ids, TTFT s, TPOT s) of one variant on one prompt."""
@@ -165,12 +174,15 @@ def main() -> None:
                     answer, seconds = server.complete(prompt, params)
                     r = result_from_answer("llamacpp-ar", prompt, params, answer, seconds, 4096)
                 else:
-                    ids, ttft, total = bare.generate(prompt, tokens) if name == "llama-cpp-python" else \
-                        same_config_loop(engine.target, prompt, tokens)
+                    ids, ttft, total = (
+                        bare.generate(prompt, tokens)
+                        if name == "llama-cpp-python"
+                        else same_config_loop(engine.target, prompt, tokens)
+                    )
                     return ids, ttft, (total - ttft) / (len(ids) - 1)
                 return r.token_ids, r.stats.ttft_s, r.stats.tpot_ms / 1000
 
-            for name in names:                         # warm-up
+            for name in names:  # warm-up
                 run(name, prompts[0], 8)
             load = os.getloadavg()[0]
             for rnd in range(args.rounds):
@@ -178,25 +190,34 @@ def main() -> None:
                     k = (rnd * len(prompts) + i) % len(names)
                     for name in names[k:] + names[:k]:
                         rows[name].append(run(name, prompt, args.tokens))
-                        print(f"round {rnd + 1} prompt {i + 1} {name}: TPOT {rows[name][-1][2] * 1000:.2f} ms",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"round {rnd + 1} prompt {i + 1} {name}: TPOT {rows[name][-1][2] * 1000:.2f} ms",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         finally:
             bare.close()
         kernels = f"{engine.target.kernels}, flash attention {'on' if engine.target.flash_attention else 'off'}"
-    print(f"{args.model} ({gguf.name}), {args.threads} threads, {args.prompts} {args.dataset} prompts x "
-          f"{args.tokens} tokens x {args.rounds} rounds, interleaved; paraspec kernels: {kernels}; "
-          f"llama-cpp-python from {bare.info['lib']}; load average {load:.2f} at the start (after the warm-up) "
-          f"and {os.getloadavg()[0]:.2f} at the end, {os.cpu_count()} CPUs, one variant running at a time")
+    print(
+        f"{args.model} ({gguf.name}), {args.threads} threads, {args.prompts} {args.dataset} prompts x "
+        f"{args.tokens} tokens x {args.rounds} rounds, interleaved; paraspec kernels: {kernels}; "
+        f"llama-cpp-python from {bare.info['lib']}; load average {load:.2f} at the start (after the warm-up) "
+        f"and {os.getloadavg()[0]:.2f} at the end, {os.cpu_count()} CPUs, one variant running at a time"
+    )
     ref = [x[0] for x in rows["paraspec ar"]]
-    print("| variant | TTFT ms (median) | TPOT ms (median) | paraspec ar TPOT / this (median of pairs) | "
-          "tokens = paraspec ar |")
+    print(
+        "| variant | TTFT ms (median) | TPOT ms (median) | paraspec ar TPOT / this (median of pairs) | "
+        "tokens = paraspec ar |"
+    )
     print("|---|---|---|---|---|")
     for name in names:
         r = rows[name]
         ratio = statistics.median(a[2] / b[2] for a, b in zip(rows["paraspec ar"], r))
         same = sum(a == b[0] for a, b in zip(ref, r))
-        print(f"| {name} | {statistics.median(x[1] for x in r) * 1000:.1f} | "
-              f"{statistics.median(x[2] for x in r) * 1000:.2f} | {ratio:.3f} | {same}/{len(r)} |")
+        print(
+            f"| {name} | {statistics.median(x[1] for x in r) * 1000:.1f} | "
+            f"{statistics.median(x[2] for x in r) * 1000:.2f} | {ratio:.3f} | {same}/{len(r)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ bare loop over llama-cpp-python's `Llama` with its default options and the given
 --tokens one-token `eval`s with an argmax, --repeats times. Printed: each build's median and best ms/token over all
 repeats of all rounds. Quote it only from a quiet machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,18 +53,36 @@ def main() -> None:
     model = args.model
     if not model.endswith(".gguf"):
         from paraspec.models.loader import gguf_source, resolve_checkpoint
+
         model = str(gguf_source(resolve_checkpoint(model, backend="llamacpp")))
     names = list(libs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            proc = subprocess.run([sys.executable, "-c", CHILD, libs[name], model, str(args.threads),
-                                   str(args.tokens), str(args.repeats)], capture_output=True, text=True, check=True)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    libs[name],
+                    model,
+                    str(args.threads),
+                    str(args.tokens),
+                    str(args.repeats),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             times[name] += json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"round {r + 1}/{args.rounds} {name}: " + " ".join(f"{t:.2f}" for t in times[name][-args.repeats:]),
-                  file=sys.stderr)
-    print(f"one-token decode, {args.threads} thread(s), {args.tokens} tokens after a 300-token prompt, "
-          f"{args.rounds} rounds x {args.repeats} repeats, builds interleaved")
+            print(
+                f"round {r + 1}/{args.rounds} {name}: " + " ".join(f"{t:.2f}" for t in times[name][-args.repeats :]),
+                file=sys.stderr,
+            )
+    print(
+        f"one-token decode, {args.threads} thread(s), {args.tokens} tokens after a 300-token prompt, "
+        f"{args.rounds} rounds x {args.repeats} repeats, builds interleaved"
+    )
     print("| build | median ms/token | best ms/token |")
     print("|---|---|---|")
     for name in names:

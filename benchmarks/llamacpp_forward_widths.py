@@ -22,6 +22,7 @@ the table keeps only the runs that others left alone (share < --max-others) when
     python benchmarks/llamacpp_forward_widths.py --threads 2 --rounds 5
     python benchmarks/llamacpp_forward_widths.py --default-lib /tmp/unpatched-site --check
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,14 @@ import subprocess
 import sys
 import time
 
-PARASPEC = "paraspec"       # GGML_CPU_TILED_MM as paraspec's backend sets it for this build and CPU
-CONFIGS = {   # name: (use_extra_bufts, flash_attn_type, GGML_CPU_TILED_MM or None = unset)
+PARASPEC = "paraspec"  # GGML_CPU_TILED_MM as paraspec's backend sets it for this build and CPU
+CONFIGS = {  # name: (use_extra_bufts, flash_attn_type, GGML_CPU_TILED_MM or None = unset)
     "repacked": (True, 0, PARASPEC),
     "repacked-untiled": (True, 0, "0"),
     "plain": (False, 0, PARASPEC),
     "default": (True, -1, None),
-    "repacked+flash": (True, 1, "0"),     # not used by paraspec: is flash attention exact too? (--check)
-    "repacked+tiled": (True, 0, None),    # not used by paraspec: the tiled K-quant matmul on (--check)
+    "repacked+flash": (True, 1, "0"),  # not used by paraspec: is flash attention exact too? (--check)
+    "repacked+tiled": (True, 0, None),  # not used by paraspec: the tiled K-quant matmul on (--check)
     # the tiled K-quant matmul for every width (GGML_CPU_TILED_MM_FORCE=1: also below its 8 rows)
     "repacked+tiled-all": (True, 0, None),
 }
@@ -51,7 +52,8 @@ def paraspec_tiled() -> str:
     """GGML_CPU_TILED_MM as paraspec's llamacpp backend sets it (this process runs no product: importing is safe)."""
     import llama_cpp
 
-    from paraspec.models.llamacpp import tiled_matmul_patched
+    from paraspec.models.llamacpp.model import tiled_matmul_patched
+
     return "1" if tiled_matmul_patched(llama_cpp, llama_cpp.llama_print_system_info().decode(errors="replace")) else "0"
 
 
@@ -63,9 +65,10 @@ def worker(args) -> None:
 
     import llama_cpp as lib
     import numpy as np
+
     repack, flash, _ = CONFIGS[args.worker]
     lib.llama_backend_init()
-    quiet = lib.llama_log_callback(lambda *a: None)     # referenced until the end: C holds the pointer
+    quiet = lib.llama_log_callback(lambda *a: None)  # referenced until the end: C holds the pointer
     lib.llama_log_set(quiet, ctypes.c_void_p(0))
     mparams = lib.llama_model_default_params()
     mparams.use_extra_bufts = repack
@@ -96,12 +99,12 @@ def worker(args) -> None:
 
     ids = np.random.default_rng(0).integers(0, n_vocab, size=args.context + widest).tolist()
     for start in range(0, args.context, 512):
-        decode(ids[start:min(start + 512, args.context)], start, 1)
+        decode(ids[start : min(start + 512, args.context)], start, 1)
     out = {"ms": {}, "inexact_widths": None, "system": lib.llama_print_system_info().decode()}
-    p, cont = args.context, ids[args.context:]
+    p, cont = args.context, ids[args.context :]
     for w in args.widths:
         times = []
-        for _ in range(args.repeats + 1):          # the first is a warm-up
+        for _ in range(args.repeats + 1):  # the first is a warm-up
             start = time.perf_counter()
             decode(cont[:w], p, w)
             times.append(time.perf_counter() - start)
@@ -121,7 +124,7 @@ def cpu_jiffies() -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs since boot."""
     with open("/proc/stat") as f:
         values = [int(v) for v in f.readline().split()[1:]]
-    idle = values[3] + values[4]             # idle + iowait
+    idle = values[3] + values[4]  # idle + iowait
     return sum(values) - idle, sum(values)
 
 
@@ -154,8 +157,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per width and round (median)")
     p.add_argument("--default-lib", help="a folder holding another llama_cpp package, for the default config")
-    p.add_argument("--check", action="store_true",
-                   help="also check widths 2..max(16, widest) bitwise against 1-token forwards")
+    p.add_argument(
+        "--check", action="store_true", help="also check widths 2..max(16, widest) bitwise against 1-token forwards"
+    )
     p.add_argument("--wait-quiet", type=float, default=600, help="seconds to wait for a quiet machine before a run")
     p.add_argument("--max-others", type=float, default=0.1, help="other processes' CPU share that spoils a run")
     p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
@@ -164,13 +168,14 @@ def main() -> None:
     args.widths = [int(w) for w in args.widths.split(",")]
     if not args.model.endswith(".gguf"):
         from paraspec.models.loader import gguf_source, resolve_checkpoint
+
         args.model = str(gguf_source(resolve_checkpoint(args.model, backend="llamacpp")))
     if args.worker:
         return worker(args)
     configs = args.configs.split(",")
     runs = {c: [] for c in configs}
     for r in range(args.rounds):
-        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+        for c in configs[r % len(configs) :] + configs[: r % len(configs)]:
             env = dict(os.environ)
             env.pop("GGML_CPU_TILED_MM", None)
             if CONFIGS[c][2] is not None:
@@ -178,29 +183,54 @@ def main() -> None:
             env.pop("GGML_CPU_TILED_MM_FORCE", None)
             if c.endswith("tiled-all"):
                 env["GGML_CPU_TILED_MM_FORCE"] = "1"
-            cmd = [sys.executable, __file__, "--worker", c, "--model", args.model, "--threads", str(args.threads),
-                   "--context", str(args.context), "--widths", ",".join(map(str, args.widths)),
-                   "--repeats", str(args.repeats)] + (["--check"] if args.check and r == 0 else [])
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                c,
+                "--model",
+                args.model,
+                "--threads",
+                str(args.threads),
+                "--context",
+                str(args.context),
+                "--widths",
+                ",".join(map(str, args.widths)),
+                "--repeats",
+                str(args.repeats),
+            ] + (["--check"] if args.check and r == 0 else [])
             if c == "default" and args.default_lib:
                 cmd += ["--lib", args.default_lib]
             wait_quiet(args.wait_quiet, args.max_others)
             done = []
-            others = others_share(lambda: done.append(subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                                                     check=True)))
+            others = others_share(
+                lambda: done.append(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True))
+            )
             runs[c].append(dict(json.loads(done[0].stdout.strip().splitlines()[-1]), others=others))
-            print(f"round {r + 1}/{args.rounds} {c}: " + " ".join(f"w{w}={ms:.0f}" for w, ms in
-                  runs[c][-1]["ms"].items()) + f" (others took {others:.0%} of the CPUs)", file=sys.stderr)
-    checked = {c: next((run["inexact_widths"] for run in runs[c] if run["inexact_widths"] is not None), None)
-               for c in configs}
+            print(
+                f"round {r + 1}/{args.rounds} {c}: "
+                + " ".join(f"w{w}={ms:.0f}" for w, ms in runs[c][-1]["ms"].items())
+                + f" (others took {others:.0%} of the CPUs)",
+                file=sys.stderr,
+            )
+    checked = {
+        c: next((run["inexact_widths"] for run in runs[c] if run["inexact_widths"] is not None), None) for c in configs
+    }
     quiet = {c: [run for run in runs[c] if run["others"] < args.max_others] for c in configs}
     if all(quiet.values()):
         runs = quiet
-    print(f"{os.path.basename(args.model)}, {args.threads} thread(s), P = {args.context}, one llama_decode of w tokens "
-          f"with logits for each, ms (median over rounds of the median of {args.repeats}; rounds kept: "
-          + ", ".join(f"{c} {len(runs[c])}" for c in configs)
-          + ("" if all(quiet.values()) else " — all, some configuration had no quiet run: machine shared") + ")")
-    print("| configuration | " + " | ".join(f"w={w}" for w in args.widths)
-          + f" | widths 2..{max(args.widths + [16])} not bitwise |")
+    print(
+        f"{os.path.basename(args.model)}, {args.threads} thread(s), P = {args.context}, one llama_decode of w tokens "
+        f"with logits for each, ms (median over rounds of the median of {args.repeats}; rounds kept: "
+        + ", ".join(f"{c} {len(runs[c])}" for c in configs)
+        + ("" if all(quiet.values()) else " — all, some configuration had no quiet run: machine shared")
+        + ")"
+    )
+    print(
+        "| configuration | "
+        + " | ".join(f"w={w}" for w in args.widths)
+        + f" | widths 2..{max(args.widths + [16])} not bitwise |"
+    )
     print("|---|" + "---|" * (len(args.widths) + 1))
     for c in configs:
         med = [statistics.median(run["ms"][str(w)] for run in runs[c]) for w in args.widths]

@@ -18,8 +18,9 @@ Quote timings only from a quiet machine (the load average is printed).
 
 instead times the draft's and the target's prompts, and a one-token forward after them, on paraspec's own contexts
 (LlamaCppModel, repacking on), interleaved, with the draft as given and with its Q5_0 matrices as Q8_0 (what the
-Engine runs where its measured verdict says so, models/gguf_widen.py): sd's TTFT is the sum of the draft's and the target's.
+Engine runs where its measured verdict says so, models/llamacpp/widen.py): sd's TTFT is the sum of the draft's and the target's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from paraspec.bench.llamacpp_peers import gguf_file
-from paraspec.models.llamacpp import _llama_cpp, _llama_decode_many
+from paraspec.models.llamacpp.model import _llama_cpp, _llama_decode_many
 
 SETTINGS = {"paraspec": (0, 512, 512), "flash": (1, 512, 512), "flash, ubatch 512 / batch 2048": (1, 2048, 512)}
 MODELS = {"target": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "draft": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
@@ -54,7 +55,7 @@ class Context:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
         start = time.perf_counter()
         for s in range(0, len(ids), self.n_batch):
-            chunk = ids[s:s + self.n_batch]
+            chunk = ids[s : s + self.n_batch]
             _llama_decode_many(self.ctx, self.batch, [(0, chunk, s, 1 if s + len(chunk) == len(ids) else 0)])
         return (time.perf_counter() - start) * 1000
 
@@ -72,25 +73,28 @@ class Context:
 
 
 def compare_models(args) -> None:
-    from paraspec.models.llamacpp import LlamaCppModel
-    from paraspec.models.gguf_widen import widened
+    from paraspec.models.llamacpp.model import LlamaCppModel
+    from paraspec.models.llamacpp.widen import widened
+
     files = {role: gguf_file(name) for role, name in MODELS.items()}
-    files["draft, Q5_0 as Q8_0"] = widened(files["draft"])       # what the Engine runs where widening measured faster
-    models = {role: LlamaCppModel(path, 4096, (), n_threads=args.threads, kernels="repacked", probe=False)
-              for role, path in files.items()}
+    files["draft, Q5_0 as Q8_0"] = widened(files["draft"])  # what the Engine runs where widening measured faster
+    models = {
+        role: LlamaCppModel(path, 4096, (), n_threads=args.threads, kernels="repacked", probe=False)
+        for role, path in files.items()
+    }
     print(f"repacking on, {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")
     for p in args.prompt_tokens:
         ids = np.random.default_rng(p).integers(0, 150000, size=p).tolist()
         times = {role: [] for role in models}
         for model in models.values():
-            model.prefill(ids)              # warm-up
+            model.prefill(ids)  # warm-up
         for _ in range(args.rounds):
             for role, model in models.items():
                 start = time.perf_counter()
                 model.prefill(ids)
                 times[role].append((time.perf_counter() - start) * 1000)
         print(f"{p} prompt tokens: " + ", ".join(f"{role} {statistics.median(t):.0f} ms" for role, t in times.items()))
-        steps = {role: [] for role in models}          # then one-token forwards after that prompt
+        steps = {role: [] for role in models}  # then one-token forwards after that prompt
         for _ in range(args.rounds):
             for role, model in models.items():
                 model.rollback(p)
@@ -98,8 +102,10 @@ def compare_models(args) -> None:
                 for t in ids[:16]:
                     model.forward([t])
                 steps[role].append((time.perf_counter() - start) * 1000 / 16)
-        print("  one-token forward after it: " + ", ".join(f"{role} {statistics.median(t):.1f} ms"
-                                                         for role, t in steps.items()))
+        print(
+            "  one-token forward after it: "
+            + ", ".join(f"{role} {statistics.median(t):.1f} ms" for role, t in steps.items())
+        )
     for model in models.values():
         model.close()
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
@@ -131,9 +137,9 @@ def main() -> None:
         ids = rng.integers(0, vocab, size=p).tolist()
         times = {name: [] for name in contexts}
         for name, ctx in contexts.items():
-            ctx.prefill(ids)          # warm-up
+            ctx.prefill(ids)  # warm-up
         for r in range(args.rounds):
-            order = list(contexts)[r % len(contexts):] + list(contexts)[:r % len(contexts)]
+            order = list(contexts)[r % len(contexts) :] + list(contexts)[: r % len(contexts)]
             for name in order:
                 times[name].append(contexts[name].prefill(ids))
         print(f"| {p} | " + " | ".join(f"{statistics.median(times[n]):.0f}" for n in contexts) + " |")

@@ -15,6 +15,7 @@ position). The script compares, bitwise, with what `ar` computes one token at a 
 Everything runs in the batch-invariant configuration of the llamacpp backend (repacking off, flash attention
 off, GGML_CPU_TILED_MM=0, llamafile off), in which a chain of any width 1..16 is bitwise exact.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paraspec.models import llamacpp as L
+from paraspec.models.llamacpp import model as L
 from paraspec.models.loader import gguf_source, resolve_checkpoint
 
 
@@ -69,16 +70,19 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=200)
     ap.add_argument("--depth", type=int, default=4)
     args = ap.parse_args()
-    path = gguf_source(resolve_checkpoint(args.model, backend="llamacpp")) if not args.model.endswith(".gguf") \
+    path = (
+        gguf_source(resolve_checkpoint(args.model, backend="llamacpp"))
+        if not args.model.endswith(".gguf")
         else Path(args.model)
+    )
     lib, ctx, n_vocab = context(path, args.threads, n_seq=2)
     mem = lib.llama_get_memory(ctx)
     rng = np.random.default_rng(0)
     P, d = args.prefix, args.depth
     ids = rng.integers(0, n_vocab, size=P).tolist()
     branch_a = rng.integers(0, n_vocab, size=d).tolist()
-    branch_b = [branch_a[0]] + rng.integers(0, n_vocab, size=d - 1).tolist()   # shares the root with A
-    after = rng.integers(0, n_vocab, size=4).tolist()                              # tokens decoded afterwards
+    branch_b = [branch_a[0]] + rng.integers(0, n_vocab, size=d - 1).tolist()  # shares the root with A
+    after = rng.integers(0, n_vocab, size=4).tolist()  # tokens decoded afterwards
 
     # reference: ar, one token at a time along A, then the tokens after
     prefill(lib, ctx, n_vocab, ids, [0])
@@ -92,8 +96,8 @@ def main() -> None:
         b_rows = [(branch_b[i], P + i, [1], False) for i in range(1, d)]
         rows += [r for pair in zip(a_rows, b_rows) for r in pair] if layout == "interleaved" else a_rows + b_rows
         logits = decode(lib, ctx, n_vocab, rows)
-        tree_a = logits                                  # root + A's nodes, in order (B's rows have no logits)
-        lib.llama_memory_seq_rm(mem, 1, -1, -1)           # reject branch B
+        tree_a = logits  # root + A's nodes, in order (B's rows have no logits)
+        lib.llama_memory_seq_rm(mem, 1, -1, -1)  # reject branch B
         later = torch.cat([decode(lib, ctx, n_vocab, [(t, P + d + i, [0], True)]) for i, t in enumerate(after)])
         return tree_a, later
 
@@ -102,9 +106,11 @@ def main() -> None:
         tree_a, later = tree(layout)
         diff_tree = float((tree_a - ref[:d]).abs().max())
         diff_later = float((later - ref[d:]).abs().max())
-        print(f"  {layout:12s} tree forward vs ar: max |diff| {diff_tree:.4g} "
-              f"({'bitwise' if diff_tree == 0 else 'NOT exact'}); tokens decoded after: max |diff| "
-              f"{diff_later:.4g} ({'bitwise' if diff_later == 0 else 'NOT exact'})")
+        print(
+            f"  {layout:12s} tree forward vs ar: max |diff| {diff_tree:.4g} "
+            f"({'bitwise' if diff_tree == 0 else 'NOT exact'}); tokens decoded after: max |diff| "
+            f"{diff_later:.4g} ({'bitwise' if diff_later == 0 else 'NOT exact'})"
+        )
     lib.llama_free(ctx)
 
 

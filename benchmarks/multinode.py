@@ -18,6 +18,7 @@ and forward times, so the figures are the runtime's, not a model's.
     .venv/bin/python benchmarks/multinode.py latency --tokens 100 --repeats 3
     .venv/bin/python benchmarks/multinode.py messages
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ DRAFTER_CALLS = ("read_since", "publish_and_read", "wait_below_ahead", "wait_for
 def start_cluster(nodes: int):
     import ray
     from ray.cluster_utils import Cluster
+
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node0": 1}})
     for i in range(1, nodes):
         cluster.add_node(num_cpus=1, resources={f"node{i}": 1})
@@ -44,25 +46,41 @@ def start_cluster(nodes: int):
     return cluster
 
 
-def engine_for(strategy: str, servers: int, target_s: float, draft_s: float, a: float, lookahead: int,
-               network: bool, link_ms: float = 0.0) -> Engine:
+def engine_for(
+    strategy: str,
+    servers: int,
+    target_s: float,
+    draft_s: float,
+    a: float,
+    lookahead: int,
+    network: bool,
+    link_ms: float = 0.0,
+) -> Engine:
     """Each worker on its own node (network) or each in its own local process (shared memory)."""
-    cost = (lambda s: ForwardCost.constant(s) if s > 0 else None)       # None: no latency at all
+    cost = lambda s: ForwardCost.constant(s) if s > 0 else None  # None: no latency at all
     target = SimulatedSpec(cost=cost(target_s), seed=0)
     draft = SimulatedSpec(role="draft", cost=cost(draft_s), seed=0, draft_seed=1, acceptance_rate=a)
     n = servers if strategy == "dsi" else 1
     if network:
-        placement = dict(runtime="ray", transport="tcp", link_latency_ms=link_ms,
-                         draft_devices=["node0/cpu"], target_devices=[f"node{i + 1}/cpu" for i in range(n)])
+        placement = dict(
+            runtime="ray",
+            transport="tcp",
+            link_latency_ms=link_ms,
+            draft_devices=["node0/cpu"],
+            target_devices=[f"node{i + 1}/cpu" for i in range(n)],
+        )
     else:
         placement = dict(runtime="process", draft_devices=["cpu"], target_devices=["cpu"] * n)
-    options = (dict(lookahead=lookahead, max_ahead=(n + 1) * lookahead) if strategy == "dsi"
-               else dict(max_ahead=2 * lookahead, verify_chunk=2 * lookahead))
+    options = (
+        dict(lookahead=lookahead, max_ahead=(n + 1) * lookahead)
+        if strategy == "dsi"
+        else dict(max_ahead=2 * lookahead, verify_chunk=2 * lookahead)
+    )
     return Engine(target, draft, strategy=strategy, **placement, **options)
 
 
 def ms_per_token(engine: Engine, tokens: int, repeats: int) -> float:
-    engine.generate(PROMPT, SamplingParams(max_new_tokens=8))          # warm-up
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=8))  # warm-up
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -72,8 +90,10 @@ def ms_per_token(engine: Engine, tokens: int, repeats: int) -> float:
 
 
 def part_overhead(tokens: int, repeats: int) -> None:
-    print(f"orchestration cost per token, zero-latency simulated models, a = 0.8, lookahead 3, {tokens} tokens, "
-          f"median of {repeats}")
+    print(
+        f"orchestration cost per token, zero-latency simulated models, a = 0.8, lookahead 3, {tokens} tokens, "
+        f"median of {repeats}"
+    )
     print(f"{'strategy':<14} {'shared memory ms/token':>23} {'network ms/token':>17}")
     for strategy, servers in (("amusd", 1), ("dsi", 1), ("dsi", 4)):
         row = []
@@ -85,20 +105,32 @@ def part_overhead(tokens: int, repeats: int) -> None:
 
 
 def part_latency(tokens: int, repeats: int, target_ms: float, draft_ms: float, a: float) -> None:
-    print(f"measured vs event simulator, target {target_ms} ms, draft {draft_ms} ms per forward, a = {a}, "
-          f"lookahead 3, every worker on its own node, {tokens} tokens, median of {repeats}")
+    print(
+        f"measured vs event simulator, target {target_ms} ms, draft {draft_ms} ms per forward, a = {a}, "
+        f"lookahead 3, every worker on its own node, {tokens} tokens, median of {repeats}"
+    )
     print(f"{'strategy':<10} {'link ms':>8} {'measured ms/token':>18} {'simulated':>10} {'ratio':>6}")
     for strategy, servers in (("amusd", 1), ("dsi", 2)):
         for link_ms in (0.0, 1.0, 5.0):
             with engine_for(strategy, servers, target_ms / 1000, draft_ms / 1000, a, 3, True, link_ms) as engine:
                 measured = ms_per_token(engine, tokens, repeats)
             n = servers if strategy == "dsi" else 1
-            setup = Setup(strategy, target=ForwardCost.constant(target_ms / 1000),
-                          draft=ForwardCost.constant(draft_ms / 1000), acceptance_rate=a, lookahead=3, servers=n,
-                          max_ahead=(n + 1) * 3 if strategy == "dsi" else 6, preempt=False,
-                          target_only_thread=False, target_prefill_s=target_ms / 1000,
-                          draft_prefill_s=draft_ms / 1000, link_s=link_ms / 1000, remote_draft=True,
-                          remote_servers=n)
+            setup = Setup(
+                strategy,
+                target=ForwardCost.constant(target_ms / 1000),
+                draft=ForwardCost.constant(draft_ms / 1000),
+                acceptance_rate=a,
+                lookahead=3,
+                servers=n,
+                max_ahead=(n + 1) * 3 if strategy == "dsi" else 6,
+                preempt=False,
+                target_only_thread=False,
+                target_prefill_s=target_ms / 1000,
+                draft_prefill_s=draft_ms / 1000,
+                link_s=link_ms / 1000,
+                remote_draft=True,
+                remote_servers=n,
+            )
             total_s, _ = mean_result(setup, tokens, 20)
             simulated = total_s * 1000 / tokens
             name = strategy if strategy == "amusd" else f"dsi N={n}"
@@ -109,8 +141,10 @@ def part_messages(tokens: int, link_ms: float) -> None:
     """Count the channel calls the caller's ChannelServer answers (its threads run the TokenChannel methods)."""
     import collections
     import threading
+
     from paraspec.runtime.channels import TokenChannel
     from paraspec.runtime.net_channel import _CHANNEL_CALLS
+
     counts: collections.Counter = collections.Counter()
     nested = threading.local()
     for name in sorted(_CHANNEL_CALLS):
@@ -119,7 +153,7 @@ def part_messages(tokens: int, link_ms: float) -> None:
             continue
 
         def counted(self, *args, _original=original, _name=name, **kwargs):
-            depth = getattr(nested, "depth", 0)      # publish_and_read calls publish_draft and read_since: one trip
+            depth = getattr(nested, "depth", 0)  # publish_and_read calls publish_draft and read_since: one trip
             if depth == 0 and threading.current_thread().name == "paraspec-channel-conn":
                 counts[_name] += 1
             nested.depth = depth + 1
@@ -127,9 +161,12 @@ def part_messages(tokens: int, link_ms: float) -> None:
                 return _original(self, *args, **kwargs)
             finally:
                 nested.depth = depth
+
         setattr(TokenChannel, name, counted)
-    print(f"round trips over the network transport, link {link_ms} ms, target 20 ms, draft 4 ms, a = 0.8, "
-          f"lookahead 3, {tokens} tokens")
+    print(
+        f"round trips over the network transport, link {link_ms} ms, target 20 ms, draft 4 ms, a = 0.8, "
+        f"lookahead 3, {tokens} tokens"
+    )
     for strategy in ("amusd", "dsi"):
         with engine_for(strategy, 2, 0.02, 0.004, 0.8, 3, True, link_ms) as engine:
             engine.generate(PROMPT, SamplingParams(max_new_tokens=8))
@@ -164,6 +201,7 @@ def main() -> None:
             part_latency(args.tokens, args.repeats, args.target_ms, args.draft_ms, args.acceptance_rate)
     finally:
         import ray
+
         ray.shutdown()
         cluster.shutdown()
 

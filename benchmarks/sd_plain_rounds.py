@@ -9,6 +9,7 @@ with `adaptive=True` whose rule is patched to choose k* = 0 every round (the dra
 request, never run). They alternate, the order rotating; printed: each one's TPOT per round, the medians and the
 per-pair ratios. Quote them only from a quiet machine (the load average is printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,15 +33,17 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.tokens)
     common = dict(backend="llamacpp", target_devices=["cpu:0-1"], max_num_seqs=1)
     print(f"load average {os.getloadavg()[0]:.2f}")
-    with Engine(TARGET, strategy="ar", **common) as ar, \
-            Engine(TARGET, DRAFT, strategy="sd", adaptive=True, draft_devices=["cpu:0-1"], **common) as sd, \
-            mock.patch.object(DraftPolicy, "_choose", return_value=0):
+    with (
+        Engine(TARGET, strategy="ar", **common) as ar,
+        Engine(TARGET, DRAFT, strategy="sd", adaptive=True, draft_devices=["cpu:0-1"], **common) as sd,
+        mock.patch.object(DraftPolicy, "_choose", return_value=0),
+    ):
         engines = {"ar": ar, "sd, plain rounds": sd}
         tpot = {name: [] for name in engines}
         for engine in engines.values():
-            engine.generate(prompt, SamplingParams(max_new_tokens=8))            # warm-up
+            engine.generate(prompt, SamplingParams(max_new_tokens=8))  # warm-up
         for r in range(args.rounds):
-            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
                 result = engines[name].generate(prompt, params)
                 assert result.stats.drafted == 0
                 tpot[name].append(result.stats.tpot_ms)

@@ -5,6 +5,7 @@ llama.cpp's decode calls against outside them (paraspec's own work).
 
     .venv/bin/python benchmarks/sd_without_drafts.py --prompts 3 --rounds 4
 """
+
 import argparse
 import statistics
 import time
@@ -16,7 +17,7 @@ from paraspec.bench.datasets import load_prompts
 from paraspec.drafters import DraftPolicy, Proposal
 from paraspec.drafters.adaptive import Acceptance, ForwardCost
 from paraspec.drafters.base import Drafter
-from paraspec.models import llamacpp
+from paraspec.models.llamacpp import model as llamacpp
 
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
@@ -24,6 +25,7 @@ TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Ins
 def decision_us(policy: DraftPolicy, rounds: int = 2000) -> float:
     """Microseconds a round of the rule's own work (DraftPolicy.propose + observe, one draft model, 200 tokens of
     context, judged right 4 of 4 times), on `policy`'s measured costs, with a stand-in drafter: no forward runs."""
+
     class Idle(Drafter):
         name, free, length = "model", False, 200
 
@@ -33,8 +35,9 @@ def decision_us(policy: DraftPolicy, rounds: int = 2000) -> float:
         def propose(self, sequence, k, params, generator):
             return Proposal([7] * k)
 
-    rule = DraftPolicy([Idle()], ForwardCost(dict(policy.cost.seconds)),
-                       {0: ForwardCost(dict(policy.draft_costs[0].seconds))})
+    rule = DraftPolicy(
+        [Idle()], ForwardCost(dict(policy.cost.seconds)), {0: ForwardCost(dict(policy.draft_costs[0].seconds))}
+    )
     rule.acceptance[(0, 0)] = Acceptance(judged=4, accepted=4)
     sequence, params, generator = list(range(200)), SamplingParams(max_new_tokens=64), torch.Generator()
     start = time.perf_counter()
@@ -63,11 +66,15 @@ def main() -> None:
     llamacpp._llama_decode_many = timed
     prompts = [p.as_input(True) for p in load_prompts("humaneval", args.prompts)]
     params = SamplingParams(max_new_tokens=args.tokens)
-    engines = {"ar": Engine(TARGET, None, backend="llamacpp", strategy="ar", max_num_seqs=1),
-               "sd": Engine(TARGET, DRAFT, backend="llamacpp", strategy="sd", max_num_seqs=1)}
+    engines = {
+        "ar": Engine(TARGET, None, backend="llamacpp", strategy="ar", max_num_seqs=1),
+        "sd": Engine(TARGET, DRAFT, backend="llamacpp", strategy="sd", max_num_seqs=1),
+    }
     rows = {name: [] for name in engines}
-    print(f"the rule's decision: {decision_us(engines['sd'].strategy.policy):.0f} us a round (propose + observe, "
-          f"2,000 rounds, the sd engine's measured costs)")
+    print(
+        f"the rule's decision: {decision_us(engines['sd'].strategy.policy):.0f} us a round (propose + observe, "
+        f"2,000 rounds, the sd engine's measured costs)"
+    )
     try:
         for rnd in range(args.rounds):
             order = list(engines) if rnd % 2 == 0 else list(reversed(engines))
@@ -77,15 +84,27 @@ def main() -> None:
                     start = time.perf_counter()
                     s = engines[name].generate(prompt, params).stats
                     wall = time.perf_counter() - start
-                    rows[name].append(dict(ms_per_token=s.ms_per_token, ttft_ms=s.ttft_s * 1000, tpot_ms=s.tpot_ms,
-                                           drafted=s.drafted, outside_ms=(wall - inside[0]) * 1000))
+                    rows[name].append(
+                        dict(
+                            ms_per_token=s.ms_per_token,
+                            ttft_ms=s.ttft_s * 1000,
+                            tpot_ms=s.tpot_ms,
+                            drafted=s.drafted,
+                            outside_ms=(wall - inside[0]) * 1000,
+                        )
+                    )
     finally:
         for engine in engines.values():
             engine.close()
     for name, runs in rows.items():
-        print(f"{name}: " + ", ".join(f"{key} {statistics.median(r[key] for r in runs):.1f}"
-                                      for key in ("ms_per_token", "ttft_ms", "tpot_ms", "outside_ms"))
-              + f", drafted {sum(r['drafted'] for r in runs)} (medians over {len(runs)} requests)")
+        print(
+            f"{name}: "
+            + ", ".join(
+                f"{key} {statistics.median(r[key] for r in runs):.1f}"
+                for key in ("ms_per_token", "ttft_ms", "tpot_ms", "outside_ms")
+            )
+            + f", drafted {sum(r['drafted'] for r in runs)} (medians over {len(runs)} requests)"
+        )
     ratios = [a["ms_per_token"] / b["ms_per_token"] for a, b in zip(rows["ar"], rows["sd"])]
     print("ar/sd ms/token by pair:", " ".join(f"{r:.2f}" for r in ratios), f"median {statistics.median(ratios):.3f}")
 

@@ -11,6 +11,7 @@ tokens over the wall time), TTFT p50 and per-request TPOT p50/p95 (client side, 
 how many answers are the text the same server gave that request with one caller. paraspec's should all be (its
 batching keeps every answer bit-identical to the request alone); llama-server's are counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,14 @@ class ParaspecServer:
     def __init__(self, name: str, flags: list[str], threads: int):
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "paraspec", "serve", "--port", "0",
-                                      "--served-model-name", "bench", *flags], cwd=ROOT, env=env, text=True,
-                                     stdout=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "paraspec", "serve", "--port", "0", "--served-model-name", "bench", *flags],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         line = self.proc.stdout.readline()
         match = re.search(r"at (http://\S+)/v1", line)
         if not match:
@@ -63,10 +69,11 @@ class PeerServer:
 
     def __init__(self, name: str, binaries, gguf, threads: int, slots: int | None, context: int):
         from paraspec.bench.llamacpp_peers import LlamaServer
+
         self.name = name
         self.server = LlamaServer(binaries, gguf, threads, context=context, slots=slots)
         self.url = f"http://127.0.0.1:{self.server.port}/v1"
-        self.extra = {"cache_prompt": False}     # no KV reuse from an earlier request (paraspec keeps none)
+        self.extra = {"cache_prompt": False}  # no KV reuse from an earlier request (paraspec keeps none)
 
     def close(self) -> None:
         self.server.close()
@@ -76,8 +83,15 @@ def one_request(client, prompt_ids: list[int], max_tokens: int, extra: dict | No
     """A streamed greedy completion timed by the client: TTFT to the first text, TPOT after it."""
     start = time.perf_counter()
     first, text, tokens = None, [], None
-    for chunk in client.completions.create(model="bench", prompt=prompt_ids, temperature=0, max_tokens=max_tokens,
-                                           stream=True, stream_options={"include_usage": True}, extra_body=extra):
+    for chunk in client.completions.create(
+        model="bench",
+        prompt=prompt_ids,
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    ):
         if chunk.choices and chunk.choices[0].text:
             first = first or time.perf_counter()
             text.append(chunk.choices[0].text)
@@ -86,14 +100,20 @@ def one_request(client, prompt_ids: list[int], max_tokens: int, extra: dict | No
     end = time.perf_counter()
     first = first or end
     tokens = tokens or 1
-    return {"text": "".join(text), "tokens": tokens, "ttft_s": first - start,
-            "tpot_ms": (end - first) * 1000 / max(tokens - 1, 1)}
+    return {
+        "text": "".join(text),
+        "tokens": tokens,
+        "ttft_s": first - start,
+        "tpot_ms": (end - first) * 1000 / max(tokens - 1, 1),
+    }
 
 
-def run_level(url: str, prompts: list[list[int]], callers: int, max_tokens: int,
-              extra: dict | None = None) -> tuple[list[dict], float]:
+def run_level(
+    url: str, prompts: list[list[int]], callers: int, max_tokens: int, extra: dict | None = None
+) -> tuple[list[dict], float]:
     """Every prompt once, `callers` client threads each taking the next; the answers in prompt order, wall s."""
     import openai
+
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
     answers, lock, errors = [None] * len(prompts), threading.Lock(), []
     queue = list(range(len(prompts)))
@@ -108,6 +128,7 @@ def run_level(url: str, prompts: list[list[int]], callers: int, max_tokens: int,
                 answers[i] = one_request(client, prompts[i], max_tokens, extra)
             except Exception as e:  # noqa: BLE001 -- reported after the level
                 errors.append(e)
+
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(callers)]
     for t in threads:
@@ -120,19 +141,24 @@ def run_level(url: str, prompts: list[list[int]], callers: int, max_tokens: int,
 
 
 def summarize(answers: list[dict], wall_s: float, alone: list[dict] | None) -> dict:
-    q = lambda xs, p: statistics.quantiles(xs, n=20)[int(p * 20) - 1] if len(xs) > 1 else xs[0]   # noqa: E731
+    q = lambda xs, p: statistics.quantiles(xs, n=20)[int(p * 20) - 1] if len(xs) > 1 else xs[0]  # noqa: E731
     tpot = [a["tpot_ms"] for a in answers]
-    return {"tokens": sum(a["tokens"] for a in answers), "wall_s": round(wall_s, 3),
-            "tokens_per_s": round(sum(a["tokens"] for a in answers) / wall_s, 2),
-            "ttft_p50_s": round(statistics.median(a["ttft_s"] for a in answers), 3),
-            "tpot_p50_ms": round(statistics.median(tpot), 2), "tpot_p95_ms": round(q(tpot, 0.95), 2),
-            "same_as_alone": None if alone is None else sum(a["text"] == b["text"] for a, b in zip(answers, alone)),
-            "requests": len(answers)}
+    return {
+        "tokens": sum(a["tokens"] for a in answers),
+        "wall_s": round(wall_s, 3),
+        "tokens_per_s": round(sum(a["tokens"] for a in answers) / wall_s, 2),
+        "ttft_p50_s": round(statistics.median(a["ttft_s"] for a in answers), 3),
+        "tpot_p50_ms": round(statistics.median(tpot), 2),
+        "tpot_p95_ms": round(q(tpot, 0.95), 2),
+        "same_as_alone": None if alone is None else sum(a["text"] == b["text"] for a, b in zip(answers, alone)),
+        "requests": len(answers),
+    }
 
 
 def prompts_of(dataset: str, n: int, target: str) -> list[list[int]]:
     from paraspec.bench.datasets import encode_prompt, load_prompts
     from paraspec.models.loader import load_tokenizer, resolve_checkpoint
+
     tokenizer = load_tokenizer(resolve_checkpoint(target, backend="llamacpp"))
     return [encode_prompt(tokenizer, p.as_input(True)) for p in load_prompts(dataset, n)]
 
@@ -148,8 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="paraspec serve's --max-num-seqs")
     ap.add_argument("--context", type=int, default=2048, help="tokens per request (each server, each slot)")
-    ap.add_argument("--servers", nargs="+",
-                    default=["ar-1seq", "ar", "sd-suffix", "sd", "llama-server", "llama-server-np8"])
+    ap.add_argument(
+        "--servers", nargs="+", default=["ar-1seq", "ar", "sd-suffix", "sd", "llama-server", "llama-server-np8"]
+    )
     ap.add_argument("--out", default="out/serve_concurrency.json")
     args = ap.parse_args(argv)
     if 1 not in args.callers:
@@ -157,11 +184,22 @@ def main(argv=None) -> int:
 
     from paraspec.bench.llamacpp_peers import gguf_file, peer_binaries, peer_build_label
     from paraspec.bench.report import _cpu_model
-    common = ["--target", args.target, "--backend", "llamacpp", "--max-context", str(args.context),
-              "--max-num-seqs", str(args.max_num_seqs)]
-    paraspec_flags = {"ar": common + ["--strategy", "ar"],
-                      "sd-suffix": common + ["--strategy", "sd", "--draft", "suffix", "--lookahead", "16"],
-                      "sd": common + ["--strategy", "sd", "--draft", args.draft, "--lookahead", "5"]}
+
+    common = [
+        "--target",
+        args.target,
+        "--backend",
+        "llamacpp",
+        "--max-context",
+        str(args.context),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
+    paraspec_flags = {
+        "ar": common + ["--strategy", "ar"],
+        "sd-suffix": common + ["--strategy", "sd", "--draft", "suffix", "--lookahead", "16"],
+        "sd": common + ["--strategy", "sd", "--draft", args.draft, "--lookahead", "5"],
+    }
     # ar on one sequence: what `paraspec serve` ran before it batched requests (the 1-caller baseline)
     paraspec_flags["ar-1seq"] = paraspec_flags["ar"][:-4] + ["--max-num-seqs", "1", "--strategy", "ar"]
     prompts = {d: prompts_of(d, args.requests, args.target) for d in args.datasets}
@@ -174,21 +212,33 @@ def main(argv=None) -> int:
             else:
                 binaries = peer_binaries()
                 slots = 8 if name.endswith("np8") else None
-                servers.append(PeerServer(f"{name} ({peer_build_label(binaries)})", binaries,
-                                          gguf_file(args.target), args.threads, slots, args.context))
-        for s in servers:                                           # warm-up: one short request each
+                servers.append(
+                    PeerServer(
+                        f"{name} ({peer_build_label(binaries)})",
+                        binaries,
+                        gguf_file(args.target),
+                        args.threads,
+                        slots,
+                        args.context,
+                    )
+                )
+        for s in servers:  # warm-up: one short request each
             run_level(s.url, [prompts[args.datasets[0]][0]], 1, 8, s.extra)
         results, alone = [], {}
-        for callers in sorted(args.callers):                        # interleaved: every server at each level
+        for callers in sorted(args.callers):  # interleaved: every server at each level
             for dataset in args.datasets:
                 for s in servers:
                     if s.name.endswith("ar-1seq") and callers > 1:
-                        continue                            # one sequence: the callers would only queue
+                        continue  # one sequence: the callers would only queue
                     answers, wall = run_level(s.url, prompts[dataset], callers, args.max_tokens, s.extra)
                     if callers == 1:
                         alone[(s.name, dataset)] = answers
-                    row = {"server": s.name, "dataset": dataset, "callers": callers,
-                           **summarize(answers, wall, alone.get((s.name, dataset)))}
+                    row = {
+                        "server": s.name,
+                        "dataset": dataset,
+                        "callers": callers,
+                        **summarize(answers, wall, alone.get((s.name, dataset))),
+                    }
                     results.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -196,9 +246,16 @@ def main(argv=None) -> int:
             s.close()
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    record = {"cpu": _cpu_model(), "amx": " amx_tile" in flags, "threads": args.threads, "max_tokens": args.max_tokens,
-              "requests": args.requests, "max_num_seqs": args.max_num_seqs, "command": " ".join(sys.argv),
-              "results": results}
+    record = {
+        "cpu": _cpu_model(),
+        "amx": " amx_tile" in flags,
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "max_num_seqs": args.max_num_seqs,
+        "command": " ".join(sys.argv),
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(table(results))
@@ -206,12 +263,16 @@ def main(argv=None) -> int:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| server | dataset | callers | tokens/s | TTFT p50 s | TPOT p50 / p95 ms | = alone |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| server | dataset | callers | tokens/s | TTFT p50 s | TPOT p50 / p95 ms | = alone |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
-        lines.append(f"| {r['server']} | {r['dataset']} | {r['callers']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['ttft_p50_s']:.2f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p95_ms']:.1f} | "
-                     f"{r['same_as_alone']}/{r['requests']} |")
+        lines.append(
+            f"| {r['server']} | {r['dataset']} | {r['callers']} | {r['tokens_per_s']:.1f} | "
+            f"{r['ttft_p50_s']:.2f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p95_ms']:.1f} | "
+            f"{r['same_as_alone']}/{r['requests']} |"
+        )
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ per token on one core each): forward width, server catch-up, messages, prefill, 
 
     .venv/bin/python benchmarks/sim_event_vs_paper.py [--tokens 1000] [--repeats 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ import argparse
 import numpy as np
 
 from paraspec.sim import dsi_paper as paper
-from paraspec.sim.events import Setup, mean_result
 from paraspec.sim.costs import ForwardCost
+from paraspec.sim.events import Setup, mean_result
 
 
 def idealised(tokens: int, repeats: int) -> None:
@@ -28,13 +29,16 @@ def idealised(tokens: int, repeats: int) -> None:
             for k in (1, 5):
                 p = paper.simulate(c, a, k, tokens, repeats)
                 n = paper.servers_required(c, k)
-                base = dict(target=ForwardCost.constant(1.0), draft=ForwardCost.constant(c), acceptance_rate=a,
-                            lookahead=k)
+                base = dict(
+                    target=ForwardCost.constant(1.0), draft=ForwardCost.constant(c), acceptance_rate=a, lookahead=k
+                )
                 sd = mean_result(Setup("sd", **base), tokens, repeats)[0] / p.si
                 dsi = mean_result(Setup("dsi", servers=n, **base), tokens, repeats)[0] / p.dsi
                 dsi1 = mean_result(Setup("dsi", servers=n + 1, **base), tokens, repeats)[0] / p.dsi
-                alone = mean_result(Setup("dsi", servers=n + 1, target_only_thread=False, **base),
-                                    tokens, repeats)[0] / p.dsi
+                alone = (
+                    mean_result(Setup("dsi", servers=n + 1, target_only_thread=False, **base), tokens, repeats)[0]
+                    / p.dsi
+                )
                 for key, v in (("sd", sd), ("dsi", dsi), ("dsi+1", dsi1)):
                     ratios[key].append(v)
                 print(f"{c:>5.2f} {a:>5.2f} {k:>3} {n:>3} {sd:>7.3f} {dsi:>8.3f} {dsi1:>9.3f} {alone:>22.3f}")
@@ -47,21 +51,39 @@ def overheads(tokens: int, repeats: int) -> None:
     print("Part 2: the reference CPU pair (target 376 ms, draft 133 ms, a = 0.8), ms per token after the first")
     target_ms, draft_ms, a = 376.0, 133.0, 0.8
     cases = [
-        ("paper's assumptions", dict(target=ForwardCost.constant(target_ms / 1000),
-                                     draft=ForwardCost.constant(draft_ms / 1000))),
-        ("+ forward width (2%/token)", dict(target=ForwardCost.linear(target_ms / 1000),
-                                            draft=ForwardCost.linear(draft_ms / 1000))),
-        ("+ 0.5 ms per message", dict(target=ForwardCost.linear(target_ms / 1000),
-                                      draft=ForwardCost.linear(draft_ms / 1000), comm_s=0.0005)),
-        ("+ prefill 900/300 ms", dict(target=ForwardCost.linear(target_ms / 1000),
-                                      draft=ForwardCost.linear(draft_ms / 1000), comm_s=0.0005,
-                                      target_prefill_s=0.9, draft_prefill_s=0.3)),
+        (
+            "paper's assumptions",
+            dict(target=ForwardCost.constant(target_ms / 1000), draft=ForwardCost.constant(draft_ms / 1000)),
+        ),
+        (
+            "+ forward width (2%/token)",
+            dict(target=ForwardCost.linear(target_ms / 1000), draft=ForwardCost.linear(draft_ms / 1000)),
+        ),
+        (
+            "+ 0.5 ms per message",
+            dict(target=ForwardCost.linear(target_ms / 1000), draft=ForwardCost.linear(draft_ms / 1000), comm_s=0.0005),
+        ),
+        (
+            "+ prefill 900/300 ms",
+            dict(
+                target=ForwardCost.linear(target_ms / 1000),
+                draft=ForwardCost.linear(draft_ms / 1000),
+                comm_s=0.0005,
+                target_prefill_s=0.9,
+                draft_prefill_s=0.3,
+            ),
+        ),
     ]
     print(f"{'':<28} {'ar':>7} {'sd k=3':>7} {'amusd':>7} {'dsi k=1 N=3':>12} {'dsi k=1 N=1':>12}")
     for label, kw in cases:
         row = []
-        for strategy, extra in (("ar", {}), ("sd", {"lookahead": 3}), ("amusd", {"max_ahead": 6}),
-                                ("dsi", {"lookahead": 1, "servers": 3}), ("dsi", {"lookahead": 1, "servers": 1})):
+        for strategy, extra in (
+            ("ar", {}),
+            ("sd", {"lookahead": 3}),
+            ("amusd", {"max_ahead": 6}),
+            ("dsi", {"lookahead": 1, "servers": 3}),
+            ("dsi", {"lookahead": 1, "servers": 1}),
+        ):
             _, tpot = mean_result(Setup(strategy, acceptance_rate=a, **{**kw, **extra}), tokens, repeats)
             row.append(tpot)
         print(f"{label:<28} " + " ".join(f"{v:>{w}.1f}" for v, w in zip(row, (7, 7, 7, 12, 12))))

@@ -1,4 +1,4 @@
-"""The static step's attention over the whole cache (models/llama.py `over_whole_cache`), by SDPA call form.
+"""The static step's attention over the whole cache (models/native/decoder.py `over_whole_cache`), by SDPA call form.
 
 The padded step attends W query rows (times G query heads per KV head) over every cache slot under an additive
 mask. The profile of one step on an H100 (`gpu_check --sections profile`) put its attention on torch's math path:
@@ -12,6 +12,7 @@ row's output bits depend on that row (its query and mask row) alone, not on the 
 
     python benchmarks/static_attention.py [--device cuda:0] [--slots 2048] [--width 8] [--repeats 50]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128), "llama-3.2-1b": (32, 8, 64),
-          "llama-3.1-8b": (32, 8, 128)}          # (query heads, KV heads, head dim)
-BACKENDS = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}
+SHAPES = {
+    "qwen2.5-0.5b": (14, 2, 64),
+    "qwen2.5-1.5b": (12, 2, 128),
+    "llama-3.2-1b": (32, 8, 64),
+    "llama-3.1-8b": (32, 8, 128),
+}  # (query heads, KV heads, head dim)
+BACKENDS = {
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+}
 
 
 def forms(device: torch.device) -> dict:
@@ -34,15 +43,18 @@ def forms(device: torch.device) -> dict:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def four_d(q, k, v, mask):
-        return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                              attn_mask=mask.view(1, 1, *mask.shape)).squeeze(0)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask.view(1, 1, *mask.shape)
+        ).squeeze(0)
 
     out = {"3d": three_d, "4d": four_d}
     names = ("efficient", "cudnn", "math") if device.type == "cuda" else ("flash", "math")
     for name in names:
+
         def limited(q, k, v, mask, backend=BACKENDS[name]):
             with sdpa_kernel([backend]):
                 return four_d(q, k, v, mask)
+
         out[f"4d-{name}"] = limited
     return out
 
@@ -54,8 +66,8 @@ def inputs(H: int, KV: int, D: int, W: int, slots: int, device, dtype, seed: int
     k = torch.randn(KV, slots, D, generator=g).to(device, dtype)
     v = torch.randn(KV, slots, D, generator=g).to(device, dtype)
     visible = torch.zeros(W, slots, dtype=torch.bool)
-    for row in range(W):                                  # a chain at slots 300..: row r sees slots 0..300+r
-        visible[row, :301 + row] = True
+    for row in range(W):  # a chain at slots 300..: row r sees slots 0..300+r
+        visible[row, : 301 + row] = True
     bias = torch.zeros(W, slots, dtype=dtype).masked_fill_(~visible, float("-inf")).to(device)
     return q, k, v, bias.repeat(G, 1)
 
@@ -101,12 +113,12 @@ def rows_independent(fn, q, k, v, mask, W: int) -> bool:
     KV, R, D = q.shape
     G = R // W
     base = fn(q, k, v, mask)
-    order = torch.arange(R, device=q.device).view(G, W).flip(1).reshape(-1)     # reverse the W rows of each head
+    order = torch.arange(R, device=q.device).view(G, W).flip(1).reshape(-1)  # reverse the W rows of each head
     flipped = fn(q[:, order], k, v, mask[order])
     if not torch.equal(flipped[:, order], base):
         return False
     other = q.clone()
-    other[:, 1:] = torch.randn_like(other[:, 1:])       # every row of each KV head changes but its first
+    other[:, 1:] = torch.randn_like(other[:, 1:])  # every row of each KV head changes but its first
     other_mask = mask.clone()
     other_mask[1:] = mask[0]
     changed = fn(other, k, v, other_mask)
@@ -134,19 +146,24 @@ def main(argv=None) -> None:
                 row = dict(shape=shape, form=name)
                 try:
                     out = fn(q, k, v, mask)
-                    row.update(eager_ms=time_ms(fn, (q, k, v, mask), args.repeats, device),
-                               graph_ms=graph_ms(fn, (q, k, v, mask), args.repeats, device),
-                               rows_independent=rows_independent(fn, q, k, v, mask, args.width),
-                               max_diff_vs_3d=float((out.float() - reference).abs().max()))
-                except Exception as error:                      # a backend that refuses these inputs says why
+                    row.update(
+                        eager_ms=time_ms(fn, (q, k, v, mask), args.repeats, device),
+                        graph_ms=graph_ms(fn, (q, k, v, mask), args.repeats, device),
+                        rows_independent=rows_independent(fn, q, k, v, mask, args.width),
+                        max_diff_vs_3d=float((out.float() - reference).abs().max()),
+                    )
+                except Exception as error:  # a backend that refuses these inputs says why
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
                 results.append(row)
                 if "error" in row:
                     print(f"{shape:14s} {name:14s} {row['error']}")
                 else:
                     graph = "-" if row["graph_ms"] is None else f"{row['graph_ms']:.4f}"
-                    print(f"{shape:14s} {name:14s} {row['eager_ms']:9.4f} {graph:>9s} "
-                          f"{str(row['rows_independent']):>17s} {row['max_diff_vs_3d']:6.0e}", flush=True)
+                    print(
+                        f"{shape:14s} {name:14s} {row['eager_ms']:9.4f} {graph:>9s} "
+                        f"{str(row['rows_independent']):>17s} {row['max_diff_vs_3d']:6.0e}",
+                        flush=True,
+                    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(settings=vars(args), torch=torch.__version__, results=results), f, indent=2)

@@ -7,6 +7,7 @@ A test's time includes the set-up of the fixtures it is the first to use (the re
 so compare files, or the same test across two reports of the same machine; and compare the tests a change left
 alone too: this project's Zen 3 VM has run the same suite 44 and 80 minutes on consecutive days.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,16 @@ def main() -> None:
     after = cases(args.report)
     before = cases(args.compare) if args.compare else {}
     total = sum(s for _, s in after.values())
-    print(f"{len(after)} tests, {total / 60:.1f} min" + (
-        f" (before: {len(before)} tests, {sum(s for _, s in before.values()) / 60:.1f} min)" if before else ""))
+    print(
+        f"{len(after)} tests, {total / 60:.1f} min"
+        + (f" (before: {len(before)} tests, {sum(s for _, s in before.values()) / 60:.1f} min)" if before else "")
+    )
     files_before = by_file(before)
     print("\nper file (s):")
     for file, seconds in by_file(after).most_common(25):
         print(f"{seconds:8.1f}" + (f"  (before {files_before[file]:7.1f})" if before else "") + f"  {file}")
     print(f"\nthe {args.top} slowest tests (s):")
-    for name, (_, seconds) in sorted(after.items(), key=lambda kv: -kv[1][1])[:args.top]:
+    for name, (_, seconds) in sorted(after.items(), key=lambda kv: -kv[1][1])[: args.top]:
         was = f"  (before {before[name][1]:6.1f})" if name in before else ("  (new)" if before else "")
         print(f"{seconds:8.1f}{was}  {name}")
 

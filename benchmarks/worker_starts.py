@@ -8,6 +8,7 @@ of their start-ups (spawn to "ready", the `startup_s` each worker reports), with
 them. Workers started by other processes (the CLI and server tests' subprocesses) are not counted. Two workers of one
 Engine start side by side, so the sum is an upper bound on the wall time that starting them cost.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import statistics
 import pytest
 
 STARTS: list[dict] = []
-CURRENT = {"test": None}             # the test running now, for the JSON
+CURRENT = {"test": None}  # the test running now, for the JSON
 
 
 def pytest_addoption(parser):
@@ -31,8 +32,14 @@ def pytest_configure(config):
     def recording(self, envelope, load_body):
         dispatch(self, envelope, load_body)
         if envelope[0] == "ready" and isinstance(self, workers.ProcessWorker):
-            STARTS.append({"worker": self.name, "device": str(self.device), "startup_s": self.info.startup_s,
-                           "test": CURRENT["test"]})
+            STARTS.append(
+                {
+                    "worker": self.name,
+                    "device": str(self.device),
+                    "startup_s": self.info.startup_s,
+                    "test": CURRENT["test"],
+                }
+            )
 
     workers.Worker._dispatch = recording
 
@@ -45,8 +52,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_terminal_summary(terminalreporter, config):
     seconds = [s["startup_s"] for s in STARTS]
-    line = (f"process workers started: {len(seconds)}, start-up sum {sum(seconds):.1f} s"
-            + (f", median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s" if seconds else ""))
+    line = f"process workers started: {len(seconds)}, start-up sum {sum(seconds):.1f} s" + (
+        f", median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s" if seconds else ""
+    )
     terminalreporter.write_line(line)
     if config.getoption("--worker-starts-json"):
         with open(config.getoption("--worker-starts-json"), "w") as f:

@@ -2,11 +2,19 @@
 
 The names below load on first use (PEP 562), so that `import paraspec` (and `python -m paraspec`, which imports
 this package first) stays light until an Engine is needed: the command line protects Ctrl-C before torch loads."""
+
 from importlib import import_module
 
-_WHERE = {"Engine": "paraspec.engine", "EngineBusy": "paraspec.requests", "EngineClosed": "paraspec.requests",
-          "GenerationResult": "paraspec.requests", "Stream": "paraspec.requests", "StreamCancelled": "paraspec.requests",
-          "SamplingParams": "paraspec.sampling", "GenerationStats": "paraspec.stats"}
+_WHERE = {
+    "Engine": "paraspec.engine",
+    "EngineBusy": "paraspec.errors",
+    "EngineClosed": "paraspec.errors",
+    "GenerationResult": "paraspec.streams",
+    "Stream": "paraspec.streams",
+    "StreamCancelled": "paraspec.errors",
+    "SamplingParams": "paraspec.sampling",
+    "GenerationStats": "paraspec.stats",
+}
 
 __all__ = list(_WHERE)
 __version__ = "0.1.0"

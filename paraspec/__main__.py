@@ -1,4 +1,5 @@
 """`python -m paraspec`: the command line. Only light imports here: cli.main.main() protects Ctrl-C before torch."""
+
 import sys
 
 from paraspec.cli.main import main

@@ -21,6 +21,7 @@ whatever the draft proposed, and only a seeded one promises to repeat.
 A request waiting on its reader (a stream not being read) does not hold the others up: it is idle until its
 reader asks for more.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,11 +33,11 @@ import torch
 
 @dataclass(eq=False)
 class _Ask:
-    model: object                  # a LlamaCppModel or NativeSequences with several sequences
+    model: object  # a LlamaCppModel or NativeSequences with several sequences
     seq: int
     tokens: list[int]
-    outputs: int                   # rows wanted: the last `outputs` tokens'
-    alone: bool                    # a prompt, or wider than a shared forward allows
+    outputs: int  # rows wanted: the last `outputs` tokens'
+    alone: bool  # a prompt, or wider than a shared forward allows
     prefill: bool = False
     result: torch.Tensor | None = None
     error: BaseException | None = None
@@ -46,22 +47,23 @@ class _Ask:
 @dataclass(eq=False)
 class Member:
     """One request in the batch: whether it is computing (its forwards are awaited) and what it asks now."""
+
     computing: bool = True
     # its answer must repeat as alone (a seeded sampled request): on a model whose rows depend on which rows share
     # their forward (a draft on llama.cpp's fastest kernels) its forwards run alone; a greedy answer is the target's
     # whatever the draft proposed, and an unseeded one promises no repeat, so theirs are shared
     repeatable: bool = False
     ask: _Ask | None = None
-    rows: dict = field(default_factory=dict)   # per model (id): tokens of its last shareable ask
+    rows: dict = field(default_factory=dict)  # per model (id): tokens of its last shareable ask
 
 
 @dataclass
 class BatchStats:
-    steps: int = 0                 # forwards shared by several requests' asks, and forwards run alone
-    shared_rows: int = 0           # rows of the shared forwards
-    last_rows: int = 0             # rows of the last step's forwards (/metrics: batch rows per step)
-    widths: dict = field(default_factory=dict)   # requests per shared forward -> count
-    moves: int = 0                 # requests moved to a lower sequence when another left (Batcher.move)
+    steps: int = 0  # forwards shared by several requests' asks, and forwards run alone
+    shared_rows: int = 0  # rows of the shared forwards
+    last_rows: int = 0  # rows of the last step's forwards (/metrics: batch rows per step)
+    widths: dict = field(default_factory=dict)  # requests per shared forward -> count
+    moves: int = 0  # requests moved to a lower sequence when another left (Batcher.move)
 
 
 class Batcher:
@@ -71,7 +73,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._members: list[Member] = []
         self._stepping = False
-        self._lock = threading.Lock()        # one llama.cpp call at a time (a step, a rollback)
+        self._lock = threading.Lock()  # one llama.cpp call at a time (a step, a rollback)
         self.stats = BatchStats()
 
     # -- membership ----------------------------------------------------------------------------------------------
@@ -85,7 +87,7 @@ class Batcher:
         with self._cv:
             if member in self._members:
                 self._members.remove(member)
-            self._cv.notify_all()            # the others may all have asked already
+            self._cv.notify_all()  # the others may all have asked already
 
     @contextmanager
     def idle(self, member: Member):
@@ -99,7 +101,7 @@ class Batcher:
             with self._cv:
                 member.computing = True
 
-    def move(self, sources: list["BatchedSequence"], targets: list["BatchedSequence"]) -> None:
+    def move(self, sources: list[BatchedSequence], targets: list[BatchedSequence]) -> None:
         """Between steps: the request decoding on `sources` (a sequence of each model) goes on on the sequences of
         `targets` (free: their request has left), its caches moved there (LlamaCppModel.move_sequence) and an ask
         it has posted rewritten; the two sets of proxies swap sequence numbers. Keeps the running sequences
@@ -122,26 +124,29 @@ class Batcher:
             with self._lock:
                 yield
 
-    def length(self, proxy: "BatchedSequence") -> int:
-        with self._cv:                       # not while its sequence moves (move())
+    def length(self, proxy: BatchedSequence) -> int:
+        with self._cv:  # not while its sequence moves (move())
             return proxy.model._lengths[proxy.seq]
 
-    def rollback(self, proxy: "BatchedSequence", length: int) -> None:
+    def rollback(self, proxy: BatchedSequence, length: int) -> None:
         with self._between_steps():
             proxy.model.rollback(length, proxy.seq)
 
-    def forward(self, proxy: "BatchedSequence", tokens: list[int], outputs: int, prefill: bool = False
-                ) -> torch.Tensor:
+    def forward(self, proxy: BatchedSequence, tokens: list[int], outputs: int, prefill: bool = False) -> torch.Tensor:
         """The rows a forward of `tokens` on the proxy's sequence gives (the last `outputs`), run in this step."""
         member, model = proxy.member, proxy.model
         with self._cv:
             seq = proxy.seq
-            if not prefill:                  # this request's own errors, raised here, not in the step
+            if not prefill:  # this request's own errors, raised here, not in the step
                 model._check_room(len(tokens), seq)
                 model._check_vocabulary(tokens)
             exact_rows = model.batch_exact or (not model.exact and not member.repeatable)
-            shareable = (not prefill and exact_rows and model._lengths[seq] > 0
-                         and model.min_shared_width <= len(tokens) <= model.exact_width)
+            shareable = (
+                not prefill
+                and exact_rows
+                and model._lengths[seq] > 0
+                and model.min_shared_width <= len(tokens) <= model.exact_width
+            )
             ask = _Ask(model, seq, list(tokens), outputs, alone=not shareable, prefill=prefill)
             member.rows[id(model)] = len(tokens) if shareable else 0
             member.ask = ask
@@ -166,7 +171,7 @@ class Batcher:
             raise ask.error
         return ask.result
 
-    def shared_load(self, proxy: "BatchedSequence") -> list[int]:
+    def shared_load(self, proxy: BatchedSequence) -> list[int]:
         """The rows each other computing request brings to a step of the proxy's model (the tokens of its last
         shareable ask on it): what the adaptive rule prices a busy step by (drafters/adaptive.best_length)."""
         with self._cv:
@@ -184,16 +189,20 @@ class Batcher:
             for model in {id(a.model): a.model for a in asks}.values():
                 shared = [a for a in asks if a.model is model and not a.alone]
                 for group in _groups(shared, model.exact_width, model.n_batch):
-                    self._run(group, lambda g=group, m=model: m.forward_batch(
-                        [(a.seq, a.tokens, a.outputs) for a in g]))
+                    self._run(
+                        group, lambda g=group, m=model: m.forward_batch([(a.seq, a.tokens, a.outputs) for a in g])
+                    )
                     rows += sum(len(a.tokens) for a in group)
                     self.stats.shared_rows += sum(len(a.tokens) for a in group)
                     self.stats.widths[len(group)] = self.stats.widths.get(len(group), 0) + 1
                     self.stats.steps += 1
             for a in asks:
                 if a.alone:
-                    run = (lambda a=a: [a.model.prefill(a.tokens, a.seq)[None]]) if a.prefill else \
-                        (lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, seq=a.seq)])
+                    run = (
+                        (lambda a=a: [a.model.prefill(a.tokens, a.seq)[None]])
+                        if a.prefill
+                        else (lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, seq=a.seq)])
+                    )
                     self._run([a], run)
                     rows += len(a.tokens)
                     self.stats.steps += 1
@@ -204,7 +213,7 @@ class Batcher:
         try:
             for a, result in zip(group, forward()):
                 a.result = result
-        except BaseException as e:            # noqa: BLE001 -- handed to each asking request, raised there
+        except BaseException as e:  # noqa: BLE001 -- handed to each asking request, raised there
             for a in group:
                 a.error = e
         for a in group:
@@ -230,7 +239,7 @@ class BatchedSequence:
 
     def __init__(self, batcher: Batcher, model, seq: int, member: Member | None = None):
         self.batcher, self.model, self.seq = batcher, model, seq
-        self.member = member               # the request decoding on it now (the Engine sets it per request)
+        self.member = member  # the request decoding on it now (the Engine sets it per request)
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
 
     @property
@@ -247,7 +256,7 @@ class BatchedSequence:
 
     def forward(self, token_ids: list[int], positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
         if tree_mask is not None or positions is not None:
-            return self.model.forward(token_ids, positions, tree_mask, last_n, seq=self.seq)   # its own error
+            return self.model.forward(token_ids, positions, tree_mask, last_n, seq=self.seq)  # its own error
         if not token_ids:
             raise ValueError("forward needs at least one token")
         outputs = len(token_ids) if last_n is None else min(last_n, len(token_ids))

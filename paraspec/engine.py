@@ -26,41 +26,67 @@ Requests (what the server relies on; the request, Stream, errors and the gate ar
 - close() is idempotent and retryable; an interrupted close is finished by the next close(), by garbage
   collection or at interpreter exit. Any request after it raises EngineClosed.
 """
+
 from __future__ import annotations
 
 import copy
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Iterator
 
-from paraspec.batching import Batcher, BatchedSequence
+from paraspec.batching import BatchedSequence, Batcher
 from paraspec.config import EngineConfig
-from paraspec.models.loader import (load_tokenizer_if_any, output_rows, parse_dtype, resolve_models,
-                                     widened_draft)
+from paraspec.errors import EngineBusy, EngineClosed, IncompatibleModelsError, StreamCancelled
+from paraspec.gate import RequestGate
+from paraspec.models.loader import load_tokenizer_if_any, output_rows, parse_dtype, resolve_models, widened_draft
 from paraspec.prompts import decode_text, encode_prompt, output_text, stop_string_check
-from paraspec.run import Run
+from paraspec.request_state import Run
 from paraspec.runtime.errors import RemoteError, WorkerError
 from paraspec.sampling import SamplingParams, make_generator
-from paraspec.requests import (EngineBusy, EngineClosed, GenerationResult, IncompatibleModelsError, Request,
-                               RequestGate, Stream, StreamCancelled)
 from paraspec.stats import compute_stats
 from paraspec.strategies.base import Placement
+from paraspec.streams import GenerationResult, Request, Stream
 from paraspec.text_stream import IncrementalText, TextDeltas
 
-__all__ = ["Engine", "EngineBusy", "EngineClosed", "GenerationResult", "IncompatibleModelsError", "Stream",
-           "StreamCancelled", "check_compatible"]
+__all__ = [
+    "Engine",
+    "EngineBusy",
+    "EngineClosed",
+    "GenerationResult",
+    "IncompatibleModelsError",
+    "Stream",
+    "StreamCancelled",
+    "check_compatible",
+]
 
 
 class Engine:
-    def __init__(self, target, draft=None, strategy: str = "ar", dtype="auto", target_devices=("cpu",),
-                 draft_devices=("cpu",), backend: str = "auto", max_context: int = 4096,
-                 allow_vocab_mismatch: bool = False, runtime: str = "process", on_busy: str = "wait",
-                 worker_timeout: float | None = 60.0, wait_timeout: float | None = 600.0, transport: str = "auto",
-                 ray_address: str | None = None, link_latency_ms: float = 0.0, static_width="auto",
-                 compile_step: bool = False, max_num_seqs: int = 4, **options):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        strategy: str = "ar",
+        dtype="auto",
+        target_devices=("cpu",),
+        draft_devices=("cpu",),
+        backend: str = "auto",
+        max_context: int = 4096,
+        allow_vocab_mismatch: bool = False,
+        runtime: str = "process",
+        on_busy: str = "wait",
+        worker_timeout: float | None = 60.0,
+        wait_timeout: float | None = 600.0,
+        transport: str = "auto",
+        ray_address: str | None = None,
+        link_latency_ms: float = 0.0,
+        static_width="auto",
+        compile_step: bool = False,
+        max_num_seqs: int = 4,
+        **options,
+    ):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
         flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
@@ -79,19 +105,37 @@ class Engine:
         loops reach the token channels: "auto" (shared memory on this host, TCP to another), "shm" or "tcp";
         `link_latency_ms` (tests, benchmarks) delays every network message by that much.
         `static_width` (native backend): pad every forward to W rows, so that a token's logits do not depend on
-        how many tokens its forward carried (one kernel shape; a CUDA graph on GPUs; models/static.py): an int,
+        how many tokens its forward carried (one kernel shape; a CUDA graph on GPUs; models/native/padded.py): an int,
         "auto" (a width measured on CUDA devices, off on CPUs) or None (off). `compile_step` runs that padded
         step through torch.compile (fused kernels; 1.5x on an H100, docs/GPU.md; tens of seconds per model at
         load)."""
-        self._start(EngineConfig(target, draft, strategy, dtype, target_devices, draft_devices, backend,
-                                 max_context, allow_vocab_mismatch, runtime, options, on_busy=on_busy,
-                                 worker_timeout=worker_timeout, wait_timeout=wait_timeout, transport=transport,
-                                 ray_address=ray_address, link_latency_ms=link_latency_ms,
-                                 static_width=static_width, compile_step=compile_step,
-                                 max_num_seqs=max_num_seqs))
+        self._start(
+            EngineConfig(
+                target,
+                draft,
+                strategy,
+                dtype,
+                target_devices,
+                draft_devices,
+                backend,
+                max_context,
+                allow_vocab_mismatch,
+                runtime,
+                options,
+                on_busy=on_busy,
+                worker_timeout=worker_timeout,
+                wait_timeout=wait_timeout,
+                transport=transport,
+                ray_address=ray_address,
+                link_latency_ms=link_latency_ms,
+                static_width=static_width,
+                compile_step=compile_step,
+                max_num_seqs=max_num_seqs,
+            )
+        )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
+    def from_config(cls, config: EngineConfig) -> Engine:
         engine = cls.__new__(cls)
         engine._start(config)
         return engine
@@ -111,8 +155,10 @@ class Engine:
         self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
         try:
             self.strategy.setup(self._placement)
-            for i, draft_tokenizer in late:   # an output layer config.json does not state: known once loaded
-                check_compatible(self.target.vocab_size, self.draft_models[i].vocab_size, self.tokenizer, draft_tokenizer)
+            for i, draft_tokenizer in late:  # an output layer config.json does not state: known once loaded
+                check_compatible(
+                    self.target.vocab_size, self.draft_models[i].vocab_size, self.tokenizer, draft_tokenizer
+                )
             self._open_slots()
         except BaseException:
             self.close()
@@ -124,34 +170,50 @@ class Engine:
         draft_dtype = parse_dtype(config.dtype, self.draft_devices[0].torch_device) if self.draft_devices else None
         specs = [config.target] + config.draft_checkpoints
         dtypes = [parse_dtype(config.dtype, self.target_devices[0].torch_device)] + [draft_dtype] * (len(specs) - 1)
-        self.backend, resolved = resolve_models(specs, dtypes, config.model_backend,
-                                                self.target_devices + self.draft_devices)
-        if self.backend == "llamacpp":             # drafts' Q5_0 matrices as Q8_0 where that is faster (measured)
+        self.backend, resolved = resolve_models(
+            specs, dtypes, config.model_backend, self.target_devices + self.draft_devices
+        )
+        if self.backend == "llamacpp":  # drafts' Q5_0 matrices as Q8_0 where that is faster (measured)
             threads = self.draft_devices[0].num_threads if self.draft_devices else self.target_devices[0].num_threads
             resolved = resolved[:1] + [widened_draft(f, threads) for f in resolved[1:]]
         # requests share forwards where the strategy's loop runs here on models with a sequence each (llama.cpp,
-        # and the native decoder's dynamic forward: models/native_seqs.py)
+        # and the native decoder's dynamic forward: models/native/sequences.py)
         batches = config.strategy_class.caps.batches and (
-            self.backend == "llamacpp" or (self.backend == "native" and self._native_dynamic(config)))
+            self.backend == "llamacpp" or (self.backend == "native" and self._native_dynamic(config))
+        )
         self.max_num_seqs = config.max_num_seqs if batches else 1
         seqs = {"n_seqs": self.max_num_seqs} if self.max_num_seqs > 1 else {}
         folders = iter(resolved[1:])
-        drafts = [d if d.model_free else replace(d, spec=next(folders))
-                  for d in config.draft_specs]          # in order; model-free drafters ("ngram") stay names
-        return Placement(resolved[0], drafts, self.target_devices, self.draft_devices,
-                         dict(dtype=config.dtype, backend=self.backend, max_context=config.max_context,
-                              static_width=config.static_width, compile_step=config.compile_step, **seqs),
-                         config.runtime, config.worker_timeout, config.runtime_options)
+        drafts = [
+            d if d.model_free else replace(d, spec=next(folders)) for d in config.draft_specs
+        ]  # in order; model-free drafters ("ngram") stay names
+        return Placement(
+            resolved[0],
+            drafts,
+            self.target_devices,
+            self.draft_devices,
+            dict(
+                dtype=config.dtype,
+                backend=self.backend,
+                max_context=config.max_context,
+                static_width=config.static_width,
+                compile_step=config.compile_step,
+                **seqs,
+            ),
+            config.runtime,
+            config.worker_timeout,
+            config.runtime_options,
+        )
 
     def _native_dynamic(self, config: EngineConfig) -> bool:
         """Native checkpoints on the dynamic forward: no static width (None, or "auto" on CPUs only), no compile,
         no simulated model (their forwards are not a decoder's)."""
         from paraspec.models.simulated import SimulatedSpec
+
         if any(isinstance(m, SimulatedSpec) for m in [config.target] + config.draft_checkpoints):
             return False
         on_cpu = all(d.torch_device.startswith("cpu") for d in self.target_devices + self.draft_devices)
-        return not config.compile_step and (config.static_width is None or
-                                            (config.static_width == "auto" and on_cpu))
+        return not config.compile_step and (config.static_width is None or (config.static_width == "auto" and on_cpu))
 
     def _check_vocabularies(self) -> list[tuple[int, object]]:
         """Draft and target share one token space: checked from their tokenizers and config.json (output_rows)
@@ -177,7 +239,7 @@ class Engine:
             slot = copy.copy(self.strategy)
             slot.target = BatchedSequence(self._batcher, self.strategy.target, seq)
             slot.draft_models = [BatchedSequence(self._batcher, m, seq) for m in self.strategy.draft_models]
-            slot.policy, slot._pinning = None, None       # its own drafters; the Engine's strategy unpins
+            slot.policy, slot._pinning = None, None  # its own drafters; the Engine's strategy unpins
             slot.in_use = False
             self._slots.append(slot)
 
@@ -206,7 +268,7 @@ class Engine:
         self.config = config
         try:
             self.strategy.set_options(config.strategy_options)
-            for slot in self._slots:        # the sequences' drafters are built again with the new options
+            for slot in self._slots:  # the sequences' drafters are built again with the new options
                 slot.options, slot.policy = self.strategy.options, None
         finally:
             self._gate.release(request)
@@ -252,10 +314,15 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
         stop = set(self.target.eos_token_ids) | set(params.stop_token_ids or ())
-        return Run(prompt_ids=self.encode(prompt), params=params, stop_ids=frozenset(stop),
-                   generator=make_generator(params.seed), max_context=self.max_context,
-                   margins={} if record_margins else None,
-                   stop_check=stop_string_check(self.tokenizer, params.stop) if params.stop else None)
+        return Run(
+            prompt_ids=self.encode(prompt),
+            params=params,
+            stop_ids=frozenset(stop),
+            generator=make_generator(params.seed),
+            max_context=self.max_context,
+            margins={} if record_margins else None,
+            stop_check=stop_string_check(self.tokenizer, params.stop) if params.stop else None,
+        )
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Stream:
         """A Stream of text deltas as tokens are committed; its `result` once it has ended. The request starts at
@@ -283,17 +350,16 @@ class Engine:
         finally:
             batches.close()
             try:
-                request.result = self._finish(run, start)   # closed or cancelled too: the text it had
+                request.result = self._finish(run, start)  # closed or cancelled too: the text it had
             finally:
                 self._gate.release(request)
-        if request.ended_by is not None and run.finish_reason == "cancelled":   # engine.close(), another thread
+        if request.ended_by is not None and run.finish_reason == "cancelled":  # engine.close(), another thread
             raise StreamCancelled(f"{request} was cancelled: {request.ended_by}")
         delta = text.update(request.result.text, final=True)
         if delta:
             yield delta
 
-    def generate(self, prompt, params: SamplingParams | None = None,
-                 record_margins: bool = False) -> GenerationResult:
+    def generate(self, prompt, params: SamplingParams | None = None, record_margins: bool = False) -> GenerationResult:
         """Generate a completion. record_margins keeps, for each output index, the target's top-1 minus top-2
         logit as this strategy computed it: where two strategies differ in bf16, it shows a near-tie."""
         run = self._new_run(prompt, params, record_margins)
@@ -320,7 +386,7 @@ class Engine:
             member = self._batcher.join(repeatable=not run.params.greedy and run.params.seed is not None)
             for model in (strategy.target, *strategy.draft_models):
                 model.member = member
-            idle = lambda: self._batcher.idle(member)    # noqa: E731
+            idle = lambda: self._batcher.idle(member)  # noqa: E731
         batches = strategy.decode(run)
         try:
             for batch in batches:
@@ -333,12 +399,14 @@ class Engine:
         except WorkerError as e:
             if not isinstance(e, RemoteError):
                 self._gate.failure = e
-                e.args = (f"{e}; the Engine's workers must be restarted: call engine.restart_workers() (or "
-                          f"create a new Engine)",)
+                e.args = (
+                    f"{e}; the Engine's workers must be restarted: call engine.restart_workers() (or "
+                    f"create a new Engine)",
+                )
             raise
         finally:
             try:
-                batches.close()       # a strategy's own cleanup: stop its loops, collect its workers' reports
+                batches.close()  # a strategy's own cleanup: stop its loops, collect its workers' reports
             finally:
                 if member is not None:
                     self._batcher.leave(member)
@@ -394,8 +462,15 @@ class Engine:
     def _finish(self, run: Run, start: float) -> GenerationResult:
         total = time.perf_counter() - start
         return GenerationResult(
-            output_text(self.tokenizer, run), list(run.tokens), compute_stats(run, self.strategy.name, total),
-            run.trace, run.finish_reason or "length", run.prompt_ids, run.margins, run.worker_reports)
+            output_text(self.tokenizer, run),
+            list(run.tokens),
+            compute_stats(run, self.strategy.name, total),
+            run.trace,
+            run.finish_reason or "length",
+            run.prompt_ids,
+            run.margins,
+            run.worker_reports,
+        )
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
@@ -403,7 +478,7 @@ class Engine:
         interrupted (Ctrl-C) is finished by the next one, by garbage collection or at interpreter exit.
         A generation running in another thread is cancelled first (given `timeout` seconds to end); one this
         thread left open as a stream is closed. Any request afterwards raises EngineClosed."""
-        if getattr(self, "strategy", None) is None:   # __init__ failed before the strategy existed
+        if getattr(self, "strategy", None) is None:  # __init__ failed before the strategy existed
             return
         why = "the Engine was closed (engine.close())"
         gate = self._gate
@@ -427,7 +502,7 @@ class Engine:
         self.strategy.close()
         self._finalizer.detach()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -448,12 +523,15 @@ def check_compatible(target_rows: int | None, draft_rows: int | None, target_tok
         if tv != dv:
             raise IncompatibleModelsError(
                 f"draft and target tokenizers differ (vocab {len(dv)} vs {len(tv)}); pass a draft from the "
-                f"same family or allow_vocab_mismatch=True (--allow-vocab-mismatch)")
+                f"same family or allow_vocab_mismatch=True (--allow-vocab-mismatch)"
+            )
         if rows and min(rows) < len(tv):
             raise IncompatibleModelsError(
                 f"a model's output layer ({min(rows)} rows) is smaller than its tokenizer ({len(tv)} tokens); the "
-                f"checkpoint and tokenizer do not belong together")
+                f"checkpoint and tokenizer do not belong together"
+            )
     elif len(rows) == 2 and target_rows != draft_rows:
         raise IncompatibleModelsError(
             f"draft and target vocabularies differ ({draft_rows} vs {target_rows}) and there is no "
-            f"tokenizer to show they agree; pass a draft from the same family or allow_vocab_mismatch=True")
+            f"tokenizer to show they agree; pass a draft from the same family or allow_vocab_mismatch=True"
+        )

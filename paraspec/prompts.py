@@ -7,18 +7,20 @@
 
 A tokenizer is None for a weights-only checkpoint: token-id prompts still work, everything that needs text says so.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from paraspec.run import Run
+from paraspec.request_state import Run
 
 
 def require_tokenizer(tokenizer, what: str):
     """The tokenizer, or a ValueError saying that `what` needs one."""
     if tokenizer is None:
-        raise ValueError(f"the target checkpoint has no tokenizer, so {what} cannot be encoded; "
-                         f"pass a list of token ids")
+        raise ValueError(
+            f"the target checkpoint has no tokenizer, so {what} cannot be encoded; pass a list of token ids"
+        )
     return tokenizer
 
 
@@ -37,13 +39,17 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, max_context: int) -> list[
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     else:
-        raise ValueError("prompt must be a non-empty str, list of token ids, or list of chat messages "
-                         "({'role': ..., 'content': ...})")
+        raise ValueError(
+            "prompt must be a non-empty str, list of token ids, or list of chat messages "
+            "({'role': ..., 'content': ...})"
+        )
     if not ids:
         raise ValueError("the prompt encodes to zero tokens")
     if len(ids) >= max_context:
-        raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {max_context}; shorten the "
-                         f"prompt or create the engine with a larger max_context")
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens but the context holds {max_context}; shorten the "
+            f"prompt or create the engine with a larger max_context"
+        )
     return ids
 
 
@@ -75,6 +81,7 @@ def stop_string_check(tokenizer, stop: tuple[str, ...]) -> Callable[[list[int]],
     def check(tokens: list[int]) -> str | None:
         tail = decode_text(tokenizer, tokens[-window:])
         return next((s for s in stop if s in tail), None)
+
     return check
 
 
@@ -84,5 +91,5 @@ def output_text(tokenizer, run: Run, decoder=None) -> str:
     decode = decoder.of if decoder is not None else lambda tokens: decode_text(tokenizer, tokens)
     if run.stop_string is not None:
         text = decode(run.tokens)
-        return text[:min((i for s in run.params.stop if (i := text.find(s)) >= 0), default=len(text))]
+        return text[: min((i for s in run.params.stop if (i := text.find(s)) >= 0), default=len(text))]
     return decode(run.tokens[:-1] if run.finish_reason == "stop" else run.tokens)

@@ -3,6 +3,7 @@
 Every strategy samples the target through `logits_to_probs`; speculative strategies sample the draft through the
 same function, and the probabilities it returns are exactly the q that acceptance divides by.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,17 +16,19 @@ import torch
 class SamplingParams:
     """How to sample one request; checked when built and immutable after (dataclasses.replace() builds a new,
     checked one), so a value cannot change between the check and its use."""
-    temperature: float = 0.0        # 0 = greedy
-    top_k: int = 0                  # 0 = off
-    top_p: float = 1.0              # 1 = off
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 128
-    seed: int | None = None         # 0 .. 2**64 - 1 (torch.Generator's range); None: a fresh seed per request
-    stop_token_ids: tuple[int, ...] | None = None   # in addition to the model's EOS ids (a list is taken too)
-    stop: tuple[str, ...] | None = None   # stop strings: the text ends before the first one (a str is taken too)
+    seed: int | None = None  # 0 .. 2**64 - 1 (torch.Generator's range); None: a fresh seed per request
+    stop_token_ids: tuple[int, ...] | None = None  # in addition to the model's EOS ids (a list is taken too)
+    stop: tuple[str, ...] | None = None  # stop strings: the text ends before the first one (a str is taken too)
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
@@ -33,8 +36,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                          and 0 <= self.seed < 2**64):
+        if self.seed is not None and not (
+            isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**64
+        ):
             raise ValueError(f"seed must be an integer in 0 .. 2**64 - 1 or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
             stop = self.stop_token_ids
@@ -43,8 +47,13 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", stop)
         if self.stop is not None:
-            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop) \
-                if isinstance(self.stop, (list, tuple)) else None
+            stop = (
+                (self.stop,)
+                if isinstance(self.stop, str)
+                else tuple(self.stop)
+                if isinstance(self.stop, (list, tuple))
+                else None
+            )
             if stop is None or not all(isinstance(s, str) and s for s in stop):
                 raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
             object.__setattr__(self, "stop", stop or None)
@@ -93,11 +102,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
         raise ValueError("cannot sample from an empty vector of probabilities")
     total, smallest = torch.stack((cdf[-1], probs.min().double())).tolist()
     if not (total > 0 and math.isfinite(total)) or smallest < 0:
-        raise ValueError(f"cannot sample from these probabilities (sum {total}, min {smallest}): "
-                         f"they must be finite, >= 0 and not all 0")
+        raise ValueError(
+            f"cannot sample from these probabilities (sum {total}, min {smallest}): "
+            f"they must be finite, >= 0 and not all 0"
+        )
     u = torch.rand((), dtype=torch.float64, generator=generator, device="cpu").item()
     i = int(torch.searchsorted(cdf, u * total, right=True))
-    if i >= len(cdf):                    # u x total rounded up to the total: the last token with mass
+    if i >= len(cdf):  # u x total rounded up to the total: the last token with mass
         i = int(torch.nonzero(probs.reshape(-1))[-1])
     return i
 
@@ -111,5 +122,5 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(seed % 2**64 if seed is not None else torch.seed())   # derived seeds (seed + 1) wrap around
+    g.manual_seed(seed % 2**64 if seed is not None else torch.seed())  # derived seeds (seed + 1) wrap around
     return g

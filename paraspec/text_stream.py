@@ -1,6 +1,7 @@
 """Streamed text that never takes anything back: IncrementalText decodes a growing list of tokens a short window at
 a time (linear in the output, not quadratic), TextDeltas turns the growing text into deltas that always add up to
 the final text."""
+
 from __future__ import annotations
 
 
@@ -11,17 +12,17 @@ class TextDeltas:
 
     def __init__(self, stop: tuple[str, ...] = ()):
         self.hold = max(map(len, stop)) - 1 if stop else 0
-        self.sent = ""                    # what was handed out: every delta so far, joined
+        self.sent = ""  # what was handed out: every delta so far, joined
 
     def update(self, text: str, final: bool = False) -> str:
         """The new delta ("" if none yet) given the whole text so far; `final`: the run is done, hold nothing back."""
         if not final:
-            text = text[:max(len(text) - self.hold, 0)]
+            text = text[: max(len(text) - self.hold, 0)]
             if text.endswith("\ufffd"):
                 return ""
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        delta, self.sent = text[len(self.sent) :], text
         return delta
 
 
@@ -31,13 +32,13 @@ class IncrementalText:
     vLLM's and TGI's detokenizers do. Streaming n tokens decodes O(n) tokens in all, where decoding the whole
     list at every batch is O(n^2). `decoded` counts the tokens handed to the tokenizer (tests read it)."""
 
-    INITIAL_CONTEXT = 5      # after a full decode: tokens before the end kept as the next window's context
+    INITIAL_CONTEXT = 5  # after a full decode: tokens before the end kept as the next window's context
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.text = ""           # always the decode of tokens[:read]
-        self.prefix = 0          # the window's context starts here ...
-        self.read = 0            # ... and what is new starts here
+        self.text = ""  # always the decode of tokens[:read]
+        self.prefix = 0  # the window's context starts here ...
+        self.read = 0  # ... and what is new starts here
         self.decoded = 0
 
     def _decode(self, tokens: list[int]) -> str:
@@ -56,15 +57,15 @@ class IncrementalText:
         more, as streams always did."""
         if self.tokenizer is None:
             return ""
-        if len(tokens) < self.read:          # not an extension (never in a stream): start again
+        if len(tokens) < self.read:  # not an extension (never in a stream): start again
             return self._whole(tokens)
         if len(tokens) > self.read:
-            before = self._decode(tokens[self.prefix:self.read])
-            after = self._decode(tokens[self.prefix:])
+            before = self._decode(tokens[self.prefix : self.read])
+            after = self._decode(tokens[self.prefix :])
             if "\ufffd" in after.rstrip("\ufffd") or "\ufffd" in before or not after.startswith(before):
                 return self._whole(tokens)
             if not after.endswith("\ufffd"):
-                self.text += after[len(before):]
+                self.text += after[len(before) :]
                 self.prefix, self.read = self.read, len(tokens)
         return self.text
 

@@ -3,21 +3,22 @@
 One format for real and simulated runs, so the bench plots (token progress, device timeline) draw both alike.
 Times are seconds since the start of the request.
 """
+
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, field, asdict
+from dataclasses import asdict, astuple, dataclass, field
 from types import SimpleNamespace
 
 
 @dataclass
 class TraceEvent:
-    device: str          # who did the work, e.g. "target:cpu:1", "draft:cpu:0", "target#2"
-    kind: str            # "prefill" | "draft" | "verify" | "rollback" | "idle" | "wait"
+    device: str  # who did the work, e.g. "target:cpu:1", "draft:cpu:0", "target#2"
+    kind: str  # "prefill" | "draft" | "verify" | "rollback" | "idle" | "wait"
     start_s: float
     end_s: float
-    tokens: int = 0      # tokens processed by this event (forward width, or tokens rolled back)
+    tokens: int = 0  # tokens processed by this event (forward width, or tokens rolled back)
 
     @property
     def duration_s(self) -> float:
@@ -29,6 +30,7 @@ class Trace:
     """The events and token progress of one request. Times are seconds since `t0`; time.perf_counter is
     CLOCK_MONOTONIC on Linux, one clock for every process, so a worker records against the caller's t0.
     `device` is the row an event goes to when add/span name none (a worker's own trace)."""
+
     events: list[TraceEvent] = field(default_factory=list)
     # (seconds since start, tokens committed so far): the AMUSD Fig. 4 token-progress curve
     progress: list[tuple[float, int]] = field(default_factory=list)
@@ -74,6 +76,7 @@ class Trace:
         return {"events": [asdict(e) for e in self.events], "progress": [list(p) for p in self.progress]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Trace":
-        return cls(events=[TraceEvent(**e) for e in d.get("events", [])],
-                   progress=[tuple(p) for p in d.get("progress", [])])
+    def from_dict(cls, d: dict) -> Trace:
+        return cls(
+            events=[TraceEvent(**e) for e in d.get("events", [])], progress=[tuple(p) for p in d.get("progress", [])]
+        )

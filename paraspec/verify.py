@@ -8,6 +8,7 @@ Devices: p is on the target's device; q may arrive elsewhere (a channel's q, rea
 CPU), so each entry point brings q to p's device once. The generator is a CPU generator (sampling.make_generator):
 its uniforms are drawn on the CPU and compared as numbers, so a seed gives the same tokens on every device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,14 +56,15 @@ def accept_one(token: int, p: torch.Tensor, q: torch.Tensor, generator: torch.Ge
     return sample(residual(p, q), generator)
 
 
-def speculative_accept(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor,
-                       generator: torch.Generator) -> tuple[int, int]:
+def speculative_accept(
+    draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator
+) -> tuple[int, int]:
     """Speculative sampling over a chain of drafts.
 
     q: [k, vocab] distributions the drafts were sampled from; p: [k + 1, vocab] target distributions.
     Returns (accepted, next_token): the resampled token at the first rejection, or a bonus token from p_{k+1}.
     """
-    q = q.to(p.device)                     # all k rows at once, not one per accept_one
+    q = q.to(p.device)  # all k rows at once, not one per accept_one
     for i, token in enumerate(draft_tokens):
         replacement = accept_one(token, p[i], q[i], generator)
         if replacement is not None:
@@ -77,8 +79,13 @@ def _same_vocab(q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return pad(q), pad(p)
 
 
-def verify_chain(draft_tokens: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                 params, generator: torch.Generator) -> tuple[int, int]:
+def verify_chain(
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    params,
+    generator: torch.Generator,
+) -> tuple[int, int]:
     """Accept a chain of drafts against the target's logits [k + 1, vocab] under `params`.
 
     Greedy compares with the target's argmax; sampling runs speculative sampling with the processed target
@@ -100,8 +107,9 @@ def verify_chain(draft_tokens: list[int], draft_probs: torch.Tensor | None, targ
     return speculative_accept(draft_tokens, q, p, generator)
 
 
-def verify_token(token: int, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, params,
-                 generator: torch.Generator) -> int | None:
+def verify_token(
+    token: int, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, params, generator: torch.Generator
+) -> int | None:
     """Judge one drafted token against a target distribution computed earlier (one row of logits).
 
     Returns None when the token stands, else the target's replacement (greedy: its argmax; sampling: a draw
@@ -111,15 +119,16 @@ def verify_token(token: int, draft_probs: torch.Tensor | None, target_logits: to
     if params.greedy:
         best = int(target_logits.argmax())
         return None if best == token else best
-    if draft_probs is None:                     # a deterministic drafter's token: its point mass
+    if draft_probs is None:  # a deterministic drafter's token: its point mass
         kept, replacement = point_mass_accept([token], logits_to_probs(target_logits, params), generator)
         return None if kept is not None else replacement
     q, p = _same_vocab(draft_probs, logits_to_probs(target_logits, params))
     return accept_one(token, p, q, generator)
 
 
-def judge_in_hand(draft_token: int | None, draft_probs: torch.Tensor | None, target, params,
-                  generator: torch.Generator) -> tuple[int, bool | None]:
+def judge_in_hand(
+    draft_token: int | None, draft_probs: torch.Tensor | None, target, params, generator: torch.Generator
+) -> tuple[int, bool | None]:
     """The step after a full acceptance (AMUSD Alg. 1's bonus; DSI's next position): the verifying forward
     also computed the target's distribution for the next position, so a draft there is judged at once, and
     without a draft the target supplies its own token instead of waiting.
@@ -138,8 +147,10 @@ def judge_in_hand(draft_token: int | None, draft_probs: torch.Tensor | None, tar
 
 # -- token trees (SpecInfer, Miao et al. 2024) ------------------------------------------------------------------
 
-def multi_step_accept(candidates: list[int], p: torch.Tensor, q: torch.Tensor,
-                      generator: torch.Generator) -> tuple[int | None, int]:
+
+def multi_step_accept(
+    candidates: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+) -> tuple[int | None, int]:
     """SpecInfer's multi-step speculative sampling over siblings drawn i.i.d. (with replacement) from q.
 
     Child i is kept with probability min(1, p_i(x_i) / q(x_i)), where p_1 = p and, after each rejection,
@@ -180,8 +191,14 @@ def point_mass_accept(candidates: list[int], p: torch.Tensor, generator: torch.G
     return None, sample(p, generator)
 
 
-def verify_tree(tokens: list[int], parents: list[int], draft_probs: dict[int, torch.Tensor] | None,
-                target_logits: torch.Tensor, params, generator: torch.Generator) -> tuple[list[int], int]:
+def verify_tree(
+    tokens: list[int],
+    parents: list[int],
+    draft_probs: dict[int, torch.Tensor] | None,
+    target_logits: torch.Tensor,
+    params,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
     """Accept a path of a token tree against the target's logits for the root and every node.
 
     tokens[i], parents[i]: node i's token and its parent's index (-1: a child of the root); parents come before

@@ -24,6 +24,7 @@ hashes the version, the CMake options, the patches' content (wheel), the CPU's f
 the Python tag; builds live in
 $PARASPEC_CACHE/llamacpp/<kind>-<version>-<key>/ (PARASPEC_CACHE defaults to ~/.cache/paraspec).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import tempfile
 import time
@@ -106,7 +106,7 @@ def patches_digest(patches: list[Path]) -> str:
 
 def build_key(kind: str, cmake_args: list[str], python_tag: str = "", patches: list[Path] = ()) -> str:
     parts = [kind, VERSION, " ".join(cmake_args), cpu_flags(), compiler_version(), python_tag]
-    if patches:          # no patches: the key of an unpatched build stays what it was
+    if patches:  # no patches: the key of an unpatched build stays what it was
         parts.append(patches_digest(list(patches)))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -119,18 +119,35 @@ def apply_patches(src: Path, patches: list[Path]) -> None:
     for patch in patches:
         for dry in (True, False):
             # --fuzz=0: a patch whose context has moved is refused, not placed where it seems to fit
-            proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "--fuzz=0", "-d", str(src), "-i",
-                                   str(patch)] + (["--dry-run"] if dry else []), capture_output=True, text=True)
+            proc = subprocess.run(
+                ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "-d", str(src), "-i", str(patch)]
+                + (["--dry-run"] if dry else []),
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
-                raise SystemExit(f"{patch.name} does not apply to llama-cpp-python {VERSION}'s source:\n"
-                                 f"{proc.stdout}{proc.stderr}")
+                raise SystemExit(
+                    f"{patch.name} does not apply to llama-cpp-python {VERSION}'s source:\n{proc.stdout}{proc.stderr}"
+                )
 
 
 def fetch_sdist(dest: Path) -> Path:
     """Download and unpack the pinned sdist; return its top folder."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-cache-dir",
-         "-q", "-d", str(dest), f"llama-cpp-python=={VERSION}"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--no-cache-dir",
+            "-q",
+            "-d",
+            str(dest),
+            f"llama-cpp-python=={VERSION}",
+        ],
         check=True,
     )
     archive = next(dest.glob("llama_cpp_python-*.tar.gz"))
@@ -157,8 +174,11 @@ def wheel_dir(tag: str, cmake_args: list[str] = WHEEL_CMAKE_ARGS) -> Path:
 
 
 def _build_wheel_into(python: str, out: Path, cmake_args: list[str]) -> None:
-    print(f"building llama-cpp-python {VERSION} ({' '.join(cmake_args)}; patches: "
-          f"{', '.join(p.name for p in PATCHES) or 'none'}); ~10-25 min on 2 cores", flush=True)
+    print(
+        f"building llama-cpp-python {VERSION} ({' '.join(cmake_args)}; patches: "
+        f"{', '.join(p.name for p in PATCHES) or 'none'}); ~10-25 min on 2 cores",
+        flush=True,
+    )
     start = time.time()
     tag = python_tag(python)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,12 +187,26 @@ def _build_wheel_into(python: str, out: Path, cmake_args: list[str]) -> None:
         src = fetch_sdist(Path(tmp))
         apply_patches(src, PATCHES)
         staged = Path(tmp) / "wheel"
-        subprocess.run([python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(staged), str(src)],
-                       check=True, env=env)
-        (staged / "build.json").write_text(json.dumps({
-            "version": VERSION, "cmake_args": cmake_args, "patches": [p.name for p in PATCHES],
-            "patches_sha256": patches_digest(PATCHES), "python": tag, "compiler": compiler_version(),
-            "seconds": round(time.time() - start), "cpu_flags": cpu_flags()}, indent=1))
+        subprocess.run(
+            [python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(staged), str(src)],
+            check=True,
+            env=env,
+        )
+        (staged / "build.json").write_text(
+            json.dumps(
+                {
+                    "version": VERSION,
+                    "cmake_args": cmake_args,
+                    "patches": [p.name for p in PATCHES],
+                    "patches_sha256": patches_digest(PATCHES),
+                    "python": tag,
+                    "compiler": compiler_version(),
+                    "seconds": round(time.time() - start),
+                    "cpu_flags": cpu_flags(),
+                },
+                indent=1,
+            )
+        )
         # moved in at once: a killed build leaves no folder without its wheel
         shutil.rmtree(out, ignore_errors=True)
         staged.rename(out)
@@ -181,39 +215,48 @@ def _build_wheel_into(python: str, out: Path, cmake_args: list[str]) -> None:
 def install_wheel(python: str, wheel: Path) -> None:
     """Install `wheel` into `python`'s environment unless it is the one installed there."""
     # the record of what was installed lives in the environment (its sys.prefix), so two venvs do not fight
-    prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    prefix = subprocess.run(
+        [python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     marker = Path(prefix) / ".paraspec-llamacpp-build"
-    stamp = str(wheel)      # the build folder's name carries the key (options, CPU, compiler, Python)
+    stamp = str(wheel)  # the build folder's name carries the key (options, CPU, compiler, Python)
     if installed_version(python) == VERSION and marker.exists() and marker.read_text() == stamp:
         return
     # uninstall first: pip would keep an installed 0.3.36 built with other options ("already satisfied")
-    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "llama-cpp-python"], check=False,
-                   capture_output=True)
-    subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True)   # + its dependencies
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "llama-cpp-python"], check=False, capture_output=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True)  # + its dependencies
     marker.write_text(stamp)
 
 
 def smoke_verdict(python: str, out: Path, force: bool = False) -> dict:
-    """Whether the build installed in `python` survives its smoke run (paraspec/models/llamacpp_child.py `smoke`:
+    """Whether the build installed in `python` survives its smoke run (paraspec/models/llamacpp/child_tasks.py `smoke`:
     tiny GGUF files on the repacked/AMX kernels at widths 1 and 8, 1 and 2 threads, after a oneDNN matmul), run
     in a child process; recorded next to the wheel (the build's key includes this CPU's flags)."""
     known = {} if force else recorded_verdict(out)
     if known:
         return known
-    check = subprocess.run([python, "-c", "import paraspec.models.llamacpp_child"], capture_output=True)
+    check = subprocess.run([python, "-c", "import paraspec.models.llamacpp.child_tasks"], capture_output=True)
     if check.returncode != 0:
-        print("llama-cpp-python: paraspec is not installed in this environment; the build's smoke run is skipped",
-              file=sys.stderr, flush=True)
+        print(
+            "llama-cpp-python: paraspec is not installed in this environment; the build's smoke run is skipped",
+            file=sys.stderr,
+            flush=True,
+        )
         return {"ok": None}
-    proc = subprocess.run([python, "-m", "paraspec.models.llamacpp_child", "smoke"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, "-m", "paraspec.models.llamacpp.child_tasks", "smoke"], capture_output=True, text=True
+    )
     if proc.returncode == 0:
         verdict = {"ok": True, "ran": json.loads(proc.stdout.strip().splitlines()[-1]).get("ran")}
     else:
         name = signal_name(proc.returncode)
-        verdict = {"ok": False, "returncode": proc.returncode, "signal": name,
-                   "stderr": "\n".join(proc.stderr.strip().splitlines()[-10:])}
-        if name is None:   # not a crash of the kernels: a bug to see, not a build to change
+        verdict = {
+            "ok": False,
+            "returncode": proc.returncode,
+            "signal": name,
+            "stderr": "\n".join(proc.stderr.strip().splitlines()[-10:]),
+        }
+        if name is None:  # not a crash of the kernels: a bug to see, not a build to change
             raise SystemExit(f"llama-cpp-python's smoke run failed (exit code {proc.returncode}):\n{proc.stderr}")
     (out / "smoke.json").write_text(json.dumps(verdict, indent=1))
     return verdict
@@ -243,7 +286,7 @@ def build_wheel(python: str, force: bool, install: bool = True) -> Path:
     for i, name in enumerate(names):
         out = wheel_dir(tag, WHEEL_VARIANTS[name])
         if recorded_verdict(out).get("ok") is False and not force:
-            continue            # this CPU already killed this build
+            continue  # this CPU already killed this build
         wheels = sorted(out.glob("llama_cpp_python-*.whl"))
         if force or not wheels:
             _build_wheel_into(python, out, WHEEL_VARIANTS[name])
@@ -257,9 +300,13 @@ def build_wheel(python: str, force: bool, install: bool = True) -> Path:
         if verdict.get("ok") is not False:
             return wheels[-1]
         after = f"building it again as '{names[i + 1]}' ({VARIANT_WHY[names[i + 1]]})" if i + 1 < len(names) else ""
-        print(f"\nparaspec: the '{name}' build of llama.cpp died on this CPU in its smoke run (signal "
-              f"{verdict['signal']}: an instruction this CPU or VM refuses, or a fault in a kernel); {after}\n"
-              f"{verdict.get('stderr', '')}\n", file=sys.stderr, flush=True)
+        print(
+            f"\nparaspec: the '{name}' build of llama.cpp died on this CPU in its smoke run (signal "
+            f"{verdict['signal']}: an instruction this CPU or VM refuses, or a fault in a kernel); {after}\n"
+            f"{verdict.get('stderr', '')}\n",
+            file=sys.stderr,
+            flush=True,
+        )
     raise SystemExit("every llama.cpp build variant crashed on this CPU (see above); use backend='native'")
 
 
@@ -273,9 +320,13 @@ def build_peer(force: bool = False) -> Path:
     out = peer_dir()
     if not force and all((out / t).exists() for t in PEER_TARGETS):
         return out
-    print(f"building llama.cpp {', '.join(PEER_TARGETS)} from llama-cpp-python {VERSION}'s source "
-          f"(default options; patches: {', '.join(p.name for p in PEER_PATCHES) or 'none'}) into {out}; "
-          f"~5-10 min on 2 cores", file=sys.stderr, flush=True)
+    print(
+        f"building llama.cpp {', '.join(PEER_TARGETS)} from llama-cpp-python {VERSION}'s source "
+        f"(default options; patches: {', '.join(p.name for p in PEER_PATCHES) or 'none'}) into {out}; "
+        f"~5-10 min on 2 cores",
+        file=sys.stderr,
+        flush=True,
+    )
     start = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent.parent) as tmp:
@@ -283,10 +334,14 @@ def build_peer(force: bool = False) -> Path:
         apply_patches(sdist, PEER_PATCHES)
         src = sdist / "vendor" / "llama.cpp"
         build = Path(tmp) / "build"
-        subprocess.run(["cmake", "-S", str(src), "-B", str(build), *PEER_CMAKE_ARGS], check=True,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *PEER_TARGETS],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["cmake", "-S", str(src), "-B", str(build), *PEER_CMAKE_ARGS], check=True, stdout=subprocess.DEVNULL
+        )
+        subprocess.run(
+            ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *PEER_TARGETS],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         # assemble next to the destination and move it in at once: a killed build leaves no half folder
         staged = Path(tmp) / "bin"
         staged.mkdir()
@@ -294,10 +349,19 @@ def build_peer(force: bool = False) -> Path:
             shutil.copy2(build / "bin" / target, staged / target)
         shutil.rmtree(out, ignore_errors=True)
         staged.rename(out)
-    (out.parent / "build.json").write_text(json.dumps({
-        "version": VERSION, "cmake_args": PEER_CMAKE_ARGS, "patches": [p.name for p in PEER_PATCHES],
-        "compiler": compiler_version(),
-        "seconds": round(time.time() - start), "cpu_flags": cpu_flags()}, indent=1))
+    (out.parent / "build.json").write_text(
+        json.dumps(
+            {
+                "version": VERSION,
+                "cmake_args": PEER_CMAKE_ARGS,
+                "patches": [p.name for p in PEER_PATCHES],
+                "compiler": compiler_version(),
+                "seconds": round(time.time() - start),
+                "cpu_flags": cpu_flags(),
+            },
+            indent=1,
+        )
+    )
     return out
 
 
@@ -306,8 +370,9 @@ def main() -> None:
     parser.add_argument("kind", choices=["wheel", "peer"])
     parser.add_argument("--python", default=sys.executable, help="interpreter to install the wheel into")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
-    parser.add_argument("--no-install", action="store_true",
-                        help="wheel: build (or find) the wheel and print its path; install nothing")
+    parser.add_argument(
+        "--no-install", action="store_true", help="wheel: build (or find) the wheel and print its path; install nothing"
+    )
     args = parser.parse_args()
     if args.kind == "wheel":
         wheel = build_wheel(args.python, args.force, install=not args.no_install)

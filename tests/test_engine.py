@@ -1,4 +1,5 @@
 """Engine API: prompts of every kind, streaming, and a clear error for every bad input at the boundary."""
+
 import json
 from pathlib import Path
 
@@ -26,17 +27,17 @@ def test_prompt_kinds(engine):
     text = engine.generate("abc", params)
     ids = engine.generate(engine.tokenizer.encode("abc"), params)
     assert text.token_ids == ids.token_ids
-    assert text.prompt_ids == engine.tokenizer.encode("abc")            # raw text: no template
+    assert text.prompt_ids == engine.tokenizer.encode("abc")  # raw text: no template
     chat = engine.generate([{"role": "user", "content": "abc"}], params)
     assert chat.prompt_ids[:2] == engine.tokenizer.convert_tokens_to_ids(["<|im_start|>", "u"])
-    assert chat.prompt_ids[-len("assistant\n"):] == engine.tokenizer.encode("assistant\n")
+    assert chat.prompt_ids[-len("assistant\n") :] == engine.tokenizer.encode("assistant\n")
     assert isinstance(text.text, str) and text.stats.new_tokens == 8
 
 
 def test_stream_deltas_add_up_to_the_text(engine):
     params = SamplingParams(max_new_tokens=24)
     stream = engine.stream("def f(x):", params)
-    assert stream.result is None                     # not started: the request begins at the first next()
+    assert stream.result is None  # not started: the request begins at the first next()
     deltas = list(stream)
     assert len(deltas) > 1
     assert stream.result is not None and stream.result.finish_reason == "length"
@@ -70,8 +71,10 @@ def test_unknown_strategy(qwen2_target):
 MISSING_GPU = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
 
 
-@pytest.mark.parametrize("device,match", [("gpu:0", "unknown device"), ("cpu:99", "names core"),
-                                          (MISSING_GPU, "not available"), ("cpu:x", "bad device")])
+@pytest.mark.parametrize(
+    "device,match",
+    [("gpu:0", "unknown device"), ("cpu:99", "names core"), (MISSING_GPU, "not available"), ("cpu:x", "bad device")],
+)
 def test_bad_devices(qwen2_target, device, match):
     with pytest.raises(DeviceError, match=match):
         Engine(qwen2_target, strategy="ar", target_devices=[device])
@@ -99,8 +102,10 @@ def test_padded_embedding_with_same_tokenizer_is_allowed(tmp_path, qwen2_target,
     assert Engine(qwen2_target, strategy="ar").target.vocab_size != 300
     params = SamplingParams(max_new_tokens=16)
     with Engine(qwen2_target, padded, strategy="sd", dtype="float32") as sd:
-        assert sd.generate("xyz", params).token_ids == \
-            Engine(qwen2_target, dtype="float32").generate("xyz", params).token_ids
+        assert (
+            sd.generate("xyz", params).token_ids
+            == Engine(qwen2_target, dtype="float32").generate("xyz", params).token_ids
+        )
 
 
 def test_vocab_size_mismatch_without_tokenizers(tmp_path):
@@ -118,18 +123,19 @@ def test_a_vocab_mismatch_is_refused_before_any_model_loads(tmp_path, qwen2_targ
 
     def setup(self, placement):
         raise AssertionError("a model was loaded or a worker started before the vocabularies were checked")
+
     monkeypatch.setattr(STRATEGIES[strategy], "setup", setup)
     devices = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"]) if strategy == "amusd" else {}
     a = make_checkpoint(tmp_path / "a", "qwen2", seed=1, tokenizer=False, vocab_size=32)
     b = make_checkpoint(tmp_path / "b", "qwen2", seed=2, tokenizer=False, vocab_size=48)
-    short = make_checkpoint(tmp_path / "short", "qwen2", seed=3, vocab_size=16)   # fewer rows than its tokenizer
+    short = make_checkpoint(tmp_path / "short", "qwen2", seed=3, vocab_size=16)  # fewer rows than its tokenizer
     with pytest.raises(IncompatibleModelsError, match="tokenizers differ"):
         Engine(qwen2_target, other_tokenizer(tmp_path / "other"), strategy=strategy, **devices)
     with pytest.raises(IncompatibleModelsError, match="vocabularies differ \\(48 vs 32\\)"):
         Engine(a, b, strategy=strategy, **devices)
     with pytest.raises(IncompatibleModelsError, match="output layer \\(16 rows\\) is smaller than its tokenizer"):
         Engine(qwen2_target, short, strategy=strategy, **devices)
-    with pytest.raises(AssertionError, match="before the vocabularies were checked"):   # agreeing: setup() next
+    with pytest.raises(AssertionError, match="before the vocabularies were checked"):  # agreeing: setup() next
         Engine(a, a, strategy=strategy, **devices)
 
 
@@ -145,8 +151,16 @@ def test_generation_stops_at_the_context_limit(qwen2_target, qwen2_partial):
     assert result.finish_reason == "context" and len(result.token_ids) == 14
 
 
-@pytest.mark.parametrize("prompt,match", [("", "empty"), ([], "non-empty"), ([10**6], "outside the vocabulary"),
-                                          ([{"content": "x"}], "'role'"), (3.5, "must be a non-empty")])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ("", "empty"),
+        ([], "non-empty"),
+        ([10**6], "outside the vocabulary"),
+        ([{"content": "x"}], "'role'"),
+        (3.5, "must be a non-empty"),
+    ],
+)
 def test_bad_prompts(engine, prompt, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(prompt)
@@ -182,8 +196,9 @@ def test_missing_and_corrupt_checkpoints(tmp_path, qwen2_target):
     sharded.mkdir()
     (sharded / "config.json").write_text((qwen2_target / "config.json").read_text())
     (sharded / "model-00001-of-00002.safetensors").write_bytes((qwen2_target / "model.safetensors").read_bytes())
-    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(CheckpointError, match="missing shard"):
         Engine(sharded)
     text_file = tmp_path / "weights.bin"
@@ -211,8 +226,10 @@ def test_bad_engine_values(qwen2_target, qwen2_partial):
 
 def test_hf_backend_sd_equals_ar(qwen2_target, qwen2_partial):
     params = SamplingParams(max_new_tokens=20)
-    with Engine(qwen2_target, dtype="float32") as ar, \
-            Engine(qwen2_target, qwen2_partial, strategy="sd", backend="hf", dtype="float32") as sd:
+    with (
+        Engine(qwen2_target, dtype="float32") as ar,
+        Engine(qwen2_target, qwen2_partial, strategy="sd", backend="hf", dtype="float32") as sd,
+    ):
         assert sd.generate("abc", params).token_ids == ar.generate("abc", params).token_ids
 
 
@@ -225,12 +242,13 @@ def test_unknown_and_bad_strategy_options(qwen2_target, qwen2_partial):
 
 def test_in_process_pinning_is_undone_by_close(qwen2_target):
     import os
+
     before = os.sched_getaffinity(0)
     with Engine(qwen2_target, target_devices=["cpu:0"]) as e:
         assert os.sched_getaffinity(0) == {0}
         e.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
     assert os.sched_getaffinity(0) == before
-    Engine(qwen2_target, target_devices=["cpu:1"]).close()   # cpu:1 still counts as available
+    Engine(qwen2_target, target_devices=["cpu:1"]).close()  # cpu:1 still counts as available
 
 
 def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target, qwen2_partial, monkeypatch):
@@ -243,15 +261,17 @@ def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target,
 
     def refused(*args, **kwargs):
         raise AssertionError("EngineConfig resolved a checkpoint")
+
     with monkeypatch.context() as m:
         m.setattr(loader, "resolve_checkpoint", refused)
-        config = EngineConfig(qwen2_target, ["ngram", qwen2_partial], strategy="sd")   # dtype and backend "auto"
+        config = EngineConfig(qwen2_target, ["ngram", qwen2_partial], strategy="sd")  # dtype and backend "auto"
     assert config.model_backend == "auto"
     calls, resolve_models = [], engine_module.resolve_models
 
     def counting(specs, *args):
         calls.append([str(s) for s in specs])
         return resolve_models(specs, *args)
+
     monkeypatch.setattr(engine_module, "resolve_models", counting)
     with Engine.from_config(config) as engine:
         assert calls == [[str(qwen2_target), str(qwen2_partial)]] and engine.backend == "native"
@@ -261,23 +281,25 @@ def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target,
         assert placement.draft_checkpoints == [qwen2_partial]
         assert engine.strategy.draft_specs == placement.draft_specs and len(engine.draft_models) == 1
         assert engine.health() is None
-        engine.set_options(lookahead=3)                  # a new config: still nothing resolved again
+        engine.set_options(lookahead=3)  # a new config: still nothing resolved again
         assert len(calls) == 1
     assert engine.health() == "the Engine is closed"
 
 
 def test_a_gguf_is_converted_once_whichever_backend_auto_picks(gguf_pair, tmp_path, monkeypatch):
-    """"auto" with .gguf files: llama.cpp gets one folder without weights per file; without llama.cpp the native
+    """ "auto" with .gguf files: llama.cpp gets one folder without weights per file; without llama.cpp the native
     decoder gets one conversion to weights per file, and no weightless folder is made first."""
     import paraspec.models.gguf as gguf
     import paraspec.models.loader as loader
     from paraspec.runtime.devices import parse_devices
+
     monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
     converted, convert = [], gguf.convert_gguf
 
     def counting(path, out, *args, weights=True, **kwargs):
         converted.append((Path(path).name, weights))
         return convert(path, out, *args, weights=weights, **kwargs)
+
     monkeypatch.setattr(gguf, "convert_gguf", counting)
     monkeypatch.setattr(loader, "llamacpp_installed", lambda: True)
     backend, (folder,) = loader.resolve_models([gguf_pair["target"]], [torch.float32], "auto", parse_devices(["cpu"]))

@@ -2,6 +2,7 @@
 parameters changed after they were checked, options a strategy does not take, interrupted and repeated shutdown,
 signals, stopped workers, and a draft with fewer embedding rows than the target. Every case ends either in ar's
 exact tokens or in a named error, with no process and no shared-memory segment left behind."""
+
 import dataclasses
 import gc
 import os
@@ -52,8 +53,9 @@ def amusd(qwen2_target, qwen2_partial):
 
 @pytest.fixture(scope="module")
 def dsi(qwen2_target, qwen2_partial):
-    with Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="inprocess",
-                target_devices=["cpu"] * 2) as engine:
+    with Engine(
+        qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="inprocess", target_devices=["cpu"] * 2
+    ) as engine:
         yield engine
 
 
@@ -66,8 +68,9 @@ def in_threads(fn, n: int = 2) -> list:
         barrier.wait()
         try:
             results[i] = fn()
-        except Exception as e:   # noqa: BLE001 -- the test looks at it
+        except Exception as e:  # noqa: BLE001 -- the test looks at it
             results[i] = e
+
     threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -78,6 +81,7 @@ def in_threads(fn, n: int = 2) -> list:
 
 
 # -- one generation at a time --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["sd", "amusd"])
 def test_two_threads_wait_their_turn(request, name, expected):
@@ -94,7 +98,7 @@ def test_a_second_caller_gets_engine_busy_in_error_mode(request, name, qwen2_tar
     kwargs = PROCESS if name == "amusd" else dict(max_num_seqs=1)
     with Engine(qwen2_target, qwen2_partial, strategy=name, dtype="float32", on_busy="error", **kwargs) as engine:
         first = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
-        next(first)                                   # a generation in progress, consumed by the main thread
+        next(first)  # a generation in progress, consumed by the main thread
         results = in_threads(lambda: engine.generate(PROMPT, PARAMS).token_ids, 2)
         assert all(isinstance(r, EngineBusy) for r in results), results
         first.close()
@@ -111,12 +115,15 @@ def test_interleaved_streams_the_older_one_says_it_was_cancelled(request, name, 
     engine = request.getfixturevalue(name)
     a, b = engine.stream(PROMPT, SamplingParams(max_new_tokens=200)), engine.stream(PROMPT, PARAMS)
     first_a = next(a)
-    text_b = next(b)                                  # b starts while a is open (same thread): a is cancelled
-    with pytest.raises(StreamCancelled, match=r"was cancelled: stream #\d+ \(opened by thread 'MainThread' at "
-                                              r".* was started on the same thread") as raised:
-        next(a)                                       # ... and says so instead of ending short
+    text_b = next(b)  # b starts while a is open (same thread): a is cancelled
+    with pytest.raises(
+        StreamCancelled,
+        match=r"was cancelled: stream #\d+ \(opened by thread 'MainThread' at "
+        r".* was started on the same thread",
+    ) as raised:
+        next(a)  # ... and says so instead of ending short
     with pytest.raises(StreamCancelled):
-        next(a)                                       # every time it is read
+        next(a)  # every time it is read
     assert a.result.finish_reason == "cancelled" and a.result.text.startswith(first_a)
     text_b += "".join(b)
     assert b.result.token_ids == expected and text_b == b.result.text
@@ -130,7 +137,7 @@ def test_streams_read_in_turns_raise_at_the_first_overtaken_read(request, name, 
     engine = request.getfixturevalue(name)
     a, b = engine.stream(PROMPT, SamplingParams(max_new_tokens=200)), engine.stream(PROMPT, PARAMS)
     with pytest.raises(StreamCancelled, match="started on the same thread"):
-        for _ in zip(a, b):                           # a, b, a: the second read of a raises
+        for _ in zip(a, b):  # a, b, a: the second read of a raises
             pass
     assert b.result is None or b.result.finish_reason != "cancelled"
     assert "".join(b) and b.result.token_ids == expected
@@ -148,14 +155,14 @@ def test_closing_the_engine_under_an_open_stream_says_so(qwen2_target, qwen2_par
 
 @pytest.mark.parametrize("name", ["sd", "amusd"])
 def test_a_caller_waits_for_an_open_stream_until_it_is_closed(request, name, expected):
-    engine = request.getfixturevalue(name)            # wait_timeout None: waits as long as it takes
+    engine = request.getfixturevalue(name)  # wait_timeout None: waits as long as it takes
     stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
     next(stream)
     results = []
     waiter = threading.Thread(target=lambda: results.append(engine.generate(PROMPT, PARAMS).token_ids))
     waiter.start()
     waiter.join(1.0)
-    assert waiter.is_alive() and not results          # still waiting: the stream holds the Engine
+    assert waiter.is_alive() and not results  # still waiting: the stream holds the Engine
     stream.close()
     waiter.join(120)
     assert not waiter.is_alive() and results == [expected]
@@ -163,8 +170,7 @@ def test_a_caller_waits_for_an_open_stream_until_it_is_closed(request, name, exp
 
 @pytest.mark.parametrize("strategy,kwargs", [("sd", dict(max_num_seqs=1)), ("amusd", dict(runtime="inprocess"))])
 def test_wait_timeout_names_the_open_stream(qwen2_target, qwen2_partial, expected, strategy, kwargs):
-    with Engine(qwen2_target, qwen2_partial, strategy=strategy, dtype="float32", wait_timeout=1.5,
-                **kwargs) as engine:
+    with Engine(qwen2_target, qwen2_partial, strategy=strategy, dtype="float32", wait_timeout=1.5, **kwargs) as engine:
         stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
         next(stream)
         start = time.monotonic()
@@ -209,13 +215,13 @@ def test_stream_closed_or_dropped_early_leaves_the_engine_exact(request, name, e
     engine = request.getfixturevalue(name)
     stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
     first = next(stream)
-    stream.close()                                    # closed by its reader: it just ends
+    stream.close()  # closed by its reader: it just ends
     assert list(stream) == [] and stream.result.finish_reason == "cancelled"
     assert stream.result.text.startswith(first)
     assert engine.generate(PROMPT, PARAMS).token_ids == expected
     stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
     next(stream)
-    del stream                                        # garbage collection cancels it too
+    del stream  # garbage collection cancels it too
     gc.collect()
     assert engine.generate(PROMPT, PARAMS).token_ids == expected
     err = capfd.readouterr().err
@@ -225,17 +231,18 @@ def test_stream_closed_or_dropped_early_leaves_the_engine_exact(request, name, e
 @pytest.mark.parametrize("name", ["sd", "amusd"])
 def test_cancel_from_another_thread(request, name, expected):
     engine = request.getfixturevalue(name)
-    assert engine.cancel() is False                   # nothing running
+    assert engine.cancel() is False  # nothing running
     started, outcome = threading.Event(), {}
 
     def slow_consumer():
         deltas = []
         stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
-        for delta in stream:                          # engine.cancel() ends it: no error, the result says so
+        for delta in stream:  # engine.cancel() ends it: no error, the result says so
             deltas.append(delta)
             started.set()
             time.sleep(0.05)
         outcome["deltas"], outcome["result"] = deltas, stream.result
+
     thread = threading.Thread(target=slow_consumer)
     thread.start()
     assert started.wait(60)
@@ -250,6 +257,7 @@ def test_cancel_from_another_thread(request, name, expected):
 
 
 # -- validated where used ------------------------------------------------------------------------------------
+
 
 def test_sampling_params_cannot_be_changed_unchecked():
     params = SamplingParams(temperature=0.5)
@@ -272,9 +280,15 @@ def test_largest_seed_samples(sd):
     assert len(result.token_ids) == 4
 
 
-@pytest.mark.parametrize("strategy,option,takers", [
-    ("ar", dict(lookahead=3), "sd, dsi"), ("sd", dict(max_ahead=4), "amusd, dsi"),
-    ("amusd", dict(lookahead=3), "sd, dsi"), ("tree", dict(verify_chunk=2), "amusd")])
+@pytest.mark.parametrize(
+    "strategy,option,takers",
+    [
+        ("ar", dict(lookahead=3), "sd, dsi"),
+        ("sd", dict(max_ahead=4), "amusd, dsi"),
+        ("amusd", dict(lookahead=3), "sd, dsi"),
+        ("tree", dict(verify_chunk=2), "amusd"),
+    ],
+)
 def test_options_the_strategy_does_not_take_are_refused(qwen2_target, qwen2_partial, strategy, option, takers):
     draft = None if strategy == "ar" else qwen2_partial
     name = next(iter(option))
@@ -298,17 +312,20 @@ def test_ar_refuses_a_draft(qwen2_target, qwen2_partial, tmp_path, draft):
 
 def test_cli_passes_only_the_options_given(qwen2_target):
     from paraspec.cli.main import build_parser, engine_config
+
     parser = build_parser()
     base = ["generate", "--target", str(qwen2_target), "--prompt", "x"]
     assert engine_config(parser.parse_args(base + ["--strategy", "ar"])).options == {}
-    assert engine_config(parser.parse_args(base + ["--strategy", "sd", "--draft", "d", "--lookahead", "3"])).options \
-        == {"lookahead": 3}
+    assert engine_config(
+        parser.parse_args(base + ["--strategy", "sd", "--draft", "d", "--lookahead", "3"])
+    ).options == {"lookahead": 3}
     with pytest.raises(ValueError, match="does not take option"):
         engine_config(parser.parse_args(base + ["--strategy", "ar", "--lookahead", "3"]))
 
 
 def test_bench_gives_each_strategy_its_own_options(qwen2_target, qwen2_partial):
     from paraspec.config import EngineConfig
+
     base = EngineConfig(qwen2_target, qwen2_partial, strategy="sd")
     options = {"lookahead": 3, "max_ahead": 8, "verify_chunk": 2}
     assert base.for_strategy("ar", options).options == {} and base.for_strategy("ar", options).draft is None
@@ -318,11 +335,15 @@ def test_bench_gives_each_strategy_its_own_options(qwen2_target, qwen2_partial):
 
 def test_bench_refuses_an_option_no_strategy_takes(tmp_path, qwen2_target):
     from paraspec.cli.main import main
-    assert main(["bench", "--target", str(qwen2_target), "--strategies", "ar", "--lookahead", "3",
-                 "--out", str(tmp_path)]) == 2
+
+    assert (
+        main(["bench", "--target", str(qwen2_target), "--strategies", "ar", "--lookahead", "3", "--out", str(tmp_path)])
+        == 2
+    )
 
 
 # -- shutdown ----------------------------------------------------------------------------------------------------
+
 
 def test_generate_after_close_names_the_fix(qwen2_target, qwen2_partial):
     engine = Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32")
@@ -335,21 +356,24 @@ def test_generate_after_close_names_the_fix(qwen2_target, qwen2_partial):
 
 def test_keyboard_interrupt_inside_close_is_finished_by_the_next_close(qwen2_target, qwen2_partial, monkeypatch):
     import _thread
+
     from paraspec.runtime.workers import ProcessWorker
+
     before = own_segments()
     engine = Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **PROCESS)
     pids = [w.pid for w in engine.runtime.workers.values()]
     stop_worker = ProcessWorker._stop_worker
 
-    def interrupted_stop(self, deadline):            # Ctrl-C lands while close() waits for the first worker
+    def interrupted_stop(self, deadline):  # Ctrl-C lands while close() waits for the first worker
         monkeypatch.setattr(ProcessWorker, "_stop_worker", stop_worker)
         _thread.interrupt_main()
-        time.sleep(0.5)                              # the interrupt is raised here, in the main thread
+        time.sleep(0.5)  # the interrupt is raised here, in the main thread
+
     monkeypatch.setattr(ProcessWorker, "_stop_worker", interrupted_stop)
     with pytest.raises(KeyboardInterrupt):
         engine.close()
-    assert own_segments() - before                   # the interrupted close left segments behind ...
-    engine.close()                                   # ... and the second one finishes the job
+    assert own_segments() - before  # the interrupted close left segments behind ...
+    engine.close()  # ... and the second one finishes the job
     time.sleep(0.2)
     assert all(gone(pid) for pid in pids)
     assert own_segments() <= before
@@ -375,7 +399,7 @@ def test_restart_workers_after_a_worker_died(qwen2_target, qwen2_partial, expect
         time.sleep(0.2)
         with pytest.raises(WorkerDied, match="restart_workers"):
             engine.generate(PROMPT, PARAMS)
-        with pytest.raises(WorkerDied, match="restart_workers"):      # refused until restarted
+        with pytest.raises(WorkerDied, match="restart_workers"):  # refused until restarted
             engine.generate(PROMPT, PARAMS)
         engine.restart_workers()
         assert engine.runtime["draft"].pid != old
@@ -407,25 +431,52 @@ def test_worker_timeout_is_checked(qwen2_target):
 
 # -- signals to the command line -------------------------------------------------------------------------------
 
+
 def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int, merged: bool = False) -> subprocess.Popen:
     """`paraspec generate` with amusd workers, in a session of its own (a terminal's Ctrl-C signals the whole
     process group); `merged`: stderr into stdout, in the order written."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     return subprocess.Popen(
-        [sys.executable, "-m", "paraspec", "generate", "--target", str(qwen2_target), "--draft", str(qwen2_partial),
-         "--strategy", "amusd", "--dtype", "float32", "--target-devices", "cpu:1", "--draft-devices", "cpu:0",
-         "--prompt", "hello", "--max-new-tokens", str(max_new_tokens), "--max-context", "256"],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
-        text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "paraspec",
+            "generate",
+            "--target",
+            str(qwen2_target),
+            "--draft",
+            str(qwen2_partial),
+            "--strategy",
+            "amusd",
+            "--dtype",
+            "float32",
+            "--target-devices",
+            "cpu:1",
+            "--draft-devices",
+            "cpu:0",
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--max-context",
+            "256",
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_ctrl_c_while_workers_start_prints_one_line(qwen2_target, qwen2_partial):
     cli = start_cli(qwen2_target, qwen2_partial, 50)
     try:
         workers = wait_for(lambda: cli.poll() is None and spawned_workers(cli.pid))
-        time.sleep(0.3)                               # the workers are importing torch or loading now
-        os.killpg(cli.pid, signal.SIGINT)             # Ctrl-C reaches the whole group
+        time.sleep(0.3)  # the workers are importing torch or loading now
+        os.killpg(cli.pid, signal.SIGINT)  # Ctrl-C reaches the whole group
         _, err = cli.communicate(timeout=60)
     finally:
         if cli.poll() is None:
@@ -441,8 +492,9 @@ def assert_interrupted(cli: subprocess.Popen, output: str, processes) -> None:
     assert "leaked" not in output and "Exception ignored" not in output, output
     wait_for(lambda: all(gone(pid) for pid in processes), 10)
     owners = {str(pid) for pid in (cli.pid, *processes)}
-    assert not [p for p in Path("/dev/shm").iterdir()
-                if p.name.startswith("paraspec_") and p.name.split("_")[1] in owners]
+    assert not [
+        p for p in Path("/dev/shm").iterdir() if p.name.startswith("paraspec_") and p.name.split("_")[1] in owners
+    ]
 
 
 def descendants(pid: int) -> set[int]:
@@ -475,7 +527,7 @@ def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(qwen2_target, qwen2_pa
                 end = time.monotonic() + 0.5
             time.sleep(0.01)
         assert cli.poll() is None, "the run ended before the Ctrl-C: this case tests nothing"
-        os.killpg(cli.pid, signal.SIGINT)             # Ctrl-C reaches the whole group
+        os.killpg(cli.pid, signal.SIGINT)  # Ctrl-C reaches the whole group
         deadline = time.monotonic() + 60
         while cli.poll() is None and time.monotonic() < deadline:
             seen |= descendants(cli.pid)
@@ -488,10 +540,12 @@ def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(qwen2_target, qwen2_pa
 
 
 def raising_while_a_class_is_built(exception: str) -> str:
-    return ("class Field:\n"
-            f"        def __set_name__(self, owner, name): raise {exception}\n"
-            "    class Owner:\n"
-            "        field = Field()")
+    return (
+        "class Field:\n"
+        f"        def __set_name__(self, owner, name): raise {exception}\n"
+        "    class Owner:\n"
+        "        field = Field()"
+    )
 
 
 SIGNALLED_COMMANDS = {
@@ -511,16 +565,24 @@ def test_a_signal_inside_an_import_of_the_command_exits_with_its_code(case, tmp_
     with `-m`, as `python -m paraspec` is: a `-c` script's SystemExit ends the process before CPython checks that
     flag."""
     body, code, line = SIGNALLED_COMMANDS[case]
-    (tmp_path / "signalled_cli.py").write_text("import sys\n"
-                                               "from paraspec.cli import main as cli\n"
-                                               "def command(args):\n"
-                                               f"    {body}\n"
-                                               "cli.cmd_generate = command\n"
-                                               "sys.exit(cli.main(['generate', '--target', 'unused', '--prompt', "
-                                               "'hello']))\n")
+    (tmp_path / "signalled_cli.py").write_text(
+        "import sys\n"
+        "from paraspec.cli import main as cli\n"
+        "def command(args):\n"
+        f"    {body}\n"
+        "cli.cmd_generate = command\n"
+        "sys.exit(cli.main(['generate', '--target', 'unused', '--prompt', "
+        "'hello']))\n"
+    )
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "signalled_cli"], cwd=root, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)])), timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "signalled_cli"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)])),
+        timeout=120,
+    )
     assert (done.returncode, done.stderr.splitlines()) == (code, [line]), done.stderr
 
 
@@ -529,7 +591,7 @@ def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):
     try:
         workers = wait_for(lambda: cli.poll() is None and spawned_workers(cli.pid))
         assert [p for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{cli.pid}_")]
-        os.kill(cli.pid, signal.SIGTERM)              # the workers are starting: segments exist, nothing is ready
+        os.kill(cli.pid, signal.SIGTERM)  # the workers are starting: segments exist, nothing is ready
         _, err = cli.communicate(timeout=60)
     finally:
         if cli.poll() is None:
@@ -543,13 +605,16 @@ def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):
 
 # -- uneven vocabularies -------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def narrow_draft(tmp_path_factory, qwen2_target):
     """The target with its embedding cut to 262 rows (the tokenizer has 260 tokens, the target 267 rows): the
     same tokenizer and a smaller embedding, like Qwen2.5-0.5B (151,936 rows) against 7B (152,064)."""
     import shutil
+
     import torch
     from transformers import AutoModelForCausalLM
+
     folder = tmp_path_factory.mktemp("narrow") / "draft"
     model = AutoModelForCausalLM.from_pretrained(str(qwen2_target), dtype=torch.float32)
     model.resize_token_embeddings(262)
@@ -560,8 +625,10 @@ def narrow_draft(tmp_path_factory, qwen2_target):
     return folder
 
 
-@pytest.mark.parametrize("strategy,kwargs", [
-    ("sd", {}), ("amusd", dict(runtime="inprocess")), ("dsi", dict(runtime="inprocess", target_devices=["cpu"] * 2))])
+@pytest.mark.parametrize(
+    "strategy,kwargs",
+    [("sd", {}), ("amusd", dict(runtime="inprocess")), ("dsi", dict(runtime="inprocess", target_devices=["cpu"] * 2))],
+)
 def test_a_draft_with_fewer_embedding_rows_decodes_exactly(qwen2_target, narrow_draft, strategy, kwargs):
     params = SamplingParams(max_new_tokens=200)
     with Engine(qwen2_target, strategy="ar", dtype="float32") as ar:
@@ -576,7 +643,9 @@ def test_a_draft_with_fewer_embedding_rows_decodes_exactly(qwen2_target, narrow_
 
 def test_config_json_that_is_not_json_is_named(tmp_path, qwen2_target):
     import shutil
+
     from paraspec.models.loader import CheckpointError
+
     broken = tmp_path / "broken"
     shutil.copytree(qwen2_target, broken)
     (broken / "config.json").write_text('{"vocab_size": 267,')

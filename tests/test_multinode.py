@@ -2,6 +2,7 @@
 worker nodes, each named by a custom resource), with the network transport forced, since the nodes share a host:
 every token crosses TCP. Greedy equals `ar`, sampling follows the target, stop strings and cancel work across
 nodes, a removed node is a named error within seconds and restart_workers() recovers, close() leaves nothing."""
+
 import os
 from pathlib import Path
 
@@ -13,8 +14,15 @@ pytest.importorskip("ray", reason="multi-node tests need Ray (pip install 'paras
 from paraspec import Engine, SamplingParams  # noqa: E402
 from paraspec.runtime import WorkerError  # noqa: E402
 from paraspec.runtime.devices import DeviceError  # noqa: E402
-from tests.conftest import (PROMPT, VOCAB, assert_matches, error_while_running, exact_joint, gone,  # noqa: E402
-                            wait_for)
+from tests.conftest import (
+    PROMPT,
+    VOCAB,
+    assert_matches,
+    error_while_running,
+    exact_joint,
+    gone,  # noqa: E402
+    wait_for,
+)
 
 PROMPTS = [PROMPT, "import numpy as np\n", "class Stack:\n    def push(self, x):"]
 
@@ -34,27 +42,45 @@ def expected(qwen2_target):
 def dsi_across(request, ray_cluster, qwen2_target, qwen2_partial):
     """dsi: two target servers on two nodes, the drafter on the head, every channel over TCP."""
     k = request.param
-    with Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="ray", transport="tcp",
-                target_devices=["box-a/cpu:0", "box-b/cpu:1"], draft_devices=["head-box/cpu:0"],
-                lookahead=k, max_ahead=3 * k) as engine:
+    with Engine(
+        qwen2_target,
+        qwen2_partial,
+        strategy="dsi",
+        dtype="float32",
+        runtime="ray",
+        transport="tcp",
+        target_devices=["box-a/cpu:0", "box-b/cpu:1"],
+        draft_devices=["head-box/cpu:0"],
+        lookahead=k,
+        max_ahead=3 * k,
+    ) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
 def amusd_across(ray_cluster, qwen2_target, qwen2_partial):
-    with Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", runtime="ray", transport="tcp",
-                target_devices=["box-a/cpu:1"], draft_devices=["box-b/cpu:0"]) as engine:
+    with Engine(
+        qwen2_target,
+        qwen2_partial,
+        strategy="amusd",
+        dtype="float32",
+        runtime="ray",
+        transport="tcp",
+        target_devices=["box-a/cpu:1"],
+        draft_devices=["box-b/cpu:0"],
+    ) as engine:
         yield engine
 
 
 def test_workers_sit_on_the_nodes_their_devices_name(dsi_across):
     import ray
+
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     workers = dsi_across.runtime.workers
     assert {w.transport for w in workers.values()} == {"tcp"}
     assert "box-a" in nodes[workers["target0"].node_id] and "box-b" in nodes[workers["target1"].node_id]
     assert "head-box" in nodes[workers["draft"].node_id]
-    assert workers["target1"].info.cores == (1,)              # pinned on its node
+    assert workers["target1"].info.cores == (1,)  # pinned on its node
 
 
 def test_dsi_across_nodes_equals_ar(dsi_across, expected):
@@ -71,12 +97,12 @@ def test_amusd_across_nodes_equals_ar(amusd_across, expected):
 
 def test_stop_string_and_cancel_across_nodes(dsi_across, expected):
     full = dsi_across.decode_text(expected[PROMPT])
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     result = dsi_across.generate(PROMPT, SamplingParams(max_new_tokens=24, stop=(stop,)))
     assert result.finish_reason == "stop" and stop not in result.text and full.startswith(result.text)
     stream = dsi_across.stream(PROMPT, SamplingParams(max_new_tokens=200))
     next(iter(stream))
-    stream.close()                                   # cancels the work on every node
+    stream.close()  # cancels the work on every node
     again = dsi_across.generate(PROMPT, SamplingParams(max_new_tokens=24))
     assert again.token_ids == expected[PROMPT]
 
@@ -88,10 +114,11 @@ def test_sampling_across_nodes_follows_the_target(ray_cluster, small_vocab_pair,
     and as processes on 400)."""
     target, draft = small_vocab_pair
     prompt, params = [1, 2, 3], dict(temperature=1.0)
-    devices = dict(target_devices=["box-a/cpu:0", "box-b/cpu:0"] if strategy == "dsi" else ["box-a/cpu:0"],
-                   draft_devices=["head-box/cpu:1"])
-    with Engine(target, draft, strategy=strategy, dtype="float32", runtime="ray", transport="tcp",
-                **devices) as engine:
+    devices = dict(
+        target_devices=["box-a/cpu:0", "box-b/cpu:0"] if strategy == "dsi" else ["box-a/cpu:0"],
+        draft_devices=["head-box/cpu:1"],
+    )
+    with Engine(target, draft, strategy=strategy, dtype="float32", runtime="ray", transport="tcp", **devices) as engine:
         joint = exact_joint(engine, prompt, SamplingParams(**params))
         counts, drafted = np.zeros((VOCAB, VOCAB)), 0
         for seed in range(500 if strategy == "dsi" else 1000):
@@ -105,19 +132,31 @@ def test_sampling_across_nodes_follows_the_target(ray_cluster, small_vocab_pair,
 
 
 def test_a_removed_node_is_named_within_seconds_then_restart(ray_cluster, qwen2_target, qwen2_partial, expected):
-    before = own_segments()            # the module's open engines keep theirs
+    before = own_segments()  # the module's open engines keep theirs
     node = ray_cluster.add_node(num_cpus=1, resources={"box-c": 1})
     ray_cluster.wait_for_nodes()
-    engine = Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="ray", transport="tcp",
-                    target_devices=["box-a/cpu:0", "box-c/cpu:1"], draft_devices=["head-box/cpu:0"], lookahead=3,
-                    max_ahead=9)
+    engine = Engine(
+        qwen2_target,
+        qwen2_partial,
+        strategy="dsi",
+        dtype="float32",
+        runtime="ray",
+        transport="tcp",
+        target_devices=["box-a/cpu:0", "box-c/cpu:1"],
+        draft_devices=["head-box/cpu:0"],
+        lookahead=3,
+        max_ahead=9,
+    )
     try:
-        error, after_s = error_while_running(lambda: engine.generate(PROMPT, SamplingParams(max_new_tokens=400)),
-                                             lambda: ray_cluster.remove_node(node), started_s=1.0)
+        error, after_s = error_while_running(
+            lambda: engine.generate(PROMPT, SamplingParams(max_new_tokens=400)),
+            lambda: ray_cluster.remove_node(node),
+            started_s=1.0,
+        )
         assert isinstance(error, WorkerError) and "target1" in str(error) and "box-c" in str(error)
         assert after_s < 10.0
         assert "box-c" in (engine.health() or "")
-        with pytest.raises(DeviceError, match="box-c"):       # its device names a node that is gone
+        with pytest.raises(DeviceError, match="box-c"):  # its device names a node that is gone
             engine.restart_workers()
     finally:
         engine.close()
@@ -125,8 +164,16 @@ def test_a_removed_node_is_named_within_seconds_then_restart(ray_cluster, qwen2_
 
 
 def test_restart_places_workers_again(ray_cluster, qwen2_target, qwen2_partial, expected):
-    with Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", runtime="ray", transport="tcp",
-                target_devices=["box-a/cpu:0"], draft_devices=["box-b/cpu:1"]) as engine:
+    with Engine(
+        qwen2_target,
+        qwen2_partial,
+        strategy="amusd",
+        dtype="float32",
+        runtime="ray",
+        transport="tcp",
+        target_devices=["box-a/cpu:0"],
+        draft_devices=["box-b/cpu:1"],
+    ) as engine:
         os.kill(engine.runtime["target"].pid, 9)
         with pytest.raises(WorkerError, match="box-a"):
             engine.generate(PROMPT, SamplingParams(max_new_tokens=24))
@@ -139,14 +186,35 @@ def test_restart_places_workers_again(ray_cluster, qwen2_target, qwen2_partial, 
 def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, qwen2_partial):
     before = own_segments()
     with pytest.raises(DeviceError, match="no alive Ray node matches 'nowhere'"):
-        Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", runtime="ray",
-               target_devices=["nowhere/cpu:0"], draft_devices=["box-a/cpu:0"])
+        Engine(
+            qwen2_target,
+            qwen2_partial,
+            strategy="amusd",
+            dtype="float32",
+            runtime="ray",
+            target_devices=["nowhere/cpu:0"],
+            draft_devices=["box-a/cpu:0"],
+        )
     with pytest.raises(DeviceError, match="node 'box-a' has cores"):
-        Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", runtime="ray",
-               target_devices=["box-a/cpu:64"], draft_devices=["box-b/cpu:0"])
+        Engine(
+            qwen2_target,
+            qwen2_partial,
+            strategy="amusd",
+            dtype="float32",
+            runtime="ray",
+            target_devices=["box-a/cpu:64"],
+            draft_devices=["box-b/cpu:0"],
+        )
     with pytest.raises(ValueError, match="runtime='ray'|--runtime ray"):
-        Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", runtime="process",
-               target_devices=["box-a/cpu:0"], draft_devices=["box-b/cpu:0"])
+        Engine(
+            qwen2_target,
+            qwen2_partial,
+            strategy="amusd",
+            dtype="float32",
+            runtime="process",
+            target_devices=["box-a/cpu:0"],
+            draft_devices=["box-b/cpu:0"],
+        )
     with pytest.raises(ValueError, match="caller's process"):
         Engine(qwen2_target, qwen2_partial, strategy="sd", dtype="float32", target_devices=["box-a/cpu:0"])
     assert own_segments() <= before
@@ -156,7 +224,9 @@ def test_a_checkpoint_missing_on_a_node_is_named(ray_cluster, qwen2_target, qwen
     """The caller resolves the draft checkpoint and checks its vocabulary (it is there), the node that loads it does
     not have it: every node here shares this host's files, so the copy is removed before the workers load it."""
     import shutil
+
     from paraspec.engine import Engine as EngineClass
+
     copy = tmp_path / "draft-only-on-the-caller"
     shutil.copytree(qwen2_partial, copy)
     real = EngineClass._check_vocabularies
@@ -169,7 +239,15 @@ def test_a_checkpoint_missing_on_a_node_is_named(ray_cluster, qwen2_target, qwen
     monkeypatch.setattr(EngineClass, "_check_vocabularies", checked_then_gone)
     before = own_segments()
     with pytest.raises(Exception, match=r"on node 'box-b'.*(same path|shared filesystem)") as err:
-        Engine(qwen2_target, str(copy), strategy="amusd", dtype="float32", runtime="ray", transport="tcp",
-               target_devices=["box-a/cpu:1"], draft_devices=["box-b/cpu:0"])
+        Engine(
+            qwen2_target,
+            str(copy),
+            strategy="amusd",
+            dtype="float32",
+            runtime="ray",
+            transport="tcp",
+            target_devices=["box-a/cpu:1"],
+            draft_devices=["box-b/cpu:0"],
+        )
     assert str(copy) in str(err.value)
     assert own_segments() <= before

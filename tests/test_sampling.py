@@ -13,8 +13,9 @@ def test_greedy_is_one_hot_argmax():
 
 def test_temperature_top_k_top_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert torch.allclose(logits_to_probs(logits, SamplingParams(temperature=1.0)),
-                          torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6)
+    assert torch.allclose(
+        logits_to_probs(logits, SamplingParams(temperature=1.0)), torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6
+    )
     top2 = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
     assert torch.allclose(top2, torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
     # top_p 0.8: 0.5 + 0.3 reaches 0.8, so the third token is dropped
@@ -27,12 +28,19 @@ def test_temperature_top_k_top_p():
     assert torch.allclose(hot, expected / expected.sum(), atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-2), "top_k"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(seed="x"), "seed"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(seed="x"), "seed"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
 def test_invalid_sampling_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -45,9 +53,10 @@ def test_sample_draws_from_the_given_probabilities():
 
     from paraspec.sampling import sample
     from tests.conftest import TEST_DEVICE
+
     probs = torch.tensor([0.0, 0.1, 0.0, 0.45, 0.3, 0.15, 0.0])
     gen = torch.Generator().manual_seed(0)
-    on_device = probs.to(TEST_DEVICE)              # drawn where the logits are, with the CPU generator
+    on_device = probs.to(TEST_DEVICE)  # drawn where the logits are, with the CPU generator
     counts = np.bincount([sample(on_device, gen) for _ in range(40_000)], minlength=len(probs))
     assert counts[[0, 2, 6]].sum() == 0
     kept = probs > 0
@@ -57,8 +66,12 @@ def test_sample_draws_from_the_given_probabilities():
     assert counts[[0, 2, 6]].sum() == 0
     assert chisquare(counts[kept.numpy()], 20_000 * probs[kept].numpy()).pvalue > 1e-3
     assert sample(torch.tensor([0.0, 0.0, 1.0]), gen) == 2
-    for bad in (torch.zeros(3), torch.tensor([0.5, float("nan")]), torch.tensor([1.5, -0.5]),
-                torch.tensor([float("inf"), 1.0])):
+    for bad in (
+        torch.zeros(3),
+        torch.tensor([0.5, float("nan")]),
+        torch.tensor([1.5, -0.5]),
+        torch.tensor([float("inf"), 1.0]),
+    ):
         with pytest.raises(ValueError, match="cannot sample"):
             sample(bad, gen)
 
@@ -69,6 +82,7 @@ def test_sample_on_a_gpu_draws_from_the_cpu_generator():
     the minimum together, then the index). tests/fake_cuda.py raises where CUDA would mix devices."""
     from paraspec.sampling import make_generator, sample
     from tests.fake_cuda import fake_cuda
+
     probs = torch.tensor([0.0, 0.1, 0.0, 0.45, 0.3, 0.15, 0.0])
     on_cpu = [sample(probs, make_generator(seed)) for seed in range(200)]
     with fake_cuda() as cuda:
@@ -82,6 +96,7 @@ def test_sample_on_a_gpu_draws_from_the_cpu_generator():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_sample_on_a_real_gpu_gives_the_cpu_tokens():
     from paraspec.sampling import make_generator, sample
+
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     probs = logits_to_probs(logits, SamplingParams(temperature=0.8, top_k=100, top_p=0.9))
     on_cpu = [sample(probs, make_generator(seed)) for seed in range(100)]

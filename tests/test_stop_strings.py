@@ -1,5 +1,6 @@
 """Stop strings (SamplingParams.stop): every strategy ends where ar's text first contains one, with the same tokens
 up to the one that completes it; streamed deltas never show text a stop string then claims."""
+
 import pytest
 
 from paraspec import Engine, SamplingParams
@@ -31,7 +32,7 @@ def engine(request, qwen2_target):
 
 def test_stop_string_cuts_like_ar(engine, reference):
     full, ar = reference
-    stop = full.text[12:15]                      # three characters from the middle of ar's output
+    stop = full.text[12:15]  # three characters from the middle of ar's output
     cut = full.text.index(stop)
     # the token whose text completes the first occurrence of the stop string
     end = next(n for n in range(1, len(full.token_ids) + 1) if stop in ar.decode_text(full.token_ids[:n]))
@@ -41,7 +42,7 @@ def test_stop_string_cuts_like_ar(engine, reference):
     assert result.token_ids == full.token_ids[:end] and result.stats.new_tokens == end
     stream = engine.stream(PROMPT, params)
     assert "".join(stream) == full.text[:cut] and stream.result.token_ids == full.token_ids[:end]
-    after = engine.generate(PROMPT, FULL)        # the engine is exact for the next request
+    after = engine.generate(PROMPT, FULL)  # the engine is exact for the next request
     assert after.token_ids == full.token_ids
 
 

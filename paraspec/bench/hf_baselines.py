@@ -11,6 +11,7 @@ prompt ids, thread count, token budget and EOS ids, and they return a `Generatio
 - for hf-prompt-lookup, every target forward is a round: its width less the tokens already in the cache (the
   prompt in the first forward, the last token after) is the number of candidates copied from the context.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,10 +19,10 @@ import time
 import torch
 
 from paraspec.engine import GenerationResult
+from paraspec.request_state import Run
+from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
-from paraspec.run import Run
-from paraspec.runtime.devices import sync
 from paraspec.trace import Trace
 
 HF_STRATEGIES = {
@@ -29,7 +30,7 @@ HF_STRATEGIES = {
     "hf-assisted": "transformers assisted generation (generate(assistant_model=draft)), same weights/dtype/threads",
     "hf-prompt-lookup": "transformers prompt lookup decoding (generate(prompt_lookup_num_tokens=N)), no draft model",
 }
-PROMPT_LOOKUP_TOKENS = 10       # candidates per round: the value of transformers' documentation (it has no default)
+PROMPT_LOOKUP_TOKENS = 10  # candidates per round: the value of transformers' documentation (it has no default)
 
 
 def hf_causal_lm(model, folder):
@@ -40,20 +41,23 @@ def hf_causal_lm(model, folder):
     that the baselines compute with exactly paraspec's weights and dtype.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
     source = getattr(model, "decoder", None) or getattr(model, "model", None)
     if not isinstance(source, torch.nn.Module):
         raise ValueError(f"hf-* baselines need an in-process model with torch weights, got {type(model).__name__}")
     weights = source.state_dict()
     dtype = next(iter(weights.values())).dtype
     config = AutoConfig.from_pretrained(str(folder))
-    with _no_init_weights():    # parameters are allocated but never written: the shared tensors replace them
+    with _no_init_weights():  # parameters are allocated but never written: the shared tensors replace them
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(weights, strict=False, assign=True)
     tied = getattr(hf, "_tied_weights_keys", None) or ()
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise ValueError(f"{folder}: transformers' {type(hf).__name__} does not match paraspec's weights "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ValueError(
+            f"{folder}: transformers' {type(hf).__name__} does not match paraspec's weights "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if "lm_head.weight" not in weights and hasattr(hf, "tie_weights"):
         hf.tie_weights()
     # generation_config.json may carry sampling defaults (repetition_penalty, top_k...): start from none
@@ -64,7 +68,7 @@ def hf_causal_lm(model, folder):
 
 def _no_init_weights():
     try:
-        from transformers.initialization import no_init_weights          # transformers 5
+        from transformers.initialization import no_init_weights  # transformers 5
     except ImportError:  # pragma: no cover - transformers 4
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
@@ -96,7 +100,7 @@ class _ForwardTimer:
 
     def __init__(self, trace: Trace):
         self.trace, self.calls, self._handles, self._start = trace, {}, [], {}
-        self.seconds: dict[str, float] = {}          # by kind of call: prefill, decode, draft, verify
+        self.seconds: dict[str, float] = {}  # by kind of call: prefill, decode, draft, verify
 
     def watch(self, module, device: str, first_kind: str, kind: str) -> None:
         def before(mod, args, kwargs):
@@ -115,8 +119,10 @@ class _ForwardTimer:
             self.calls[device] = n + 1
             self.seconds[event_kind] = self.seconds.get(event_kind, 0.0) + end - start
 
-        self._handles += [module.register_forward_pre_hook(before, with_kwargs=True),
-                          module.register_forward_hook(after, with_kwargs=True)]
+        self._handles += [
+            module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(after, with_kwargs=True),
+        ]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -146,9 +152,17 @@ def _drafts_per_round(trace: Trace) -> list[int]:
 class HFBaseline:
     """One of HF_STRATEGIES over shared-weight transformers models; `generate` mirrors Engine.generate."""
 
-    def __init__(self, name: str, target_hf, draft_hf=None, max_context: int = 4096,
-                 num_assistant_tokens: int | None = None, confidence_threshold: float | None = None,
-                 prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS, prompt_lookup_ngram: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        target_hf,
+        draft_hf=None,
+        max_context: int = 4096,
+        num_assistant_tokens: int | None = None,
+        confidence_threshold: float | None = None,
+        prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS,
+        prompt_lookup_ngram: int | None = None,
+    ):
         if name not in HF_STRATEGIES:
             raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(HF_STRATEGIES)}")
         if name == "hf-assisted" and draft_hf is None:
@@ -156,11 +170,16 @@ class HFBaseline:
         self.name, self.target, self.max_context = name, target_hf, max_context
         self.draft = draft_hf if name == "hf-assisted" else None
         if name == "hf-prompt-lookup" and (prompt_lookup_tokens < 1 or (prompt_lookup_ngram or 1) < 1):
-            raise ValueError(f"hf-prompt-lookup needs >= 1 candidate tokens and an n-gram size >= 1, got "
-                             f"{prompt_lookup_tokens} and {prompt_lookup_ngram}")
+            raise ValueError(
+                f"hf-prompt-lookup needs >= 1 candidate tokens and an n-gram size >= 1, got "
+                f"{prompt_lookup_tokens} and {prompt_lookup_ngram}"
+            )
         # transformers' max_matching_ngram_size: None is its own default (2)
-        self.lookup = {"prompt_lookup_num_tokens": prompt_lookup_tokens,
-                       "max_matching_ngram_size": prompt_lookup_ngram} if name == "hf-prompt-lookup" else {}
+        self.lookup = (
+            {"prompt_lookup_num_tokens": prompt_lookup_tokens, "max_matching_ngram_size": prompt_lookup_ngram}
+            if name == "hf-prompt-lookup"
+            else {}
+        )
         self.eos_ids = list(target_hf.generation_config.eos_token_id or [])
         if self.draft is not None:
             # transformers reads the assistant's settings from the assistant's generation config
@@ -178,29 +197,42 @@ class HFBaseline:
         out = {"dtype": str(self.dtype).removeprefix("torch."), "eos_token_ids": self.eos_ids}
         if self.draft is not None:
             from transformers import GenerationConfig
-            defaults = GenerationConfig._get_default_generation_params() \
-                if hasattr(GenerationConfig, "_get_default_generation_params") else {}
+
+            defaults = (
+                GenerationConfig._get_default_generation_params()
+                if hasattr(GenerationConfig, "_get_default_generation_params")
+                else {}
+            )
             for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
                 value = getattr(self.draft.generation_config, key, None)
                 out[key] = defaults.get(key) if value is None else value
         if self.lookup:
-            out.update(prompt_lookup_num_tokens=self.lookup["prompt_lookup_num_tokens"],
-                       max_matching_ngram_size=self.lookup["max_matching_ngram_size"] or 2)
+            out.update(
+                prompt_lookup_num_tokens=self.lookup["prompt_lookup_num_tokens"],
+                max_matching_ngram_size=self.lookup["max_matching_ngram_size"] or 2,
+            )
         return out
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 record_margins: bool = False) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, record_margins: bool = False) -> GenerationResult:
         from transformers import GenerationConfig
+
         stop = set(self.eos_ids) | set(params.stop_token_ids or ())
-        sampling = {} if params.greedy else dict(temperature=params.temperature, top_k=params.top_k,
-                                                 top_p=params.top_p)
+        sampling = {} if params.greedy else dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         config = GenerationConfig(
-            max_new_tokens=params.max_new_tokens, min_new_tokens=0, do_sample=not params.greedy,
-            eos_token_id=sorted(stop), pad_token_id=self.target.generation_config.pad_token_id,
-            repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
-            return_dict_in_generate=True, output_scores=record_margins, **sampling,
-            **{k: v for k, v in self.lookup.items() if v is not None})
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not params.greedy,
+            eos_token_id=sorted(stop),
+            pad_token_id=self.target.generation_config.pad_token_id,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            num_beams=1,
+            return_dict_in_generate=True,
+            output_scores=record_margins,
+            **sampling,
+            **{k: v for k, v in self.lookup.items() if v is not None},
+        )
         if not params.greedy and params.seed is not None:
             torch.manual_seed(params.seed)
         ids = torch.tensor([prompt_ids]).to(self.target.device)
@@ -215,20 +247,28 @@ class HFBaseline:
             sync(self.target.device)
             start = time.perf_counter()
             trace.t0 = start
-            out = self.target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                       generation_config=config, streamer=progress, **extra)
+            out = self.target.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=progress, **extra
+            )
             sync(self.target.device)
             total = time.perf_counter() - start
         finally:
             timer.remove()
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
-        return self._result(prompt_ids, tokens, params, stop, trace, progress, timer, total,
-                            out.scores if record_margins else None)
+        tokens = out.sequences[0, len(prompt_ids) :].tolist()
+        return self._result(
+            prompt_ids, tokens, params, stop, trace, progress, timer, total, out.scores if record_margins else None
+        )
 
     def _result(self, prompt_ids, tokens, params, stop, trace, progress, timer, total, scores):
         # A Run filled with what transformers did, so that the stats use the Engine's arithmetic.
-        run = Run(prompt_ids=list(prompt_ids), params=params, stop_ids=frozenset(stop),
-                  generator=make_generator(0), max_context=self.max_context, trace=trace)
+        run = Run(
+            prompt_ids=list(prompt_ids),
+            params=params,
+            stop_ids=frozenset(stop),
+            generator=make_generator(0),
+            max_context=self.max_context,
+            trace=trace,
+        )
         run.tokens = tokens
         run.first_token_s = progress.first_token_s
         run.finish_reason = "stop" if tokens and tokens[-1] in stop else "length"
@@ -240,13 +280,19 @@ class HFBaseline:
             run.verified_tokens = len(tokens)
             run.rollbacks = sum(a < k for a, k in zip(accepted, drafts))
             run.draft_s = timer.seconds.get("draft", 0.0)
-            run.verify_s = timer.seconds.get("verify", 0.0)         # the prefill is not verification
+            run.verify_s = timer.seconds.get("verify", 0.0)  # the prefill is not verification
         margins = None
         if scores is not None:
             margins = {}
             for i, step in enumerate(scores):
                 top2 = step.float().topk(2, dim=-1).values
                 margins[i] = float(top2[0, 0] - top2[0, 1])
-        return GenerationResult(text="", token_ids=tokens, stats=compute_stats(run, self.name, total),
-                                trace=trace, finish_reason=run.finish_reason, prompt_ids=list(prompt_ids),
-                                margins=margins)
+        return GenerationResult(
+            text="",
+            token_ids=tokens,
+            stats=compute_stats(run, self.name, total),
+            trace=trace,
+            finish_reason=run.finish_reason,
+            prompt_ids=list(prompt_ids),
+            margins=margins,
+        )

@@ -21,6 +21,7 @@ matched in the context, the m tokens after the match proposed: prompt lookup), a
 n-gram to its next token, shared across requests; `--spec-default` turns it on with n 24, m 48-64). llama.cpp's default kernels are not batch-invariant
 (docs/BENCHMARKS.md), so llamacpp-spec may return other tokens than llamacpp-ar: the report shows it, nothing hides it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,9 +39,9 @@ import time
 from pathlib import Path
 
 from paraspec.engine import GenerationResult
+from paraspec.request_state import Run
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
-from paraspec.run import Run
 from paraspec.trace import Trace
 
 LLAMACPP_STRATEGIES = {
@@ -53,9 +54,8 @@ DEFAULT_SPEC_GRID = tuple((n, p) for n in (4, 8, 16) for p in (0.0, 0.5, 0.8))
 # (spec type, n, m): llama.cpp's own defaults for each type first (ngram-simple 12/48, --spec-default's ngram-mod
 # 24/64), then shorter lookups and drafts, which suit CPUs, where verifying 48 tokens costs ~8 decoding steps
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
-DEFAULT_NGRAM_GRID = (("ngram-simple", 12, 48), ("ngram-mod", 24, 64), ("ngram-simple", 4, 16),
-                      ("ngram-simple", 3, 8))
-TUNE_TOKENS = 64        # new tokens per tuning prompt (fewer if --max-new-tokens is lower)
+DEFAULT_NGRAM_GRID = (("ngram-simple", 12, 48), ("ngram-mod", 24, 64), ("ngram-simple", 4, 16), ("ngram-simple", 3, 8))
+TUNE_TOKENS = 64  # new tokens per tuning prompt (fewer if --max-new-tokens is lower)
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_llamacpp.py"
 
 
@@ -68,8 +68,10 @@ def _build_script():
     """scripts/build_llamacpp.py as a module: its build key (version, options, CPU, compiler) names the cached
     build that is this machine's, so the peer is found and built by the same code."""
     if not BUILD_SCRIPT.is_file():
-        raise PeerError(f"the llama.cpp peers need paraspec's source checkout ({BUILD_SCRIPT} is missing): they "
-                        f"are built by scripts/build_llamacpp.py")
+        raise PeerError(
+            f"the llama.cpp peers need paraspec's source checkout ({BUILD_SCRIPT} is missing): they "
+            f"are built by scripts/build_llamacpp.py"
+        )
     spec = importlib.util.spec_from_file_location("paraspec_build_llamacpp", BUILD_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -84,8 +86,10 @@ def peer_binaries(build: bool = True) -> Path:
     if all((folder / name).is_file() for name in script.PEER_TARGETS):
         return folder
     if not build:
-        raise PeerError(f"llama.cpp's peer programs are not built for this machine (no {folder}); run "
-                        f"`python scripts/build_llamacpp.py peer` (about 5-10 minutes)")
+        raise PeerError(
+            f"llama.cpp's peer programs are not built for this machine (no {folder}); run "
+            f"`python scripts/build_llamacpp.py peer` (about 5-10 minutes)"
+        )
     print(f"llamacpp peers: building llama-server for this CPU into {folder} (once)", file=sys.stderr, flush=True)
     return script.build_peer()
 
@@ -98,8 +102,9 @@ def peer_build_label(binaries: Path) -> str:
     except (OSError, ValueError):
         patches = []
     fixes = [p.removesuffix(".patch").split("-fix-", 1)[-1] for p in patches]
-    return "llama.cpp default build" + (f" + crash fix{'es' if len(fixes) > 1 else ''} {', '.join(fixes)}"
-                                        if fixes else "")
+    return "llama.cpp default build" + (
+        f" + crash fix{'es' if len(fixes) > 1 else ''} {', '.join(fixes)}" if fixes else ""
+    )
 
 
 def gguf_file(spec: str | os.PathLike, role: str = "target") -> Path:
@@ -107,6 +112,7 @@ def gguf_file(spec: str | os.PathLike, role: str = "target") -> Path:
     converted from a GGUF (its paraspec_source.json records gguf_path; the reference pair's does)."""
     from paraspec.models.cache import read_marker
     from paraspec.models.loader import resolve_checkpoint
+
     path = Path(str(spec)).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -114,11 +120,16 @@ def gguf_file(spec: str | os.PathLike, role: str = "target") -> Path:
     recorded = (read_marker(folder) or {}).get("gguf_path")
     if recorded and Path(recorded).is_file():
         return Path(recorded)
-    where = f"its folder {folder} records {recorded}, which is gone" if recorded else \
-        f"its folder {folder} was not converted from a GGUF"
-    raise ValueError(f"the llama.cpp peers need a GGUF file for the {role} {spec} ({where}); pass a .gguf file as "
-                     f"--{role}, run `make models` for the reference pair, or leave llamacpp-ar/llamacpp-spec out "
-                     f"of --strategies")
+    where = (
+        f"its folder {folder} records {recorded}, which is gone"
+        if recorded
+        else f"its folder {folder} was not converted from a GGUF"
+    )
+    raise ValueError(
+        f"the llama.cpp peers need a GGUF file for the {role} {spec} ({where}); pass a .gguf file as "
+        f"--{role}, run `make models` for the reference pair, or leave llamacpp-ar/llamacpp-spec out "
+        f"of --strategies"
+    )
 
 
 def gguf_summary(path: Path) -> dict:
@@ -129,8 +140,10 @@ def gguf_summary(path: Path) -> dict:
     from collections import Counter
 
     import gguf
+
     scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
     with open(path, "rb") as f:
+
         def read(fmt):
             return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
 
@@ -142,7 +155,7 @@ def gguf_summary(path: Path) -> dict:
                 return string()
             if kind == 9:
                 item, n = read("I"), read("Q")
-                if item in scalar:          # skip the numbers, keep nothing: no key read here is an array
+                if item in scalar:  # skip the numbers, keep nothing: no key read here is an array
                     f.seek(n * struct.calcsize(scalar[item]), 1)
                 else:
                     for _ in range(n):
@@ -181,7 +194,7 @@ def _child_setup(cores):
     started it ends (PR_SET_PDEATHSIG; the runner starts servers from its main thread)."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):      # not Linux
+    except (OSError, AttributeError):  # not Linux
         prctl = None
 
     def setup():
@@ -189,6 +202,7 @@ def _child_setup(cores):
             os.sched_setaffinity(0, cores)
         if prctl is not None:
             prctl(1, signal.SIGKILL)
+
     return setup
 
 
@@ -197,8 +211,16 @@ def ngram_args(setting: tuple[str, int, int]) -> list[str]:
     drops a draft shorter than its n-min, here 3/4 of m (llama.cpp's default: 48 of 64)."""
     kind, n, m = setting
     if kind == "ngram-mod":
-        return ["--spec-type", kind, "--spec-ngram-mod-n-match", str(n), "--spec-ngram-mod-n-max", str(m),
-                "--spec-ngram-mod-n-min", str(max(1, 3 * m // 4))]
+        return [
+            "--spec-type",
+            kind,
+            "--spec-ngram-mod-n-match",
+            str(n),
+            "--spec-ngram-mod-n-max",
+            str(m),
+            "--spec-ngram-mod-n-min",
+            str(max(1, 3 * m // 4)),
+        ]
     flag = kind.removeprefix("ngram-")
     return ["--spec-type", kind, f"--spec-ngram-{flag}-size-n", str(n), f"--spec-ngram-{flag}-size-m", str(m)]
 
@@ -211,12 +233,35 @@ class LlamaServer:
     drafting stopping early below draft probability `p_min`; `ngram` (type, n, m) adds its n-gram drafting.
     """
 
-    def __init__(self, binaries: Path, model: Path, threads: int, cores=None, context: int = 4096,
-                 draft: Path | None = None, draft_max: int | None = None, p_min: float | None = None,
-                 ngram: tuple[str, int, int] | None = None, start_timeout_s: float = 600, slots: int | None = 1):
+    def __init__(
+        self,
+        binaries: Path,
+        model: Path,
+        threads: int,
+        cores=None,
+        context: int = 4096,
+        draft: Path | None = None,
+        draft_max: int | None = None,
+        p_min: float | None = None,
+        ngram: tuple[str, int, int] | None = None,
+        start_timeout_s: float = 600,
+        slots: int | None = 1,
+    ):
         self.threads, self.cores = threads, tuple(sorted(cores)) if cores else None
-        args = [str(Path(binaries) / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
-                "-t", str(threads), "-tb", str(threads), "--no-webui"]
+        args = [
+            str(Path(binaries) / "llama-server"),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--no-webui",
+        ]
         # the context is shared by the slots (its default: 4, one unified KV cache): room for `context` tokens each
         args += ["-c", str(context * (slots or 4))] + ([] if slots is None else ["-np", str(slots)])
         if draft is not None:
@@ -229,8 +274,13 @@ class LlamaServer:
             args += ngram_args(ngram)
         self.args = args
         self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_child_setup(self.cores))
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_child_setup(self.cores),
+        )
         self.port = None
         try:
             self._wait_ready(start_timeout_s)
@@ -238,7 +288,7 @@ class LlamaServer:
             self.close()
             raise
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -255,8 +305,10 @@ class LlamaServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise PeerError(f"llama-server exited with status {self.proc.returncode} while starting "
-                                f"({' '.join(self.args)}); its log ends with:\n{self.log_tail()}")
+                raise PeerError(
+                    f"llama-server exited with status {self.proc.returncode} while starting "
+                    f"({' '.join(self.args)}); its log ends with:\n{self.log_tail()}"
+                )
             if self.port is None:
                 found = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log_tail(10_000))
                 self.port = int(found.group(1)) if found else None
@@ -268,14 +320,19 @@ class LlamaServer:
                 except OSError:
                     pass
             time.sleep(0.1)
-        raise PeerError(f"llama-server did not get ready within {timeout_s:.0f} s; its log ends with:\n"
-                        f"{self.log_tail()}")
+        raise PeerError(
+            f"llama-server did not get ready within {timeout_s:.0f} s; its log ends with:\n{self.log_tail()}"
+        )
 
     def _request(self, method: str, path: str, body: dict | None, timeout_s: float) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
         try:
-            conn.request(method, path, body=None if body is None else json.dumps(body),
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                method,
+                path,
+                body=None if body is None else json.dumps(body),
+                headers={"Content-Type": "application/json"},
+            )
             response = conn.getresponse()
             raw = response.read()
         finally:
@@ -288,16 +345,28 @@ class LlamaServer:
     def complete(self, prompt_ids: list[int], params: SamplingParams) -> tuple[dict, float]:
         """One /completion request; returns llama-server's answer and the wall time around it (seconds)."""
         if self.proc.poll() is not None:
-            raise PeerError(f"llama-server has exited (status {self.proc.returncode}); its log ends with:\n"
-                            f"{self.log_tail()}")
-        body = {"prompt": list(prompt_ids), "n_predict": params.max_new_tokens, "cache_prompt": False,
-                "return_tokens": True, "stream": False, "n_probs": 0, "id_slot": 0}
+            raise PeerError(
+                f"llama-server has exited (status {self.proc.returncode}); its log ends with:\n{self.log_tail()}"
+            )
+        body = {
+            "prompt": list(prompt_ids),
+            "n_predict": params.max_new_tokens,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+            "n_probs": 0,
+            "id_slot": 0,
+        }
         if params.greedy:
             body.update(samplers=["top_k"], top_k=1)
         else:
             # paraspec's order: temperature, then top-k, then top-p (sampling.logits_to_probs)
-            body.update(samplers=["temperature", "top_k", "top_p"], temperature=params.temperature,
-                        top_k=params.top_k, top_p=params.top_p)
+            body.update(
+                samplers=["temperature", "top_k", "top_p"],
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+            )
             if params.seed is not None:
                 body["seed"] = params.seed
         start = time.perf_counter()
@@ -327,8 +396,9 @@ class LlamaServer:
 
 
 # -- the bench variants ------------------------------------------------------------------------------------
-def result_from_answer(name: str, prompt_ids: list[int], params: SamplingParams, answer: dict,
-                       total_s: float, max_context: int) -> GenerationResult:
+def result_from_answer(
+    name: str, prompt_ids: list[int], params: SamplingParams, answer: dict, total_s: float, max_context: int
+) -> GenerationResult:
     """A GenerationResult from llama-server's /completion answer, with the Engine's stats arithmetic.
 
     TTFT is the server's prompt time (prefill and the first token); the trace holds one prefill event of that
@@ -336,7 +406,7 @@ def result_from_answer(name: str, prompt_ids: list[int], params: SamplingParams,
     the prefill is a verification round yielding its accepted drafts plus one token, so
     rounds = new tokens - 1 - accepted.
     """
-    tokens = list(answer.get("tokens") or [])[:params.max_new_tokens]
+    tokens = list(answer.get("tokens") or [])[: params.max_new_tokens]
     timings = answer.get("timings") or {}
     prompt_s = timings.get("prompt_ms", 0.0) / 1000
     predicted_s = timings.get("predicted_ms", 0.0) / 1000
@@ -346,8 +416,14 @@ def result_from_answer(name: str, prompt_ids: list[int], params: SamplingParams,
     if tokens:
         trace.commit(1, prompt_s)
         trace.commit(len(tokens), total_s)
-    run = Run(prompt_ids=list(prompt_ids), params=params, stop_ids=frozenset(), generator=make_generator(0),
-              max_context=max_context, trace=trace)
+    run = Run(
+        prompt_ids=list(prompt_ids),
+        params=params,
+        stop_ids=frozenset(),
+        generator=make_generator(0),
+        max_context=max_context,
+        trace=trace,
+    )
     run.tokens = tokens
     run.first_token_s = prompt_s if tokens else None
     run.finish_reason = {"eos": "stop", "word": "stop"}.get(answer.get("stop_type"), "length")
@@ -355,9 +431,14 @@ def result_from_answer(name: str, prompt_ids: list[int], params: SamplingParams,
         run.drafted, run.accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
         run.rounds = max(len(tokens) - 1 - run.accepted, 0)
         run.verified_tokens = max(len(tokens) - 1, 0)
-    return GenerationResult(text=answer.get("content", ""), token_ids=tokens,
-                            stats=compute_stats(run, name, total_s), trace=trace, finish_reason=run.finish_reason,
-                            prompt_ids=list(prompt_ids))
+    return GenerationResult(
+        text=answer.get("content", ""),
+        token_ids=tokens,
+        stats=compute_stats(run, name, total_s),
+        trace=trace,
+        finish_reason=run.finish_reason,
+        prompt_ids=list(prompt_ids),
+    )
 
 
 class LlamaCppPeer:
@@ -367,8 +448,18 @@ class LlamaCppPeer:
     fastest setting) or, if never tuned, at their first request with the grid's first setting.
     """
 
-    def __init__(self, name: str, target, draft=None, threads: int = 1, cores=None, max_context: int = 4096,
-                 spec_grid=DEFAULT_SPEC_GRID, binaries: Path | None = None, ngram_grid=DEFAULT_NGRAM_GRID):
+    def __init__(
+        self,
+        name: str,
+        target,
+        draft=None,
+        threads: int = 1,
+        cores=None,
+        max_context: int = 4096,
+        spec_grid=DEFAULT_SPEC_GRID,
+        binaries: Path | None = None,
+        ngram_grid=DEFAULT_NGRAM_GRID,
+    ):
         if name not in LLAMACPP_STRATEGIES:
             raise ValueError(f"unknown llama.cpp peer {name!r}; choose one of {', '.join(LLAMACPP_STRATEGIES)}")
         if name == "llamacpp-spec" and draft is None:
@@ -384,13 +475,21 @@ class LlamaCppPeer:
         self.max_context = min(max_context, summary["context_length"] or max_context)
         self.binaries = binaries or peer_binaries(build=True)
         # the settings `tune` chooses from: (draft max, p-min) for llamacpp-spec, (type, n, m) for llamacpp-ngram
-        self.grid = [(int(n), float(p)) for n, p in spec_grid] if name == "llamacpp-spec" else \
-            [(str(t), int(n), int(m)) for t, n, m in ngram_grid] if name == "llamacpp-ngram" else []
+        self.grid = (
+            [(int(n), float(p)) for n, p in spec_grid]
+            if name == "llamacpp-spec"
+            else [(str(t), int(n), int(m)) for t, n, m in ngram_grid]
+            if name == "llamacpp-ngram"
+            else []
+        )
         self.setting: tuple | None = self.grid[0] if self.grid else None
-        self.settings = {"dtype": summary["quantization"],
-                         "program": f"llama-server ({peer_build_label(self.binaries)})",
-                         "target_gguf": str(self.target_gguf), "threads": threads,
-                         "cores": list(self.cores) if self.cores else "all"}
+        self.settings = {
+            "dtype": summary["quantization"],
+            "program": f"llama-server ({peer_build_label(self.binaries)})",
+            "target_gguf": str(self.target_gguf),
+            "threads": threads,
+            "cores": list(self.cores) if self.cores else "all",
+        }
         if self.draft_gguf:
             self.settings["draft_gguf"] = str(self.draft_gguf)
         if self.setting is not None:
@@ -412,12 +511,19 @@ class LlamaCppPeer:
 
     def _start(self, setting) -> LlamaServer:
         draft_max, p_min = setting if self.name == "llamacpp-spec" else (None, None)
-        return LlamaServer(self.binaries, self.target_gguf, self.threads, self.cores, self.max_context,
-                           draft=self.draft_gguf, draft_max=draft_max, p_min=p_min,
-                           ngram=setting if self.name == "llamacpp-ngram" else None)
+        return LlamaServer(
+            self.binaries,
+            self.target_gguf,
+            self.threads,
+            self.cores,
+            self.max_context,
+            draft=self.draft_gguf,
+            draft_max=draft_max,
+            p_min=p_min,
+            ngram=setting if self.name == "llamacpp-ngram" else None,
+        )
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 record_margins: bool = False) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, record_margins: bool = False) -> GenerationResult:
         """Generate with llama-server. `record_margins` is accepted for the runner; llama.cpp reports no logits,
         so the result has no margins."""
         if self.server is None:
@@ -431,8 +537,13 @@ class LlamaCppPeer:
         llamacpp-ar."""
         if not self.grid or not prompts:
             return
-        tune_params = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                     seed=params.seed, max_new_tokens=min(params.max_new_tokens, TUNE_TOKENS))
+        tune_params = SamplingParams(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            max_new_tokens=min(params.max_new_tokens, TUNE_TOKENS),
+        )
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -445,18 +556,26 @@ class LlamaCppPeer:
                     results = []
                     for ids in prompts:
                         answer, seconds = server.complete(ids, tune_params)
-                        results.append(result_from_answer(self.name, ids, tune_params, answer, seconds,
-                                                          self.max_context))
+                        results.append(
+                            result_from_answer(self.name, ids, tune_params, answer, seconds, self.max_context)
+                        )
                     ms = statistics.median(r.stats.ms_per_token for r in results)
                     drafted = sum(r.stats.drafted for r in results)
                     accepted = sum(r.stats.accepted for r in results)
-                    grid.append({**self._describe(setting), "ms_per_token": ms,
-                                 "acceptance": accepted / drafted if drafted else None,
-                                 "new_tokens": sum(r.stats.new_tokens for r in results)})
+                    grid.append(
+                        {
+                            **self._describe(setting),
+                            "ms_per_token": ms,
+                            "acceptance": accepted / drafted if drafted else None,
+                            "new_tokens": sum(r.stats.new_tokens for r in results),
+                        }
+                    )
                     if progress is not None:
                         acc = "—" if not drafted else f"{accepted / drafted:.0%}"
-                        progress(f"{self.name}@{self.threads}t {setting_label(self._describe(setting))}: "
-                                 f"{ms:.1f} ms/token, acceptance {acc}")
+                        progress(
+                            f"{self.name}@{self.threads}t {setting_label(self._describe(setting))}: "
+                            f"{ms:.1f} ms/token, acceptance {acc}"
+                        )
                     if best_ms is None or ms < best_ms:
                         if best is not None:
                             best[1].close()
@@ -469,8 +588,11 @@ class LlamaCppPeer:
                 best[1].close()
             raise
         self.setting, self.server = best
-        self.settings.update(**self._describe(self.setting), spec_grid=grid,
-                             tuned_on={"prompts": len(prompts), "max_new_tokens": tune_params.max_new_tokens})
+        self.settings.update(
+            **self._describe(self.setting),
+            spec_grid=grid,
+            tuned_on={"prompts": len(prompts), "max_new_tokens": tune_params.max_new_tokens},
+        )
 
     def close(self) -> None:
         if self.server is not None:
@@ -484,8 +606,9 @@ SETTING_FIELDS = {"draft_max": "draft max", "p_min": "p-min", "spec_type": "type
 
 def setting_label(fields: dict) -> str:
     """`draft max 8, p-min 0.5` / `type ngram-simple, n 4, m 16`."""
-    return ", ".join(f"{SETTING_FIELDS[k]} {v:g}" if isinstance(v, float) else f"{SETTING_FIELDS[k]} {v}"
-                     for k, v in fields.items())
+    return ", ".join(
+        f"{SETTING_FIELDS[k]} {v:g}" if isinstance(v, float) else f"{SETTING_FIELDS[k]} {v}" for k, v in fields.items()
+    )
 
 
 def parse_ngram_grid(text: str) -> list[tuple[str, int, int]]:
@@ -501,8 +624,10 @@ def parse_ngram_grid(text: str) -> list[tuple[str, int, int]]:
         except ValueError:
             raise ValueError(f"bad llamacpp-ngram setting {item!r}; write TYPE:N:M, e.g. ngram-simple:4:16") from None
         if kind not in NGRAM_TYPES or n < 1 or m < 1:
-            raise ValueError(f"bad llamacpp-ngram setting {item!r}: the type is one of {', '.join(NGRAM_TYPES)}, "
-                             f"and n (tokens looked up) and m (most tokens drafted) are >= 1")
+            raise ValueError(
+                f"bad llamacpp-ngram setting {item!r}: the type is one of {', '.join(NGRAM_TYPES)}, "
+                f"and n (tokens looked up) and m (most tokens drafted) are >= 1"
+            )
         grid.append((kind, n, m))
     if not grid:
         raise ValueError("--llamacpp-ngram-grid is empty; pass e.g. ngram-simple:4:16")

@@ -11,6 +11,7 @@ The schema (all times in ms) is read by `paraspec.sim.costs.Profile`:
     {"target": {"model", "device", "ttft_ms", "tpot_ms", "forward_ms": {"1": ..., "8": ...}},
      "draft": {...same...}, "acceptance_rate", "mean_match_length", "devices"}
 """
+
 from __future__ import annotations
 
 import statistics
@@ -45,14 +46,16 @@ def time_generation(model, prompt_ids: list[int], tokens: int) -> tuple[float, f
 def time_forwards(model, prompt_ids: list[int], widths=WIDTHS, repeats: int = 3) -> dict[str, float]:
     """Median seconds of one forward of n tokens after the prompt (rolled back after each); a GPU is waited for
     before each clock read (a forward returns once queued)."""
-    device = getattr(model, "device", None)     # llama.cpp and simulated models return when done
+    device = getattr(model, "device", None)  # llama.cpp and simulated models return when done
     model.prefill(prompt_ids)
     base = model.length
     out = {}
     for n in widths:
         if base + n > model.max_context:
-            raise ValueError(f"a {n}-token forward after a {base}-token prompt exceeds the context "
-                             f"({model.max_context}); pass a larger --max-context or drop that width")
+            raise ValueError(
+                f"a {n}-token forward after a {base}-token prompt exceeds the context "
+                f"({model.max_context}); pass a larger --max-context or drop that width"
+            )
         chunk = (prompt_ids * n)[:n]
         times = []
         for _ in range(repeats):
@@ -98,9 +101,19 @@ def acceptance_from_windows(hits: int, misses: int) -> tuple[float, float]:
     return 1 - 1 / (1 + mean_match), mean_match
 
 
-def profile_pair(target, draft, target_device: Device, draft_device: Device, prompts: list[list[int]],
-                 target_name: str, draft_name: str, tokens: int = 20, match_tokens: int = 256,
-                 widths=WIDTHS, progress=None) -> dict:
+def profile_pair(
+    target,
+    draft,
+    target_device: Device,
+    draft_device: Device,
+    prompts: list[list[int]],
+    target_name: str,
+    draft_name: str,
+    tokens: int = 20,
+    match_tokens: int = 256,
+    widths=WIDTHS,
+    progress=None,
+) -> dict:
     """The profile JSON (see module docstring) of two loaded Models on their devices, over token-id prompts."""
     if tokens < 2:
         raise ValueError(f"--tokens must be >= 2 (TPOT is the time per token after the first), got {tokens}")
@@ -110,10 +123,12 @@ def profile_pair(target, draft, target_device: Device, draft_device: Device, pro
         raise ValueError("profile needs at least one prompt")
     step = progress or (lambda what: None)
     entries = {}
-    for role, model, device, name in (("target", target, target_device, target_name),
-                                      ("draft", draft, draft_device, draft_name)):
+    for role, model, device, name in (
+        ("target", target, target_device, target_name),
+        ("draft", draft, draft_device, draft_name),
+    ):
         with pinned(device):
-            time_generation(model, prompts[0], min(tokens, 4))          # warm-up
+            time_generation(model, prompts[0], min(tokens, 4))  # warm-up
             ttfts, tpots = [], []
             for ids in prompts:
                 step(f"{role} TTFT/TPOT")
@@ -122,9 +137,13 @@ def profile_pair(target, draft, target_device: Device, draft_device: Device, pro
                 tpots.append(tpot)
             step(f"{role} forward widths")
             forward = time_forwards(model, prompts[0], widths)
-        entries[role] = {"model": name, "device": str(device),
-                         "ttft_ms": statistics.median(ttfts) * 1000, "tpot_ms": statistics.median(tpots) * 1000,
-                         "forward_ms": {n: s * 1000 for n, s in forward.items()}}
+        entries[role] = {
+            "model": name,
+            "device": str(device),
+            "ttft_ms": statistics.median(ttfts) * 1000,
+            "tpot_ms": statistics.median(tpots) * 1000,
+            "forward_ms": {n: s * 1000 for n, s in forward.items()},
+        }
     hits = misses = 0
     for ids in prompts:
         step("acceptance")
@@ -135,5 +154,10 @@ def profile_pair(target, draft, target_device: Device, draft_device: Device, pro
         hits, misses = hits + h, misses + m
     acceptance, mean_match = acceptance_from_windows(hits, misses)
     devices = list(dict.fromkeys(str(d) for d in (draft_device, target_device)))
-    return {"target": entries["target"], "draft": entries["draft"], "acceptance_rate": acceptance,
-            "mean_match_length": mean_match, "devices": devices}
+    return {
+        "target": entries["target"],
+        "draft": entries["draft"],
+        "acceptance_rate": acceptance,
+        "mean_match_length": mean_match,
+        "devices": devices,
+    }

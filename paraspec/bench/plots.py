@@ -4,21 +4,31 @@
 - device timeline: a Gantt chart per (variant, device) of what each device did — prefill, draft, verify,
   decode, rollback — with the gaps between recorded work drawn as idle.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from paraspec.bench.metrics import Record
 
-KIND_COLORS = {"prefill": "#6a3d9a", "decode": "#1f78b4", "draft": "#33a02c", "verify": "#e31a1c",
-               "rollback": "#ff7f00", "idle": "#d9d9d9", "wait": "#bdbdbd"}
+KIND_COLORS = {
+    "prefill": "#6a3d9a",
+    "decode": "#1f78b4",
+    "draft": "#33a02c",
+    "verify": "#e31a1c",
+    "rollback": "#ff7f00",
+    "idle": "#d9d9d9",
+    "wait": "#bdbdbd",
+}
 OTHER_COLOR = "#b15928"
 
 
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -65,7 +75,7 @@ def timeline_figure(records: list[Record], title: str):
     """The device timeline as a figure: one lane per (variant, device); the legend right of the axes, clear of the
     x-axis label and of the lanes."""
     plt = _pyplot()
-    lanes = []                                       # (label, events, total_s)
+    lanes = []  # (label, events, total_s)
     for r in records:
         devices = list(dict.fromkeys(e.device for e in r.trace.events)) or ["(no events)"]
         for device in devices:
@@ -75,13 +85,25 @@ def timeline_figure(records: list[Record], title: str):
     seen = set()
     for y, (label, events, total) in enumerate(reversed(lanes)):
         for start, end in idle_gaps([e for e in events if e.kind not in ("idle", "wait")], total):
-            ax.barh(y, end - start, left=start, color=KIND_COLORS["idle"], height=0.6,
-                    label=None if "idle" in seen else "idle")
+            ax.barh(
+                y,
+                end - start,
+                left=start,
+                color=KIND_COLORS["idle"],
+                height=0.6,
+                label=None if "idle" in seen else "idle",
+            )
             seen.add("idle")
         for e in events:
             color = KIND_COLORS.get(e.kind, OTHER_COLOR)
-            ax.barh(y, max(e.duration_s, 1e-6), left=e.start_s, color=color, height=0.6,
-                    label=None if e.kind in seen else e.kind)
+            ax.barh(
+                y,
+                max(e.duration_s, 1e-6),
+                left=e.start_s,
+                color=color,
+                height=0.6,
+                label=None if e.kind in seen else e.kind,
+            )
             seen.add(e.kind)
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([label for label, _, _ in reversed(lanes)], fontsize=8)

@@ -9,6 +9,7 @@ strategies that run in worker processes load their own copies there. The llama.c
 processes on the GGUF files (llamacpp_peers.py); llamacpp-spec and llamacpp-ngram pick their draft settings on the
 first prompt of each dataset before the warm-up.
 """
+
 from __future__ import annotations
 
 import re
@@ -60,12 +61,15 @@ def parse_drafts(strategy: str, text: str, item: str) -> tuple[str, ...]:
     drafts = tuple(d.strip() for d in text.split(","))
     unknown = [d for d in drafts if d not in DRAFTER_NAMES]
     if not drafts or unknown:
-        raise ValueError(f"bad drafter {(unknown or [''])[0]!r} in {item!r}; name drafters among "
-                         f"{', '.join(DRAFTER_NAMES)} (model: the --draft checkpoint), e.g. sd[ngram,model]")
+        raise ValueError(
+            f"bad drafter {(unknown or [''])[0]!r} in {item!r}; name drafters among "
+            f"{', '.join(DRAFTER_NAMES)} (model: the --draft checkpoint), e.g. sd[ngram,model]"
+        )
     if strategy not in STRATEGIES or not STRATEGIES[strategy].caps.needs_draft:
         takes = [name for name, cls in STRATEGIES.items() if cls.caps.needs_draft]
-        raise ValueError(f"{strategy} takes no drafters, so {item!r} does not apply; brackets go with "
-                         f"{', '.join(takes)}")
+        raise ValueError(
+            f"{strategy} takes no drafters, so {item!r} does not apply; brackets go with {', '.join(takes)}"
+        )
     if len(set(drafts)) < len(drafts):
         raise ValueError(f"{item!r} names a drafter twice")
     return drafts
@@ -74,14 +78,17 @@ def parse_drafts(strategy: str, text: str, item: str) -> tuple[str, ...]:
 def parse_options(strategy: str, text: str, item: str) -> tuple[tuple[str, object], ...]:
     """The options in `sd{adaptive,lookahead=16}` (a bare name is True), checked against the strategy's options."""
     from paraspec.strategies.registry import OPTIONS
+
     takes = STRATEGIES[strategy].options if strategy in STRATEGIES else ()
     out = []
     for piece in (p.strip() for p in text.split(",")):
         name, _, value = piece.partition("=")
         name = name.strip().replace("-", "_")
         if name not in takes:
-            raise ValueError(f"bad option {name!r} in {item!r}: {strategy} takes "
-                             f"{', '.join(takes) or 'no options'} (e.g. sd{{adaptive,lookahead=16}})")
+            raise ValueError(
+                f"bad option {name!r} in {item!r}: {strategy} takes "
+                f"{', '.join(takes) or 'no options'} (e.g. sd{{adaptive,lookahead=16}})"
+            )
         kind = OPTIONS[name].type
         if not value:
             if kind is not bool:
@@ -95,8 +102,9 @@ def parse_options(strategy: str, text: str, item: str) -> tuple[tuple[str, objec
             try:
                 parsed = kind(value.strip())
             except ValueError:
-                raise ValueError(f"{name}={value} in {item!r} is not "
-                                 f"{'an integer' if kind is int else 'a number'}") from None
+                raise ValueError(
+                    f"{name}={value} in {item!r} is not {'an integer' if kind is int else 'a number'}"
+                ) from None
         OPTIONS[name].check(parsed)
         out.append((name, parsed))
     return tuple(out)
@@ -121,8 +129,10 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
     for name in names:
         found = re.fullmatch(r"([^\[\]{}@]*)(?:\[([^\]]*)\])?(?:\{([^}]*)\})?(?:@([^\[\]{}@]*))?", name)
         if found is None:
-            raise ValueError(f"bad variant {name!r} in --strategies; write STRATEGY, STRATEGY@2t, "
-                             f"STRATEGY[ngram,model]@2t or STRATEGY{{adaptive}}")
+            raise ValueError(
+                f"bad variant {name!r} in --strategies; write STRATEGY, STRATEGY@2t, "
+                f"STRATEGY[ngram,model]@2t or STRATEGY{{adaptive}}"
+            )
         strategy, drafts_text, options_text, suffix = found.groups()
         strategy = strategy.strip()
         if strategy not in known:
@@ -130,8 +140,10 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
         drafts = None if drafts_text is None else parse_drafts(strategy, drafts_text, name)
         options = () if options_text is None else parse_options(strategy, options_text, name)
         if suffix is not None and runs_in_workers(strategy):
-            raise ValueError(f"{strategy} runs in worker processes on --target-devices/--draft-devices; it takes "
-                             f"no @Nt thread count (give it devices instead)")
+            raise ValueError(
+                f"{strategy} runs in worker processes on --target-devices/--draft-devices; it takes "
+                f"no @Nt thread count (give it devices instead)"
+            )
         if suffix is not None:
             try:
                 counts = [int(suffix.removesuffix("t"))]
@@ -167,19 +179,19 @@ def interleave(num_prompts: int, variants: list[Variant]) -> list[tuple[int, Var
 
 @dataclass
 class BenchConfig:
-    engine: EngineConfig                                  # models, devices, options; its strategy is replaced
-    variants: list[Variant]                               # by each variant's
+    engine: EngineConfig  # models, devices, options; its strategy is replaced
+    variants: list[Variant]  # by each variant's
     params: SamplingParams
-    chat: bool | None = None                              # None: on when the tokenizer has a chat template
+    chat: bool | None = None  # None: on when the tokenizer has a chat template
     warmup_tokens: int = 8
     hf_assistant_tokens: int | None = None
     hf_confidence_threshold: float | None = None
-    hf_prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS     # hf-prompt-lookup: candidates per round
-    hf_prompt_lookup_ngram: int | None = None              # and the longest n-gram matched (None: transformers' 2)
-    llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID          # llamacpp-spec's (draft max, p-min) settings to try
-    llamacpp_ngram_grid: tuple = DEFAULT_NGRAM_GRID        # llamacpp-ngram's (spec type, n, m) settings to try
+    hf_prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS  # hf-prompt-lookup: candidates per round
+    hf_prompt_lookup_ngram: int | None = None  # and the longest n-gram matched (None: transformers' 2)
+    llamacpp_spec_grid: tuple = DEFAULT_SPEC_GRID  # llamacpp-spec's (draft max, p-min) settings to try
+    llamacpp_ngram_grid: tuple = DEFAULT_NGRAM_GRID  # llamacpp-ngram's (spec type, n, m) settings to try
     progress: bool = True
-    options: dict = field(default_factory=dict)           # strategy options; each variant takes its own
+    options: dict = field(default_factory=dict)  # strategy options; each variant takes its own
 
 
 class Contender:
@@ -189,12 +201,21 @@ class Contender:
     processes the threads of all its devices together; speedups compare variants of equal budget.
     """
 
-    def __init__(self, variant: Variant, generate, devices: str, affinity, default_threads: int,
-                 settings: dict | None = None, worker_cores: int | None = None, tune=None):
+    def __init__(
+        self,
+        variant: Variant,
+        generate,
+        devices: str,
+        affinity,
+        default_threads: int,
+        settings: dict | None = None,
+        worker_cores: int | None = None,
+        tune=None,
+    ):
         self.variant, self._generate, self.devices = variant, generate, devices
         self.affinity, self.default_threads, self.settings = affinity, default_threads, settings or {}
         self.worker_cores = worker_cores
-        self.tune = tune            # llamacpp-spec/-ngram: pick draft settings on tuning prompts (tune(ids, params))
+        self.tune = tune  # llamacpp-spec/-ngram: pick draft settings on tuning prompts (tune(ids, params))
 
     @property
     def threads(self) -> int:
@@ -221,7 +242,7 @@ class BenchResult:
     prompt_ids: list[list[int]]
     chat: bool
     records: list[Record]
-    contenders: dict[str, dict]       # variant name -> devices, threads, settings
+    contenders: dict[str, dict]  # variant name -> devices, threads, settings
 
 
 @contextmanager
@@ -231,19 +252,47 @@ def shared_model_loads():
     Strategies reset the caches at the start of every request, and the benchmark runs one request at a time, so
     sharing is safe; it keeps a benchmark of ar, sd and the transformers baselines at one copy of each model.
     """
-    import paraspec.models.loader as loader_module       # strategies load through loader.load_model
+    import paraspec.models.loader as loader_module  # strategies load through loader.load_model
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
+
     original, cache = loader_module.load_model, {}
 
-    def load(spec, dtype="bfloat16", backend="native", max_context=None, device="cpu", static_width="auto",
-             compile_step=False, n_seqs=1, draft=False):
+    def load(
+        spec,
+        dtype="bfloat16",
+        backend="native",
+        max_context=None,
+        device="cpu",
+        static_width="auto",
+        compile_step=False,
+        n_seqs=1,
+        draft=False,
+    ):
         # a hub id and the folder it resolves to are one model; a draft is another (llama.cpp: its fast kernels)
         torch_dtype = parse_dtype(dtype, device)
-        key = (str(resolve_checkpoint(spec, torch_dtype, backend)), torch_dtype, backend, max_context, str(device),
-               static_width, compile_step, n_seqs, draft)
+        key = (
+            str(resolve_checkpoint(spec, torch_dtype, backend)),
+            torch_dtype,
+            backend,
+            max_context,
+            str(device),
+            static_width,
+            compile_step,
+            n_seqs,
+            draft,
+        )
         if key not in cache:
-            cache[key] = original(spec, dtype, backend=backend, max_context=max_context, device=device,
-                                  static_width=static_width, compile_step=compile_step, n_seqs=n_seqs, draft=draft)
+            cache[key] = original(
+                spec,
+                dtype,
+                backend=backend,
+                max_context=max_context,
+                device=device,
+                static_width=static_width,
+                compile_step=compile_step,
+                n_seqs=n_seqs,
+                draft=draft,
+            )
         return cache[key]
 
     loader_module.load_model = load
@@ -259,8 +308,9 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
     check_drafts_given(config)
     # one engine per (strategy, drafters), shared by that variant's thread counts; every config is checked
     # before any model loads
-    engine_configs = {engine_key(v): variant_engine_config(config, v) for v in config.variants
-                      if v.strategy in STRATEGIES}
+    engine_configs = {
+        engine_key(v): variant_engine_config(config, v) for v in config.variants if v.strategy in STRATEGIES
+    }
     start_affinity, start_threads = current_pinning()
     engines, built, limits = [], {}, [config.engine.max_context]
     try:
@@ -286,9 +336,13 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
 
 def check_drafts_given(config: BenchConfig) -> None:
     """Variants that draft with a model need --draft: said before anything loads."""
-    needs_draft = [v.name for v in config.variants
-                   if v.strategy in ("hf-assisted", "llamacpp-spec") or "model" in (v.drafts or ())
-                   or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].caps.needs_draft and v.drafts is None)]
+    needs_draft = [
+        v.name
+        for v in config.variants
+        if v.strategy in ("hf-assisted", "llamacpp-spec")
+        or "model" in (v.drafts or ())
+        or (v.strategy in STRATEGIES and STRATEGIES[v.strategy].caps.needs_draft and v.drafts is None)
+    ]
     if needs_draft and config.engine.draft is None:
         raise ValueError(f"{', '.join(needs_draft)} need a draft model; pass --draft")
 
@@ -297,6 +351,7 @@ def _hf_contenders(config: BenchConfig, load, limits: list, start_affinity, star
     """transformers' baselines, on the native decoder's weight tensors (the same names) whatever the paraspec
     engines run on, loaded through the bench's shared loads."""
     from paraspec.models.loader import parse_dtype, resolve_checkpoint
+
     hf_wanted = list(dict.fromkeys(v.strategy for v in config.variants if v.strategy in HF_STRATEGIES))
     if not hf_wanted:
         return {}
@@ -304,26 +359,39 @@ def _hf_contenders(config: BenchConfig, load, limits: list, start_affinity, star
     device = _torch_device(engine.target_devices[0])
     torch_dtype = parse_dtype(engine.dtype, device)
     hf_backend = "hf" if engine.backend == "hf" else "native"
-    target_model = load(engine.target, engine.dtype, backend=hf_backend, max_context=engine.max_context,
-                        device=device)
+    target_model = load(engine.target, engine.dtype, backend=hf_backend, max_context=engine.max_context, device=device)
     limits.append(target_model.max_context)
     target = hf_causal_lm(target_model, resolve_checkpoint(engine.target, torch_dtype))
     draft = None
     if "hf-assisted" in hf_wanted:
-        draft_model = load(engine.draft, engine.dtype, backend=hf_backend, max_context=engine.max_context,
-                           device=_torch_device(engine.draft_devices[0]))
+        draft_model = load(
+            engine.draft,
+            engine.dtype,
+            backend=hf_backend,
+            max_context=engine.max_context,
+            device=_torch_device(engine.draft_devices[0]),
+        )
         limits.append(draft_model.max_context)
         draft = hf_causal_lm(draft_model, resolve_checkpoint(engine.draft, torch_dtype))
     built = {}
     for name in hf_wanted:
-        baseline = HFBaseline(name, target, draft, max_context=min(limits),
-                              num_assistant_tokens=config.hf_assistant_tokens,
-                              confidence_threshold=config.hf_confidence_threshold,
-                              prompt_lookup_tokens=config.hf_prompt_lookup_tokens,
-                              prompt_lookup_ngram=config.hf_prompt_lookup_ngram)
-        built[(name, None, ())] = dict(generate=baseline.generate, devices=f"{device} (in-process, transformers)",
-                                   affinity=start_affinity, default_threads=start_threads,
-                                   settings=baseline.settings())
+        baseline = HFBaseline(
+            name,
+            target,
+            draft,
+            max_context=min(limits),
+            num_assistant_tokens=config.hf_assistant_tokens,
+            confidence_threshold=config.hf_confidence_threshold,
+            prompt_lookup_tokens=config.hf_prompt_lookup_tokens,
+            prompt_lookup_ngram=config.hf_prompt_lookup_ngram,
+        )
+        built[(name, None, ())] = dict(
+            generate=baseline.generate,
+            devices=f"{device} (in-process, transformers)",
+            affinity=start_affinity,
+            default_threads=start_threads,
+            settings=baseline.settings(),
+        )
     return built
 
 
@@ -333,17 +401,17 @@ def _contender(v: Variant, built: dict, start_affinity) -> Contender:
     if v.threads is not None:
         # an explicit thread count runs on every core this process may use, not the engine's pinned set
         kwargs["affinity"] = start_affinity
-    model_drafts = kwargs.pop("model_drafts", False)     # paraspec engines say it; baselines and peers not
-    if kwargs["devices"] is None:             # an in-process engine: its models run where this process does
+    model_drafts = kwargs.pop("model_drafts", False)  # paraspec engines say it; baselines and peers not
+    if kwargs["devices"] is None:  # an in-process engine: its models run where this process does
         kwargs["devices"] = in_process_devices(kwargs["affinity"], model_drafts)
     return Contender(v, **kwargs)
-
 
 
 def in_process_devices(cores, model_drafts: bool) -> str:
     """`cpu:0,1 (in-process, target and draft)`: the cores an in-process variant runs on (all its models, one
     after the other, with its thread count)."""
     from paraspec.runtime.devices import Device, available_cores
+
     where = str(Device("cpu", tuple(sorted(cores or available_cores()))))
     return f"{where} (in-process{', target and draft' if model_drafts else ''})"
 
@@ -354,15 +422,20 @@ def engine_key(variant: Variant) -> tuple:
     return variant.strategy, variant.drafts, variant.options
 
 
-def variant_engine_config(config: "BenchConfig", variant: Variant) -> EngineConfig:
+def variant_engine_config(config: BenchConfig, variant: Variant) -> EngineConfig:
     """The bench's EngineConfig for the variant's strategy (with the options it takes) and drafters (validated
     here, before loading)."""
     needs_draft = STRATEGIES[variant.strategy].caps.needs_draft
     # a bracket naming only model-free drafters needs no --draft: the variant's drafts go in before the check;
     # one sequence: the bench times one request at a time (its variants share the loaded models)
-    engine = replace(config.engine.for_strategy(variant.strategy, {**config.options, **dict(variant.options)},
-                                                variant_drafts(variant, config.engine.draft) if needs_draft else None),
-                     max_num_seqs=1)
+    engine = replace(
+        config.engine.for_strategy(
+            variant.strategy,
+            {**config.options, **dict(variant.options)},
+            variant_drafts(variant, config.engine.draft) if needs_draft else None,
+        ),
+        max_num_seqs=1,
+    )
     return replace(engine, **variant_cpu_devices(engine, variant))
 
 
@@ -372,6 +445,7 @@ def variant_cpu_devices(engine: EngineConfig, variant: Variant) -> dict:
     since what the engine measures at start-up — the adaptive rule's costs by width — must be measured with the
     threads the variant decodes with (a 1-thread profile is steeper than a 2-thread one). GPUs and nodes stay."""
     from paraspec.runtime.devices import Device, available_cores, parse_device
+
     if variant.threads is None or runs_in_workers(variant.strategy):
         return {}
     # (a config without a draft model leaves its draft devices unparsed)
@@ -379,38 +453,50 @@ def variant_cpu_devices(engine: EngineConfig, variant: Variant) -> dict:
     if any(d.kind != "cpu" or d.node for d in devices):
         return {}
     cores = sorted(current_pinning()[0] or available_cores())
-    here = [str(Device("cpu", tuple(cores[:variant.threads])))]
+    here = [str(Device("cpu", tuple(cores[: variant.threads])))]
     return dict(target_devices=here, draft_devices=here)
 
 
 def _engine_contender(engine_config: EngineConfig, engines: list, limits: list) -> dict:
     from paraspec.engine import Engine
     from paraspec.models.loader import parse_dtype
+
     strategy = engine_config.strategy
     engine = Engine.from_config(engine_config)
     engines.append(engine)
     limits.append(engine.max_context)
-    devices = None                     # in-process: where the variant runs (build_contenders)
+    devices = None  # in-process: where the variant runs (build_contenders)
     if runs_in_workers(strategy):
         devices = f"target {' '.join(map(str, engine.target_devices))}"
         if engine.draft_devices:
             devices += f", draft {' '.join(map(str, engine.draft_devices))}"
     settings = dict(engine.options)
     settings["backend"] = engine.backend
-    settings["draft"] = [str(d.spec) for d in engine_config.draft_specs] if engine_config.strategy_class.caps.needs_draft else []
-    settings["dtype"] = "gguf" if engine.backend == "llamacpp" else _dtype_name(engine.target) or str(
-        parse_dtype(engine_config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
-    return dict(generate=engine.generate, devices=devices, model_drafts=bool(engine.draft_devices),
-                affinity=current_pinning()[0],
-                default_threads=torch.get_num_threads(), settings=settings,
-                worker_cores=_cores(engine.target_devices + engine.draft_devices)
-                if runs_in_workers(strategy) else None)
+    settings["draft"] = (
+        [str(d.spec) for d in engine_config.draft_specs] if engine_config.strategy_class.caps.needs_draft else []
+    )
+    settings["dtype"] = (
+        "gguf"
+        if engine.backend == "llamacpp"
+        else _dtype_name(engine.target)
+        or str(parse_dtype(engine_config.dtype, engine.target_devices[0].torch_device)).removeprefix("torch.")
+    )
+    return dict(
+        generate=engine.generate,
+        devices=devices,
+        model_drafts=bool(engine.draft_devices),
+        affinity=current_pinning()[0],
+        default_threads=torch.get_num_threads(),
+        settings=settings,
+        worker_cores=_cores(engine.target_devices + engine.draft_devices) if runs_in_workers(strategy) else None,
+    )
 
 
 def _peer_contender(config: BenchConfig, variant: Variant, start_affinity, closers: list, limits: list) -> dict:
     """A llama.cpp peer (one llama-server per variant): on every core this process may use with the variant's
     thread count, as ar@Nt; without @Nt, on the target's first device with one thread per core."""
     from paraspec.runtime.devices import parse_device
+
     if variant.threads is not None:
         cores, threads = start_affinity, variant.threads
     else:
@@ -418,18 +504,32 @@ def _peer_contender(config: BenchConfig, variant: Variant, start_affinity, close
         if device.kind != "cpu":
             raise ValueError(f"{variant.strategy} runs on CPU cores; --target-devices {device} is not a CPU")
         cores, threads = device.cores or start_affinity, device.num_threads
-    peer = LlamaCppPeer(variant.strategy, config.engine.target, config.engine.draft, threads=threads, cores=cores,
-                        max_context=config.engine.max_context, spec_grid=config.llamacpp_spec_grid,
-                        ngram_grid=config.llamacpp_ngram_grid)
+    peer = LlamaCppPeer(
+        variant.strategy,
+        config.engine.target,
+        config.engine.draft,
+        threads=threads,
+        cores=cores,
+        max_context=config.engine.max_context,
+        spec_grid=config.llamacpp_spec_grid,
+        ngram_grid=config.llamacpp_ngram_grid,
+    )
     closers.append(peer)
     limits.append(peer.max_context)
-    return dict(generate=peer.generate, devices=peer.devices, affinity=start_affinity, default_threads=threads,
-                settings=peer.settings, tune=peer.tune)
+    return dict(
+        generate=peer.generate,
+        devices=peer.devices,
+        affinity=start_affinity,
+        default_threads=threads,
+        settings=peer.settings,
+        tune=peer.tune,
+    )
 
 
 def _cores(devices) -> int:
     """Cores (CPU) or GPUs that a set of devices spans together."""
     from paraspec.runtime.devices import available_cores
+
     cpu = {c for d in devices if d.kind == "cpu" for c in (d.cores or available_cores())}
     gpus = {d.index for d in devices if d.kind != "cpu"}
     return len(cpu) + len(gpus)
@@ -446,17 +546,18 @@ def _dtype_name(model) -> str | None:
 
 def _torch_device(text) -> str:
     from paraspec.runtime.devices import parse_device
+
     return parse_device(text).torch_device
 
 
-def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]],
-                  tokenizer) -> dict[str, BenchResult]:
+def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]], tokenizer) -> dict[str, BenchResult]:
     """Build every contender once, warm each up, then run each dataset's prompts interleaved."""
     from paraspec.bench.datasets import resolve_chat
+
     if tokenizer is None:
         raise ValueError("the benchmark needs the target's tokenizer to build prompts; the checkpoint has none")
     chat = resolve_chat(config.chat, tokenizer)
-    for prompts in prompt_sets.values():           # fail on a bad prompt before loading any model
+    for prompts in prompt_sets.values():  # fail on a bad prompt before loading any model
         for p in prompts:
             if p.answer_of is None or not chat:
                 p.as_input(chat)
@@ -464,19 +565,28 @@ def run_benchmark(config: BenchConfig, prompt_sets: dict[str, list[BenchPrompt]]
     contenders, engines, context = build_contenders(config)
     try:
         first = next(iter(prompt_sets.values()))[0]
-        warmup = SamplingParams(temperature=config.params.temperature, top_k=config.params.top_k,
-                                top_p=config.params.top_p, seed=config.params.seed,
-                                max_new_tokens=max(1, min(config.warmup_tokens, config.params.max_new_tokens)))
-        warmup_ids = encode_prompt(tokenizer, first.as_input(chat))[:max(1, context - warmup.max_new_tokens)]
+        warmup = SamplingParams(
+            temperature=config.params.temperature,
+            top_k=config.params.top_k,
+            top_p=config.params.top_p,
+            seed=config.params.seed,
+            max_new_tokens=max(1, min(config.warmup_tokens, config.params.max_new_tokens)),
+        )
+        warmup_ids = encode_prompt(tokenizer, first.as_input(chat))[: max(1, context - warmup.max_new_tokens)]
         tuning_ids = [encode_prompt(tokenizer, prompts[0].as_input(chat)) for prompts in prompt_sets.values()]
         for c in contenders:
             if c.tune is not None:
-                c.tune([ids[:max(1, context - config.params.max_new_tokens)] for ids in tuning_ids], config.params,
-                       progress=_note if config.progress else None)
+                c.tune(
+                    [ids[: max(1, context - config.params.max_new_tokens)] for ids in tuning_ids],
+                    config.params,
+                    progress=_note if config.progress else None,
+                )
         for c in contenders:
             c.generate(warmup_ids, warmup, record_margins=config.params.greedy)
-        return {name: _run(config, prompts, tokenizer, chat, contenders, name, context)
-                for name, prompts in prompt_sets.items()}
+        return {
+            name: _run(config, prompts, tokenizer, chat, contenders, name, context)
+            for name, prompts in prompt_sets.items()
+        }
     finally:
         for engine in engines:
             engine.close()
@@ -496,10 +606,12 @@ def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: in
             ids = encode_prompt(tokenizer, p.as_input(chat, answers))
             if len(ids) + params.max_new_tokens > context:
                 # every variant must be able to generate the full budget, or their token counts would differ
-                raise ValueError(f"prompt {p.id} has {len(ids)} tokens; with --max-new-tokens "
-                                 f"{params.max_new_tokens} it needs a context of {len(ids) + params.max_new_tokens}"
-                                 f", but the models hold {context} (raise --max-context, up to the model's limit, "
-                                 f"or lower --max-new-tokens)")
+                raise ValueError(
+                    f"prompt {p.id} has {len(ids)} tokens; with --max-new-tokens "
+                    f"{params.max_new_tokens} it needs a context of {len(ids) + params.max_new_tokens}"
+                    f", but the models hold {context} (raise --max-context, up to the model's limit, "
+                    f"or lower --max-new-tokens)"
+                )
             prompt_ids.append(ids)
         return prompt_ids[i]
 
@@ -512,9 +624,18 @@ def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: in
             ids = ids_for(i)
             result = c.generate(ids, params, record_margins=greedy)
             text_tokens = result.token_ids[:-1] if result.finish_reason == "stop" else result.token_ids
-            record = Record(variant, i, prompts[i].id, len(ids), list(result.token_ids),
-                            tokenizer.decode(text_tokens, skip_special_tokens=True), result.finish_reason,
-                            result.stats, result.trace, result.margins)
+            record = Record(
+                variant,
+                i,
+                prompts[i].id,
+                len(ids),
+                list(result.token_ids),
+                tokenizer.decode(text_tokens, skip_special_tokens=True),
+                result.finish_reason,
+                result.stats,
+                result.trace,
+                result.margins,
+            )
             records.append(record)
             if c is answer_source:
                 answers[prompts[i].id] = record.text
@@ -524,9 +645,17 @@ def _run(config, prompts, tokenizer, chat, contenders, dataset: str, context: in
     finally:
         if bar is not None:
             bar.close()
-    info = {c.variant.name: {"strategy": c.variant.strategy, "devices": c.devices, "threads": c.threads_label,
-                             "cores": c.cores, "dtype": c.settings.get("dtype", "?"), "settings": c.settings}
-            for c in contenders}
+    info = {
+        c.variant.name: {
+            "strategy": c.variant.strategy,
+            "devices": c.devices,
+            "threads": c.threads_label,
+            "cores": c.cores,
+            "dtype": c.settings.get("dtype", "?"),
+            "settings": c.settings,
+        }
+        for c in contenders
+    }
     return BenchResult(dataset, config, prompts, prompt_ids, chat, records, info)
 
 
@@ -548,4 +677,5 @@ def _progress_bar(total: int, enabled: bool, dataset: str):
     if not enabled:
         return None
     from tqdm import tqdm
+
     return tqdm(total=total, desc=dataset, unit="run", file=sys.stderr, dynamic_ncols=True)

@@ -1,4 +1,5 @@
 """The `paraspec` command line: generate, serve (and the subcommands other modules register)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,58 +16,100 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
     """Flags shared by every command that builds an Engine (named like the Engine keyword arguments)."""
     from paraspec.strategies import OPTIONS, STRATEGIES
 
-    def show(value, option) -> str:             # None is the option's own word (adaptive: auto)
+    def show(value, option) -> str:  # None is the option's own word (adaptive: auto)
         return option.none if value is None and option.none else repr(value)
+
     p.add_argument("--target", required=True, help="target model: checkpoint folder, .gguf file or hub id")
     if several_drafts:
-        p.add_argument("--draft", action="append", help="draft model (needed by every speculative strategy), or "
-                       "a model-free drafter: 'ngram' (prompt lookup) or 'suffix' (sd, tree, dsi). Several "
-                       "--draft are tried in order: sd/tree take each round's drafts from the first with any "
-                       "(--draft ngram --draft MODEL: the hybrid); dsi cuts each chunk from the first that has "
-                       "drafted it (give one --draft-devices entry per draft model, or one for all)")
+        p.add_argument(
+            "--draft",
+            action="append",
+            help="draft model (needed by every speculative strategy), or "
+            "a model-free drafter: 'ngram' (prompt lookup) or 'suffix' (sd, tree, dsi). Several "
+            "--draft are tried in order: sd/tree take each round's drafts from the first with any "
+            "(--draft ngram --draft MODEL: the hybrid); dsi cuts each chunk from the first that has "
+            "drafted it (give one --draft-devices entry per draft model, or one for all)",
+        )
     else:
         p.add_argument("--draft", help="draft model (needed by every speculative strategy)")
-    for option in OPTIONS.values():   # every strategy's options, from the registry; None: not given
+    for option in OPTIONS.values():  # every strategy's options, from the registry; None: not given
         flag = "--" + option.name.replace("_", "-")
-        others = "".join(f"; {name}: {show(cls.option_defaults[option.name], option)}"
-                         for name, cls in STRATEGIES.items() if option.name in cls.option_defaults)
+        others = "".join(
+            f"; {name}: {show(cls.option_defaults[option.name], option)}"
+            for name, cls in STRATEGIES.items()
+            if option.name in cls.option_defaults
+        )
         help = f"{option.help} (default {show(option.default, option)}{others})"
         if option.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
             p.add_argument(flag, type=option.type, default=None, help=help)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="auto: bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, float32 elsewhere (faster there)")
-    p.add_argument("--target-devices", nargs="+", default=["cpu"], metavar="D",
-                   help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N; NODE/cpu:0-3 or NODE/cuda:N on a Ray "
-                        "node (--runtime ray: NODE is a node name, id prefix, custom resource, or head)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="auto: bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, float32 elsewhere (faster there)",
+    )
+    p.add_argument(
+        "--target-devices",
+        nargs="+",
+        default=["cpu"],
+        metavar="D",
+        help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N; NODE/cpu:0-3 or NODE/cuda:N on a Ray "
+        "node (--runtime ray: NODE is a node name, id prefix, custom resource, or head)",
+    )
     p.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="devices of the draft")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf", "llamacpp"],
-                   help="llamacpp: llama.cpp's quantized CPU kernels on the GGUF file (exact configuration); "
-                        "native: paraspec's PyTorch decoder (Llama/Qwen2/Mistral); hf: any transformers causal "
-                        "LM; auto (default): llamacpp for GGUF-backed models on CPU with --dtype auto and a "
-                        "strategy without token trees, else native")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "native", "hf", "llamacpp"],
+        help="llamacpp: llama.cpp's quantized CPU kernels on the GGUF file (exact configuration); "
+        "native: paraspec's PyTorch decoder (Llama/Qwen2/Mistral); hf: any transformers causal "
+        "LM; auto (default): llamacpp for GGUF-backed models on CPU with --dtype auto and a "
+        "strategy without token trees, else native",
+    )
     p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens")
-    p.add_argument("--static-width", type=static_width, default="auto", metavar="W",
-                   help="native backend: pad every forward to W rows (one kernel shape, a CUDA graph on GPUs, so "
-                        "a token's logits do not depend on the forward's width); 'auto' (default): measured on "
-                        "CUDA, off on CPU; 'none': off")
-    p.add_argument("--compile-step", action="store_true",
-                   help="native backend with a static width: run the padded step through torch.compile (fused "
-                        "kernels, then a CUDA graph; 1.5x on an H100, docs/GPU.md; tens of seconds per model to "
-                        "compile at load)")
-    p.add_argument("--runtime", default="process", choices=["process", "inprocess", "ray"],
-                   help="where the workers of amusd, dsi and easyspec (its extra --draft-devices) run: one process "
-                        "per device group, threads (tests), or Ray actors (pip install 'paraspec[ray]'); ar, sd "
-                        "and tree start no workers and reject ray")
-    p.add_argument("--ray-address", default=None, help="--runtime ray: the cluster to join (`ray start --head` "
-                                                        "prints it; default: RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"],
-                   help="how workers reach the token channels: auto = shared memory on this host, TCP to workers on "
-                        "other nodes; tcp forces the network (tests, benchmarks)")
-    p.add_argument("--link-latency-ms", type=float, default=0.0, help=argparse.SUPPRESS)   # benchmarks only
-    p.add_argument("--allow-vocab-mismatch", action="store_true",
-                   help="skip the check that draft and target share a tokenizer")
+    p.add_argument(
+        "--static-width",
+        type=static_width,
+        default="auto",
+        metavar="W",
+        help="native backend: pad every forward to W rows (one kernel shape, a CUDA graph on GPUs, so "
+        "a token's logits do not depend on the forward's width); 'auto' (default): measured on "
+        "CUDA, off on CPU; 'none': off",
+    )
+    p.add_argument(
+        "--compile-step",
+        action="store_true",
+        help="native backend with a static width: run the padded step through torch.compile (fused "
+        "kernels, then a CUDA graph; 1.5x on an H100, docs/GPU.md; tens of seconds per model to "
+        "compile at load)",
+    )
+    p.add_argument(
+        "--runtime",
+        default="process",
+        choices=["process", "inprocess", "ray"],
+        help="where the workers of amusd, dsi and easyspec (its extra --draft-devices) run: one process "
+        "per device group, threads (tests), or Ray actors (pip install 'paraspec[ray]'); ar, sd "
+        "and tree start no workers and reject ray",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="--runtime ray: the cluster to join (`ray start --head` "
+        "prints it; default: RAY_ADDRESS, else a local Ray)",
+    )
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "shm", "tcp"],
+        help="how workers reach the token channels: auto = shared memory on this host, TCP to workers on "
+        "other nodes; tcp forces the network (tests, benchmarks)",
+    )
+    p.add_argument("--link-latency-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # benchmarks only
+    p.add_argument(
+        "--allow-vocab-mismatch", action="store_true", help="skip the check that draft and target share a tokenizer"
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +133,7 @@ def static_width(text: str):
 def given_options(args) -> dict:
     """The strategy options given on the command line (a flag left out is None: the strategy's default applies)."""
     from paraspec.strategies import OPTIONS
+
     return {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
 
 
@@ -97,24 +141,40 @@ def engine_config(args, strategy: str | None = None, options: dict | None = None
     """The EngineConfig of add_model_args' flags (validated: every error before any model loads). `options`
     defaults to the options given on the command line; one the strategy does not take is an error."""
     from paraspec.config import EngineConfig
+
     draft = args.draft[0] if isinstance(args.draft, list) and len(args.draft) == 1 else args.draft
-    return EngineConfig(target=args.target, draft=draft, strategy=strategy or args.strategy, dtype=args.dtype,
-                        target_devices=args.target_devices, draft_devices=args.draft_devices, backend=args.backend,
-                        max_context=args.max_context, allow_vocab_mismatch=args.allow_vocab_mismatch,
-                        runtime=getattr(args, "runtime", "process"),
-                        options=given_options(args) if options is None else options,
-                        transport=getattr(args, "transport", "auto"), ray_address=getattr(args, "ray_address", None),
-                        link_latency_ms=getattr(args, "link_latency_ms", 0.0),
-                        static_width=getattr(args, "static_width", "auto"),
-                        compile_step=getattr(args, "compile_step", False),
-                        # one request per command, except `serve` (--max-num-seqs): no sequences held for nobody
-                        max_num_seqs=getattr(args, "max_num_seqs", 1))
+    return EngineConfig(
+        target=args.target,
+        draft=draft,
+        strategy=strategy or args.strategy,
+        dtype=args.dtype,
+        target_devices=args.target_devices,
+        draft_devices=args.draft_devices,
+        backend=args.backend,
+        max_context=args.max_context,
+        allow_vocab_mismatch=args.allow_vocab_mismatch,
+        runtime=getattr(args, "runtime", "process"),
+        options=given_options(args) if options is None else options,
+        transport=getattr(args, "transport", "auto"),
+        ray_address=getattr(args, "ray_address", None),
+        link_latency_ms=getattr(args, "link_latency_ms", 0.0),
+        static_width=getattr(args, "static_width", "auto"),
+        compile_step=getattr(args, "compile_step", False),
+        # one request per command, except `serve` (--max-num-seqs): no sequences held for nobody
+        max_num_seqs=getattr(args, "max_num_seqs", 1),
+    )
 
 
 def sampling_params(args):
     from paraspec.sampling import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
 
 
 def read_prompt(args):
@@ -131,13 +191,22 @@ def read_prompt(args):
 
 def cmd_generate(args) -> int:
     from paraspec.engine import Engine
+
     params = sampling_params(args)
     prompt = read_prompt(args)
     with Engine.from_config(engine_config(args)) as engine:
         if args.json:
             result = engine.generate(prompt, params)
-            print(json.dumps({"text": result.text, "token_ids": result.token_ids,
-                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+            print(
+                json.dumps(
+                    {
+                        "text": result.text,
+                        "token_ids": result.token_ids,
+                        "finish_reason": result.finish_reason,
+                        "stats": result.stats.to_dict(),
+                    }
+                )
+            )
         else:
             stream = engine.stream(prompt, params)
             try:
@@ -145,7 +214,7 @@ def cmd_generate(args) -> int:
                     sys.stdout.write(delta)
                     sys.stdout.flush()
             finally:
-                sys.stdout.write("\n")          # also when interrupted: "interrupted" gets a line of its own
+                sys.stdout.write("\n")  # also when interrupted: "interrupted" gets a line of its own
                 sys.stdout.flush()
             print(stream.result.stats.summary(), file=sys.stderr)
     return 0
@@ -154,24 +223,35 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from paraspec.engine import Engine
     from paraspec.server import serve
+
     if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0 (requests that may wait for the running one), got "
-                         f"{args.max_queue}")
+        raise ValueError(f"--max-queue must be >= 0 (requests that may wait for the running one), got {args.max_queue}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0 .. 65535 (0: any free port), got {args.port}")
     config = engine_config(args)
     with Engine.from_config(config) as engine:
-        return serve(engine, host=args.host, port=args.port, model_name=args.served_model_name or str(args.target),
-                     api_key=args.api_key, max_queue=args.max_queue, request_timeout=args.request_timeout,
-                     log_level=args.log_level)
+        return serve(
+            engine,
+            host=args.host,
+            port=args.port,
+            model_name=args.served_model_name or str(args.target),
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            request_timeout=args.request_timeout,
+            log_level=args.log_level,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from paraspec.strategies import STRATEGIES
-    parser = argparse.ArgumentParser(prog="paraspec", description="Lossless speculative decoding on several "
-                                     "devices at once (AMUSD, DSI, EasySpec) and its baselines.")
+
+    parser = argparse.ArgumentParser(
+        prog="paraspec",
+        description="Lossless speculative decoding on several "
+        "devices at once (AMUSD, DSI, EasySpec) and its baselines.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with one strategy, streaming it to stdout")
@@ -185,23 +265,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve one strategy over an OpenAI-compatible HTTP API (/v1/completions, "
-                         "/v1/chat/completions, /health, /metrics)")
+    srv = sub.add_parser(
+        "serve",
+        help="serve one strategy over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /health, /metrics)",
+    )
     add_model_args(srv, several_drafts=True)
     srv.add_argument("--strategy", default="ar", choices=list(STRATEGIES))
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000, help="0: any free port (the printed URL names it)")
     srv.add_argument("--served-model-name", help="the model name clients send (default: --target as given)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
-    srv.add_argument("--max-num-seqs", type=int, default=4,
-                     help="requests generated at once, their forwards batched, each answer bit-identical to the "
-                          "request alone (ar and sd on llama.cpp's kernels; other strategies run one at a time)")
-    srv.add_argument("--max-queue", type=int, default=64,
-                     help="requests that may wait while --max-num-seqs generate; more get 429")
-    srv.add_argument("--request-timeout", type=float,
-                     help="seconds a generation may run; then it is stopped with an error (default: no limit)")
-    srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                     help="uvicorn's log level (info: one line per request)")
+    srv.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=4,
+        help="requests generated at once, their forwards batched, each answer bit-identical to the "
+        "request alone (ar and sd on llama.cpp's kernels; other strategies run one at a time)",
+    )
+    srv.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait while --max-num-seqs generate; more get 429"
+    )
+    srv.add_argument(
+        "--request-timeout",
+        type=float,
+        help="seconds a generation may run; then it is stopped with an error (default: no limit)",
+    )
+    srv.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (info: one line per request)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     for module in ("paraspec.cli.bench", "paraspec.cli.simulate", "paraspec.cli.study"):
@@ -257,20 +352,21 @@ def main(argv=None) -> int:
     """Ctrl-C at any moment prints one line and exits 130 (workers ignore SIGINT: the Engine stops them);
     SIGTERM closes the Engine the same way and exits 143. Until the command runs, Ctrl-C exits at once
     (`_exit_interrupted`); from then on it raises KeyboardInterrupt, so that every `with Engine(...)` closes."""
-    in_main = threading.current_thread() is threading.main_thread()    # (signals are the main thread's)
+    in_main = threading.current_thread() is threading.main_thread()  # (signals are the main thread's)
     previous_int = signal.signal(signal.SIGINT, _exit_interrupted) if in_main else None
-    if previous_int is None:                   # a handler set outside Python (embedding): Python's default after us
+    if previous_int is None:  # a handler set outside Python (embedding): Python's default after us
         previous_int = signal.default_int_handler
     previous_term = None
     try:
-        parser = build_parser()                # imports torch and the strategies
+        parser = build_parser()  # imports torch and the strategies
         args = parser.parse_args(argv)
         import paraspec.engine  # noqa: F401  -- the rest of what a command loads before it starts workers
+
         if in_main:
             previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
             signal.signal(signal.SIGINT, previous_int)
         return args.func(args)
-    except (KeyboardInterrupt, Exception) as e:        # Terminated is an Exception; either may come wrapped
+    except (KeyboardInterrupt, Exception) as e:  # Terminated is an Exception; either may come wrapped
         if _caused_by(e, KeyboardInterrupt):
             return _interrupted()
         if _caused_by(e, Terminated):

@@ -1,4 +1,5 @@
 """`paraspec study easyspec`: the EasySpec similarity table (Table 5) and ablation plots (Fig. 4)."""
+
 from __future__ import annotations
 
 import json
@@ -8,15 +9,18 @@ from pathlib import Path
 def add_commands(subparsers) -> None:
     study = subparsers.add_parser("study", help="studies that explain a method (EasySpec similarity, ablation)")
     sub = study.add_subparsers(dest="study", required=True)
-    p = sub.add_parser("easyspec", help="fuzzy-vs-exact cosine similarity per LP size; width x LP x "
-                                        "calibration ablation with two PNG plots")
+    p = sub.add_parser(
+        "easyspec",
+        help="fuzzy-vs-exact cosine similarity per LP size; width x LP x calibration ablation with two PNG plots",
+    )
     p.add_argument("--draft", required=True, help="draft model: checkpoint folder, .gguf file or hub id")
     p.add_argument("--target", help="target model (needed by the ablation)")
     p.add_argument("--part", choices=["similarity", "ablation", "both"], default="similarity")
     p.add_argument("--dataset", default="humaneval", help="prompts (see `paraspec bench --help`)")
     p.add_argument("--num-prompts", type=int, default=3)
-    p.add_argument("--lp-sizes", type=int, nargs="+", default=None,
-                   help="similarity: default 2 3 4; ablation: default 1 2 3 4 5")
+    p.add_argument(
+        "--lp-sizes", type=int, nargs="+", default=None, help="similarity: default 2 3 4; ablation: default 1 2 3 4 5"
+    )
     p.add_argument("--tokens-per-prompt", type=int, default=16, help="similarity: tokens measured per prompt")
     p.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8, 12], help="ablation: tree widths")
     p.add_argument("--tree-depth", type=int, default=5)
@@ -24,23 +28,30 @@ def add_commands(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="ablation: tokens per prompt")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--target-devices", nargs="+", default=["cpu"], help="ablation: where the target verifies")
-    p.add_argument("--draft-devices", nargs="+", default=["cpu"],
-                   help="ablation: several devices (e.g. cpu:0 cpu:1) spread each group's attention layers")
+    p.add_argument(
+        "--draft-devices",
+        nargs="+",
+        default=["cpu"],
+        help="ablation: several devices (e.g. cpu:0 cpu:1) spread each group's attention layers",
+    )
     p.add_argument("--out", default="study-easyspec", help="folder for the table, JSON rows and plots")
     p.set_defaults(func=cmd_easyspec)
 
 
 def _prompts(args, tokenizer) -> list:
     from paraspec.bench.datasets import load_prompts
+
     return [bp.as_input(chat=True) for bp in load_prompts(args.dataset, args.num_prompts)]
 
 
 def cmd_easyspec(args) -> int:
     from paraspec.study import fuzzy_drafting as study
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part in ("similarity", "both"):
         from paraspec.models.loader import load_model, load_tokenizer
+
         draft = load_model(args.draft, dtype=args.dtype)
         tokenizer = load_tokenizer(args.draft)
         ids = []
@@ -58,13 +69,26 @@ def cmd_easyspec(args) -> int:
         if not args.target:
             raise ValueError("the ablation needs --target")
         from paraspec import Engine, SamplingParams
-        factory = lambda: Engine(args.target, args.draft, strategy="easyspec", dtype=args.dtype,
-                                 target_devices=args.target_devices, draft_devices=args.draft_devices)
+
+        factory = lambda: Engine(
+            args.target,
+            args.draft,
+            strategy="easyspec",
+            dtype=args.dtype,
+            target_devices=args.target_devices,
+            draft_devices=args.draft_devices,
+        )
         prompts = _prompts(args, None)
-        rows = study.ablation(factory, prompts, SamplingParams(max_new_tokens=args.max_new_tokens),
-                              widths=tuple(args.widths), lp_sizes=tuple(args.lp_sizes or (1, 2, 3, 4, 5)),
-                              calibrations=(True,) if args.no_calibration_off else (True, False),
-                              tree_depth=args.tree_depth, progress=lambda r: print(json.dumps(r), flush=True))
+        rows = study.ablation(
+            factory,
+            prompts,
+            SamplingParams(max_new_tokens=args.max_new_tokens),
+            widths=tuple(args.widths),
+            lp_sizes=tuple(args.lp_sizes or (1, 2, 3, 4, 5)),
+            calibrations=(True,) if args.no_calibration_off else (True, False),
+            tree_depth=args.tree_depth,
+            progress=lambda r: print(json.dumps(r), flush=True),
+        )
         (out / "ablation.json").write_text(json.dumps(rows, indent=1))
         for path in study.plot_ablation(rows, out):
             print(f"wrote {path}")

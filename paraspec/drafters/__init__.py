@@ -20,13 +20,14 @@ A new drafter subclasses Drafter and implements propose(); a model-free one is a
 spec), built by `model_free` (its options) and listed in DRAFTER_OPTIONS (strategies/registry.py) if it takes
 options of its own. Strategies need no edit.
 """
+
 from dataclasses import dataclass
 from typing import Any
 
 from paraspec.drafters.base import Drafter, Proposal
-from paraspec.drafters.policy import DraftPolicy
 from paraspec.drafters.model import ModelDrafter
 from paraspec.drafters.ngram import NGramDrafter
+from paraspec.drafters.policy import DraftPolicy
 from paraspec.drafters.suffix import SuffixDrafter
 from paraspec.drafters.token_tree import TokenTree
 
@@ -37,7 +38,8 @@ MODEL_FREE = {"ngram": NGramDrafter, "suffix": SuffixDrafter}
 class DraftSpec:
     """One draft as given, in order: a model-free drafter's name ("ngram", "suffix") or a model's checkpoint. Marked
     once (EngineConfig), then carried as it is: the Engine resolves the checkpoints, strategies read the mark."""
-    spec: Any                          # the name, or a checkpoint folder / .gguf / hub id / SimulatedSpec
+
+    spec: Any  # the name, or a checkpoint folder / .gguf / hub id / SimulatedSpec
     model_free: bool
 
     @classmethod
@@ -57,9 +59,26 @@ def model_free(spec: str, vocab_size: int, options: dict) -> Drafter:
     memory = options.get("draft_memory", False)
     if spec == "ngram":
         return NGramDrafter(vocab_size, options["ngram_min"], options["ngram_max"], memory)
-    return SuffixDrafter(vocab_size, options["suffix_depth"], options["suffix_cache"], options["suffix_factor"],
-                         options["suffix_min_prob"], memory)
+    return SuffixDrafter(
+        vocab_size,
+        options["suffix_depth"],
+        options["suffix_cache"],
+        options["suffix_factor"],
+        options["suffix_min_prob"],
+        memory,
+    )
 
 
-__all__ = ["DraftSpec", "Drafter", "DraftPolicy", "MODEL_FREE", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter",
-           "TokenTree", "is_model_free", "model_free"]
+__all__ = [
+    "DraftSpec",
+    "Drafter",
+    "DraftPolicy",
+    "MODEL_FREE",
+    "ModelDrafter",
+    "NGramDrafter",
+    "Proposal",
+    "SuffixDrafter",
+    "TokenTree",
+    "is_model_free",
+    "model_free",
+]

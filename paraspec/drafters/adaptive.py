@@ -46,30 +46,31 @@ that is never right costs a few one-token rounds; a good one then drafts by its 
 The choice depends only on rounds already verified and on timings, never on the draft being judged, so the
 output is exactly as lossless as with a fixed length.
 """
+
 from __future__ import annotations
 
 import bisect
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from paraspec.runtime.devices import sync
 
-DECAY = 0.9                  # weight of a round's observation after each later round (about the last 10 rounds)
-COST_EMA = 0.2               # weight of a new measurement of a forward width
-PROBE_START = 8              # plain rounds before a model drafter is probed again
-PROBE_SHARE = 0.05           # most a probe's catch-up may cost, as a share of the plain rounds since the last one
-FADE = 0.25                  # evidence kept from earlier requests
-TRIAL_JUDGED = 4.0           # judged drafts (decayed) that end a model drafter's trial
-TRIAL_REMAINING = 32         # a trial starts only in a request with at least this many tokens left
-PRIOR_WEIGHT = 2.0           # judged drafts a prior is worth (Beta(1, 1) for a drafter's first bucket)
-LOWER_Z = 0.5                # the rule drafts by the estimate less this many standard deviations
-OBSERVED_WIDTHS = 64         # a forward wider than this (a prompt) does not move the per-width costs
-REPEAT_UNDER_S = 0.2         # start-up: a forward timed under this is timed again (the fastest kept); longer, once
+DECAY = 0.9  # weight of a round's observation after each later round (about the last 10 rounds)
+COST_EMA = 0.2  # weight of a new measurement of a forward width
+PROBE_START = 8  # plain rounds before a model drafter is probed again
+PROBE_SHARE = 0.05  # most a probe's catch-up may cost, as a share of the plain rounds since the last one
+FADE = 0.25  # evidence kept from earlier requests
+TRIAL_JUDGED = 4.0  # judged drafts (decayed) that end a model drafter's trial
+TRIAL_REMAINING = 32  # a trial starts only in a request with at least this many tokens left
+PRIOR_WEIGHT = 2.0  # judged drafts a prior is worth (Beta(1, 1) for a drafter's first bucket)
+LOWER_Z = 0.5  # the rule drafts by the estimate less this many standard deviations
+OBSERVED_WIDTHS = 64  # a forward wider than this (a prompt) does not move the per-width costs
+REPEAT_UNDER_S = 0.2  # start-up: a forward timed under this is timed again (the fastest kept); longer, once
 # context lengths grouped for the per-position acceptance of model-free drafters: 1, 2, 3, 4, 5-7, 8-11, 12-15, 16+
 MATCH_BUCKETS = (1, 2, 3, 4, 5, 8, 12, 16)
-SOURCE_STRIDE = 1000         # bucket ids of a drafter's second source of evidence start here (Drafter.sources)
+SOURCE_STRIDE = 1000  # bucket ids of a drafter's second source of evidence start here (Drafter.sources)
 
 
 def match_bucket(n: int) -> int:
@@ -102,8 +103,9 @@ def expected_tokens(alpha: float | Sequence[float], k: int) -> float:
     return total
 
 
-def best_length(alpha: float | Sequence[float], draft_s: float, verify_s, pending: int, max_k: int,
-                shared: Sequence[int] = ()) -> tuple[int, float]:
+def best_length(
+    alpha: float | Sequence[float], draft_s: float, verify_s, pending: int, max_k: int, shared: Sequence[int] = ()
+) -> tuple[int, float]:
     """k in 0..max_k maximising expected_tokens(alpha, k) / (k * draft_s + verify_s(pending + k)); (k, its
     tokens per second). Ties go to the shorter draft. `alpha`: one acceptance for every position, or one per
     position (then max_k is at most its length).
@@ -151,19 +153,25 @@ class ForwardCost:
     """Seconds of one forward of a model by its width (tokens fed), from measurements: interpolated linearly
     between measured widths, extrapolated from the last two beyond them. The target's (verification) and a draft
     model's (its catch-up and its drafts)."""
+
     seconds: dict[int, float] = field(default_factory=dict)
 
     def __call__(self, width: int) -> float:
         widths = sorted(self.seconds)
         if not widths:
-            return 1.0                       # nothing measured: every width costs the same (drafting is free)
+            return 1.0  # nothing measured: every width costs the same (drafting is free)
         if width in self.seconds:
             return self.seconds[width]
         if len(widths) == 1:
             return self.seconds[widths[0]] * max(width, 1) / widths[0]
         i = bisect.bisect_left(widths, width)
-        lo, hi = (widths[0], widths[1]) if i == 0 else (widths[-2], widths[-1]) if i == len(widths) \
+        lo, hi = (
+            (widths[0], widths[1])
+            if i == 0
+            else (widths[-2], widths[-1])
+            if i == len(widths)
             else (widths[i - 1], widths[i])
+        )
         slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
         return max(self.seconds[lo] + slope * (width - lo), 1e-6)
 
@@ -176,7 +184,7 @@ class ForwardCost:
         same factor (the shape measured at start-up, the level of now): a long context makes every width
         slower, and a rule that saw only 1-token rounds at 2,000 tokens of context must not price a 5-token
         verification at its start-up (32-token context) cost."""
-        if width > OBSERVED_WIDTHS:             # a prompt: its cost says nothing about verification widths
+        if width > OBSERVED_WIDTHS:  # a prompt: its cost says nothing about verification widths
             return
         predicted = self(width) if self.seconds else seconds
         old = self.seconds.get(width)
@@ -188,7 +196,7 @@ class ForwardCost:
                     self.seconds[w] *= level
 
     @classmethod
-    def measure(cls, model, widths, context: int = 32, repeats: int = 2, last_only: bool = False) -> "ForwardCost":
+    def measure(cls, model, widths, context: int = 32, repeats: int = 2, last_only: bool = False) -> ForwardCost:
         """Time forwards of each width after a `context`-token prefix; the model's cache is left empty. `last_only`:
         each forward asks for its last row's logits only, as a draft model's catch-ups and drafts do (a verification
         reads every row's, and on a 150k vocabulary the output matrix is a large share of a wide forward). A forward
@@ -202,7 +210,7 @@ class ForwardCost:
         widths = [w for w in widths if w < room] or [1]
         context = max(1, min(context, room - max(widths)))
         tokens = [i % max(model.vocab_size, 1) for i in range(context + max(widths))]
-        device = getattr(model, "device", None)     # llama.cpp, simulated and remote models return when done
+        device = getattr(model, "device", None)  # llama.cpp, simulated and remote models return when done
         model.rollback(0)
         model.forward(tokens[:context], last_n=1)
         cost = cls()
@@ -211,7 +219,7 @@ class ForwardCost:
             for _ in range(repeats):
                 sync(device)
                 start = time.perf_counter()
-                model.forward(tokens[context:context + width], last_n=1 if last_only else width)
+                model.forward(tokens[context : context + width], last_n=1 if last_only else width)
                 sync(device)
                 best = min(best, time.perf_counter() - start)
                 model.rollback(context)
@@ -231,8 +239,9 @@ def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
     on a Zen 5 a 16-token forward costs less than a 15-token one, which an interpolation between every third
     width would miss."""
     top = pending + max_k
-    return sorted(set(range(1, min(top, CALIBRATE_EVERY_WIDTH) + 1)) |
-                  set(range(CALIBRATE_EVERY_WIDTH + 4, top + 1, 4)) | {top})
+    return sorted(
+        set(range(1, min(top, CALIBRATE_EVERY_WIDTH) + 1)) | set(range(CALIBRATE_EVERY_WIDTH + 4, top + 1, 4)) | {top}
+    )
 
 
 # a draft model's widths measured at start-up (its last row's logits only: ForwardCost.measure's last_only): one-token
@@ -246,12 +255,13 @@ DRAFT_WIDTHS = (1, 2, 4, 8, 16, 64)
 class Acceptance:
     """Decayed counts of judged and accepted drafts: a = (accepted + 1) / (judged + 2). One per drafter and
     position bucket; a model drafter's also holds its probing state."""
+
     judged: float = 0.0
     accepted: float = 0.0
-    plain_rounds: int = 0                    # consecutive rounds without drafting (model drafters)
+    plain_rounds: int = 0  # consecutive rounds without drafting (model drafters)
     probe_after: int = PROBE_START
-    trial_k: int = 1                         # a model drafter's next trial length (doubles while all accepted)
-    tried: bool = False                      # its trial is over: TRIAL_JUDGED drafts judged (never faded back)
+    trial_k: int = 1  # a model drafter's next trial length (doubles while all accepted)
+    tried: bool = False  # its trial is over: TRIAL_JUDGED drafts judged (never faded back)
 
     def __post_init__(self) -> None:
         self.tried = self.tried or self.judged >= TRIAL_JUDGED

@@ -10,6 +10,7 @@ follows the target's distribution however good or bad the drafts are. Under gree
 A drafter may propose fewer tokens than asked, or none (nothing to propose here): a round then verifies nothing
 and the target supplies its own next token.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from paraspec.sampling import SamplingParams
 @dataclass
 class Proposal:
     """A chain of drafts: a one-branch tree, whose depth is its length (what a round counts as drafted)."""
+
     tokens: list[int]
-    q: torch.Tensor | None = None      # [len(tokens), vocab] from a model under sampling; None: greedy or point masses
+    q: torch.Tensor | None = None  # [len(tokens), vocab] from a model under sampling; None: greedy or point masses
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -39,29 +41,38 @@ class Drafter:
     branch overrides propose_tree(); one with state (a KV cache) overrides reset() and accept()."""
 
     name = "drafter"
-    free = False      # True: proposing costs next to nothing (no model): the adaptive rule may ask every round
-    last_match = 0    # a model-free drafter: the context length its last proposal continued (0: none, a model)
+    free = False  # True: proposing costs next to nothing (no model): the adaptive rule may ask every round
+    last_match = 0  # a model-free drafter: the context length its last proposal continued (0: none, a model)
     # a model-free drafter with several sources of evidence: which one its last proposal came from (an index into
     # `sources`); the adaptive rule keeps a separate acceptance for each (the suffix drafter's output cache of
     # other requests is right less often than the request's own text at the same match length)
     last_source = 0
     sources: tuple[str, ...] = ("",)
-    memory = None     # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
-    timings: tuple = ()   # a draft model: (width, seconds) of the forwards of its last proposal
+    memory = None  # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
+    timings: tuple = ()  # a draft model: (width, seconds) of the forwards of its last proposal
 
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""
 
-    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
-                pending: int = 1) -> Proposal:
+    def propose(
+        self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator, pending: int = 1
+    ) -> Proposal:
         """Up to `k` tokens continuing `sequence` (the prompt plus every committed token), with their q.
         `pending`: how many of the committed tokens the target has not cached yet (they go into the same
         verification forward as the drafts). Only a drafter that sizes its proposal by what the verification
         will cost reads it (DraftPolicy's adaptive rule); the others ignore it."""
         raise NotImplementedError
 
-    def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator, pending: int = 1) -> TokenTree:
+    def propose_tree(
+        self,
+        sequence: list[int],
+        width: int,
+        depth: int,
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        pending: int = 1,
+    ) -> TokenTree:
         """A token tree continuing `sequence`: at most `width` nodes per level, `depth` levels, `budget` nodes
         (`pending` as in propose). The default is the chain of propose(sequence, depth) as a one-branch tree
         (width 1)."""
@@ -69,7 +80,7 @@ class Drafter:
         tree = TokenTree()
         for i, token in enumerate(proposal.tokens):
             if proposal.q is not None:
-                tree.draft_probs[i - 1] = proposal.q[i]       # node i - 1's one child was drawn from q[i]
+                tree.draft_probs[i - 1] = proposal.q[i]  # node i - 1's one child was drawn from q[i]
             tree.add(token, i - 1)
         return tree
 

@@ -12,19 +12,29 @@ holds (`cached` is exactly the tokens in the cache), and it publishes a token on
 drafted at: any change to an earlier position bumps the version and drops it, so every drafted token is judged
 against exactly the prefix it was drafted from.
 """
+
 from __future__ import annotations
 
 from paraspec.drafters.model import ModelDrafter
-from paraspec.run import common_prefix
+from paraspec.request_state import common_prefix
 from paraspec.runtime.channels import ChannelFull, ChannelStopped
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.trace import Trace
 
-CHANNEL = "tokens"       # the first drafter's channel (dsi's further drafters: tokens1, tokens2, ...)
+CHANNEL = "tokens"  # the first drafter's channel (dsi's further drafters: tokens1, tokens2, ...)
 
 
-def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: int, seed: int | None,
-               t0: float, channel_name: str = CHANNEL, label: str = "draft") -> dict:
+def draft_loop(
+    draft,
+    ctx,
+    params: SamplingParams,
+    max_ahead: int,
+    vocab_size: int,
+    seed: int | None,
+    t0: float,
+    channel_name: str = CHANNEL,
+    label: str = "draft",
+) -> dict:
     """Runs in the draft worker (`draft`: the worker's model) until the channel stops (the request ended or a
     worker failed). `channel_name` and `label` (its trace row) tell several drafters apart (dsi's drafters)."""
     channel = ctx.channels[channel_name]
@@ -32,22 +42,23 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
     generator = make_generator(None if seed is None else seed + 1)
     trace = Trace(t0=t0)
     device = f"{label}:{ctx.device}"
-    cached: list[int] = []          # exactly the tokens in the draft's KV cache, in order
+    cached: list[int] = []  # exactly the tokens in the draft's KV cache, in order
     version = None
     drafted = published = rollbacks = fed = discarded = 0
     drafter.reset()
-    snap = None                     # the read for the next step, when the last publish brought it along
+    snap = None  # the read for the next step, when the last publish brought it along
     try:
         while True:
             if snap is None:
-                snap = channel.read_since(len(cached), version)   # one round trip on the network transport
-            if snap.version != version:       # a new request or a rejection: the read is the whole sequence
+                snap = channel.read_since(len(cached), version)  # one round trip on the network transport
+            if snap.version != version:  # a new request or a rejection: the read is the whole sequence
                 dropped = roll_back_to(snap.tokens, drafter, cached, trace, device)
                 discarded += dropped
                 rollbacks += dropped > 0
                 version = snap.version
-                snap = snap._replace(start=len(cached), tokens=snap.tokens[len(cached):],
-                                     stamps=snap.stamps[len(cached):])
+                snap = snap._replace(
+                    start=len(cached), tokens=snap.tokens[len(cached) :], stamps=snap.stamps[len(cached) :]
+                )
             if snap.length - snap.committed >= max_ahead:
                 start = trace.now()
                 snap = channel.wait_below_ahead(max_ahead, len(cached), version)
@@ -55,16 +66,18 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
                 continue
             feed = [int(t) for t in snap.tokens]
             snap = None
-            if not feed:                      # everything is cached: re-run the last token for its logits
+            if not feed:  # everything is cached: re-run the last token for its logits
                 drafter.rollback(len(cached) - 1)
                 feed = [cached.pop()]
                 discarded += 1
             position = len(cached) + len(feed)
-            if not params.greedy and \
-                    channel.wait_for_room(position + 1, version=version, timeout=None).version != version:
+            if (
+                not params.greedy
+                and channel.wait_for_room(position + 1, version=version, timeout=None).version != version
+            ):
                 continue
             start = trace.now()
-            cached.extend(feed)               # the drafter feeds what it has not cached: exactly `feed` (no copy)
+            cached.extend(feed)  # the drafter feeds what it has not cached: exactly `feed` (no copy)
             proposal = drafter.propose(cached, 1, params, generator)
             fed += len(feed)
             trace.add(device, "draft", start, trace.now(), len(feed))
@@ -72,14 +85,21 @@ def draft_loop(draft, ctx, params: SamplingParams, max_ahead: int, vocab_size: i
             try:
                 ok, snap = channel.publish_and_read(position, proposal.tokens, q=proposal.q, version=version)
                 published += ok
-            except ChannelFull:               # the context is full: the verifier is about to finish
+            except ChannelFull:  # the context is full: the verifier is about to finish
                 channel.wait_for_version_change(version)
     except ChannelStopped:
         pass
     # "cached" is this loop's record of the cache; tests check it against the channel's sequence and the cache
-    return {"drafted": drafted, "published": published, "rollbacks": rollbacks, "fed": fed,
-            "discarded": discarded, "cache_length": drafter.length, "cached": list(cached),
-            "trace": trace.to_dict()}
+    return {
+        "drafted": drafted,
+        "published": published,
+        "rollbacks": rollbacks,
+        "fed": fed,
+        "discarded": discarded,
+        "cache_length": drafter.length,
+        "cached": list(cached),
+        "trace": trace.to_dict(),
+    }
 
 
 def roll_back_to(sequence, drafter: ModelDrafter, cached: list[int], trace: Trace, device: str) -> int:

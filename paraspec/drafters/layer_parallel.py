@@ -9,9 +9,10 @@
 A fuzzy forward lets the layers of a group read one input hidden state: their attentions run in parallel -- one
 share per rank, all-gathered through a shared-memory exchange (ShmExchange: one segment, a sequence word per
 rank, futex waits; it beat gloo here, benchmarks/easyspec_exchange.py) -- and their MLPs run in order,
-replicated on every rank (models/fuzzy.py). q is the fuzzy distribution the drafts were sampled from (the q
+replicated on every rank (models/native/layer_parallel.py). q is the fuzzy distribution the drafts were sampled from (the q
 contract), so only acceptance depends on how close fuzzy is to exact.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,8 @@ from contextlib import nullcontext
 import torch
 
 from paraspec.drafters.model import ModelDrafter
-from paraspec.models.fuzzy import exact_forward, fuzzy_forward
-from paraspec.models.loader import load_model     # bound at import: a replica never shares a bench's cached model
+from paraspec.models.loader import load_model  # bound at import: a replica never shares a bench's cached model
+from paraspec.models.native.layer_parallel import exact_forward, fuzzy_forward
 from paraspec.runtime.devices import pinned
 from paraspec.runtime.exchange import ShmExchange
 
@@ -51,27 +52,41 @@ class FuzzyDrafter(ModelDrafter):
 
     def settle(self, prefix_len: int, cache, path: list[int]) -> None:
         if self.calibration:
-            self.rollback(prefix_len)        # everything past the exact prefix was fuzzy: drop it
+            self.rollback(prefix_len)  # everything past the exact prefix was fuzzy: drop it
         else:
             cache.accept(path)
 
 
 # -- several devices ------------------------------------------------------------------------------------------
 
+
 class DraftRank:
     """What a draft worker process holds: a replica of the draft and its end of the exchange."""
 
-    def __init__(self, spec: str, dtype: str, max_context: int, groups: list[list[int]], segment: str,
-                 rank: int, world: int, max_bytes: int, device: str = "cpu"):
+    def __init__(
+        self,
+        spec: str,
+        dtype: str,
+        max_context: int,
+        groups: list[list[int]],
+        segment: str,
+        rank: int,
+        world: int,
+        max_bytes: int,
+        device: str = "cpu",
+    ):
         self.model = load_model(spec, dtype=dtype, max_context=max_context, device=device)
         parent = os.getppid()
         self.exchange = ShmExchange.attach(segment, rank, world, max_bytes, alive=lambda: os.getppid() == parent)
         self.groups = groups
-        self.vocab_size, self.eos_token_ids, self.max_context = (self.model.vocab_size, self.model.eos_token_ids,
-                                                                 self.model.max_context)
+        self.vocab_size, self.eos_token_ids, self.max_context = (
+            self.model.vocab_size,
+            self.model.eos_token_ids,
+            self.model.max_context,
+        )
 
     def forward(self, token_ids, positions=None, mask=None, exact: bool = False) -> None:
-        mask = None if mask is None else torch.as_tensor(mask)     # arrays travel as numpy
+        mask = None if mask is None else torch.as_tensor(mask)  # arrays travel as numpy
         if exact:
             exact_forward(self.model, token_ids, positions, mask, head=False)
         else:
@@ -104,11 +119,14 @@ class DeviceGroupDrafter(FuzzyDrafter):
 
     def __init__(self, model, groups, devices, checkpoint, runtime, vocab_size: int | None = None):
         from paraspec.runtime.devices import parse_devices
+
         super().__init__(model, groups, vocab_size)
         self.devices = parse_devices(devices)
         if checkpoint is None:
-            raise ValueError("easyspec across several draft devices needs the draft's checkpoint to load a "
-                             "replica on each device; pass the draft as a checkpoint folder, .gguf or hub id")
+            raise ValueError(
+                "easyspec across several draft devices needs the draft's checkpoint to load a "
+                "replica on each device; pass the draft as a checkpoint folder, .gguf or hub id"
+            )
         world = len(self.devices)
         # any grouping (set_groups) gives a rank at most ceil(layers / world) attention outputs per all-gather
         per_rank = -(-model.cfg.num_layers // world)
@@ -119,17 +137,31 @@ class DeviceGroupDrafter(FuzzyDrafter):
         self._finalizer = weakref.finalize(self, _close_exchange, self.exchange)
         dtype = str(model.dtype).removeprefix("torch.")
         try:
-            self.workers = [runtime.add_worker(f"draft{rank}", device, DraftRank, dict(
-                spec=str(checkpoint), dtype=dtype, max_context=model.max_context, groups=groups,
-                segment=self.exchange.segment.name, rank=rank, world=world, max_bytes=self.max_bytes,
-                device=device.torch_device))
-                for rank, device in enumerate(self.devices[1:], start=1)]
+            self.workers = [
+                runtime.add_worker(
+                    f"draft{rank}",
+                    device,
+                    DraftRank,
+                    dict(
+                        spec=str(checkpoint),
+                        dtype=dtype,
+                        max_context=model.max_context,
+                        groups=groups,
+                        segment=self.exchange.segment.name,
+                        rank=rank,
+                        world=world,
+                        max_bytes=self.max_bytes,
+                        device=device.torch_device,
+                    ),
+                )
+                for rank, device in enumerate(self.devices[1:], start=1)
+            ]
             for worker in self.workers:
                 worker.wait_ready()
         except BaseException:
             self.close()
             raise
-        workers = self.workers            # closures below must not hold `self` (the finalizer holds them)
+        workers = self.workers  # closures below must not hold `self` (the finalizer holds them)
         self.exchange.alive = lambda: all(w.alive for w in workers)
 
     def set_groups(self, groups: list[list[int]]) -> None:
@@ -157,10 +189,11 @@ class DeviceGroupDrafter(FuzzyDrafter):
             if exact:
                 out = exact_forward(self.model, token_ids, positions, mask)
             else:
-                out = fuzzy_forward(self.model, token_ids, self.groups, positions, mask, exchange=self.exchange,
-                                    head=head)
+                out = fuzzy_forward(
+                    self.model, token_ids, self.groups, positions, mask, exchange=self.exchange, head=head
+                )
         except RuntimeError:
-            for handle in handles:      # raise the rank's own error (RemoteError / WorkerDied) if it has one
+            for handle in handles:  # raise the rank's own error (RemoteError / WorkerDied) if it has one
                 if handle.done():
                     handle.result()
             raise

@@ -16,17 +16,18 @@ that continues it the same way is
 A proposal that continues the pattern otherwise (the drafter found another continuation since) is neither.
 Kept per request (reset with the drafter), so its size is bounded by the request's rounds.
 """
+
 from __future__ import annotations
 
-from paraspec.run import common_prefix
+from paraspec.request_state import common_prefix
 
-KEY_TOKENS = 4           # context tokens that name a pattern
+KEY_TOKENS = 4  # context tokens that name a pattern
 
 
 class PatternMemory:
     def __init__(self):
-        self.last: dict[tuple, tuple[list[int], int, bool]] = {}   # pattern -> (proposal, right, complete)
-        self._pending: tuple[tuple, list[int], int] | None = None   # (pattern, proposal, prefix length)
+        self.last: dict[tuple, tuple[list[int], int, bool]] = {}  # pattern -> (proposal, right, complete)
+        self._pending: tuple[tuple, list[int], int] | None = None  # (pattern, proposal, prefix length)
 
     def reset(self) -> None:
         self.last.clear()
@@ -44,7 +45,7 @@ class PatternMemory:
     def pattern(sequence: list[int], matched: int) -> tuple | None:
         """The pattern a proposal after a `matched`-token match continues (None without a match)."""
         n = min(matched, KEY_TOKENS)
-        return tuple(sequence[len(sequence) - n:]) if n > 0 else None
+        return tuple(sequence[len(sequence) - n :]) if n > 0 else None
 
     def limit(self, pattern: tuple | None, proposal: list[int]) -> tuple[int | None, bool]:
         """(cap, extend) for `proposal` from `pattern`: cap = the tokens right last time, if the last proposal
@@ -55,7 +56,7 @@ class PatternMemory:
         old, right, complete = self.last[pattern]
         if complete:
             return None, proposal[:right] == old[:right]
-        return (right, False) if proposal[:right + 1] == old[:right + 1] else (None, False)
+        return (right, False) if proposal[: right + 1] == old[: right + 1] else (None, False)
 
     def remember(self, pattern: tuple | None, proposal: list[int], prefix_len: int) -> None:
         """The proposal as the drafter found it (before any cut), continuing a sequence of prefix_len tokens."""

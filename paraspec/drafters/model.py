@@ -5,6 +5,7 @@ what the cache keeps after a round (`settle`).
 q: the processed draft distribution each token was sampled from (`logits_to_probs`), restricted to the first
 `vocab_size` ids (those the target can score): a padding row of a wider draft head could otherwise win.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,10 +36,10 @@ class ModelDrafter(Drafter):
         whose draft probability is below it (HF assisted generation's rule): where the draft is unsure the
         target will likely reject, so drafting on is waste. Stopping early only shortens the chain."""
         self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
-        self._tree: DraftTreeCache | None = None      # the slots of the last proposed tree's nodes
-        self.timings: list[tuple[int, float]] = []    # (width, seconds) of each forward of the last proposal
+        self._tree: DraftTreeCache | None = None  # the slots of the last proposed tree's nodes
+        self.timings: list[tuple[int, float]] = []  # (width, seconds) of each forward of the last proposal
         self.device = getattr(model, "device", None)  # waited for around each timed forward (None: a model
-                                                      # whose calls return when done: llama.cpp, a worker)
+        # whose calls return when done: llama.cpp, a worker)
 
     @property
     def length(self) -> int:
@@ -50,8 +51,9 @@ class ModelDrafter(Drafter):
     def behind(self, sequence: list[int]) -> int:
         return max(len(sequence) - self.length, 0)
 
-    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
-                pending: int = 1) -> Proposal:
+    def propose(
+        self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator, pending: int = 1
+    ) -> Proposal:
         """Sample up to k tokens one by one. The draft first catches up on the tokens of `sequence` it has not
         cached (e.g. the last round's bonus token)."""
         self._tree = None
@@ -59,7 +61,7 @@ class ModelDrafter(Drafter):
         tokens, probs = [], []
         if k <= 0:
             return Proposal(tokens)
-        logits = self.logits(sequence[self.model.length:])
+        logits = self.logits(sequence[self.model.length :])
         for i in range(k):
             token, q = draw(logits, params, generator)
             if q is not None:
@@ -71,19 +73,27 @@ class ModelDrafter(Drafter):
                 logits = self.logits([token])
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
-    def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator, pending: int = 1) -> TokenTree:
+    def propose_tree(
+        self,
+        sequence: list[int],
+        width: int,
+        depth: int,
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        pending: int = 1,
+    ) -> TokenTree:
         """Grow the tree level by level (draft_tree); each level's nodes go through the draft in one forward,
         each seeing only the prefix, its ancestors and itself."""
         self.timings = []
-        root_logits = self.root(sequence[self.length:])
+        root_logits = self.root(sequence[self.length :])
         self._tree = DraftTreeCache(self, self.expand, len(sequence))
         return draft_tree(root_logits, self._tree, params, generator, self.vocab_size, width, depth, budget)
 
     def accept(self, prefix_len: int, path: list[int]) -> None:
         if self._tree is not None:
             self.settle(prefix_len, self._tree, path)
-        else:                                            # a chain: its accepted drafts are already in place
+        else:  # a chain: its accepted drafts are already in place
             self.rollback(min(self.length, prefix_len + len(path)))
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -94,7 +104,7 @@ class ModelDrafter(Drafter):
         logits = self.model.forward(embeddable(token_ids, self.model.vocab_size), last_n=1)[-1]
         sync(self.device)
         self.timings.append((len(token_ids), time.perf_counter() - start))
-        return widen(logits, self.vocab_size)[:self.vocab_size]
+        return widen(logits, self.vocab_size)[: self.vocab_size]
 
     # -- hooks of the tree drafting (easyspec overrides them) ----------------------------------------------------
     def root(self, pending: list[int]) -> torch.Tensor:
@@ -103,7 +113,8 @@ class ModelDrafter(Drafter):
 
     def expand(self, token_ids, positions, mask) -> torch.Tensor:
         """Logits of tree nodes fed with explicit positions and a mask over the whole cache."""
-        from paraspec.models.fuzzy import exact_forward
+        from paraspec.models.native.layer_parallel import exact_forward
+
         sync(self.device)
         start = time.perf_counter()
         logits = exact_forward(self.model, token_ids, positions, mask)

@@ -13,6 +13,7 @@ q: the proposal is a deterministic function of the sequence, so each token's q i
 in the Proposal); the target then accepts token x with probability p(x) and otherwise resamples from p with x
 removed (lossless).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,7 @@ from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.memory import PatternMemory
 from paraspec.sampling import SamplingParams
 
-
-BULK = 64          # appends that pause the cyclic garbage collector (a prompt's worth)
+BULK = 64  # appends that pause the cyclic garbage collector (a prompt's worth)
 
 
 @contextlib.contextmanager
@@ -82,11 +82,11 @@ class NGramIndex(SequenceIndex):
         self.continuations: dict[int, dict[tuple, int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
 
     def append(self, token: int) -> None:
-        i = len(self.tokens)               # the new token's index: the continuation of every n-gram ending at i - 1
+        i = len(self.tokens)  # the new token's index: the continuation of every n-gram ending at i - 1
         super().append(token)
         for n, table in self.continuations.items():
             if i >= n:
-                table[tuple(self.tokens[i - n:i])] = i
+                table[tuple(self.tokens[i - n : i])] = i
 
     def lookup(self, k: int, context: list[int] | None = None) -> tuple[list[int], int]:
         """Up to k tokens continuing the latest earlier occurrence of the longest matching suffix of `context`
@@ -94,33 +94,34 @@ class NGramIndex(SequenceIndex):
         seq = self.tokens
         context = seq if context is None else context
         for n in range(min(self.max_ngram, len(seq) - 1, len(context)), self.min_ngram - 1, -1):
-            start = self.continuations[n].get(tuple(context[len(context) - n:]))
+            start = self.continuations[n].get(tuple(context[len(context) - n :]))
             if start is not None:
-                return seq[start:start + k], n
+                return seq[start : start + k], n
         return [], 0
 
 
 class NGramDrafter(Drafter):
     name = "ngram"
-    free = True                   # proposing costs microseconds: the adaptive rule may ask for it every round
+    free = True  # proposing costs microseconds: the adaptive rule may ask for it every round
 
     def __init__(self, vocab_size: int, min_ngram: int = 2, max_ngram: int = 4, memory: bool = True):
         self.vocab_size = vocab_size
         self.index = NGramIndex(min_ngram, max_ngram)
         self.memory = PatternMemory() if memory else None
-        self.last_match = 0       # the n of the last proposal (0: no match)
+        self.last_match = 0  # the n of the last proposal (0: no match)
 
     def reset(self) -> None:
         self.index.restart()
         if self.memory is not None:
             self.memory.reset()
 
-    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
-                pending: int = 1) -> Proposal:
+    def propose(
+        self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator, pending: int = 1
+    ) -> Proposal:
         if k <= 0:
             return Proposal([])
         self.index.sync(sequence)
         tokens, self.last_match = self.index.lookup(k)
         cap, _ = self.memory.consult(sequence, self.last_match, tokens) if self.memory else (None, False)
         tokens = tokens if cap is None else tokens[:cap]
-        return Proposal(tokens)          # q = None: point masses
+        return Proposal(tokens)  # q = None: point masses

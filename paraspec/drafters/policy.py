@@ -18,34 +18,51 @@ q is each proposal's own (None, point masses, for a model-free drafter, the draf
 a round's drafts all come from one drafter, so acceptance divides by exactly what was drawn from. Which drafter
 drafts, and how much, depends only on the sequence and on rounds already verified (lossless).
 """
+
 from __future__ import annotations
 
 import torch
 
-from paraspec.drafters.adaptive import (MATCH_BUCKETS, PROBE_SHARE, PROBE_START, SOURCE_STRIDE, TRIAL_REMAINING,
-                                        Acceptance, ForwardCost, best_length, bucket_label, catch_up_pays,
-                                        match_bucket)
+from paraspec.drafters.adaptive import (
+    MATCH_BUCKETS,
+    PROBE_SHARE,
+    PROBE_START,
+    SOURCE_STRIDE,
+    TRIAL_REMAINING,
+    Acceptance,
+    ForwardCost,
+    best_length,
+    bucket_label,
+    catch_up_pays,
+    match_bucket,
+)
 from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
 
 class DraftPolicy(Drafter):
-    def __init__(self, drafters: list[Drafter], cost: ForwardCost | None = None,
-                 draft_costs: dict[int, ForwardCost] | None = None, auto: bool = False):
+    def __init__(
+        self,
+        drafters: list[Drafter],
+        cost: ForwardCost | None = None,
+        draft_costs: dict[int, ForwardCost] | None = None,
+        auto: bool = False,
+    ):
         """cost: the target's forward cost by width; None drafts fixed lengths (not adaptive). draft_costs: a draft
         model's forward cost by width, by its index in `drafters` (measured at start-up; else learned from its
         forwards). auto: the rule stands aside for a sampled request with a seed (begin)."""
         if not drafters:
             raise ValueError("DraftPolicy needs at least one drafter")
         self.drafters, self.cost, self.auto = list(drafters), cost, auto
-        self._fixed = False                    # this request drafts fixed lengths (auto, a seeded sampled one)
-        self.draft_costs = {i: (draft_costs or {}).get(i) or ForwardCost()
-                            for i, d in enumerate(self.drafters) if not d.free}
+        self._fixed = False  # this request drafts fixed lengths (auto, a seeded sampled one)
+        self.draft_costs = {
+            i: (draft_costs or {}).get(i) or ForwardCost() for i, d in enumerate(self.drafters) if not d.free
+        }
         # acceptance per (drafter, bucket): a model-free drafter's by the context length each drafted token
         # continues (match_bucket), a model drafter's in bucket 0 (one for every position); kept across requests
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
-        self.decisions: list[dict] = []        # one per round: who drafted, k*, alpha (the trace's "plan")
+        self.decisions: list[dict] = []  # one per round: who drafted, k*, alpha (the trace's "plan")
         # many requests at once: () -> the rows each other request brings to the target's step (batching.py)
         self.shared = None
         self._start_round()
@@ -78,8 +95,15 @@ class DraftPolicy(Drafter):
             d.close()
 
     # -- proposing --------------------------------------------------------------------------------------------
-    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
-                pending: int = 1, remaining: int | None = None) -> Proposal:
+    def propose(
+        self,
+        sequence: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        pending: int = 1,
+        remaining: int | None = None,
+    ) -> Proposal:
         """Up to k tokens from the first drafter that drafts this round. `pending`: the committed tokens the
         target has not cached (they go into the same verification forward); `remaining`: the tokens the request
         may still add (a draft model's catch-up must pay for itself within them)."""
@@ -90,7 +114,7 @@ class DraftPolicy(Drafter):
             if not self.adaptive:
                 proposal = drafter.propose(sequence, k, params, generator)
             elif drafter.free:
-                proposal = drafter.propose(sequence, k, params, generator)      # q = None: point masses
+                proposal = drafter.propose(sequence, k, params, generator)  # q = None: point masses
                 if not proposal.tokens:
                     continue
                 chosen = self._choose(i, sequence, pending, len(proposal.tokens), remaining)
@@ -108,8 +132,17 @@ class DraftPolicy(Drafter):
                 return proposal
         return Proposal([])
 
-    def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator, pending: int = 1, remaining: int | None = None) -> TokenTree:
+    def propose_tree(
+        self,
+        sequence: list[int],
+        width: int,
+        depth: int,
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        pending: int = 1,
+        remaining: int | None = None,
+    ) -> TokenTree:
         """A tree from the first drafter that drafts this round; adaptive: its depth is k*, with a tree of
         depth k costed as min(budget, k * width) nodes."""
         self._start_round(len(sequence))
@@ -122,7 +155,7 @@ class DraftPolicy(Drafter):
                     continue
                 chosen = self._choose(i, sequence, pending, tree.depth, remaining, width, budget)
                 if chosen == 0:
-                    self._would_draft(i, 0, tree.tokens[:1])       # the first branch's first token
+                    self._would_draft(i, 0, tree.tokens[:1])  # the first branch's first token
                 tree = prune(tree, chosen)
             else:
                 chosen = self._choose(i, sequence, pending, depth, remaining, width=width, budget=budget)
@@ -136,15 +169,15 @@ class DraftPolicy(Drafter):
         return TokenTree()
 
     def _start_round(self, prefix_len: int | None = None) -> None:
-        self._prefix_len = prefix_len             # the length of the sequence this round's proposals continue
-        self._used: int | None = None             # the drafter that drafted the round
-        self._buckets: list[int] = []             # the acceptance bucket of each drafted token
+        self._prefix_len = prefix_len  # the length of the sequence this round's proposals continue
+        self._used: int | None = None  # the drafter that drafted the round
+        self._buckets: list[int] = []  # the acceptance bucket of each drafted token
         self._accepted = 0
-        self._would: tuple[int, int, int] | None = None   # (drafter, position, token): the first token of a
-                                                          # model-free proposal that the rule cut off
+        self._would: tuple[int, int, int] | None = None  # (drafter, position, token): the first token of a
+        # model-free proposal that the rule cut off
         self._probing = False
-        self._trial = False                       # the round is part of a model drafter's trial
-        self._asked: int | None = None            # the tokens a model drafter was asked for (a chain)
+        self._trial = False  # the round is part of a model drafter's trial
+        self._asked: int | None = None  # the tokens a model drafter was asked for (a chain)
 
     def _use(self, i: int, drafted: int) -> None:
         self._used, self._buckets = i, self.buckets(i, drafted)
@@ -169,7 +202,7 @@ class DraftPolicy(Drafter):
         """Drafter i's acceptance in every bucket up to `longest`, shortest first, each bucket's estimate the
         prior of the next; `lower`: what the rule drafts by (Acceptance.lower), else the estimates."""
         out, prior = {}, 0.5
-        base = longest - longest % SOURCE_STRIDE         # the buckets of the same source of evidence
+        base = longest - longest % SOURCE_STRIDE  # the buckets of the same source of evidence
         for bucket in (base + b for b in (0,) + MATCH_BUCKETS):
             if bucket > longest:
                 break
@@ -185,17 +218,34 @@ class DraftPolicy(Drafter):
         if chosen < len(tokens) and self._would is None:
             self._would = (i, chosen, tokens[chosen])
 
-    def _choose(self, i: int, sequence: list[int], pending: int, max_k: int, remaining: int | None,
-                width: int = 1, budget: int | None = None) -> int:
+    def _choose(
+        self,
+        i: int,
+        sequence: list[int],
+        pending: int,
+        max_k: int,
+        remaining: int | None,
+        width: int = 1,
+        budget: int | None = None,
+    ) -> int:
         """k* for drafter i (see adaptive.py)."""
         drafter = self.drafters[i]
-        prompt_round = pending > 1 and pending == len(sequence)     # the target has cached nothing yet
+        prompt_round = pending > 1 and pending == len(sequence)  # the target has cached nothing yet
         if prompt_round and not drafter.free:
             # the prompt round: the target's prefill runs alone, so the first token comes as soon as `ar`'s; the
             # draft model reads the prompt after it, in a catch-up priced like any other (rather than before the
             # first token, where its prompt would add to the time to first token whatever it saves later)
-            self.decisions.append({"drafter": drafter.name, "k": 0, "alpha": None, "tokens_per_s": 0.0,
-                                   "probe": False, "trial": False, "prompt": True})
+            self.decisions.append(
+                {
+                    "drafter": drafter.name,
+                    "k": 0,
+                    "alpha": None,
+                    "tokens_per_s": 0.0,
+                    "probe": False,
+                    "trial": False,
+                    "prompt": True,
+                }
+            )
             return 0
         nodes = (lambda k: k) if width == 1 else (lambda k: min(budget, k * width))
 
@@ -216,15 +266,16 @@ class DraftPolicy(Drafter):
                 steady = rate if pending == 1 else best_length(alphas, draft_s, verify(1), 1, max_k)[1]
                 if not catch_up_pays(catch_up, steady, self.cost(1), remaining):
                     k = 0
-            look = None                    # a look at the drafter: its trial (never judged), or a probe
+            look = None  # a look at the drafter: its trial (never judged), or a probe
             if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0:
                 look = "trial"
             elif k == 0:
                 state.plain_rounds += 1
                 # probe a model drafter that has not drafted lately, if its catch-up is a small share of the
                 # plain rounds since (a probe that has to feed it the whole prompt is not worth the look)
-                if state.plain_rounds >= state.probe_after and \
-                        catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(1):
+                if state.plain_rounds >= state.probe_after and catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(
+                    1
+                ):
                     look = "probe"
             # a look only where drafting could pay were every draft right: on a CPU where the draft model's step
             # costs most of the target's and verification grows with its width, no acceptance pays, and the look
@@ -236,8 +287,16 @@ class DraftPolicy(Drafter):
                     k, self._probing = 1, True
             if k > 0:
                 state.plain_rounds = 0
-        self.decisions.append({"drafter": drafter.name, "k": k, "alpha": round(alphas[0], 3) if alphas else None,
-                               "tokens_per_s": round(rate, 2), "probe": self._probing, "trial": self._trial})
+        self.decisions.append(
+            {
+                "drafter": drafter.name,
+                "k": k,
+                "alpha": round(alphas[0], 3) if alphas else None,
+                "tokens_per_s": round(rate, 2),
+                "probe": self._probing,
+                "trial": self._trial,
+            }
+        )
         return k
 
     def _could_pay(self, draft_s: float, verify_s, max_k: int, catch_up: float, remaining: int | None) -> bool:
@@ -274,7 +333,7 @@ class DraftPolicy(Drafter):
             return
         self.cost.observe(verify_width, verify_s)
         if self._used is not None:
-            judged = self._buckets[:self._accepted + 1]      # the accepted drafts and the first rejected one
+            judged = self._buckets[: self._accepted + 1]  # the accepted drafts and the first rejected one
             # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next
             # slot as a rejection would: the rule's a_j is then the chance that slot j is drafted and accepted,
             # what E(k) needs (judging only the drafts it let through would overstate the rounds it cuts short)
@@ -283,13 +342,14 @@ class DraftPolicy(Drafter):
                 judged = judged + [0]
             for bucket in dict.fromkeys(judged):
                 self.stats(self._used, bucket).observe(
-                    judged.count(bucket), self._buckets[:self._accepted].count(bucket))
+                    judged.count(bucket), self._buckets[: self._accepted].count(bucket)
+                )
             state = self.stats(self._used)
             if self._probing:
                 state.probe_after = PROBE_START if self._accepted else 2 * state.probe_after
             if self._trial:
                 state.trial_k = 2 * state.trial_k if self._accepted == len(self._buckets) and not declined else 1
-        if self._would is not None:                    # what a model-free drafter would have drafted next
+        if self._would is not None:  # what a model-free drafter would have drafted next
             i, position, token = self._would
             # judged only if the target's token at that position is committed: every draft before it accepted
             if position == (self._accepted if self._used == i else 0) and position < len(committed):
@@ -301,12 +361,16 @@ class DraftPolicy(Drafter):
         for d in self.decisions:
             counts = by_k.setdefault(d["drafter"], {})
             counts[d["k"]] = counts.get(d["k"], 0) + 1
-        return {"rule": "k* = argmax_k (1 + a1 + a1 a2 + ... + a1..ak) / (k d + c(w + k)), catch-up priced",
-                "alpha": {self._label(i, b): round(self.alpha(i, b), 3) for (i, b) in sorted(self.acceptance)},
-                "rounds_by_k": by_k,
-                "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self.cost.seconds.items())},
-                "draft_cost_ms": {self.drafters[i].name: {w: round(s * 1e3, 2) for w, s in sorted(c.seconds.items())}
-                                  for i, c in self.draft_costs.items()}}
+        return {
+            "rule": "k* = argmax_k (1 + a1 + a1 a2 + ... + a1..ak) / (k d + c(w + k)), catch-up priced",
+            "alpha": {self._label(i, b): round(self.alpha(i, b), 3) for (i, b) in sorted(self.acceptance)},
+            "rounds_by_k": by_k,
+            "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self.cost.seconds.items())},
+            "draft_cost_ms": {
+                self.drafters[i].name: {w: round(s * 1e3, 2) for w, s in sorted(c.seconds.items())}
+                for i, c in self.draft_costs.items()
+            },
+        }
 
     def _label(self, i: int, bucket: int) -> str:
         """`suffix/match5-7`, `suffix/cache/match1` (a second source's), `model` (report keys)."""

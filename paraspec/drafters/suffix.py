@@ -34,6 +34,7 @@ frequency. How long a proposal is comes from the evidence, as in SuffixDecoding:
 q: proposals are deterministic functions of the sequence and the cache, so each token's q is the point mass on
 it (q = None; a tree's siblings are distinct fixed tokens: verify_tree judges each with its own point mass).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -50,9 +51,9 @@ from paraspec.drafters.ngram import BULK, NGramIndex, gc_paused
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
-MIN_PROB = 0.1          # vLLM's default suffix_decoding_min_token_prob
-SPEC_FACTOR = 0.0       # no cap by the match length (vLLM's suffix_decoding_max_spec_factor is 1.0): see above
-COPY_KEY = 8            # tokens whose latest earlier occurrence continues a chain past the trie's depth
+MIN_PROB = 0.1  # vLLM's default suffix_decoding_min_token_prob
+SPEC_FACTOR = 0.0  # no cap by the match length (vLLM's suffix_decoding_max_spec_factor is 1.0): see above
+COPY_KEY = 8  # tokens whose latest earlier occurrence continues a chain past the trie's depth
 # the tries' depth: indexing a prompt costs O(depth) per token (a 1,100-token summarize prompt: 36 ms at 32, 20 at
 # 16, paid in the first round), and past the depth the copy takes over; replayed over 16 ar answers each, depth 16
 # drafts as well as 32 (code-edit 2.17x vs 2.19x, HumanEval 2.00x vs 1.99x: benchmarks/draft_replay.py)
@@ -78,18 +79,18 @@ class SuffixTrie:
 
     def add(self, tokens, sign: int = 1) -> None:
         """Count every substring of `tokens` (up to `depth` long) once per occurrence; sign=-1 removes them."""
-        active: list[_Node] = []          # active[d - 1]: the node of the last d tokens
+        active: list[_Node] = []  # active[d - 1]: the node of the last d tokens
         with gc_paused(len(tokens) >= BULK):
             for token in tokens:
                 active = self._step(active, int(token), sign)
 
     def _step(self, active: list[_Node], token: int, sign: int) -> list[_Node]:
         new = []
-        for parent in [self.root] + active[:self.depth - 1]:
+        for parent in [self.root] + active[: self.depth - 1]:
             child = parent.children.get(token)
             if child is None:
                 if sign < 0:
-                    break                  # never added (cannot happen for a sequence that was): nothing deeper
+                    break  # never added (cannot happen for a sequence that was): nothing deeper
                 child = parent.children[token] = _Node()
             child.count += sign
             if child.count <= 0:
@@ -102,7 +103,7 @@ class SuffixTrie:
         continuation, and its length."""
         for m in range(min(longest, len(sequence), self.depth - 1), 0, -1):
             node = self.root
-            for token in sequence[len(sequence) - m:]:
+            for token in sequence[len(sequence) - m :]:
                 node = node.children.get(token)
                 if node is None:
                     break
@@ -149,8 +150,15 @@ class SuffixDrafter(Drafter):
     # with one acceptance for both, 2.05x with one each, 2.08x without the cache; benchmarks/draft_replay.py)
     sources = ("", "cache")
 
-    def __init__(self, vocab_size: int, depth: int = DEPTH, cache_requests: int = 128, factor: float = SPEC_FACTOR,
-                 min_prob: float = MIN_PROB, memory: bool = True):
+    def __init__(
+        self,
+        vocab_size: int,
+        depth: int = DEPTH,
+        cache_requests: int = 128,
+        factor: float = SPEC_FACTOR,
+        min_prob: float = MIN_PROB,
+        memory: bool = True,
+    ):
         if cache_requests < 0:
             raise ValueError(f"suffix_cache must be >= 0 (earlier requests kept), got {cache_requests}")
         if factor < 0:
@@ -161,7 +169,7 @@ class SuffixDrafter(Drafter):
         self.factor, self.min_prob = factor, min_prob
         self.memory = PatternMemory() if memory else None
         self.request = RequestTrie(depth)
-        self.cache = SuffixTrie(depth)           # shared across requests
+        self.cache = SuffixTrie(depth)  # shared across requests
         self.cached: deque[list[int]] = deque()  # the outputs in the cache, oldest first
         self.prompt_len: int | None = None
         self.last_match = 0
@@ -177,7 +185,7 @@ class SuffixDrafter(Drafter):
         """The request ended: its output joins the cache (the oldest leaves when full)."""
         if self.prompt_len is None or self.cache_requests == 0:
             return
-        output = [int(t) for t in sequence[self.prompt_len:]]
+        output = [int(t) for t in sequence[self.prompt_len :]]
         self.prompt_len = None
         if len(output) < 2:
             return
@@ -204,8 +212,9 @@ class SuffixDrafter(Drafter):
         """The factor's cap on a proposal after a `matched`-token match (at least one token)."""
         return max(1, math.ceil(self.factor * matched)) if self.factor > 0 else sys.maxsize
 
-    def propose(self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator,
-                pending: int = 1) -> Proposal:
+    def propose(
+        self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator, pending: int = 1
+    ) -> Proposal:
         if k <= 0:
             return Proposal([])
         node, n, from_request = self._match(sequence)
@@ -222,15 +231,22 @@ class SuffixDrafter(Drafter):
             copied, _ = self.request.lookup(k - len(tokens), sequence[-COPY_KEY:] + tokens)
             tokens += itertools.takewhile(lambda t: t < self.vocab_size, copied)
         cap, extend = self.memory.consult(sequence, n, tokens) if self.memory else (None, False)
-        if not extend and n < self.depth // 2:          # a match as long as the trie sees is not capped
-            tokens = tokens[:self.max_length(n)]
+        if not extend and n < self.depth // 2:  # a match as long as the trie sees is not capped
+            tokens = tokens[: self.max_length(n)]
         if cap is not None:
             tokens = tokens[:cap]
-        return Proposal(tokens)          # q = None: point masses
+        return Proposal(tokens)  # q = None: point masses
 
-
-    def propose_tree(self, sequence: list[int], width: int, depth: int, budget: int, params: SamplingParams,
-                     generator: torch.Generator, pending: int = 1) -> TokenTree:
+    def propose_tree(
+        self,
+        sequence: list[int],
+        width: int,
+        depth: int,
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        pending: int = 1,
+    ) -> TokenTree:
         """Best first by the path's empirical probability: at most `width` children a node (its most frequent),
         `depth` levels, `budget` nodes. The children of a node come out in decreasing frequency."""
         tree = TokenTree()
@@ -257,4 +273,4 @@ class SuffixDrafter(Drafter):
             neg_p, _, token, node, parent, level = heapq.heappop(heap)
             index = tree.add(token, parent)
             push(node, index, level, -neg_p)
-        return tree     # no draft_probs: every node's children are fixed tokens (point masses)
+        return tree  # no draft_probs: every node's children are fixed tokens (point masses)

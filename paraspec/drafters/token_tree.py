@@ -4,10 +4,11 @@ and draft_tree, which grows a tree level by level from a drafter's logits.
 When sampling, how many children a node gets depends only on tokens already drawn (never on the children
 themselves), so the children of every node are i.i.d. draws from its q, as multi-step speculative sampling needs.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -18,10 +19,11 @@ from paraspec.sampling import SamplingParams, logits_to_probs
 class TokenTree:
     """Nodes in breadth-first order: a parent always comes before its children. Parent -1 is the root (the
     last committed token, whose successor distribution the draft already gave)."""
+
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)        # 1 for the root's children
-    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)   # node -> q its children came from
+    depths: list[int] = field(default_factory=list)  # 1 for the root's children
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> q its children came from
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -59,7 +61,7 @@ class DraftTreeCache:
     def __call__(self, nodes: list[int], tree: TokenTree) -> torch.Tensor:
         start, n = self.model.length, len(nodes)
         mask = torch.zeros(n, start + n, dtype=torch.bool)
-        mask[:, :self.prefix_len] = True
+        mask[:, : self.prefix_len] = True
         for row, node in enumerate(nodes):
             for ancestor in tree.ancestors(node):
                 mask[row, self.slots[ancestor]] = True
@@ -75,8 +77,16 @@ class DraftTreeCache:
         self.model.keep_path(self.prefix_len, [self.slots[node] for node in path if node in self.slots])
 
 
-def draft_tree(root_logits: torch.Tensor, expand: Callable, params: SamplingParams, generator: torch.Generator,
-               vocab_size: int, width: int, depth: int, budget: int) -> TokenTree:
+def draft_tree(
+    root_logits: torch.Tensor,
+    expand: Callable,
+    params: SamplingParams,
+    generator: torch.Generator,
+    vocab_size: int,
+    width: int,
+    depth: int,
+    budget: int,
+) -> TokenTree:
     """Grow a tree of at most `width` nodes per level from the root's draft logits.
 
     Greedy: each level keeps the `width` most probable paths among the top-`width` children of the nodes of
@@ -87,7 +97,7 @@ def draft_tree(root_logits: torch.Tensor, expand: Callable, params: SamplingPara
     logits after each of `nodes`.
     """
     tree = TokenTree()
-    frontier = [(-1, root_logits[:vocab_size], 1.0)]        # (node, draft logits after it, path probability)
+    frontier = [(-1, root_logits[:vocab_size], 1.0)]  # (node, draft logits after it, path probability)
     for level in range(1, depth + 1):
         slots = min(width, budget - len(tree))
         if slots <= 0 or not frontier:
@@ -99,8 +109,10 @@ def draft_tree(root_logits: torch.Tensor, expand: Callable, params: SamplingPara
             for rank, (node, logits, path_prob) in enumerate(frontier):
                 probs = torch.softmax(logits.float(), -1)
                 top = torch.topk(probs, min(slots, probs.shape[0]))
-                candidates += [(rank == 0 and j == 0, path_prob * p, rank, node, t)
-                               for j, (p, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()))]
+                candidates += [
+                    (rank == 0 and j == 0, path_prob * p, rank, node, t)
+                    for j, (p, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()))
+                ]
             candidates.sort(key=lambda c: (not c[0], -c[1], c[2]))
             new_nodes = [(tree.add(token, node), prob) for _, prob, _, node, token in candidates[:slots]]
         else:

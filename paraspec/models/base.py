@@ -1,11 +1,12 @@
 """The Model protocol every strategy talks to, and the EOS ids every loader uses (normalised; a checkpoint's
 generation_config.json).
 
-Implemented by the native decoder (`models/llama.py`), the Hugging Face fallback (`models/hf.py`), a remote
+Implemented by the native decoder (`models/native/decoder.py`), the Hugging Face fallback (`models/hf.py`), a remote
 worker proxy (`runtime/remote.py`) and the simulated model (`models/simulated.py`); a new backend implements
 every method below. Logits come back as float32 tensors of shape [n_tokens, vocab_size] on the CPU-side of the
 caller's device.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,9 @@ import torch
 
 @runtime_checkable
 class Model(Protocol):
-    vocab_size: int            # rows of the output layer (may exceed the tokenizer's vocabulary: padding)
+    vocab_size: int  # rows of the output layer (may exceed the tokenizer's vocabulary: padding)
     eos_token_ids: tuple[int, ...]
-    max_context: int           # positions the KV cache can hold
+    max_context: int  # positions the KV cache can hold
 
     @property
     def length(self) -> int:
@@ -28,8 +29,13 @@ class Model(Protocol):
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         """Reset the cache, run the prompt, return logits [vocab] for its last position."""
 
-    def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: list[int],
+        positions: list[int] | None = None,
+        tree_mask: torch.Tensor | None = None,
+        last_n: int | None = None,
+    ) -> torch.Tensor:
         """Append tokens to the cache and return logits [len(token_ids), vocab] for each of them
         (only for the last `last_n` when given: a long prompt's LM head is the costliest part of a prefill).
 
@@ -58,19 +64,23 @@ def keep_chain(model, prefix_len: int, slots: list[int]) -> None:
     """keep_path for backends whose cache can only be cut: a chain of slots right after the prefix is a
     rollback; anything else needs entries moved, which they cannot do."""
     if list(slots) != list(range(prefix_len, prefix_len + len(slots))):
-        raise ValueError(f"{type(model).__name__} cannot move KV entries (token trees need the native backend); "
-                         f"pass backend='native' (--backend native)")
+        raise ValueError(
+            f"{type(model).__name__} cannot move KV entries (token trees need the native backend); "
+            f"pass backend='native' (--backend native)"
+        )
     model.rollback(prefix_len + len(slots))
 
 
 class SequenceChecks:
-    """The checks a model of several sequences (llama.cpp's, models/native_seqs.py) runs before a forward of one
+    """The checks a model of several sequences (llama.cpp's, models/native/sequences.py) runs before a forward of one
     of them; it has `_lengths` (cached tokens per sequence), `max_context` and `vocab_size`."""
 
     def _check_room(self, n: int, seq: int = 0) -> None:
         if self._lengths[seq] + n > self.max_context:
-            raise ValueError(f"context full: {self._lengths[seq]} cached + {n} new tokens exceed max_context "
-                             f"{self.max_context}; create the engine with a larger max_context")
+            raise ValueError(
+                f"context full: {self._lengths[seq]} cached + {n} new tokens exceed max_context "
+                f"{self.max_context}; create the engine with a larger max_context"
+            )
 
     def _check_vocabulary(self, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -86,8 +96,10 @@ def check_batch(model, items: list[tuple[int, list[int], int]]) -> None:
         raise ValueError(f"forward_batch takes each of the {model.n_seqs} sequences at most once, got {seqs}")
     total = sum(len(tokens) for _, tokens, _ in items)
     if total > model.n_batch or any(not 0 < len(t) <= model.exact_width for _, t, _ in items):
-        raise ValueError(f"forward_batch: {total} tokens (at most n_batch={model.n_batch}), each sequence's "
-                         f"1..{model.exact_width} (exact_width)")
+        raise ValueError(
+            f"forward_batch: {total} tokens (at most n_batch={model.n_batch}), each sequence's "
+            f"1..{model.exact_width} (exact_width)"
+        )
     for seq, tokens, outputs in items:
         if not 0 < outputs <= len(tokens):
             raise ValueError(f"forward_batch: {outputs} outputs of {len(tokens)} tokens")
@@ -102,6 +114,7 @@ def check_rollback(length: int, cached: int) -> None:
 
 
 # -- a draft whose vocabulary is narrower than the target's (same tokenizer, fewer embedding rows) ---------------
+
 
 def embeddable(token_ids: list[int], rows: int) -> list[int]:
     """`token_ids` as a model with `rows` embedding rows can take them: an id past its rows (a target's padding

@@ -4,6 +4,7 @@ the `paraspec_source.json` marker, and atomic publishing (build in a hidden sibl
 A leaf: it imports nothing from paraspec, so the loader, the GGUF converter, the llama.cpp backend and
 scripts/fetch_models.py all use it without importing one another.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -39,8 +40,15 @@ def file_sha256(path: str | os.PathLike, progress: bool = False, chunk: int = 1 
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"sha256 {path.name}", leave=False)
+
+        bar = tqdm(
+            total=path.stat().st_size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"sha256 {path.name}",
+            leave=False,
+        )
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
@@ -100,7 +108,7 @@ def clean_stale_partials(out_dir: str | os.PathLike) -> None:
         return
     prefix = _partial_prefix(out_dir)
     for p in out_dir.parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
+        pid = p.name[len(prefix) :].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
 
@@ -137,8 +145,12 @@ def publish_dir(tmp: Path, out_dir: str | os.PathLike) -> Path:
 def write_marker(folder: Path, record: dict) -> None:
     """Write `paraspec_source.json` last, listing every file in the folder with its size."""
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MARKER}
-    record = {"paraspec_format": MARKER_FORMAT, **record, "files": files,
-              "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    record = {
+        "paraspec_format": MARKER_FORMAT,
+        **record,
+        "files": files,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
     (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     _fix_modes(folder)
 

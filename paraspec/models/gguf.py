@@ -21,6 +21,7 @@ The folder is written atomically (models/cache.py): everything goes into a hidde
 `out_dir`, which is renamed into place only when complete, so an interrupted conversion never leaves a folder
 that looks done.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -36,8 +37,14 @@ from typing import Any
 
 import numpy as np
 
-from paraspec.models.cache import (file_sha256, made_by_paraspec, make_partial_dir, publish_dir, read_marker,
-                                  write_marker)
+from paraspec.models.cache import (
+    file_sha256,
+    made_by_paraspec,
+    make_partial_dir,
+    publish_dir,
+    read_marker,
+    write_marker,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +56,30 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 
-_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-                "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+_DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 # tokens llama.cpp also treats as "end of generation" when the file marks them as control tokens
-_EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
-              "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>")
+_EOG_TEXTS = (
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|return|>",
+    "<|call|>",
+    "<EOT>",
+)
 
 # GGUF tensor name (within a block) -> HF parameter name (within `model.layers.N.`)
 _BLOCK_TENSORS = {
@@ -146,6 +171,7 @@ def _field_value(f: Any) -> Any:
         return f.contents()
     # gguf < 0.11 has no ReaderField.contents()
     from gguf import GGUFValueType
+
     kind = f.types[0] if f.types else None
     if kind == GGUFValueType.STRING:
         return bytes(f.parts[f.data[0]]).decode("utf-8")
@@ -168,20 +194,26 @@ def read_gguf(path: str | os.PathLike, *, with_vocab: bool = False) -> GGUFFile:
     if not path.exists():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     if path.is_dir():
-        raise GGUFConversionError(f"{path} is a folder, not a .gguf file; a folder with config.json and "
-                                  f"*.safetensors is already a Hugging Face checkpoint and needs no conversion")
+        raise GGUFConversionError(
+            f"{path} is a folder, not a .gguf file; a folder with config.json and "
+            f"*.safetensors is already a Hugging Face checkpoint and needs no conversion"
+        )
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != GGUF_MAGIC:
         raise GGUFConversionError(
             f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}). Pass a llama.cpp .gguf "
-            f"file, or a Hugging Face checkpoint folder (config.json + *.safetensors) instead")
+            f"file, or a Hugging Face checkpoint folder (config.json + *.safetensors) instead"
+        )
     try:
         from gguf import GGUFReader
+
         reader = GGUFReader(str(path), "r")
     except Exception as e:  # truncated / corrupt files fail in many ways inside the reader
-        raise GGUFConversionError(f"cannot read GGUF file {path} ({type(e).__name__}: {e}); it is probably "
-                                  f"truncated or corrupt: download it again") from None
+        raise GGUFConversionError(
+            f"cannot read GGUF file {path} ({type(e).__name__}: {e}); it is probably "
+            f"truncated or corrupt: download it again"
+        ) from None
     metadata = {}
     for key, f in reader.fields.items():
         if key in _BIG_ARRAYS and not (with_vocab and key == "tokenizer.ggml.tokens"):
@@ -204,7 +236,8 @@ def _unsupported(gf: GGUFFile, what: str) -> UnsupportedGGUFError:
     supported = ", ".join(f"{k} -> {v}" for k, v in SUPPORTED_ARCHITECTURES.items())
     return UnsupportedGGUFError(
         f"{gf.path.name}: {what}. Supported GGUF architectures: {supported}. For other models, pass a Hugging "
-        f"Face checkpoint folder (config.json + *.safetensors) or a hub id instead of a .gguf file")
+        f"Face checkpoint folder (config.json + *.safetensors) or a hub id instead of a .gguf file"
+    )
 
 
 def _family(gf: GGUFFile) -> str:
@@ -251,17 +284,24 @@ def _fit_llama3_rope(factors: np.ndarray, theta: float, head_dim: int, original_
                         smooth = (orig / wl - low) / (high - low)
                         expect.append(1 / ((1 - smooth) / factor + smooth))
                 if np.allclose(factors, expect, rtol=1e-4, atol=1e-6):
-                    return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low,
-                            "high_freq_factor": high, "original_max_position_embeddings": orig}
+                    return {
+                        "rope_type": "llama3",
+                        "factor": _f32(factor),
+                        "low_freq_factor": low,
+                        "high_freq_factor": high,
+                        "original_max_position_embeddings": orig,
+                    }
     raise UnsupportedGGUFError(
-        f"the file's rope_freqs.weight (per-frequency rope factors) does not match Llama 3 rope scaling with "
-        f"any usual parameters; pass the model's Hugging Face checkpoint folder instead")
+        "the file's rope_freqs.weight (per-frequency rope factors) does not match Llama 3 rope scaling with "
+        "any usual parameters; pass the model's Hugging Face checkpoint folder instead"
+    )
 
 
 def _rope_scaling(gf: GGUFFile, theta: float, head_dim: int, tensors: dict) -> dict | None:
     kind = gf.arch("rope.scaling.type")
     if "rope_freqs.weight" in tensors:
         from gguf import dequantize
+
         t = tensors["rope_freqs.weight"]
         factors = dequantize(t.data, t.tensor_type)
         if np.allclose(factors, 1.0):
@@ -312,8 +352,9 @@ def _kv_head_count(gf: GGUFFile, heads: int) -> int:
     return int(kv_heads)
 
 
-def _family_config_class(gf: GGUFFile, family: str, tensors: dict, hidden: int, heads: int, head_dim: int,
-                         n_layers: int) -> tuple[Any, str, dict[str, Any]]:
+def _family_config_class(
+    gf: GGUFFile, family: str, tensors: dict, hidden: int, heads: int, head_dim: int, n_layers: int
+) -> tuple[Any, str, dict[str, Any]]:
     """(config class, HF architecture name, family-only config fields): the families differ in head_dim,
     biases and sliding windows, and each HF class rejects what its family cannot express."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
@@ -321,8 +362,11 @@ def _family_config_class(gf: GGUFFile, family: str, tensors: dict, hidden: int, 
     if family == "qwen2":
         if head_dim != hidden // heads:
             raise _unsupported(gf, f"a qwen2 model with head_dim {head_dim} != hidden/heads is not supported")
-        return Qwen2Config, "Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=None,
-                                                     max_window_layers=n_layers)
+        return (
+            Qwen2Config,
+            "Qwen2ForCausalLM",
+            dict(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers),
+        )
     has = lambda suffix: any(n.endswith(suffix) for n in tensors)  # noqa: E731
     if has(".attn_q.bias") != has(".attn_output.bias"):
         raise _unsupported(gf, "llama-family attention with biases on only some projections is not supported")
@@ -338,16 +382,14 @@ def _family_config_class(gf: GGUFFile, family: str, tensors: dict, hidden: int, 
     return LlamaConfig, "LlamaForCausalLM", extra
 
 
-def _instantiate_config(cls, arch_name: str, common: dict, extra: dict, theta: float, scaling: dict | None,
-                        dtype: str):
+def _instantiate_config(cls, arch_name: str, common: dict, extra: dict, theta: float, scaling: dict | None, dtype: str):
     """Build the config in the spelling the installed transformers reads: 5.x takes `rope_parameters` and
     `dtype`, 4.x takes `rope_theta` / `rope_scaling` and `torch_dtype`."""
     rope = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
     if "rope_parameters" in inspect.signature(cls.__init__).parameters:
         return cls(architectures=[arch_name], rope_parameters=rope, **common, **extra)
     common.pop("dtype")
-    return cls(architectures=[arch_name], torch_dtype=dtype, rope_theta=theta, rope_scaling=scaling,
-               **common, **extra)
+    return cls(architectures=[arch_name], torch_dtype=dtype, rope_theta=theta, rope_scaling=scaling, **common, **extra)
 
 
 def gguf_to_hf_config(gf: GGUFFile, *, tensors: dict | None = None, dtype: str = "bfloat16"):
@@ -373,15 +415,27 @@ def gguf_to_hf_config(gf: GGUFFile, *, tensors: dict | None = None, dtype: str =
     eos = gf.get("tokenizer.ggml.eos_token_id")
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(_required(gf, "feed_forward_length")),
-        num_hidden_layers=int(_required(gf, "block_count")), num_attention_heads=heads,
-        num_key_value_heads=kv_heads, hidden_act="silu", max_position_embeddings=n_ctx, rms_norm_eps=eps,
-        tie_word_embeddings=tied, bos_token_id=bos, eos_token_id=eos, dtype=dtype, initializer_range=0.02,
-        use_cache=True, attention_dropout=0.0,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(_required(gf, "feed_forward_length")),
+        num_hidden_layers=int(_required(gf, "block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=n_ctx,
+        rms_norm_eps=eps,
+        tie_word_embeddings=tied,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        dtype=dtype,
+        initializer_range=0.02,
+        use_cache=True,
+        attention_dropout=0.0,
     )
     scaling = _rope_scaling(gf, theta, head_dim, tensors)
-    cls, arch_name, extra = _family_config_class(gf, family, tensors, hidden, heads, head_dim,
-                                                 common["num_hidden_layers"])
+    cls, arch_name, extra = _family_config_class(
+        gf, family, tensors, hidden, heads, head_dim, common["num_hidden_layers"]
+    )
     return _instantiate_config(cls, arch_name, common, extra, theta, scaling, dtype)
 
 
@@ -407,8 +461,10 @@ def _hf_name(gguf_name: str, n_layers: int) -> str | None:
     m = _BLOCK_RE.match(gguf_name)
     if m and m.group(2) in _BLOCK_TENSORS and int(m.group(1)) < n_layers:
         return f"model.layers.{int(m.group(1))}.{_BLOCK_TENSORS[m.group(2)]}"
-    raise GGUFConversionError(f"unexpected tensor {gguf_name!r} in the GGUF file; this converter does not know "
-                              f"where it goes in a Hugging Face model")
+    raise GGUFConversionError(
+        f"unexpected tensor {gguf_name!r} in the GGUF file; this converter does not know "
+        f"where it goes in a Hugging Face model"
+    )
 
 
 def _plan_tensors(gf: GGUFFile, config) -> list[tuple[Any, str]]:
@@ -428,7 +484,8 @@ def _plan_tensors(gf: GGUFFile, config) -> list[tuple[Any, str]]:
         raise GGUFConversionError(
             f"{gf.path.name}: the tensors do not match a {config.architectures[0]} with this config "
             f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-            f"{'...' if len(unexpected) > 5 else ''})")
+            f"{'...' if len(unexpected) > 5 else ''})"
+        )
     return plan
 
 
@@ -459,8 +516,9 @@ def _dequantized(t: Any, config, family: str) -> np.ndarray:
     return w
 
 
-def _write_weights(gf: GGUFFile, config, family: str, plan: list, out: Path, dtype: str,
-                   max_shard_bytes: int, progress: bool) -> list[str]:
+def _write_weights(
+    gf: GGUFFile, config, family: str, plan: list, out: Path, dtype: str, max_shard_bytes: int, progress: bool
+) -> list[str]:
     """Dequantize tensor by tensor and write `model.safetensors` (or shards + index). Returns file names."""
     import torch
     from safetensors.torch import save_file
@@ -512,12 +570,14 @@ def _write_tokenizer(gf: GGUFFile, out: Path, model_max_length: int) -> None:
     if gf.get("tokenizer.ggml.model") is None:
         raise GGUFConversionError(
             f"{gf.path.name} carries no tokenizer (no tokenizer.ggml.* metadata); convert with "
-            f"with_tokenizer=False and copy the model's tokenizer files into the folder")
+            f"with_tokenizer=False and copy the model's tokenizer files into the folder"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
     except Exception as e:
-        raise GGUFConversionError(f"transformers could not build a tokenizer from {gf.path.name} "
-                                  f"({type(e).__name__}: {e})") from e
+        raise GGUFConversionError(
+            f"transformers could not build a tokenizer from {gf.path.name} ({type(e).__name__}: {e})"
+        ) from e
     tok.model_max_length = model_max_length
     template = gf.get("tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
@@ -539,6 +599,7 @@ def _write_tokenizer(gf: GGUFFile, out: Path, model_max_length: int) -> None:
 
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
+
     out = {}
     for pkg in ("paraspec", "transformers", "gguf", "torch", "safetensors", "tokenizers"):
         try:
@@ -586,6 +647,7 @@ def _write_generation_config(gf: GGUFFile, out: Path, eos_ids: list[int]) -> Non
     # A GGUF holds no sampling defaults; leaving them out makes `generate()` greedy unless told otherwise.
     try:
         from transformers import GenerationConfig
+
         GenerationConfig(**gen).save_pretrained(str(out))
     except Exception:  # pragma: no cover - fall back to the plain file
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -599,8 +661,10 @@ def _check_destination(gguf_path: Path, out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not made_by_paraspec(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists, is not empty and was not made by convert_gguf; choose another "
-                              f"folder or pass overwrite=True to replace it")
+        raise FileExistsError(
+            f"{out_dir} exists, is not empty and was not made by convert_gguf; choose another "
+            f"folder or pass overwrite=True to replace it"
+        )
 
 
 def _token_types(gf: GGUFFile) -> list[int] | None:
@@ -616,13 +680,15 @@ def _write_configs(gf: GGUFFile, out: Path, config, eos_ids: list[int], context:
     if config is not None:
         _write_config(config, out, _config_rope_scaling(config))
     else:
-        (out / "config.json").write_text(json.dumps({"gguf_architecture": gf.architecture,
-                                                     "max_position_embeddings": context}, indent=2) + "\n")
+        (out / "config.json").write_text(
+            json.dumps({"gguf_architecture": gf.architecture, "max_position_embeddings": context}, indent=2) + "\n"
+        )
     _write_generation_config(gf, out, eos_ids)
 
 
-def _source_record(gf: GGUFFile, digest: str, held: str, config, with_tokenizer: bool,
-                   extra_record: dict | None) -> dict[str, Any]:
+def _source_record(
+    gf: GGUFFile, digest: str, held: str, config, with_tokenizer: bool, extra_record: dict | None
+) -> dict[str, Any]:
     """What paraspec_source.json records: enough to tell later whether the folder still matches a GGUF file."""
     quant: dict[str, int] = {}
     for t in gf.tensors:
@@ -645,10 +711,19 @@ def _source_record(gf: GGUFFile, digest: str, held: str, config, with_tokenizer:
     }
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = "bfloat16", *,
-                 sha256: str | None = None, overwrite: bool = False, with_tokenizer: bool = True,
-                 progress: bool = True, max_shard_size: int = 5 * 2**30,
-                 extra_record: dict | None = None, weights: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: Any = "bfloat16",
+    *,
+    sha256: str | None = None,
+    overwrite: bool = False,
+    with_tokenizer: bool = True,
+    progress: bool = True,
+    max_shard_size: int = 5 * 2**30,
+    extra_record: dict | None = None,
+    weights: bool = True,
+) -> Path:
     """Convert a GGUF file into a Hugging Face checkpoint folder at `out_dir` and return its path.
 
     dtype: bfloat16 (default) | float16 | float32 -- every tensor is dequantized to it.
@@ -666,9 +741,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     _check_destination(gguf_path, out_dir, overwrite)
 
     gf = read_gguf(gguf_path, with_vocab=True)  # fails fast on non-GGUF files
-    family = _family(gf) if weights else gf.architecture   # without weights any architecture will do
+    family = _family(gf) if weights else gf.architecture  # without weights any architecture will do
     digest = (sha256 or "").lower() or file_sha256(gguf_path, progress=progress)
-    held = dtype if weights else "gguf"     # no weights: the folder describes the file as it is
+    held = dtype if weights else "gguf"  # no weights: the folder describes the file as it is
     if not overwrite and is_converted(out_dir, sha256=digest, dtype=held):
         logger.info("%s is already a conversion of %s to %s", out_dir, gguf_path.name, dtype)
         return out_dir
@@ -694,6 +769,13 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     return out_dir
 
 
-__all__ = ["convert_gguf", "read_gguf", "gguf_to_hf_config", "is_converted", "normalize_dtype", "GGUFConversionError",
-           "UnsupportedGGUFError", "SUPPORTED_ARCHITECTURES"]
-
+__all__ = [
+    "convert_gguf",
+    "read_gguf",
+    "gguf_to_hf_config",
+    "is_converted",
+    "normalize_dtype",
+    "GGUFConversionError",
+    "UnsupportedGGUFError",
+    "SUPPORTED_ARCHITECTURES",
+]

@@ -9,7 +9,7 @@ measuring what the runtime itself costs.
     latency     every forward sleeps cost(n) seconds for n new tokens (a `sim.profile.ForwardCost`; None: no
                 sleep, which isolates the orchestration overhead)
     shape       every forward also runs a real forward of the same tokens through a random-weight native decoder
-                of that shape (models/shapes.py) on the model's device, and waits for it; its logits are
+                of that shape (models/native/shapes.py) on the model's device, and waits for it; its logits are
                 dropped. The runs then pay a real model's compute (and its static width: load_simulated takes
                 `static_width` like load_model) while acceptance stays the configured one (`make gpu-check`).
 
@@ -20,6 +20,7 @@ Simulated models run through the real Engine, runtime, workers and channels (pas
 checkpoint goes: `Engine(SimulatedSpec(...), SimulatedSpec(role="draft", ...), strategy="dsi", ...)`), so dsi,
 amusd and sd can be exercised with 8+ servers on 2 cores. They supplement real-model tests; they never replace them.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,24 +30,25 @@ import numpy as np
 import torch
 
 from paraspec.models.base import check_rollback
-from paraspec.models.shapes import check_shape
+from paraspec.models.native.shapes import check_shape
 from paraspec.sim.costs import ForwardCost
 
 
 @dataclass(frozen=True)
 class SimulatedSpec:
     """What a simulated model is; picklable, so a worker builds the model from it (see `load_simulated`)."""
-    role: str = "target"                       # "target" (predicts the truth) or "draft"
-    acceptance_rate: float = 1.0               # draft: P(its token is the truth's), per position
-    cost: ForwardCost | None = None            # seconds per forward of n new tokens; None: no sleep
+
+    role: str = "target"  # "target" (predicts the truth) or "draft"
+    acceptance_rate: float = 1.0  # draft: P(its token is the truth's), per position
+    cost: ForwardCost | None = None  # seconds per forward of n new tokens; None: no sleep
     vocab_size: int = 64
-    seed: int = 0                              # the truth sequence (share it between draft and target)
-    draft_seed: int = 1                        # where the draft agrees with the truth
+    seed: int = 0  # the truth sequence (share it between draft and target)
+    draft_seed: int = 1  # where the draft agrees with the truth
     max_context: int = 4096
     eos_token_ids: tuple[int, ...] = ()
     peak: float = 20.0
-    shape: str | None = None                   # also pay a real forward of this decoder shape (models/shapes.py)
-    compile_step: bool = False                 # that real forward's static step through torch.compile
+    shape: str | None = None  # also pay a real forward of this decoder shape (models/native/shapes.py)
+    compile_step: bool = False  # that real forward's static step through torch.compile
 
     def __post_init__(self):
         if self.shape is not None:
@@ -60,8 +62,14 @@ class SimulatedSpec:
 
 
 class SimulatedModel:
-    def __init__(self, spec: SimulatedSpec, max_context: int | None = None, device="cpu", dtype=None,
-                 static_width: int | str | None = None):
+    def __init__(
+        self,
+        spec: SimulatedSpec,
+        max_context: int | None = None,
+        device="cpu",
+        dtype=None,
+        static_width: int | str | None = None,
+    ):
         self.spec = spec
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = tuple(spec.eos_token_ids)
@@ -74,17 +82,22 @@ class SimulatedModel:
             agree = draft_rng.random(self.max_context + 1) < spec.acceptance_rate
             shift = 1 + draft_rng.integers(len(allowed) - 1, size=self.max_context + 1)
             index = np.searchsorted(allowed, truth)
-            wrong = allowed[(index + shift) % len(allowed)]    # always a different non-EOS token
+            wrong = allowed[(index + shift) % len(allowed)]  # always a different non-EOS token
             truth = np.where(agree, truth, wrong)
-        self.predicted = truth                                # predicted[i]: the token this model says at i
+        self.predicted = truth  # predicted[i]: the token this model says at i
         self._length = 0
         self.forwards = 0
-        self.real = None                                      # the NativeModel whose forwards it pays
+        self.real = None  # the NativeModel whose forwards it pays
         if spec.shape is not None:
-            from paraspec.models.llama import NativeModel
-            from paraspec.models.shapes import random_decoder
-            self.real = NativeModel(random_decoder(spec.shape, device, dtype, seed=spec.seed), self.max_context,
-                                    static_width=static_width, compile_step=spec.compile_step)
+            from paraspec.models.native.decoder import NativeModel
+            from paraspec.models.native.shapes import random_decoder
+
+            self.real = NativeModel(
+                random_decoder(spec.shape, device, dtype, seed=spec.seed),
+                self.max_context,
+                static_width=static_width,
+                compile_step=spec.compile_step,
+            )
 
     @property
     def length(self) -> int:
@@ -123,7 +136,7 @@ class SimulatedModel:
         rows = n if last_n is None else min(last_n, n)
         # the row of the input token at position p predicts position p + 1
         end = self._length + n
-        predicted = self.predicted[end - rows + 1:end + 1]
+        predicted = self.predicted[end - rows + 1 : end + 1]
         logits = torch.zeros(rows, self.vocab_size)
         logits[torch.arange(rows), torch.from_numpy(predicted)] = self.spec.peak
         self._length = end
@@ -132,15 +145,22 @@ class SimulatedModel:
 
     def _pay_real_forward(self, token_ids, last_n: int | None) -> None:
         real = self.real
-        real.rollback(self._length)           # a prefill starts over
+        real.rollback(self._length)  # a prefill starts over
         real.forward([int(t) % real.vocab_size for t in token_ids], last_n=last_n)
         if real.device.type == "cuda":
-            torch.cuda.synchronize(real.device)   # a real strategy reads the logits: the forward is paid now
+            torch.cuda.synchronize(real.device)  # a real strategy reads the logits: the forward is paid now
 
 
-def load_simulated(spec: SimulatedSpec, dtype=None, backend: str = "native", max_context: int | None = None,
-                   device: str = "cpu", static_width: int | str | None = "auto",
-                   compile_step: bool = False, draft: bool = False) -> SimulatedModel:
+def load_simulated(
+    spec: SimulatedSpec,
+    dtype=None,
+    backend: str = "native",
+    max_context: int | None = None,
+    device: str = "cpu",
+    static_width: int | str | None = "auto",
+    compile_step: bool = False,
+    draft: bool = False,
+) -> SimulatedModel:
     """load_model's signature, so the Engine and the runtime build a simulated model like a real one. `device`,
     `dtype` and `static_width` apply to the real decoder of a spec with a `shape` ("auto" dtype: bfloat16 on
     CUDA, float32 on CPU)."""

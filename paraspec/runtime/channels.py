@@ -22,11 +22,13 @@ from the drafts the channel bumps the version and drops every later draft. Reade
 The parent (a `Runtime`) creates and unlinks channels; a channel pickles as its segment name, so it can be
 handed to a worker as an argument at any time: the worker attaches once and keeps the mapping.
 """
+
 from __future__ import annotations
 
 import time
 import weakref
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,8 +53,8 @@ class StaleVersion(RuntimeError):
 
 class ChannelState(NamedTuple):
     version: int
-    committed: int       # verified tokens
-    length: int          # committed + drafted
+    committed: int  # verified tokens
+    length: int  # committed + drafted
     stopped: bool
 
 
@@ -60,16 +62,16 @@ class DraftSnapshot(NamedTuple):
     version: int
     committed: int
     length: int
-    start: int           # position of tokens[0]
-    tokens: np.ndarray   # int64 copy of positions [start, start + len(tokens))
-    stamps: np.ndarray   # int64 version each of those tokens was written under
+    start: int  # position of tokens[0]
+    tokens: np.ndarray  # int64 copy of positions [start, start + len(tokens))
+    stamps: np.ndarray  # int64 version each of those tokens was written under
 
 
 class CommitResult(NamedTuple):
     version: int
     committed: int
     length: int
-    rollback_at: int | None   # first position whose draft was replaced (None: every overlapping draft matched)
+    rollback_at: int | None  # first position whose draft was replaced (None: every overlapping draft matched)
 
 
 # header slots (int64); slot 0's low 32 bits are the futex sequence word
@@ -79,8 +81,8 @@ _REASON_BYTES = 256
 _DATA_OFFSET = _HEADER_BYTES + _REASON_BYTES
 _KIND_STOP, _KIND_CHANNEL = 1, 2
 
-_live: "weakref.WeakValueDictionary[str, _SharedBlock]" = weakref.WeakValueDictionary()
-_attached: dict[str, "_SharedBlock"] = {}   # this process's attachments (not owned), kept for reuse
+_live: weakref.WeakValueDictionary[str, _SharedBlock] = weakref.WeakValueDictionary()
+_attached: dict[str, _SharedBlock] = {}  # this process's attachments (not owned), kept for reuse
 
 
 def _attach(cls, name: str):
@@ -92,7 +94,7 @@ def _attach(cls, name: str):
 
 
 def _as_array(x, dtype) -> np.ndarray:
-    if hasattr(x, "detach"):   # torch tensor, without importing torch here
+    if hasattr(x, "detach"):  # torch tensor, without importing torch here
         x = x.detach().cpu().numpy()
     return np.asarray(x, dtype=dtype)
 
@@ -166,7 +168,7 @@ class _SharedBlock:
         # Lock-free on purpose: stopping runs on failure and shutdown paths and must never block. The flag is
         # written before the sequence word, so a waiter either sees it under the lock or is woken after.
         data = reason.encode("utf-8")[:_REASON_BYTES]
-        self._reason[:len(data)] = np.frombuffer(data, np.uint8)
+        self._reason[: len(data)] = np.frombuffer(data, np.uint8)
         self._header[_REASON_LEN] = len(data)
         self._header[_STOPPED] = 1
         self._bump()
@@ -183,7 +185,7 @@ class _SharedBlock:
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment (after waking every waiter with a stop). Repeatable."""
         if self._segment.fd < 0:
-            self._segment.close()    # finishes the unlink of a close that was interrupted
+            self._segment.close()  # finishes the unlink of a close that was interrupted
             return
         if self._segment.owner and not self.stopped:
             self._stop("channel closed")
@@ -231,8 +233,7 @@ class TokenChannel(_SharedBlock):
 
     _kind = _KIND_CHANNEL
 
-    def __init__(self, capacity: int, *, vocab_size: int | None = None, q_window: int = 64,
-                 tag: str = "tokens"):
+    def __init__(self, capacity: int, *, vocab_size: int | None = None, q_window: int = 64, tag: str = "tokens"):
         if capacity <= 0:
             raise ValueError(f"channel capacity must be positive, got {capacity}")
         if vocab_size is not None and (vocab_size <= 0 or q_window <= 0):
@@ -287,7 +288,7 @@ class TokenChannel(_SharedBlock):
 
     @property
     def version(self) -> int:
-        return int(self._header[_VERSION])     # one aligned int64: a consistent read without the lock
+        return int(self._header[_VERSION])  # one aligned int64: a consistent read without the lock
 
     @property
     def committed(self) -> int:
@@ -301,8 +302,9 @@ class TokenChannel(_SharedBlock):
         version, committed, length, _ = self._state()
         start = committed if start is None else start
         end = length if end is None else max(start, min(end, length))
-        return DraftSnapshot(version, committed, length, start,
-                             self._tokens[start:end].copy(), self._stamps[start:end].copy())
+        return DraftSnapshot(
+            version, committed, length, start, self._tokens[start:end].copy(), self._stamps[start:end].copy()
+        )
 
     def snapshot(self, start: int | None = None, end: int | None = None) -> DraftSnapshot:
         """Tokens of positions [start, end) (default: the drafts, [committed, length)) with their stamps."""
@@ -335,12 +337,17 @@ class TokenChannel(_SharedBlock):
                 raise StaleVersion(f"q requested for version {version}, channel is at version {current}")
             positions = np.arange(start, end)
             slots = positions % self.q_window
-            ok = (end <= length) & np.all(self._q_pos[slots] == positions) & \
-                np.all(self._q_ver[slots] == self._stamps[start:end])
+            ok = (
+                (end <= length)
+                & np.all(self._q_pos[slots] == positions)
+                & np.all(self._q_ver[slots] == self._stamps[start:end])
+            )
             if not ok:
-                raise KeyError(f"no q stored for positions [{start}, {end}) (length {length}, q_window "
-                               f"{self.q_window}): not drafted with q, or overwritten")
-            return self._q[slots]     # fancy indexing copies
+                raise KeyError(
+                    f"no q stored for positions [{start}, {end}) (length {length}, q_window "
+                    f"{self.q_window}): not drafted with q, or overwritten"
+                )
+            return self._q[slots]  # fancy indexing copies
 
     # -- writes -----------------------------------------------------------------------------------------------
     def _check_running(self) -> None:
@@ -394,19 +401,21 @@ class TokenChannel(_SharedBlock):
             if end > self.capacity:
                 raise ChannelFull(f"draft up to position {end} exceeds the channel capacity {self.capacity}")
             overlap = min(end, length)
-            if overlap > position and np.any(self._tokens[position:overlap] != tokens[:overlap - position]):
+            if overlap > position and np.any(self._tokens[position:overlap] != tokens[: overlap - position]):
                 return False
             new = max(position, length)
             if end <= new:
                 return True
             if q is not None and end > committed + self.q_window:
-                raise ChannelFull(f"draft up to position {end} runs more than q_window={self.q_window} ahead "
-                                  f"of the {committed} committed tokens; wait_for_room({end}) first")
-            self._tokens[new:end] = tokens[new - position:]
+                raise ChannelFull(
+                    f"draft up to position {end} runs more than q_window={self.q_window} ahead "
+                    f"of the {committed} committed tokens; wait_for_room({end}) first"
+                )
+            self._tokens[new:end] = tokens[new - position :]
             self._stamps[new:end] = current
             if q is not None:
                 slots = np.arange(new, end) % self.q_window
-                self._q[slots] = q[new - position:]
+                self._q[slots] = q[new - position :]
                 self._q_pos[slots] = np.arange(new, end)
                 self._q_ver[slots] = current
             h[_LENGTH] = end
@@ -414,23 +423,26 @@ class TokenChannel(_SharedBlock):
         self._wake()
         return True
 
-    def wait_below_ahead(self, max_ahead: int, start: int, version: int | None,
-                         timeout: float | None = None) -> DraftSnapshot | None:
+    def wait_below_ahead(
+        self, max_ahead: int, start: int, version: int | None, timeout: float | None = None
+    ) -> DraftSnapshot | None:
         """A drafter `max_ahead` drafts ahead of the verifier: wait until it falls behind that (or the version
         moves), then `read_since(start, version)`; None on timeout. On the network transport the wait runs where
         the channel is, so the drafter hears of it in one message and has its next read with it."""
         state = self.wait_until(lambda s: s.version != version or s.length - s.committed < max_ahead, timeout)
         return None if state is None else self.read_since(start, version)
 
-    def publish_and_read(self, position: int, tokens: Sequence[int], q=None, *,
-                         version: int) -> tuple[bool, DraftSnapshot]:
+    def publish_and_read(
+        self, position: int, tokens: Sequence[int], q=None, *, version: int
+    ) -> tuple[bool, DraftSnapshot]:
         """`publish_draft`, then `read_since(position, version)`: what the drafter needs for its next step, in
         the same round trip as the publish on the network transport."""
         published = self.publish_draft(position, tokens, q, version=version)
         return published, self.read_since(position, version)
 
-    def commit(self, tokens: Sequence[int], *, start: int | None = None,
-               version: int | None = None) -> CommitResult | None:
+    def commit(
+        self, tokens: Sequence[int], *, start: int | None = None, version: int | None = None
+    ) -> CommitResult | None:
         """Record verified tokens at positions [committed, committed + len(tokens)).
 
         Where they differ from the drafts there, the version is bumped and every draft from the first
@@ -445,13 +457,15 @@ class TokenChannel(_SharedBlock):
             if version is not None and version != current:
                 return None
             if start is not None and start != committed:
-                raise ValueError(f"commit at position {start} but {committed} tokens are committed: "
-                                 f"commits must extend the committed prefix in order")
+                raise ValueError(
+                    f"commit at position {start} but {committed} tokens are committed: "
+                    f"commits must extend the committed prefix in order"
+                )
             end = committed + len(tokens)
             if end > self.capacity:
                 raise ChannelFull(f"commit up to position {end} exceeds the channel capacity {self.capacity}")
             overlap = min(end, length)
-            differ = np.nonzero(self._tokens[committed:overlap] != tokens[:overlap - committed])[0]
+            differ = np.nonzero(self._tokens[committed:overlap] != tokens[: overlap - committed])[0]
             rollback_at = committed + int(differ[0]) if differ.size else None
             self._tokens[committed:end] = tokens
             if rollback_at is not None:
@@ -484,31 +498,45 @@ class TokenChannel(_SharedBlock):
         self._stop(reason)
 
     # -- waits: block in the kernel; return None on timeout; raise ChannelStopped once stopped ---------------
-    def wait_until(self, predicate: Callable[[ChannelState], bool],
-                   timeout: float | None = None) -> ChannelState | None:
+    def wait_until(
+        self, predicate: Callable[[ChannelState], bool], timeout: float | None = None
+    ) -> ChannelState | None:
         """Block until predicate(state) holds (checked under the lock at every change); return that state."""
+
         def check():
             state = self._state()
             return state if predicate(state) else None
+
         return self._wait(check, timeout)
 
-    def wait_for_draft(self, min_length: int, *, version: int | None = None, start: int | None = None,
-                       max_length: int | None = None, timeout: float | None = None) -> DraftSnapshot | None:
+    def wait_for_draft(
+        self,
+        min_length: int,
+        *,
+        version: int | None = None,
+        start: int | None = None,
+        max_length: int | None = None,
+        timeout: float | None = None,
+    ) -> DraftSnapshot | None:
         """Block until the channel holds `min_length` tokens (committed + drafted), or, with `version`,
         until the version moves past it; return a snapshot of [start (default committed), max_length).
         Check `snapshot.version`: when it differs from `version`, the drafts you were waiting for are gone."""
+
         def check():
             h = self._header
             if h[_LENGTH] >= min_length or (version is not None and h[_VERSION] != version):
                 return self._snapshot(start, max_length)
             return None
+
         return self._wait(check, timeout)
 
     def wait_for_version_change(self, version: int, timeout: float | None = None) -> int | None:
         """Block until the version differs from `version`; return the new version."""
+
         def check():
             current = int(self._header[_VERSION])
             return current if current != version else None
+
         return self._wait(check, timeout)
 
     def wait_for_commit(self, min_committed: int, timeout: float | None = None) -> ChannelState | None:
@@ -521,8 +549,10 @@ class TokenChannel(_SharedBlock):
         the q window (end <= committed + q_window); or until the version moves past `version` (then the
         drafter must resync instead of publishing)."""
         capacity, window = self.capacity, self.q_window
-        return self.wait_until(lambda s: s.version != version or
-                               end <= (min(capacity, s.committed + window) if window else capacity), timeout)
+        return self.wait_until(
+            lambda s: s.version != version or end <= (min(capacity, s.committed + window) if window else capacity),
+            timeout,
+        )
 
     # -- for a remote proxy (net_channel.py), whose predicates run on its own side ------------------------------
     def geometry(self) -> tuple[int, int | None, int]:

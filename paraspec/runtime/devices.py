@@ -6,6 +6,7 @@ On a CPU-only machine each core set is one "device"; on a GPU node each GPU is. 
 boundary (Engine arguments, CLI flags), before any process starts, so a typo never costs a model load. A device
 on another node is checked against that node when its worker starts there (its cores, its GPUs).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,10 +20,10 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class Device:
-    kind: str                       # "cpu" or "cuda"
-    cores: tuple[int, ...] = ()     # cpu: the pinned core set (empty = all cores, unpinned)
-    index: int = 0                  # cuda: the GPU index
-    node: str | None = None         # a Ray node (runtime="ray"); None: wherever the runtime puts the worker
+    kind: str  # "cpu" or "cuda"
+    cores: tuple[int, ...] = ()  # cpu: the pinned core set (empty = all cores, unpinned)
+    index: int = 0  # cuda: the GPU index
+    node: str | None = None  # a Ray node (runtime="ray"); None: wherever the runtime puts the worker
 
     @property
     def torch_device(self) -> str:
@@ -97,8 +98,10 @@ def _parse_local(s: str, given: str, node: str | None) -> Device:
             return Device("cuda", index=int(s[5:]) if ":" in s else 0, node=node)
         except ValueError:
             raise DeviceError(f"bad device {given!r}: expected cuda:N") from None
-    raise DeviceError(f"unknown device {given!r}: expected cpu, cpu:N, cpu:A-B, cpu:A,B or cuda:N (each may be "
-                      f"NODE/... on a Ray node)")
+    raise DeviceError(
+        f"unknown device {given!r}: expected cpu, cpu:N, cpu:A-B, cpu:A,B or cuda:N (each may be "
+        f"NODE/... on a Ray node)"
+    )
 
 
 def check_available(device: Device, where: str) -> None:
@@ -108,14 +111,18 @@ def check_available(device: Device, where: str) -> None:
         have = available_cores()
         missing = [c for c in device.cores if c not in have]
         if missing:
-            raise DeviceError(f"device {str(device)!r} names core(s) {missing} but {where} has cores "
-                              f"{have[0]}-{have[-1]}; use e.g. cpu:{have[0]} or cpu")
+            raise DeviceError(
+                f"device {str(device)!r} names core(s) {missing} but {where} has cores "
+                f"{have[0]}-{have[-1]}; use e.g. cpu:{have[0]} or cpu"
+            )
     else:
         import torch
+
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.index >= n:
-            raise DeviceError(f"device {str(device)!r} is not available: {where} has {n} CUDA device(s); "
-                              f"use cpu or cpu:N")
+            raise DeviceError(
+                f"device {str(device)!r} is not available: {where} has {n} CUDA device(s); use cpu or cpu:N"
+            )
 
 
 def parse_devices(texts) -> list[Device]:
@@ -130,6 +137,7 @@ def parse_devices(texts) -> list[Device]:
 def current_pinning() -> tuple[set[int] | None, int]:
     """This process's core affinity (None where the OS has none) and torch's intra-op thread count."""
     import torch
+
     return (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None), torch.get_num_threads()
 
 
@@ -137,6 +145,7 @@ def set_pinning(cores, threads: int) -> None:
     """Pin this process to `cores` (None: leave the affinity alone) with `threads` torch threads; the one
     place that sets both, so restoring is the same call with what current_pinning() returned."""
     import torch
+
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
@@ -148,6 +157,7 @@ def apply_device(device: Device) -> None:
         set_pinning(device.cores, device.num_threads)
     else:
         import torch
+
         torch.cuda.set_device(device.index)
 
 
@@ -162,9 +172,11 @@ def sync(device) -> None:
     if isinstance(device, Device):
         if device.kind == "cuda":
             import torch
+
             torch.cuda.synchronize(device.index)
     elif device is not None and device.type == "cuda":
         import torch
+
         torch.cuda.synchronize(device)
 
 

@@ -1,11 +1,12 @@
 """What a worker failure looks like to the caller: one exception hierarchy, and its trip over the wire.
 
-    WorkerError     base of every failure that comes from a worker
-    ├── RemoteError the worker raised (its traceback, and the exception itself when it unpickles here)
-    ├── WorkerDied  the worker's process exited while a request was outstanding
-    │   └── WorkerTimeout  it sent no sign of life for `worker_timeout` seconds (stopped or stuck): killed
-    └── WorkerClosed the worker (or its runtime) was closed
+WorkerError     base of every failure that comes from a worker
+├── RemoteError the worker raised (its traceback, and the exception itself when it unpickles here)
+├── WorkerDied  the worker's process exited while a request was outstanding
+│   └── WorkerTimeout  it sent no sign of life for `worker_timeout` seconds (stopped or stuck): killed
+└── WorkerClosed the worker (or its runtime) was closed
 """
+
 from __future__ import annotations
 
 import pickle
@@ -25,8 +26,10 @@ class RemoteError(WorkerError):
     traceback, `original` the exception itself when it could be unpickled here (else None)."""
 
     def __init__(self, worker: str, exc_type: str, message: str, remote_traceback: str, original=None):
-        super().__init__(f"{exc_type} in worker {worker!r}: {message}\n\n"
-                         f"--- traceback in worker {worker!r} ---\n{remote_traceback}", worker)
+        super().__init__(
+            f"{exc_type} in worker {worker!r}: {message}\n\n--- traceback in worker {worker!r} ---\n{remote_traceback}",
+            worker,
+        )
         self.exc_type, self.remote_message, self.remote_traceback = exc_type, message, remote_traceback
         self.original = original
 

@@ -3,6 +3,7 @@
 easyspec's draft ranks exchange attention outputs with it; it beat gloo on one host
 (benchmarks/easyspec_exchange.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -33,13 +34,13 @@ class ShmExchange:
         self.step = int(self.steps[rank][0])
 
     @classmethod
-    def create(cls, world: int, max_bytes: int, tag: str = "exchange") -> "ShmExchange":
+    def create(cls, world: int, max_bytes: int, tag: str = "exchange") -> ShmExchange:
         segment = Segment.create(tag, world * (cls.HEADER + 2 * max_bytes))
         np.ndarray((segment.size,), np.uint8, buffer=segment.buf)[:] = 0
         return cls(segment, 0, world, max_bytes)
 
     @classmethod
-    def attach(cls, name: str, rank: int, world: int, max_bytes: int, alive=None) -> "ShmExchange":
+    def attach(cls, name: str, rank: int, world: int, max_bytes: int, alive=None) -> ShmExchange:
         return cls(Segment.attach(name), rank, world, max_bytes, alive)
 
     def _payload(self, rank: int, step: int, nbytes: int) -> np.ndarray:

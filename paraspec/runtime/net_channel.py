@@ -20,6 +20,7 @@ next change until the predicate holds. The Runtime's stop signal is served the s
 A worker whose connection breaks (the caller is gone) sees ChannelStopped, as a local worker would see its
 channel stopped.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -27,11 +28,11 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from paraspec.runtime.channels import ChannelState, ChannelStopped, StopSignal, TokenChannel
 
-STOP = "__stop__"        # the name the Runtime's stop signal is served under
+STOP = "__stop__"  # the name the Runtime's stop signal is served under
 _LENGTH = struct.Struct("<Q")
 
 
@@ -52,7 +53,7 @@ class _Link:
         head = self._reader.read(_LENGTH.size)
         if len(head) < _LENGTH.size:
             raise EOFError("the other end of the channel connection closed")
-        n, = _LENGTH.unpack(head)
+        (n,) = _LENGTH.unpack(head)
         data = self._reader.read(n)
         if len(data) < n:
             raise EOFError("the other end of the channel connection closed")
@@ -67,10 +68,32 @@ class _Link:
 
 
 # what a remote end may call: every public TokenChannel / StopSignal operation, nothing else
-_CHANNEL_CALLS = {"state", "snapshot", "read_since", "tokens", "read_q", "reset", "publish_draft", "publish_and_read",
-                  "wait_below_ahead", "commit", "discard_drafts", "stop", "wait_for_draft", "wait_for_version_change",
-                  "wait_for_commit", "wait_for_room", "seq_state", "wait_for_change", "geometry", "stopped", "reason",
-                  "version", "committed", "length"}
+_CHANNEL_CALLS = {
+    "state",
+    "snapshot",
+    "read_since",
+    "tokens",
+    "read_q",
+    "reset",
+    "publish_draft",
+    "publish_and_read",
+    "wait_below_ahead",
+    "commit",
+    "discard_drafts",
+    "stop",
+    "wait_for_draft",
+    "wait_for_version_change",
+    "wait_for_commit",
+    "wait_for_room",
+    "seq_state",
+    "wait_for_change",
+    "geometry",
+    "stopped",
+    "reason",
+    "version",
+    "committed",
+    "length",
+}
 _STOP_CALLS = {"set", "clear", "is_set", "wait", "stopped", "reason"}
 
 
@@ -118,7 +141,7 @@ class ChannelServer:
                         raise AttributeError(f"{method!r} cannot be called on a remote channel")
                     attr = getattr(target, method)
                     reply = ("ok", attr(*args, **kwargs) if callable(attr) else attr)
-                except BaseException as exc:      # sent back and raised in the worker, as a local call would
+                except BaseException as exc:  # sent back and raised in the worker, as a local call would
                     reply = ("error", exc)
                 _delay(latency_s)
                 link.send(reply)
@@ -147,11 +170,11 @@ class ChannelServer:
 
 # the proxies this process unpickled, by (class, address, name, latency): a worker that runs a loop per request
 # keeps one connection per channel and thread instead of opening new ones each time
-_proxies: dict[tuple, "_Proxy"] = {}
+_proxies: dict[tuple, _Proxy] = {}
 _proxies_lock = threading.Lock()
 
 
-def _proxy(cls, address, name: str, latency_s: float) -> "_Proxy":
+def _proxy(cls, address, name: str, latency_s: float) -> _Proxy:
     key = (cls, tuple(address), name, latency_s)
     with _proxies_lock:
         proxy = _proxies.get(key)
@@ -170,7 +193,7 @@ class _Proxy:
     hold up another's publish), opened on first use; pickles as its address and name, like a shared-memory
     channel pickles as its segment name."""
 
-    calls: frozenset[str] = frozenset()    # the methods the server answers for this kind of proxy
+    calls: frozenset[str] = frozenset()  # the methods the server answers for this kind of proxy
 
     def __init__(self, address: tuple[str, int], name: str, latency_s: float = 0.0):
         self.address, self.name, self.latency_s = tuple(address), name, float(latency_s)
@@ -219,8 +242,10 @@ class _Proxy:
             self._local.link = None
             if link is not None:
                 link.close()
-            raise ChannelStopped(f"the connection to the caller's channel {self.name!r} was lost "
-                                 f"({type(exc).__name__}): the caller stopped or is gone") from None
+            raise ChannelStopped(
+                f"the connection to the caller's channel {self.name!r} was lost "
+                f"({type(exc).__name__}): the caller stopped or is gone"
+            ) from None
         if status != "ok":
             raise result
         return result
@@ -251,8 +276,9 @@ class RemoteChannel(_Proxy):
     committed = property(lambda self: self._call("committed"))
     length = property(lambda self: self._call("length"))
 
-    def wait_until(self, predicate: Callable[[ChannelState], bool],
-                   timeout: float | None = None) -> ChannelState | None:
+    def wait_until(
+        self, predicate: Callable[[ChannelState], bool], timeout: float | None = None
+    ) -> ChannelState | None:
         """Block until predicate(state) holds, checked here at every change of the channel; return that state.
         Like the local wait: a stopped channel whose state still satisfies the predicate returns it."""
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -24,6 +24,7 @@ the cluster's nodes. A device without a node goes wherever Ray schedules it (num
 when it can). A `cuda:N` worker asks Ray for one GPU (so Ray places it on a node with a free one), and keeps
 seeing the node's GPUs by their own indices: `cuda:N` is GPU N there, not the one Ray would have picked.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,13 +41,13 @@ from paraspec.runtime.workers import Worker, remaining
 
 try:
     import ray
-except ImportError:     # the Ray runtime is optional: `pip install paraspec[ray]`
+except ImportError:  # the Ray runtime is optional: `pip install paraspec[ray]`
     ray = None
 
 
 _RAY = threading.Lock()
-_ray_users = 0                 # RayWorkers started and not yet stopped
-_ray_ours = False              # whether paraspec called ray.init (then the last worker's stop calls ray.shutdown)
+_ray_users = 0  # RayWorkers started and not yet stopped
+_ray_ours = False  # whether paraspec called ray.init (then the last worker's stop calls ray.shutdown)
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -60,9 +61,11 @@ def ensure_ray(address: str | None = None) -> None:
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise WorkerError(f"cannot join the Ray cluster at {address!r}: {exc}; start it with `ray start --head` "
-                          f"(and `ray start --address=HEAD:6379` on the other nodes) or pass the right "
-                          f"--ray-address") from None
+        raise WorkerError(
+            f"cannot join the Ray cluster at {address!r}: {exc}; start it with `ray start --head` "
+            f"(and `ray start --address=HEAD:6379` on the other nodes) or pass the right "
+            f"--ray-address"
+        ) from None
     _ray_ours = True
 
 
@@ -101,11 +104,15 @@ def describe_nodes() -> str:
     for n in ray.nodes():
         if not n.get("Alive"):
             continue
-        custom = sorted(k for k in n.get("Resources", {}) if not k.startswith(("node:", "CPU", "GPU", "memory",
-                                                                                "object_store_memory")))
+        custom = sorted(
+            k
+            for k in n.get("Resources", {})
+            if not k.startswith(("node:", "CPU", "GPU", "memory", "object_store_memory"))
+        )
         head = " (head)" if "node:__internal_head__" in n.get("Resources", {}) else ""
-        rows.append(f"{n['NodeID'][:8]} name={n.get('NodeName', '?')}{head}"
-                    f"{' resources=' + ','.join(custom) if custom else ''}")
+        rows.append(
+            f"{n['NodeID'][:8]} name={n.get('NodeName', '?')}{head}{' resources=' + ','.join(custom) if custom else ''}"
+        )
     return "; ".join(rows) or "none alive"
 
 
@@ -115,13 +122,20 @@ def resolve_node(name: str) -> str:
     if name == "head":
         found = [n for n in alive if "node:__internal_head__" in n.get("Resources", {})]
     else:
-        found = [n for n in alive if n.get("NodeName") == name or name in n.get("Resources", {})
-                 or (len(name) >= 6 and n["NodeID"].startswith(name))]
+        found = [
+            n
+            for n in alive
+            if n.get("NodeName") == name
+            or name in n.get("Resources", {})
+            or (len(name) >= 6 and n["NodeID"].startswith(name))
+        ]
     if len(found) == 1:
         return found[0]["NodeID"]
     what = "no alive Ray node" if not found else f"{len(found)} Ray nodes"
-    raise DeviceError(f"{what} matches {name!r} (a node name, a node id prefix of 6+ digits, a custom resource only "
-                      f"one node has, or head); the cluster has: {describe_nodes()}")
+    raise DeviceError(
+        f"{what} matches {name!r} (a node name, a node id prefix of 6+ digits, a custom resource only "
+        f"one node has, or head); the cluster has: {describe_nodes()}"
+    )
 
 
 def actor_options(device: Device, node_id: str | None = None) -> dict:
@@ -134,6 +148,7 @@ def actor_options(device: Device, node_id: str | None = None) -> dict:
         options.update(num_gpus=1, runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}})
     if node_id is not None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     return options
 
@@ -142,9 +157,11 @@ class _WorkerActor:
     def whereabouts(self) -> tuple[int, tuple[str, str], str]:
         return os.getpid(), host_identity(), ray.get_runtime_context().get_node_id()
 
-    def serve(self, address: tuple[str, int], name: str, device: str, spec: bytes,
-              heartbeat_s: float | None = None) -> None:
+    def serve(
+        self, address: tuple[str, int], name: str, device: str, spec: bytes, heartbeat_s: float | None = None
+    ) -> None:
         from paraspec.runtime.devices import parse_device
+
         sock = socket.create_connection(address)
         serve(sock, name, parse_device(device), spec, in_process=False, heartbeat_s=heartbeat_s)
 
@@ -172,7 +189,7 @@ class RayWorker(Worker):
             release_ray()
 
     def _start_actor(self) -> None:
-        self._their_sock.close()            # the actor connects over TCP instead of inheriting a socket
+        self._their_sock.close()  # the actor connects over TCP instead of inheriting a socket
         self._pidfd = None
         self._node_id = resolve_node(self.device.node) if self.device.node else None
         self._actor = ray.remote(_WorkerActor).options(**actor_options(self.device, self._node_id)).remote()
@@ -181,15 +198,18 @@ class RayWorker(Worker):
             self._pid, host, self._node_id = ray.get(self._actor.whereabouts.remote(), timeout=self.connect_timeout)
             self._same_host = host == host_identity()
             listener = socket.create_server((self.caller_address(), 0))
-            self._serving = self._actor.serve.remote(listener.getsockname(), self.name, str(self.device),
-                                                     self._spec, self.heartbeat_s)
+            self._serving = self._actor.serve.remote(
+                listener.getsockname(), self.name, str(self.device), self._spec, self.heartbeat_s
+            )
             listener.settimeout(self.connect_timeout)
             conn, _ = listener.accept()
         except BaseException as exc:
             ray.kill(self._actor)
             if isinstance(exc, ray.exceptions.GetTimeoutError):
-                raise WorkerError(f"worker {self.name!r}: no Ray actor started on {self.device.node or 'the cluster'} "
-                                  f"within {self.connect_timeout:.0f} s (does the node have the resources?)") from None
+                raise WorkerError(
+                    f"worker {self.name!r}: no Ray actor started on {self.device.node or 'the cluster'} "
+                    f"within {self.connect_timeout:.0f} s (does the node have the resources?)"
+                ) from None
             raise
         finally:
             if listener is not None:
@@ -198,7 +218,7 @@ class RayWorker(Worker):
         self._wire.close()
         self._wire = Wire(conn)
         if self._same_host:
-            try:                            # the actor's process as a sentinel, like a child process's
+            try:  # the actor's process as a sentinel, like a child process's
                 self._pidfd = os.pidfd_open(self._pid)
                 self._sentinel = self._pidfd
                 return
@@ -207,8 +227,9 @@ class RayWorker(Worker):
         # another host (or no pidfds): a thread waits on the actor's task; its pipe is the sentinel
         read_end, write_end = os.pipe()
         self._sentinel = self._watch_fd = read_end
-        threading.Thread(target=self._watch, args=(write_end,), name=f"paraspec-{self.name}-ray-watch",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._watch, args=(write_end,), name=f"paraspec-{self.name}-ray-watch", daemon=True
+        ).start()
 
     def _watch(self, write_end: int) -> None:
         try:
@@ -220,7 +241,7 @@ class RayWorker(Worker):
         except OSError:
             pass
         finally:
-            os.close(write_end)             # the thread's own end: closed only here, never reused under it
+            os.close(write_end)  # the thread's own end: closed only here, never reused under it
 
     @property
     def same_host(self) -> bool:
@@ -244,7 +265,7 @@ class RayWorker(Worker):
         return not done
 
     def exit_code(self) -> int | None:
-        return None                         # a Ray worker process is not our child: no exit status
+        return None  # a Ray worker process is not our child: no exit status
 
     def _kill(self) -> None:
         try:
@@ -258,7 +279,7 @@ class RayWorker(Worker):
         except Exception:
             pass
         try:
-            ray.kill(self._actor)           # ends the actor's process (Ray reaps it)
+            ray.kill(self._actor)  # ends the actor's process (Ray reaps it)
         except Exception:
             pass
         self._release_ray()

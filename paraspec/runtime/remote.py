@@ -1,5 +1,6 @@
 """RemoteModel: the Model protocol over a worker: the caller's handle on a model that lives in a worker process
 (dsi's target servers and drafters, amusd's workers between requests). Every method is one round trip."""
+
 from __future__ import annotations
 
 import torch
@@ -12,13 +13,14 @@ class RemoteModel:
         info = worker.wait_ready(timeout)
         missing = [k for k in ("vocab_size", "eos_token_ids", "max_context") if getattr(info, k) is None]
         if missing:
-            raise TypeError(f"worker {worker.name!r} serves a {info.model_type}, which lacks {missing}: "
-                            f"not a paraspec Model")
+            raise TypeError(
+                f"worker {worker.name!r} serves a {info.model_type}, which lacks {missing}: not a paraspec Model"
+            )
         self.worker = worker
         self.vocab_size: int = info.vocab_size
         self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
         self.max_context: int = info.max_context
-        self.exact: bool | None = info.exact      # llama.cpp: exact kernels (a target) or the fastest (a draft)
+        self.exact: bool | None = info.exact  # llama.cpp: exact kernels (a target) or the fastest (a draft)
 
     @property
     def length(self) -> int:
@@ -32,7 +34,7 @@ class RemoteModel:
 
     def submit_forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> Handle:
         """forward() as a Handle: the caller may work while the worker computes."""
-        extra = {} if last_n is None else {"last_n": last_n}     # a model may serve forward without last_n
+        extra = {} if last_n is None else {"last_n": last_n}  # a model may serve forward without last_n
         return self.worker.submit("forward", token_ids, positions, tree_mask, **extra)
 
     def rollback(self, length: int) -> None:

@@ -9,6 +9,7 @@
 The Runtime's monitor stops all channels as soon as a worker process dies, so loops in other workers blocked on
 them wake up with ChannelStopped.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -17,10 +18,11 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from paraspec.models.crashes import describe_death
+from paraspec.models.llamacpp.child import describe_death
 from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device
 from paraspec.runtime.errors import WorkerClosed
@@ -31,6 +33,7 @@ from paraspec.runtime.workers import Handle, Worker, expired, remaining, worker_
 @dataclass
 class _RuntimeState:
     """Everything close() needs, kept apart from the Runtime so the finalizer holds no reference to it."""
+
     stop: StopSignal
     workers: dict[str, Worker] = field(default_factory=dict)
     channels: dict[str, TokenChannel] = field(default_factory=dict)
@@ -41,8 +44,8 @@ class _RuntimeState:
     wake_r: int = -1
     wake_w: int = -1
     monitor: threading.Thread | None = None
-    worker_timeout: float | None = None      # the watchdog: seconds a worker may stay silent
-    server: Any = None                       # the ChannelServer of workers on the network transport, once needed
+    worker_timeout: float | None = None  # the watchdog: seconds a worker may stay silent
+    server: Any = None  # the ChannelServer of workers on the network transport, once needed
 
     def stop_all(self, reason: str) -> None:
         self.stop.set(reason)
@@ -114,9 +117,9 @@ def _shutdown(state: _RuntimeState, timeout: float) -> None:
     if not state.workers_stopped:
         workers = list(state.workers.values())
         deadline = time.monotonic() + timeout
-        for worker in workers:   # ask them all first, so they exit in parallel
+        for worker in workers:  # ask them all first, so they exit in parallel
             worker.request_exit(deadline)
-        state.stop_all("runtime closed")   # now wake their loops
+        state.stop_all("runtime closed")  # now wake their loops
         for worker in workers:
             worker.wait_exit(deadline)
         state.workers_stopped = True
@@ -162,9 +165,16 @@ class Runtime:
     network message by that much (tests and benchmarks only). `options` go to the kind's workers (Ray: address).
     """
 
-    def __init__(self, kind: str = "process", close_timeout: float = 3.0, worker_timeout: float | None = None,
-                 transport: str = "auto", link_latency_s: float = 0.0, **options):
-        worker_class(kind)                   # an unknown name fails here, before anything starts
+    def __init__(
+        self,
+        kind: str = "process",
+        close_timeout: float = 3.0,
+        worker_timeout: float | None = None,
+        transport: str = "auto",
+        link_latency_s: float = 0.0,
+        **options,
+    ):
+        worker_class(kind)  # an unknown name fails here, before anything starts
         check_transport(transport, link_latency_s)
         self.kind = kind
         self.transport, self.link_latency_s, self.options = transport, float(link_latency_s), options
@@ -177,23 +187,27 @@ class Runtime:
         state.monitor.start()
 
     # -- workers ----------------------------------------------------------------------------------------------
-    def add_worker(self, name: str, device: Device | str, factory: Callable[..., Any],
-                   factory_args: dict | None = None) -> Worker:
+    def add_worker(
+        self, name: str, device: Device | str, factory: Callable[..., Any], factory_args: dict | None = None
+    ) -> Worker:
         """Start a worker building factory(**factory_args) on `device`; returns at once (see wait_ready)."""
         self._check_open()
         state = self._state
         if name in state.workers:
             raise ValueError(f"a worker named {name!r} already exists in this runtime")
         heartbeat = None if state.worker_timeout is None else heartbeat_interval(state.worker_timeout)
-        worker = worker_class(self.kind)(name, device, factory, factory_args, state.stop, state.channels,
-                                            heartbeat_s=heartbeat, **self.options)
+        worker = worker_class(self.kind)(
+            name, device, factory, factory_args, state.stop, state.channels, heartbeat_s=heartbeat, **self.options
+        )
         with state.lock:
             state.workers[name] = worker
         state.poke_monitor()
         if self.transport == "tcp" or not worker.same_host:
             if self.transport == "shm":
-                raise ValueError(f"worker {name!r} runs on another host ({worker.device}), where the shared-memory "
-                                 f"channels cannot reach; use transport='auto' or 'tcp'")
+                raise ValueError(
+                    f"worker {name!r} runs on another host ({worker.device}), where the shared-memory "
+                    f"channels cannot reach; use transport='auto' or 'tcp'"
+                )
             worker.use_network(self._channel_server(worker).address, self.link_latency_s)
         return worker
 
@@ -202,6 +216,7 @@ class Runtime:
         state = self._state
         if state.server is None:
             from paraspec.runtime.net_channel import ChannelServer
+
             state.server = ChannelServer(state.channels, state.stop, host=worker.caller_address())
         return state.server
 
@@ -222,8 +237,7 @@ class Runtime:
         return {name: w.wait_ready(remaining(deadline)) for name, w in self._state.workers.items()}
 
     # -- channels and stopping ------------------------------------------------------------------------------
-    def channel(self, name: str, capacity: int, *, vocab_size: int | None = None,
-                q_window: int = 64) -> TokenChannel:
+    def channel(self, name: str, capacity: int, *, vocab_size: int | None = None, q_window: int = 64) -> TokenChannel:
         """A new TokenChannel, visible to loops as ctx.channels[name] and closed with the runtime."""
         self._check_open()
         if name in self._state.channels:
@@ -241,8 +255,9 @@ class Runtime:
         self._state.stop_all(reason)
 
     # -- waiting on several handles ----------------------------------------------------------------------------
-    def wait(self, handles: Iterable[Handle], timeout: float | None = None,
-             return_when: str = "first") -> tuple[list[Handle], list[Handle]]:
+    def wait(
+        self, handles: Iterable[Handle], timeout: float | None = None, return_when: str = "first"
+    ) -> tuple[list[Handle], list[Handle]]:
         """Block until one ("first") or every ("all") handle is done; return (done, pending)."""
         if return_when not in ("first", "all"):
             raise ValueError(f"return_when must be 'first' or 'all', not {return_when!r}")
@@ -288,7 +303,7 @@ class Runtime:
         if self.closed:
             raise WorkerClosed("this runtime is closed")
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,6 +17,7 @@ until every woken sleeper acknowledges, nobody waits for a waiter: a killed wait
 Locking: a threading.Lock (threads of one process) plus flock() on the segment's own file descriptor
 (processes). The kernel drops an flock when its holder dies, so a SIGKILLed worker never leaves the lock held.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -56,7 +57,7 @@ def reap_stale() -> list[str]:
             if entry.stat().st_uid != os.getuid():
                 continue
             os.kill(int(parts[1]), 0)
-            continue                                   # the owner is alive (or someone else's: EPERM)
+            continue  # the owner is alive (or someone else's: EPERM)
         except ProcessLookupError:
             pass
         except OSError:
@@ -86,7 +87,7 @@ class Segment:
         self._unlinked = False
 
     @classmethod
-    def create(cls, tag: str, size: int) -> "Segment":
+    def create(cls, tag: str, size: int) -> Segment:
         global _reaped
         _require_posix()
         if not _reaped:
@@ -101,20 +102,24 @@ class Segment:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                raise OSError(e.errno, f"cannot reserve {size / 2**20:.1f} MiB of shared memory for {name} "
-                              f"({e.strerror}); free space in /dev/shm (docker: --shm-size) or shrink the "
-                              f"channel (capacity, q_window)") from None
+                raise OSError(
+                    e.errno,
+                    f"cannot reserve {size / 2**20:.1f} MiB of shared memory for {name} "
+                    f"({e.strerror}); free space in /dev/shm (docker: --shm-size) or shrink the "
+                    f"channel (capacity, q_window)",
+                ) from None
             segment = cls(name, fd, size, owner=True)
         except BaseException:
             os.close(fd)
             _posixshmem.shm_unlink("/" + name)
             raise
         from multiprocessing import resource_tracker
+
         resource_tracker.register("/" + name, "shared_memory")
         return segment
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> Segment:
         _require_posix()
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         try:
@@ -134,12 +139,13 @@ class Segment:
             fd, self.fd = self.fd, -1
             os.close(fd)
         if self.owner:
-            self.unlink()    # also when a close interrupted after the unmap is repeated
+            self.unlink()  # also when a close interrupted after the unmap is repeated
 
     def unlink(self) -> None:
         if self._unlinked:
             return
         from multiprocessing import resource_tracker
+
         try:
             _posixshmem.shm_unlink("/" + self.name)
         except FileNotFoundError:
@@ -150,14 +156,27 @@ class Segment:
 
 def _require_posix() -> None:
     if _posixshmem is None:
-        raise OSError("paraspec's multi-process runtime needs POSIX shared memory (Linux or macOS); "
-                      "use the in-process runtime or a single device")
+        raise OSError(
+            "paraspec's multi-process runtime needs POSIX shared memory (Linux or macOS); "
+            "use the in-process runtime or a single device"
+        )
 
 
 # --- futex -----------------------------------------------------------------------------------------------
 
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98,
-              "ppc64le": 221, "ppc64": 221, "s390x": 238, "i386": 240, "i686": 240, "armv7l": 240}
+_SYS_FUTEX = {
+    "x86_64": 202,
+    "amd64": 202,
+    "aarch64": 98,
+    "arm64": 98,
+    "riscv64": 98,
+    "ppc64le": 221,
+    "ppc64": 221,
+    "s390x": 238,
+    "i386": 240,
+    "i686": 240,
+    "armv7l": 240,
+}
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 
@@ -171,7 +190,7 @@ def _load_futex():
     number = _SYS_FUTEX.get(platform.machine().lower())
     if number is None:
         return None
-    syscall = ctypes.CDLL(None, use_errno=True).syscall   # CDLL calls release the GIL
+    syscall = ctypes.CDLL(None, use_errno=True).syscall  # CDLL calls release the GIL
     syscall.restype = ctypes.c_long
     return number, syscall
 
@@ -195,16 +214,30 @@ def futex_wait(address: int, expected: int, timeout: float | None) -> None:
         timeout = max(0.0, timeout)
         ts = ctypes.byref(_Timespec(int(timeout), int((timeout % 1.0) * 1e9)))
     # Not FUTEX_PRIVATE: the word lives in a shared mapping and waiters are in other processes.
-    syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAIT),
-            ctypes.c_long(expected & 0xFFFFFFFF), ts, None, ctypes.c_long(0))
+    syscall(
+        ctypes.c_long(number),
+        ctypes.c_void_p(address),
+        ctypes.c_long(_FUTEX_WAIT),
+        ctypes.c_long(expected & 0xFFFFFFFF),
+        ts,
+        None,
+        ctypes.c_long(0),
+    )
 
 
 def futex_wake_all(address: int) -> None:
     if _FUTEX is None:
         return
     number, syscall = _FUTEX
-    syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAKE),
-            ctypes.c_long(2**31 - 1), None, None, ctypes.c_long(0))
+    syscall(
+        ctypes.c_long(number),
+        ctypes.c_void_p(address),
+        ctypes.c_long(_FUTEX_WAKE),
+        ctypes.c_long(2**31 - 1),
+        None,
+        None,
+        ctypes.c_long(0),
+    )
 
 
 class ProcessLock:

@@ -7,6 +7,7 @@ user-space copy per side plus the kernel's socket copy. A shared-memory result a
 copy; for [8, 151936] float32 logits the socket path costs a few ms (see tests/runtime/test_latency.py), which
 is small next to the forward pass that produced them.
 """
+
 from __future__ import annotations
 
 import io
@@ -15,15 +16,16 @@ import socket
 import struct
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-_HEADER = struct.Struct("<QQI")   # envelope bytes, body bytes, number of out-of-band buffers
+_HEADER = struct.Struct("<QQI")  # envelope bytes, body bytes, number of out-of-band buffers
 
 
 def _tensor_from_numpy(array: np.ndarray, dtype: str):
     import torch
+
     if not array.flags.writeable:
         array = array.copy()
     tensor = torch.from_numpy(array)
@@ -66,8 +68,9 @@ class Wire:
     def send(self, envelope: tuple, body=None) -> None:
         head = pickle.dumps(envelope, protocol=5)
         payload, buffers = dumps(body)
-        header = _HEADER.pack(len(head), len(payload), len(buffers)) + \
-            struct.pack(f"<{len(buffers)}Q", *(b.nbytes for b in buffers))
+        header = _HEADER.pack(len(head), len(payload), len(buffers)) + struct.pack(
+            f"<{len(buffers)}Q", *(b.nbytes for b in buffers)
+        )
         with self._send_lock:
             self.sock.sendall(header + head + payload)
             for buffer in buffers:

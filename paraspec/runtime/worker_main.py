@@ -6,6 +6,7 @@ runtime's from `process_main` in a spawned child, the in-process runtime's on a 
 actor.
 A request is a model call, a loop (`fn(model, ctx, **kwargs)` with a `LoopContext`), or the link's latency.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -26,29 +27,30 @@ from paraspec.runtime.errors import error_payload
 from paraspec.runtime.wire import Wire
 from paraspec.trace import Trace
 
-
 # --- what a worker reports and what a loop gets -----------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
     name: str
     device: str
     pid: int
-    cores: tuple[int, ...]          # the CPU affinity the worker runs with
-    num_threads: int                # torch.get_num_threads() inside the worker
+    cores: tuple[int, ...]  # the CPU affinity the worker runs with
+    num_threads: int  # torch.get_num_threads() inside the worker
     model_type: str
     vocab_size: int | None
     eos_token_ids: tuple[int, ...] | None
     max_context: int | None
-    build_s: float                  # pinning + model factory, measured inside the worker
-    startup_s: float = 0.0          # from start to ready, measured by the caller (includes spawn + imports)
-    exact: bool | None = None       # llama.cpp: the target's exact kernels, or a draft's fastest (None: no such choice)
+    build_s: float  # pinning + model factory, measured inside the worker
+    startup_s: float = 0.0  # from start to ready, measured by the caller (includes spawn + imports)
+    exact: bool | None = None  # llama.cpp: the target's exact kernels, or a draft's fastest (None: no such choice)
 
 
 @dataclass
 class LoopContext:
     """What a loop function gets besides its model: its worker's identity, the Runtime's channels (by name)
     and stop signal, and a trace (its events reach the caller's Handle)."""
+
     name: str
     device: Device
     channels: dict[str, TokenChannel]
@@ -62,8 +64,10 @@ class LoopContext:
 
 # --- the worker side ---------------------------------------------------------------------------------------
 
-def serve(sock: socket.socket, name: str, device: Device, spec: bytes, in_process: bool,
-          heartbeat_s: float | None = None) -> None:
+
+def serve(
+    sock: socket.socket, name: str, device: Device, spec: bytes, in_process: bool, heartbeat_s: float | None = None
+) -> None:
     """A worker's life: build the model, then answer requests until shutdown or the caller goes away.
     With heartbeat_s, a thread sends a heartbeat that often from the start (model loading included): the
     caller's watchdog tells a slow worker from a stopped or stuck one."""
@@ -85,18 +89,26 @@ class _Worker:
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.shutting_down = threading.Event()
         self.model = None
-        self.link_latency_s = 0.0   # a simulated link (tests, benchmarks): each request arrives, and each reply
-                                    # leaves, this much later; the caller is not held up meanwhile, as on a real link
+        self.link_latency_s = 0.0  # a simulated link (tests, benchmarks): each request arrives, and each reply
+        # leaves, this much later; the caller is not held up meanwhile, as on a real link
 
     # The threads get the wire, queue and flag, not the worker: a thread that outlives serve() (a heartbeat
     # until its next send fails) must not keep the model alive.
     def start_heartbeats(self, interval: float) -> None:
-        threading.Thread(target=_beat, args=(self.wire, interval, self.shutting_down),
-                         name=f"paraspec-{self.name}-heartbeat", daemon=True).start()
+        threading.Thread(
+            target=_beat,
+            args=(self.wire, interval, self.shutting_down),
+            name=f"paraspec-{self.name}-heartbeat",
+            daemon=True,
+        ).start()
 
     def start_reading(self) -> None:
-        threading.Thread(target=_read_requests, args=(self.wire, self.requests, self.shutting_down),
-                         name=f"paraspec-{self.name}-reader", daemon=True).start()
+        threading.Thread(
+            target=_read_requests,
+            args=(self.wire, self.requests, self.shutting_down),
+            name=f"paraspec-{self.name}-reader",
+            daemon=True,
+        ).start()
 
     def build(self, spec: bytes, in_process: bool) -> bool:
         """Build the model and tell the caller: "ready" with a WorkerInfo, or "ready_error" (and close) if the
@@ -119,7 +131,7 @@ class _Worker:
                     break
                 self._answer(envelope, load_body)
         except (BrokenPipeError, ConnectionResetError):
-            pass   # the caller is gone
+            pass  # the caller is gone
         finally:
             self.wire.close()
 
@@ -138,7 +150,7 @@ class _Worker:
             time.sleep(self.link_latency_s)
         try:
             self.wire.send((status, request_id, recorder.event_tuples(), recorder.progress), result)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:   # an unpicklable result
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an unpicklable result
             self.wire.send(("error", request_id, recorder.event_tuples(), recorder.progress), error_payload(exc))
 
     def _run(self, kind: str, body, recorder: Trace):
@@ -173,14 +185,14 @@ def _read_requests(wire: Wire, requests: queue.SimpleQueue, shutting_down: threa
     while True:
         try:
             envelope, load_body = wire.recv()
-        except Exception:   # EOF, or a stream garbled by a caller interrupted mid-send: stop serving
+        except Exception:  # EOF, or a stream garbled by a caller interrupted mid-send: stop serving
             requests.put((("eof",), None))
             return
         if envelope[0] == "shutdown":
-            shutting_down.set()   # requests still queued are dropped: nobody will read their replies
+            shutting_down.set()  # requests still queued are dropped: nobody will read their replies
             requests.put((envelope, None))
             try:
-                wire.send(("closing",))   # tells the caller it may now stop our loop without a race
+                wire.send(("closing",))  # tells the caller it may now stop our loop without a race
             except OSError:
                 pass
             return
@@ -190,29 +202,37 @@ def _read_requests(wire: Wire, requests: queue.SimpleQueue, shutting_down: threa
 def _build_model(name: str, device: Device, spec: bytes, in_process: bool):
     """Pin this worker to its device and run the model factory; returns the model and the WorkerInfo to report."""
     t_build = time.perf_counter()
-    if device.node:           # a device on a named node: its cores and GPUs are checked here, on it
+    if device.node:  # a device on a named node: its cores and GPUs are checked here, on it
         check_available(device, f"node {device.node!r}")
     if not in_process or device.kind == "cuda":
-        apply_device(device)   # CPU pinning is per process: the in-process runtime leaves it alone
+        apply_device(device)  # CPU pinning is per process: the in-process runtime leaves it alone
     factory, factory_args = pickle.loads(spec)
     try:
         model = factory(**factory_args)
     except (OSError, ValueError) as exc:
-        if device.node:       # a checkpoint missing on that node, say: name the node and the fix
-            exc.args = (f"on node {device.node!r}: {exc} (a node loads the checkpoint from the path the caller "
-                        f"resolved: put it at the same path there, e.g. `make models` on that node, or use a "
-                        f"shared filesystem)",)
+        if device.node:  # a checkpoint missing on that node, say: name the node and the fix
+            exc.args = (
+                f"on node {device.node!r}: {exc} (a node loads the checkpoint from the path the caller "
+                f"resolved: put it at the same path there, e.g. `make models` on that node, or use a "
+                f"shared filesystem)",
+            )
         raise
-    sync(device)               # build_s includes the weights' copies to a GPU, not only their launch
+    sync(device)  # build_s includes the weights' copies to a GPU, not only their launch
     import torch
+
     info = WorkerInfo(
-        name=name, device=str(device), pid=os.getpid(),
+        name=name,
+        device=str(device),
+        pid=os.getpid(),
         cores=tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (),
-        num_threads=torch.get_num_threads(), model_type=type(model).__qualname__,
+        num_threads=torch.get_num_threads(),
+        model_type=type(model).__qualname__,
         vocab_size=getattr(model, "vocab_size", None),
         eos_token_ids=(tuple(model.eos_token_ids) if hasattr(model, "eos_token_ids") else None),
-        max_context=getattr(model, "max_context", None), build_s=time.perf_counter() - t_build,
-        exact=getattr(model, "exact", None))
+        max_context=getattr(model, "max_context", None),
+        build_s=time.perf_counter() - t_build,
+        exact=getattr(model, "exact", None),
+    )
     return model, info
 
 
@@ -223,9 +243,11 @@ def process_main(sock: socket.socket, name: str, device: str, spec: bytes, heart
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     parent = multiprocessing.parent_process()
     if parent is not None:
+
         def exit_with_parent():
             multiprocessing.connection.wait([parent.sentinel])
-            os._exit(1)   # the parent died without closing us (e.g. SIGKILL): nobody will read our results
+            os._exit(1)  # the parent died without closing us (e.g. SIGKILL): nobody will read our results
+
         threading.Thread(target=exit_with_parent, name="paraspec-parent-watch", daemon=True).start()
     serve(sock, name, parse_device(device), spec, in_process=False, heartbeat_s=heartbeat_s)
     # Everything this process shared is released by now; skip the interpreter's teardown (with torch loaded

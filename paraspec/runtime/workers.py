@@ -14,6 +14,7 @@ through that socket. Faults: an exception in the worker raises RemoteError (with
 in whoever waits for that request; a dead worker raises WorkerDied in every waiter within milliseconds
 (the wait includes the process sentinel).
 """
+
 from __future__ import annotations
 
 import abc
@@ -26,15 +27,16 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
-from paraspec.models.crashes import describe_death, signal_name
+from paraspec.models.llamacpp.child import describe_death, signal_name
 from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device, DeviceError, parse_device
 from paraspec.runtime.errors import WorkerClosed, WorkerDied, WorkerError, WorkerTimeout, remote_error
-from paraspec.runtime.worker_main import WorkerInfo, process_main, serve
 from paraspec.runtime.wire import wire_pair
+from paraspec.runtime.worker_main import WorkerInfo, process_main, serve
 from paraspec.trace import Trace, TraceEvent
 
 
@@ -42,7 +44,7 @@ class Handle:
     """One outstanding request. result() blocks (or raises RemoteError / WorkerDied / TimeoutError);
     after it settles, `events` holds the worker's TraceEvents (also merged into the trace given at submit)."""
 
-    def __init__(self, worker: "Worker", request_id: int, trace: Trace | None):
+    def __init__(self, worker: Worker, request_id: int, trace: Trace | None):
         self.worker, self.request_id, self.trace = worker, request_id, trace
         self.events: list[TraceEvent] = []
         self._settled = False
@@ -79,8 +81,10 @@ class Handle:
         try:
             body = load_body()
         except Exception as exc:
-            self._error = WorkerError(f"the reply of worker {self.worker.name!r} cannot be unpickled here: "
-                                      f"{type(exc).__name__}: {exc}", self.worker.name)
+            self._error = WorkerError(
+                f"the reply of worker {self.worker.name!r} cannot be unpickled here: {type(exc).__name__}: {exc}",
+                self.worker.name,
+            )
             return
         if status == "ok":
             self._value = body
@@ -95,31 +99,45 @@ class Worker(abc.ABC):
     """The caller's end of one worker. Each kind of runtime subclasses it and provides _start(), _sentinel,
     _is_alive(), exit_code() and _stop_worker()."""
 
-    kind = ""                             # the kind of runtime it belongs to: a key of RUNTIMES
+    kind = ""  # the kind of runtime it belongs to: a key of RUNTIMES
     options_taken: tuple[str, ...] = ()
-    places_on_nodes = False               # it can run a worker on the node a device names (NODE/cpu:0)
+    places_on_nodes = False  # it can run a worker on the node a device names (NODE/cpu:0)
 
-    def __init__(self, name: str, device: Device | str, factory: Callable[..., Any], factory_args: dict | None,
-                 stop: StopSignal, channels: dict[str, TokenChannel], heartbeat_s: float | None = None,
-                 **options):
+    def __init__(
+        self,
+        name: str,
+        device: Device | str,
+        factory: Callable[..., Any],
+        factory_args: dict | None,
+        stop: StopSignal,
+        channels: dict[str, TokenChannel],
+        heartbeat_s: float | None = None,
+        **options,
+    ):
         """heartbeat_s: the worker sends a heartbeat this often (None: never), for the Runtime's watchdog.
         options: its kind's own (Ray: `address`); a kind that takes none refuses them."""
         unknown = set(options) - set(self.options_taken)
         if unknown:
-            raise TypeError(f"the {self.kind} runtime takes no option(s) {sorted(unknown)}"
-                            f"{' (it takes ' + ', '.join(self.options_taken) + ')' if self.options_taken else ''}")
+            raise TypeError(
+                f"the {self.kind} runtime takes no option(s) {sorted(unknown)}"
+                f"{' (it takes ' + ', '.join(self.options_taken) + ')' if self.options_taken else ''}"
+            )
         self.options = options
         self.name = name
         self.heartbeat_s = heartbeat_s
         self.device = parse_device(device)
         if self.device.node and not self.places_on_nodes:
-            raise DeviceError(f"device {self.device} names a node: only runtime='ray' places workers on nodes "
-                              f"(--runtime ray), the {self.kind} runtime runs them on this host")
+            raise DeviceError(
+                f"device {self.device} names a node: only runtime='ray' places workers on nodes "
+                f"(--runtime ray), the {self.kind} runtime runs them on this host"
+            )
         try:
             self._spec = pickle.dumps((factory, dict(factory_args or {})))
         except Exception as exc:
-            raise TypeError(f"worker {name!r}: the model factory and its arguments must be picklable (a "
-                            f"module-level function or class, plain arguments): {exc}") from exc
+            raise TypeError(
+                f"worker {name!r}: the model factory and its arguments must be picklable (a "
+                f"module-level function or class, plain arguments): {exc}"
+            ) from exc
         self._stop_signal, self._channels = stop, channels
         self._wire, self._their_sock = wire_pair()
         self._recv_lock = threading.Lock()
@@ -132,12 +150,12 @@ class Worker(abc.ABC):
         self._closed = False
         self._closing_acked = False
         self._t_start = time.perf_counter()
-        self._last_heard = time.monotonic()    # the last message from the worker (heartbeats included)
-        self._heard = False                    # any message yet: before it, the process is starting up
+        self._last_heard = time.monotonic()  # the last message from the worker (heartbeats included)
+        self._heard = False  # any message yet: before it, the process is starting up
         self._start()
 
     # -- hooks of each kind --------------------------------------------------------------------------------
-    _sentinel: int | None = None   # a process handle that becomes readable when the worker dies, if any
+    _sentinel: int | None = None  # a process handle that becomes readable when the worker dies, if any
 
     @abc.abstractmethod
     def _start(self) -> None:
@@ -210,7 +228,7 @@ class Worker(abc.ABC):
             return handle.result(timeout)
         except TimeoutError:
             self._abandoned.add(handle.request_id)
-            self._replies.pop(handle.request_id, None)   # in case it arrived in between
+            self._replies.pop(handle.request_id, None)  # in case it arrived in between
             raise
 
     def start_loop(self, loop_fn: Callable[..., Any], *, trace: Trace | None = None, **kwargs) -> Handle:
@@ -220,21 +238,24 @@ class Worker(abc.ABC):
         if self._link is None:
             return self._request("loop", trace, loop_fn, kwargs, dict(self._channels), self._stop_signal)
         from paraspec.runtime.net_channel import RemoteChannel, RemoteStopSignal
+
         address, latency_s = self._link
         channels = {name: RemoteChannel(address, name, latency_s) for name in self._channels}
         by_identity = {id(channel): channels[name] for name, channel in self._channels.items()}
-        kwargs = {key: by_identity.get(id(value), value) if isinstance(value, TokenChannel) else value
-                  for key, value in kwargs.items()}       # a channel passed as an argument travels as a proxy too
+        kwargs = {
+            key: by_identity.get(id(value), value) if isinstance(value, TokenChannel) else value
+            for key, value in kwargs.items()
+        }  # a channel passed as an argument travels as a proxy too
         return self._request("loop", trace, loop_fn, kwargs, channels, RemoteStopSignal(address, latency_s=latency_s))
 
     # -- how its loops reach the channels ----------------------------------------------------------------------
-    _link: tuple[tuple[str, int], float] | None = None   # (channel server address, link latency in s)
+    _link: tuple[tuple[str, int], float] | None = None  # (channel server address, link latency in s)
 
     def use_network(self, address: tuple[str, int], latency_s: float = 0.0) -> None:
         """Its loops reach the channels through the Runtime's ChannelServer at `address` (a worker on another
         host, or the network transport forced), each message delayed by `latency_s` (tests, benchmarks)."""
         self._link = (tuple(address), float(latency_s))
-        if latency_s > 0:          # requests and their replies cross the same link
+        if latency_s > 0:  # requests and their replies cross the same link
             self._request("link", None, float(latency_s), abandon=True)
 
     @property
@@ -377,13 +398,16 @@ class Worker(abc.ABC):
             return False
         self._pump(0.0)
         silent = time.monotonic() - self._last_heard
-        if not self._heard:        # spawning and importing (torch) come before the first heartbeat
+        if not self._heard:  # spawning and importing (torch) come before the first heartbeat
             timeout = max(timeout, STARTUP_TIMEOUT_S)
         if silent < timeout or self._closed or self._death is not None:
             return False
-        self._death = WorkerTimeout(f"worker {self.name!r} ({self.device}, pid {self.pid}) sent no sign of life for "
-                                    f"{silent:.1f} s (worker_timeout={timeout:g}): stopped or stuck; it was killed",
-                                    self.name, None)
+        self._death = WorkerTimeout(
+            f"worker {self.name!r} ({self.device}, pid {self.pid}) sent no sign of life for "
+            f"{silent:.1f} s (worker_timeout={timeout:g}): stopped or stuck; it was killed",
+            self.name,
+            None,
+        )
         self._kill()
         return True
 
@@ -400,8 +424,10 @@ class Worker(abc.ABC):
             how += " before its model was ready"
         how += describe_death(code)
         if early and signal_name(code) is None:
-            how += ("; its stderr says why (a script that starts workers needs `if __name__ == '__main__':`, and "
-                    "the model factory must be importable by module name)")
+            how += (
+                "; its stderr says why (a script that starts workers needs `if __name__ == '__main__':`, and "
+                "the model factory must be importable by module name)"
+            )
         self._death = WorkerDied(f"worker {self.name!r} ({self.device}, pid {self.pid}) {how}", self.name, code)
 
 
@@ -426,13 +452,16 @@ class ProcessWorker(Worker):
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
-        self._process = context.Process(target=process_main, name=f"paraspec-{self.name}", daemon=True,
-                                        args=(self._their_sock, self.name, str(self.device), self._spec,
-                                              self.heartbeat_s))
+        self._process = context.Process(
+            target=process_main,
+            name=f"paraspec-{self.name}",
+            daemon=True,
+            args=(self._their_sock, self.name, str(self.device), self._spec, self.heartbeat_s),
+        )
         try:
             with sigint_ignored_by_children():
                 self._process.start()
-        except BaseException:                 # e.g. SIGTERM, raised once the child is fully briefed: no orphan
+        except BaseException:  # e.g. SIGTERM, raised once the child is fully briefed: no orphan
             if self._process.pid is not None:
                 self._process.kill()
                 self._process.join(1.0)
@@ -486,7 +515,7 @@ def sigint_ignored_by_children():
     handler here, mid-start) and raised again right after: an exception raised halfway through start() would
     leave the child half-briefed (it dies reading its bootstrap data, with a traceback)."""
     if threading.current_thread() is not threading.main_thread():
-        yield                  # only the main thread may change handlers; Python delivers signals there anyway
+        yield  # only the main thread may change handlers; Python delivers signals there anyway
         return
     held = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
@@ -514,9 +543,12 @@ class ThreadWorker(Worker):
     kind = "inprocess"
 
     def _start(self) -> None:
-        self._thread = threading.Thread(target=serve, name=f"paraspec-{self.name}", daemon=True,
-                                        args=(self._their_sock, self.name, self.device, self._spec, True,
-                                              self.heartbeat_s))
+        self._thread = threading.Thread(
+            target=serve,
+            name=f"paraspec-{self.name}",
+            daemon=True,
+            args=(self._their_sock, self.name, self.device, self._spec, True, self.heartbeat_s),
+        )
         self._thread.start()
 
     @property
@@ -530,7 +562,7 @@ class ThreadWorker(Worker):
         return None
 
     def _stop_worker(self, deadline: float) -> None:
-        self._thread.join(remaining(deadline))   # a thread cannot be killed; a stuck one stays (daemon)
+        self._thread.join(remaining(deadline))  # a thread cannot be killed; a stuck one stays (daemon)
 
 
 # The kinds of runtime (where workers run) by name: `Runtime(kind)`, the Engine's `runtime=`. A kind whose module
@@ -551,6 +583,7 @@ def worker_class(kind: str) -> type[Worker]:
         raise ValueError(f"unknown runtime {kind!r}; choose one of {', '.join(RUNTIMES)}") from None
     if isinstance(entry, str):
         import importlib
+
         module, _, name = entry.partition(":")
         entry = getattr(importlib.import_module(module), name)
     return entry

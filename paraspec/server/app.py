@@ -12,6 +12,7 @@ chunk too. Streams are server-sent events (`data: {json}` ... `data: [DONE]`); a
 one `data: {"error": {...}}` event, as vLLM and OpenAI send it. Up to the engine's max_num_seqs generations run at
 once, their forwards batched (queue.py, batching.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,16 +34,30 @@ from paraspec.server.queue import GenerationQueue, Job, QueueFull, ShuttingDown
 from paraspec.server.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedParameter, error_body
 
 log = logging.getLogger("paraspec.server")
-DEFAULT_COMPLETION_TOKENS = 16      # /v1/completions without max_tokens (OpenAI's and vLLM's default)
-STATS = ("strategy", "acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_ms", "ms_per_token",
-         "tokens_per_s", "draft_s", "verify_s", "drafted", "accepted", "rounds", "rollbacks")
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
+STATS = (
+    "strategy",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "ttft_s",
+    "tpot_ms",
+    "ms_per_token",
+    "tokens_per_s",
+    "draft_s",
+    "verify_s",
+    "drafted",
+    "accepted",
+    "rounds",
+    "rollbacks",
+)
 
 
 class APIError(Exception):
     """Answered as an OpenAI error body with this HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code=None):
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code=None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -50,8 +65,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, max_queue: int = 64,
-               request_timeout: float | None = None) -> FastAPI:
+def create_app(
+    engine, model_name: str, api_key: str | None = None, max_queue: int = 64, request_timeout: float | None = None
+) -> FastAPI:
     app = FastAPI(title="paraspec", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name, engine.strategy.name)
     queue = GenerationQueue(engine, metrics, max_queue, request_timeout)
@@ -81,19 +97,31 @@ class ServedModel:
     """The route handlers of one served model: they share its engine, generation queue, metrics, name and API
     key, so they are methods over that state; `create_app` only wires them to paths."""
 
-    def __init__(self, engine, model_name: str, queue: GenerationQueue, metrics: ServerMetrics,
-                 api_key: str | None):
-        self.engine, self.model_name, self.queue, self.metrics, self.api_key = \
-            engine, model_name, queue, metrics, api_key
+    def __init__(self, engine, model_name: str, queue: GenerationQueue, metrics: ServerMetrics, api_key: str | None):
+        self.engine, self.model_name, self.queue, self.metrics, self.api_key = (
+            engine,
+            model_name,
+            queue,
+            metrics,
+            api_key,
+        )
         self.created = int(time.time())
 
     async def authorize_and_count(self, request: Request, call_next):
         path = request.url.path
-        if self.api_key is not None and path.startswith("/v1/") \
-                and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-            response = JSONResponse(error_body(
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the --api-key the "
-                "server was started with", code="invalid_api_key"), status_code=401)
+        if (
+            self.api_key is not None
+            and path.startswith("/v1/")
+            and request.headers.get("authorization", "") != f"Bearer {self.api_key}"
+        ):
+            response = JSONResponse(
+                error_body(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the --api-key the "
+                    "server was started with",
+                    code="invalid_api_key",
+                ),
+                status_code=401,
+            )
         else:
             response = await call_next(request)
         if path.startswith("/v1/"):
@@ -112,8 +140,18 @@ class ServedModel:
         return PlainTextResponse(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "paraspec", "max_model_len": self.engine.max_context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "paraspec",
+                    "max_model_len": self.engine.max_context,
+                }
+            ],
+        }
 
     async def completions(self, body: CompletionRequest, request: Request):
         prompt_ids = encode(self.engine, body.prompt, "prompt")
@@ -126,15 +164,23 @@ class ServedModel:
     async def respond(self, body, request: Request, prompt_ids: list[int], chat: bool):
         """Queue the generation, then stream it or answer once it ends."""
         if body.model != self.model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves "
-                                f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(
+                400,
+                f"model {body.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         job = Job(prompt_ids, sampling_params(body, prompt_ids, self.engine.max_context, chat), body.stream)
         try:
             await self.queue.start(job)
         except QueueFull:
-            raise APIError(429, f"the server's queue is full ({self.queue.max_queue} requests waiting for the ones "
-                                f"running); retry later or start the server with a larger --max-queue",
-                           type="rate_limit_error", code="queue_full") from None
+            raise APIError(
+                429,
+                f"the server's queue is full ({self.queue.max_queue} requests waiting for the ones "
+                f"running); retry later or start the server with a larger --max-queue",
+                type="rate_limit_error",
+                code="queue_full",
+            ) from None
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", type="server_error") from None
         ids = (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}", int(time.time()))
@@ -166,8 +212,14 @@ class ServedModel:
                 last["choices"][0]["token_ids"] = result.token_ids
             yield sse(last)
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield sse({**self.chunk(ids, None, None, chat), "choices": [], "usage": usage(job),
-                           "paraspec": extension(job)})
+                yield sse(
+                    {
+                        **self.chunk(ids, None, None, chat),
+                        "choices": [],
+                        "usage": usage(job),
+                        "paraspec": extension(job),
+                    }
+                )
         yield "data: [DONE]\n\n"
 
     def chunk(self, ids, delta, reason, chat: bool) -> dict:
@@ -175,20 +227,36 @@ class ServedModel:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
-        return {"id": ids[0], "object": "chat.completion.chunk" if chat else "text_completion", "created": ids[1],
-                "model": self.model_name, "choices": [choice]}
+        return {
+            "id": ids[0],
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": ids[1],
+            "model": self.model_name,
+            "choices": [choice],
+        }
 
     def whole_response(self, job: Job, body, ids, chat: bool) -> dict:
         result = job.result
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": finish_reason(result)}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": finish_reason(result),
+            }
         else:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}
         if body.return_token_ids:
             choice["token_ids"] = result.token_ids
-        return {"id": ids[0], "object": "chat.completion" if chat else "text_completion", "created": ids[1],
-                "model": self.model_name, "choices": [choice], "usage": usage(job), "paraspec": extension(job)}
+        return {
+            "id": ids[0],
+            "object": "chat.completion" if chat else "text_completion",
+            "created": ids[1],
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": usage(job),
+            "paraspec": extension(job),
+        }
 
 
 async def wait_for_end(job: Job, request: Request) -> None:
@@ -234,13 +302,18 @@ def encode(engine, prompt, param: str) -> list[int]:
 
 def sampling_params(body, prompt_ids: list[int], max_context: int, chat: bool) -> SamplingParams:
     limit = body.new_token_limit()
-    if limit is None:      # chat: until the context is full; completions: OpenAI's 16
+    if limit is None:  # chat: until the context is full; completions: OpenAI's 16
         limit = max(1, max_context - len(prompt_ids)) if chat else DEFAULT_COMPLETION_TOKENS
     try:
-        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p,
-                              top_k=max(0, body.top_k or 0), max_new_tokens=limit, seed=body.seed,
-                              stop_token_ids=body.stop_ids() or None, stop=body.stop_strings() or None)
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),
+            max_new_tokens=limit,
+            seed=body.seed,
+            stop_token_ids=body.stop_ids() or None,
+            stop=body.stop_strings() or None,
+        )
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -256,12 +329,15 @@ def job_failure(job: Job) -> APIError | None:
         kind = "worker fault" if isinstance(e, WorkerError) else type(e).__name__
         return APIError(500, f"{kind}: {e}", type="server_error", code=500)
     if job.reason == "timeout":
-        return APIError(504, f"the generation ran longer than the server's --request-timeout and was stopped "
-                             f"after {len(job.result.token_ids)} tokens; ask for fewer tokens (max_tokens)",
-                        type="timeout_error", code=504)
+        return APIError(
+            504,
+            f"the generation ran longer than the server's --request-timeout and was stopped "
+            f"after {len(job.result.token_ids)} tokens; ask for fewer tokens (max_tokens)",
+            type="timeout_error",
+            code=504,
+        )
     if job.reason == "shutdown":
-        return APIError(503, "the server is shutting down; the generation was stopped", type="server_error",
-                        code=503)
+        return APIError(503, "the server is shutting down; the generation was stopped", type="server_error", code=503)
     if job.result is None or job.result.finish_reason == "cancelled":
         return APIError(499, "the request was cancelled", type="cancelled", code=499)
     return None
@@ -283,10 +359,12 @@ def describe_validation_error(error: dict) -> tuple[str, str | None]:
     if isinstance(cause, UnsupportedParameter):
         return str(cause), cause.param
     if error["type"] == "json_invalid":
-        return (f"the request body is not valid JSON ({(error.get('ctx') or {}).get('error', 'parse error')}); "
-                f"send a JSON object with Content-Type: application/json"), None
+        return (
+            f"the request body is not valid JSON ({(error.get('ctx') or {}).get('error', 'parse error')}); "
+            f"send a JSON object with Content-Type: application/json"
+        ), None
     path = []
-    for part in error["loc"][1:]:          # loc starts with "body"; union branches add type names: stop there
+    for part in error["loc"][1:]:  # loc starts with "body"; union branches add type names: stop there
         if isinstance(part, int):
             path.append(f"[{part}]")
         elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict"):
@@ -302,16 +380,32 @@ def describe_validation_error(error: dict) -> tuple[str, str | None]:
     return f"invalid '{param}': {message} (got {json.dumps(error.get('input'), default=str)[:80]})", param
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str = "paraspec",
-          api_key: str | None = None, max_queue: int = 64, request_timeout: float | None = None,
-          log_level: str = "warning") -> int:
+def serve(
+    engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str = "paraspec",
+    api_key: str | None = None,
+    max_queue: int = 64,
+    request_timeout: float | None = None,
+    log_level: str = "warning",
+) -> int:
     """Serve `engine` until SIGINT/SIGTERM: then refuse new requests, end the running one with an error, and
     return 0 (the caller closes the Engine: workers stopped, segments unlinked). Prints the URL when ready
     (port 0: a free port, the printed one)."""
     app = create_app(engine, model_name, api_key, max_queue, request_timeout)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                                    access_log=log_level in ("info", "debug", "trace")),
-                     app.state.queue, f"{engine.strategy.name} serving {model_name!r}")
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=10,
+            access_log=log_level in ("info", "debug", "trace"),
+        ),
+        app.state.queue,
+        f"{engine.strategy.name} serving {model_name!r}",
+    )
     server.run()
     return 0 if server.started else 1
 

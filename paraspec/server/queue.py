@@ -8,6 +8,7 @@ is handed to the next request only when the thread has ended. A worker fault (Wo
 request first; then, still holding the slot, the workers are restarted (/health says 503 until they are back) and
 the next request in line runs on the new ones.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,12 +39,12 @@ class Job:
     # ("delta", text) ... then ("end", None) once result or error is set (a worker restart may follow)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    reason: str | None = None          # why it was cancelled: "disconnect" | "timeout" | "shutdown"
-    result: object = None              # the GenerationResult (also for a cancelled generation)
+    reason: str | None = None  # why it was cancelled: "disconnect" | "timeout" | "shutdown"
+    result: object = None  # the GenerationResult (also for a cancelled generation)
     error: BaseException | None = None
     queue_s: float = 0.0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    stream_handle: object = None       # the Engine's Stream once the request thread has opened it
+    stream_handle: object = None  # the Engine's Stream once the request thread has opened it
 
     def cancel(self, reason: str) -> None:
         """(event loop) Stop this job's generation, and no other: it ends with what it has, `reason` says why."""
@@ -65,7 +66,7 @@ class GenerationQueue:
         self.waiting = 0
         self.restarting = False
         self.closing = False
-        self._slot = asyncio.Semaphore(engine.max_num_seqs)     # FIFO: waiters acquire in arrival order
+        self._slot = asyncio.Semaphore(engine.max_num_seqs)  # FIFO: waiters acquire in arrival order
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, job: Job) -> None:
@@ -90,14 +91,13 @@ class GenerationQueue:
             raise ShuttingDown()
         self.running.add(job)
         self.metrics.running.set(len(self.running))
-        timer = self._loop.call_later(self.request_timeout, job.cancel, "timeout") \
-            if self.request_timeout else None
+        timer = self._loop.call_later(self.request_timeout, job.cancel, "timeout") if self.request_timeout else None
         threading.Thread(target=self._run, args=(job, timer), daemon=True, name="paraspec-request").start()
 
     def _emit(self, job: Job, kind: str, value=None) -> None:
         try:
             self._loop.call_soon_threadsafe(job.events.put_nowait, (kind, value))
-        except RuntimeError:           # the event loop is gone (the server stopped): nobody is listening
+        except RuntimeError:  # the event loop is gone (the server stopped): nobody is listening
             pass
 
     def _run(self, job: Job, timer) -> None:
@@ -105,7 +105,7 @@ class GenerationQueue:
         fault = False
         try:
             stream = job.stream_handle = self.engine.stream(job.prompt_ids, job.params)
-            if job.cancelled.is_set():          # cancelled before the engine had the request: stop it at once
+            if job.cancelled.is_set():  # cancelled before the engine had the request: stop it at once
                 stream.cancel()
             for delta in stream:
                 if job.stream:
@@ -137,8 +137,10 @@ class GenerationQueue:
             timer.cancel()
         if job.result is not None:
             reason = job.result.finish_reason
-            self.metrics.generation(job.result, job.reason if reason == "cancelled" and job.reason else
-                                    "length" if reason == "context" else reason)
+            self.metrics.generation(
+                job.result,
+                job.reason if reason == "cancelled" and job.reason else "length" if reason == "context" else reason,
+            )
             self.metrics.e2e.observe(job.queue_s + job.result.stats.total_s)
         self.running.discard(job)
         self.metrics.running.set(len(self.running))

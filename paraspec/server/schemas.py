@@ -4,17 +4,34 @@ A value paraspec cannot honour is refused with a message naming the field and th
 `logprobs`, `tools` and the other parameters in UNSUPPORTED, unknown parameters, roles other than
 system/developer/user/assistant. Integers are strict (`max_tokens: 5.5` or `"5"` is an error, not 5).
 """
+
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 # parameters of the OpenAI API that paraspec does not implement: a request that sets them gets a 400 saying so
-UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-               "parallel_tool_calls", "response_format", "best_of", "echo", "suffix", "audio", "modalities",
-               "prediction", "reasoning_effort", "web_search_options")
-IGNORED = ("user", "metadata", "store", "service_tier")     # bookkeeping fields that change no output
+UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "best_of",
+    "echo",
+    "suffix",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+)
+IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping fields that change no output
 
 
 class UnsupportedParameter(ValueError):
@@ -30,7 +47,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """The parameters both endpoints share."""
-    model_config = ConfigDict(extra="allow")      # checked in _refuse_extras, to name what is not supported
+
+    model_config = ConfigDict(extra="allow")  # checked in _refuse_extras, to name what is not supported
 
     model: StrictStr
     stream: StrictBool = False
@@ -40,12 +58,12 @@ class _Sampling(BaseModel):
     top_k: StrictInt | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 = off
     seed: StrictInt | None = Field(None, ge=0, lt=2**64)
     max_tokens: StrictInt | None = Field(None, ge=1)
-    stop: Union[StrictStr, list[Union[StrictStr, StrictInt]], None] = None   # token ids: an extension
-    stop_token_ids: list[StrictInt] | None = None   # vLLM's extension
+    stop: StrictStr | list[StrictStr | StrictInt] | None = None  # token ids: an extension
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's extension
     n: StrictInt | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    return_token_ids: StrictBool = False            # vLLM's extension: choices[].token_ids
+    return_token_ids: StrictBool = False  # vLLM's extension: choices[].token_ids
 
     @model_validator(mode="after")
     def _refuse_extras(self):
@@ -54,18 +72,25 @@ class _Sampling(BaseModel):
                 continue
             if name in UNSUPPORTED:
                 if value in (None, False, [], {}) or (name == "logprobs" and value == 0):
-                    continue          # the default value asks for nothing
+                    continue  # the default value asks for nothing
                 raise UnsupportedParameter(name, f"'{name}' is not supported by paraspec serve; drop it")
-            raise UnsupportedParameter(name, f"unknown parameter '{name}'; paraspec serve takes "
-                                             f"{', '.join(sorted(self.model_fields))}")
+            raise UnsupportedParameter(
+                name, f"unknown parameter '{name}'; paraspec serve takes {', '.join(sorted(self.model_fields))}"
+            )
         if self.n is not None and self.n != 1:
-            raise UnsupportedParameter("n", f"n must be 1 (paraspec serve returns one choice per request), got "
-                                            f"{self.n}; send several requests instead")
+            raise UnsupportedParameter(
+                "n",
+                f"n must be 1 (paraspec serve returns one choice per request), got "
+                f"{self.n}; send several requests instead",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise UnsupportedParameter(name, f"'{name}' is not supported by paraspec serve (lossless "
-                                                 f"speculation samples the model's own distribution); drop it or "
-                                                 f"pass 0")
+                raise UnsupportedParameter(
+                    name,
+                    f"'{name}' is not supported by paraspec serve (lossless "
+                    f"speculation samples the model's own distribution); drop it or "
+                    f"pass 0",
+                )
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options applies only with stream: true")
         return self
@@ -96,15 +121,16 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     # a string, token ids, or a batch of one of them (the openai client sends either form)
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
-                raise ValueError(f"paraspec serve takes one prompt per request, got {len(value)}; send one "
-                                 f"request per prompt")
+                raise ValueError(
+                    f"paraspec serve takes one prompt per request, got {len(value)}; send one request per prompt"
+                )
             value = value[0]
         if not value:
             raise ValueError("the prompt is empty")
@@ -118,9 +144,9 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")      # e.g. "name": accepted, not used by the template
+    model_config = ConfigDict(extra="allow")  # e.g. "name": accepted, not used by the template
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, list[TextPart]]
+    content: StrictStr | list[TextPart]
 
     def as_template_message(self) -> dict:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -135,7 +161,6 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: Any = None) -> dict:
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: Any = None) -> dict:
     """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -10,6 +10,7 @@ The profile is the JSON that `paraspec profile` writes (all times in millisecond
 `forward_ms` (optional) is the time of one forward of n new tokens with a warm cache. Verifying k drafts, or a
 DSI server catching up on tokens it has not seen, is such a forward, so its width matters.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ class ForwardCost:
     """Seconds for one forward of n new tokens: piecewise-linear through measured points, extended past the
     widest point with the slope of the last two (or `per_token_fraction` of the 1-token time when only one
     point is known)."""
+
     widths: tuple[int, ...]
     seconds: tuple[float, ...]
     per_token_fraction: float = DEFAULT_PER_TOKEN_FRACTION
@@ -40,19 +42,20 @@ class ForwardCost:
             raise ValueError(f"forward times must be positive, got {self.seconds}")
 
     @classmethod
-    def constant(cls, seconds: float) -> "ForwardCost":
+    def constant(cls, seconds: float) -> ForwardCost:
         """The paper's assumption: a forward costs the same whatever its width."""
         return cls((1,), (float(seconds),), per_token_fraction=0.0)
 
     @classmethod
-    def linear(cls, one_token_s: float, per_token_fraction: float = DEFAULT_PER_TOKEN_FRACTION) -> "ForwardCost":
+    def linear(cls, one_token_s: float, per_token_fraction: float = DEFAULT_PER_TOKEN_FRACTION) -> ForwardCost:
         return cls((1,), (float(one_token_s),), per_token_fraction)
 
     @classmethod
-    def from_ms(cls, tpot_ms: float, forward_ms: dict | None = None,
-                per_token_fraction: float = DEFAULT_PER_TOKEN_FRACTION) -> "ForwardCost":
+    def from_ms(
+        cls, tpot_ms: float, forward_ms: dict | None = None, per_token_fraction: float = DEFAULT_PER_TOKEN_FRACTION
+    ) -> ForwardCost:
         points = {int(n): float(ms) / 1000 for n, ms in (forward_ms or {}).items()}
-        points.setdefault(1, float(tpot_ms) / 1000)      # tpot is the 1-token forward when not measured
+        points.setdefault(1, float(tpot_ms) / 1000)  # tpot is the 1-token forward when not measured
         widths = tuple(sorted(points))
         return cls(widths, tuple(points[n] for n in widths), per_token_fraction)
 
@@ -63,10 +66,10 @@ class ForwardCost:
         if n >= w[-1]:
             slope = (s[-1] - s[-2]) / (w[-1] - w[-2]) if len(w) > 1 else s[0] * self.per_token_fraction
             return s[-1] + max(slope, 0.0) * (n - w[-1])
-        for i in range(len(w) - 1):                      # few points: a scan reads clearer than bisect
+        for i in range(len(w) - 1):  # few points: a scan reads clearer than bisect
             if w[i] <= n <= w[i + 1]:
                 return s[i] + (s[i + 1] - s[i]) * (n - w[i]) / (w[i + 1] - w[i])
-        return s[0]                                      # below the narrowest point (only when w[0] > 1)
+        return s[0]  # below the narrowest point (only when w[0] > 1)
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class Profile:
     mean_match_length: float | None = None
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "profile") -> "Profile":
+    def from_dict(cls, d: dict, source: str = "profile") -> Profile:
         def need(obj: dict, key: str, where: str, hint: str):
             if not isinstance(obj, dict) or key not in obj or obj[key] is None:
                 raise ValueError(f"{source} is missing {where}{key} ({hint}); run `paraspec profile` again or add it")
@@ -104,9 +107,14 @@ class Profile:
             forward = {str(n): float(ms) for n, ms in (m.get("forward_ms") or {}).items()}
             for n in forward:
                 if not n.isdigit() or int(n) < 1:
-                    raise ValueError(f"{source}: {role}.forward_ms key {n!r} must be a token count like \"8\"")
-            return ModelProfile(model=str(m.get("model", role)), device=str(m.get("device", "")),
-                                tpot_ms=tpot, ttft_ms=float(m.get("ttft_ms") or 0.0), forward_ms=forward)
+                    raise ValueError(f'{source}: {role}.forward_ms key {n!r} must be a token count like "8"')
+            return ModelProfile(
+                model=str(m.get("model", role)),
+                device=str(m.get("device", "")),
+                tpot_ms=tpot,
+                ttft_ms=float(m.get("ttft_ms") or 0.0),
+                forward_ms=forward,
+            )
 
         target, draft = model("target"), model("draft")
         a = float(need(d, "acceptance_rate", "", "fraction of drafted tokens the target accepted"))
@@ -114,20 +122,23 @@ class Profile:
             raise ValueError(f"{source}: acceptance_rate={a} must be in [0, 1) (a fraction, e.g. 0.8 for 80%)")
         devices = d.get("devices") or [x for x in (draft.device, target.device) if x]
         if not devices:
-            raise ValueError(f"{source} is missing devices (the devices available, e.g. [\"cpu:0\", \"cpu:1\"])")
+            raise ValueError(f'{source} is missing devices (the devices available, e.g. ["cpu:0", "cpu:1"])')
         mml = d.get("mean_match_length")
-        return cls(target, draft, a, tuple(dict.fromkeys(str(x) for x in devices)),
-                   None if mml is None else float(mml))
+        return cls(target, draft, a, tuple(dict.fromkeys(str(x) for x in devices)), None if mml is None else float(mml))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         try:
             text = Path(path).read_text()
         except OSError as e:
-            raise ValueError(f"cannot read profile {path}: {e.strerror}; pass the JSON written by `paraspec profile`") from None
+            raise ValueError(
+                f"cannot read profile {path}: {e.strerror}; pass the JSON written by `paraspec profile`"
+            ) from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"profile {path} is not valid JSON ({e.msg} at line {e.lineno}); "
-                             f"pass the file written by `paraspec profile`") from None
+            raise ValueError(
+                f"profile {path} is not valid JSON ({e.msg} at line {e.lineno}); "
+                f"pass the file written by `paraspec profile`"
+            ) from None
         return cls.from_dict(d, source=f"profile {path}")

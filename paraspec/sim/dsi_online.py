@@ -33,6 +33,7 @@ Our model replays exactly these rules with a clock instead of sleeps, so it has 
 cannot know is the authors' per-window process start-up time (`restart_ms`, 0 unless measured) and the TTFTs
 behind each Table 1 row (the paper prints TPOTs only; TTFT = TPOT unless given).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -41,35 +42,37 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ONLINE_TOKENS = 50            # S: "a simulation of generating 50 tokens" (paper, section 4); run_simulation.py:18
-ONLINE_MAX_CORRECT = 20       # `draft_tokens_until_fail` (run_simulation.py:22)
-ONLINE_REPEATS = 30           # `iter_count` (run_simulation.py:24)
-ONLINE_PIPE_WAIT_S = 0.1      # `wait_for_pipe` (run_simulation.py:44): slept, then subtracted from the time
+ONLINE_TOKENS = 50  # S: "a simulation of generating 50 tokens" (paper, section 4); run_simulation.py:18
+ONLINE_MAX_CORRECT = 20  # `draft_tokens_until_fail` (run_simulation.py:22)
+ONLINE_REPEATS = 30  # `iter_count` (run_simulation.py:24)
+ONLINE_PIPE_WAIT_S = 0.1  # `wait_for_pipe` (run_simulation.py:44): slept, then subtracted from the time
 ONLINE_LOOKAHEADS = (1, 5, 10)  # paper, section 4: "multiple lookahead token values (namely 1, 5, and 10)"
-ONLINE_SERVERS = (1, 7)         # paper, section 4: "different parallel target counts (namely 1 and 7)"
+ONLINE_SERVERS = (1, 7)  # paper, section 4: "different parallel target counts (namely 1 and 7)"
 
 
 @dataclass(frozen=True)
 class Variant:
     """Which version of the authors' online simulation to replay."""
+
     name: str
-    per_second_draws: bool      # `correct` drawn after seeding with int(time.time()): one value per second
-    bonus: bool                 # a window gains correct + 1 tokens, rejects when correct <= d, stops at >= S
+    per_second_draws: bool  # `correct` drawn after seeding with int(time.time()): one value per second
+    bonus: bool  # a window gains correct + 1 tokens, rejects when correct <= d, stops at >= S
 
 
 VARIANTS = {
-    "paper": Variant("paper", per_second_draws=True, bonus=False),              # 91ab8b9, the paper's time
-    "main": Variant("main", per_second_draws=False, bonus=False),               # 2024206 (main)
-    "bonus": Variant("bonus", per_second_draws=False, bonus=True),              # 1fb0623 (add_1_from_target)
+    "paper": Variant("paper", per_second_draws=True, bonus=False),  # 91ab8b9, the paper's time
+    "main": Variant("main", per_second_draws=False, bonus=False),  # 2024206 (main)
+    "bonus": Variant("bonus", per_second_draws=False, bonus=True),  # 1fb0623 (add_1_from_target)
 }
 
 
 @dataclass(frozen=True)
 class Latencies:
     """One target/drafter pair, in milliseconds: TPOT for every forward, TTFT for the first of each thread."""
+
     target_tpot_ms: float
     draft_tpot_ms: float
-    target_ttft_ms: float | None = None     # None: the same as TPOT (the paper's Table 1 gives TPOT only)
+    target_ttft_ms: float | None = None  # None: the same as TPOT (the paper's Table 1 gives TPOT only)
     draft_ttft_ms: float | None = None
 
     def __post_init__(self):
@@ -92,18 +95,20 @@ class OnlineSetup:
     latencies: Latencies
     acceptance: float
     lookahead: int
-    servers: int | None                     # None: SI (synchronous calls); N: DSI with an N-thread pool
+    servers: int | None  # None: SI (synchronous calls); N: DSI with an N-thread pool
     tokens: int = ONLINE_TOKENS
     max_correct: int = ONLINE_MAX_CORRECT
     variant: Variant = VARIANTS["paper"]
-    restart_ms: float = 0.0                 # process start-up per window, counted in the time (theirs: unknown)
+    restart_ms: float = 0.0  # process start-up per window, counted in the time (theirs: unknown)
 
     def __post_init__(self):
         if not 0 < self.acceptance <= 1:
             # Every version ends a run only from an *accepting* call (simulation_core.py:103-112), which needs
             # correct >= 1 (bonus: > the call's drafts): at a = 0 the authors' loop never ends.
-            raise ValueError(f"acceptance {self.acceptance} must be in (0, 1]: at 0 no call ever accepts, and the "
-                             f"authors' simulation only stops a run from an accepting call (it loops forever)")
+            raise ValueError(
+                f"acceptance {self.acceptance} must be in (0, 1]: at 0 no call ever accepts, and the "
+                f"authors' simulation only stops a run from an accepting call (it loops forever)"
+            )
         if int(self.lookahead) != self.lookahead or self.lookahead < 1:
             raise ValueError(f"lookahead {self.lookahead} must be an integer >= 1")
         if self.servers is not None and self.servers < 1:
@@ -113,6 +118,7 @@ class OnlineSetup:
 
 
 # ------------------------------------------------------------------------------------------------- windows
+
 
 def _rejects(setup: OnlineSetup, correct: int, drafts: int) -> bool:
     return correct <= drafts if setup.variant.bonus else correct < drafts
@@ -131,6 +137,7 @@ def _stops(setup: OnlineSetup, gained: int, correct: int) -> bool:
 @dataclass
 class _Run:
     """State that outlives a window: tokens so far and the thread indices that already paid their TTFT."""
+
     gained: int = 0
     visited: set = None
 
@@ -160,7 +167,7 @@ def si_window(setup: OnlineSetup, run: _Run, correct: int) -> tuple[float, bool]
     first_window = run.gained == 0
     draft_ms = setup.latencies.draft_first if first_window else setup.latencies.draft_tpot_ms
     while True:
-        t += run.call_ms(setup, "main")                 # the call at draft count 0, then after every k drafts
+        t += run.call_ms(setup, "main")  # the call at draft count 0, then after every k drafts
         if _rejects(setup, correct, drafts):
             run.gained += _gain(setup, correct)
             return t, False
@@ -181,8 +188,8 @@ def dsi_window(setup: OnlineSetup, run: _Run, correct: int) -> tuple[float, bool
     n = setup.servers
     k = setup.lookahead
     drafts = _draft_times(setup, run.gained == 0)
-    done: list[tuple[float, int, int, int]] = []   # heap of (end, order, drafts of the call, thread index)
-    waiting: list[int] = []                        # drafts of queued calls; the newest is taken first
+    done: list[tuple[float, int, int, int]] = []  # heap of (end, order, drafts of the call, thread index)
+    waiting: list[int] = []  # drafts of queued calls; the newest is taken first
     idle: list[int] = []
     threads = 0
     order = 0
@@ -206,7 +213,7 @@ def dsi_window(setup: OnlineSetup, run: _Run, correct: int) -> tuple[float, bool
     next_call = k
     next_submit = _nth(drafts, k)
     while True:
-        if not done or next_submit < done[0][0]:    # a submission comes first (ties: the completion first)
+        if not done or next_submit < done[0][0]:  # a submission comes first (ties: the completion first)
             submit(next_submit, next_call)
             next_call += k
             next_submit = _nth(drafts, k)
@@ -232,13 +239,14 @@ def _nth(times, k: int) -> float:
 
 # ------------------------------------------------------------------------------------------------- runs
 
+
 class _Draws:
     """`correct` per window: independent draws, or one draw per wall-clock second (the paper's version)."""
 
     def __init__(self, setup: OnlineSetup, rng: np.random.Generator):
         self.setup, self.rng = setup, rng
         self.by_second: dict[int, int] = {}
-        self.phase_s = float(rng.random())          # where in its second the run starts
+        self.phase_s = float(rng.random())  # where in its second the run starts
 
     def _draw(self) -> int:
         a = self.setup.acceptance
@@ -259,7 +267,7 @@ class _Draws:
 
 @dataclass(frozen=True)
 class RunResult:
-    time_ms: float          # what the authors measure: sum of window times and restarts
+    time_ms: float  # what the authors measure: sum of window times and restarts
     windows: int
 
 
@@ -271,7 +279,7 @@ def simulate_run(setup: OnlineSetup, rng: np.random.Generator) -> RunResult:
     measured = wall_s = 0.0
     windows = 0
     while True:
-        wall_s += ONLINE_PIPE_WAIT_S + setup.restart_ms / 1000     # the draw comes after the pipe wait
+        wall_s += ONLINE_PIPE_WAIT_S + setup.restart_ms / 1000  # the draw comes after the pipe wait
         correct = draws.correct(wall_s)
         dt, stopped = window(setup, run, correct)
         measured += setup.restart_ms + dt

@@ -16,6 +16,7 @@ Everything is a pure function of its arguments. Trajectories (which rounds happe
 charges) do not depend on c, so each (a, k, repeat) trajectory is computed once and its cost is evaluated
 for a whole vector of drafter latencies with numpy: that is what makes the 21 x 21 x 20 grid take seconds.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,27 +25,32 @@ from dataclasses import dataclass
 import numpy as np
 
 PAPER_SEED = 42
-PAPER_TOKENS = 1000          # S: tokens generated per simulated run
+PAPER_TOKENS = 1000  # S: tokens generated per simulated run
 PAPER_REPEATS = 5
-PAPER_MAX_SERVERS = 7        # DSI configurations needing more target servers are excluded
+PAPER_MAX_SERVERS = 7  # DSI configurations needing more target servers are excluded
 
 
 # ---------------------------------------------------------------------------------------------- validation
 
+
 def check_latency(c) -> None:
     arr = np.atleast_1d(np.asarray(c, dtype=float))
     if not np.all((arr > 0) & (arr <= 1)):
-        raise ValueError(f"drafter latency c={c} is outside (0, 1]: c is the drafter's forward time divided by "
-                         f"the target's (e.g. 2.5 ms / 37.7 ms = 0.066); a drafter slower than the target "
-                         f"(c > 1) never helps, and c = 0 needs infinitely many target servers")
+        raise ValueError(
+            f"drafter latency c={c} is outside (0, 1]: c is the drafter's forward time divided by "
+            f"the target's (e.g. 2.5 ms / 37.7 ms = 0.066); a drafter slower than the target "
+            f"(c > 1) never helps, and c = 0 needs infinitely many target servers"
+        )
 
 
 def check_acceptance(a: float, allow_one: bool = True) -> None:
     hi_ok = a <= 1 if allow_one else a < 1
     if not (0 <= a and hi_ok):
         interval = "[0, 1]" if allow_one else "[0, 1)"
-        raise ValueError(f"acceptance rate a={a} is outside {interval}: pass the probability that the target "
-                         f"accepts one drafted token, e.g. 0.8 for 80%")
+        raise ValueError(
+            f"acceptance rate a={a} is outside {interval}: pass the probability that the target "
+            f"accepts one drafted token, e.g. 0.8 for 80%"
+        )
 
 
 def check_lookahead(k: int) -> None:
@@ -53,6 +59,7 @@ def check_lookahead(k: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ sampling
+
 
 def accepted_draws(a: float, k: int, n: int, rng: np.random.RandomState) -> np.ndarray:
     """n draws of the number of accepted drafts in a round: min(G - 1, k), G ~ Geometric(1 - a).
@@ -65,8 +72,9 @@ def accepted_draws(a: float, k: int, n: int, rng: np.random.RandomState) -> np.n
     return np.minimum(rng.geometric(1 - a, size=n) - 1, k).astype(np.int64)
 
 
-def paper_draws(a: float, k: int, tokens: int = PAPER_TOKENS, repeats: int = PAPER_REPEATS,
-                seed: int = PAPER_SEED) -> list[np.ndarray]:
+def paper_draws(
+    a: float, k: int, tokens: int = PAPER_TOKENS, repeats: int = PAPER_REPEATS, seed: int = PAPER_SEED
+) -> list[np.ndarray]:
     """The draws of one configuration: one generator seeded once, `tokens` draws per repeat.
 
     Every round yields at least one token, so `tokens` draws always suffice for one run."""
@@ -76,9 +84,11 @@ def paper_draws(a: float, k: int, tokens: int = PAPER_TOKENS, repeats: int = PAP
 
 # ------------------------------------------------------------------------------------------------------ SI
 
+
 @dataclass(frozen=True)
 class Rounds:
     """An SI run: per round, the drafts it paid for and the tokens it gained."""
+
     drafts: np.ndarray
     tokens: np.ndarray
 
@@ -92,8 +102,8 @@ def si_rounds(draws: np.ndarray, k: int, tokens: int) -> Rounds:
 
     The round count is found with a cumulative sum: round i starts with tokens - gained[:i] left."""
     gained = np.cumsum(draws + 1)
-    n_rounds = int(np.searchsorted(gained, tokens)) + 1      # first round whose total reaches `tokens`
-    left = tokens - np.concatenate(([0], gained[:n_rounds - 1]))
+    n_rounds = int(np.searchsorted(gained, tokens)) + 1  # first round whose total reaches `tokens`
+    left = tokens - np.concatenate(([0], gained[: n_rounds - 1]))
     drafts = np.minimum(k, left - 1)
     # The last round may overshoot (accepted is drawn with lookahead k, not left - 1), as in the authors' code;
     # it only matters for the token count, never for the cost.
@@ -102,10 +112,12 @@ def si_rounds(draws: np.ndarray, k: int, tokens: int) -> Rounds:
 
 # ----------------------------------------------------------------------------------------------------- DSI
 
+
 @dataclass(frozen=True)
 class Windows:
     """A DSI run cut into speculation windows (a window ends with a rejection): per window, the drafts whose
     time counts and the tokens gained."""
+
     drafts: np.ndarray
     tokens: np.ndarray
 
@@ -132,19 +144,19 @@ def dsi_windows(draws: np.ndarray, k: int, tokens: int) -> Windows:
     computes that position while the drafter drafts (the target-only thread)."""
     drafts_per_window: list[int] = []
     tokens_per_window: list[int] = []
-    draws = draws.tolist()        # plain ints: this loop runs ~10^6 times over a full heatmap
+    draws = draws.tolist()  # plain ints: this loop runs ~10^6 times over a full heatmap
     i = done = 0
-    previous_rejected = False     # the authors' `verified`: the last chunk ended a window
+    previous_rejected = False  # the authors' `verified`: the last chunk ended a window
     while done < tokens:
         charged = gained = 0
         while True:
-            chunk = min(k, tokens - 1 - done - gained)             # never draft the last token
+            chunk = min(k, tokens - 1 - done - gained)  # never draft the last token
             accepted = min(chunk, draws[i])
             i += 1
             gained += accepted
             if accepted > 0 or not previous_rejected:
                 charged += chunk
-            if chunk == 0 or accepted < chunk:                     # a draft rejected (or nothing drafted)
+            if chunk == 0 or accepted < chunk:  # a draft rejected (or nothing drafted)
                 gained += 1
                 previous_rejected = True
                 break
@@ -163,16 +175,19 @@ def servers_required(c: float, k: int) -> int:
 
 # -------------------------------------------------------------------------------------------------- costs
 
+
 @dataclass(frozen=True)
 class Costs:
     """Mean time to generate `tokens` tokens, in target forwards (arrays when c is an array)."""
+
     nonsi: float
     si: np.ndarray | float
     dsi: np.ndarray | float
 
 
-def simulate(c, a: float, k: int, tokens: int = PAPER_TOKENS, repeats: int = PAPER_REPEATS,
-             seed: int = PAPER_SEED) -> Costs:
+def simulate(
+    c, a: float, k: int, tokens: int = PAPER_TOKENS, repeats: int = PAPER_REPEATS, seed: int = PAPER_SEED
+) -> Costs:
     """Mean non-SI, SI and DSI costs of one (a, k) for one or many drafter latencies c (no feasibility
     check here: see `servers_required`)."""
     check_latency(c)
@@ -201,6 +216,7 @@ def proposition1_bound(t1: float, t2: float, p: float, n: int) -> float:
 
 # ---------------------------------------------------------------------------------------------- heatmaps
 
+
 def paper_grid(ndim: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The authors' grid (`dsi/configs/heatmap.py`): c and a on linspace(0, 1, ndim + 1), c clipped below at
     0.01, a clipped to [0.01, 0.99]; lookaheads 1..ndim."""
@@ -214,11 +230,12 @@ def paper_grid(ndim: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @dataclass(frozen=True)
 class Heatmap:
     """Costs on a c x a x k grid. Infeasible DSI configurations are NaN."""
+
     c: np.ndarray
     a: np.ndarray
     k: np.ndarray
-    si: np.ndarray          # [c, a, k]
-    dsi: np.ndarray         # [c, a, k]
+    si: np.ndarray  # [c, a, k]
+    dsi: np.ndarray  # [c, a, k]
     nonsi: float
 
     def best(self, algorithm: str) -> np.ndarray:
@@ -246,9 +263,17 @@ class Heatmap:
         return np.where(np.isinf(filled.min(axis=2)), 0, self.k[np.argmin(filled, axis=2)])
 
 
-def heatmap(c_values, a_values, lookaheads, tokens: int = PAPER_TOKENS, repeats: int = PAPER_REPEATS,
-            seed: int = PAPER_SEED, max_servers: int | None = PAPER_MAX_SERVERS, si_feasible_only: bool = True,
-            progress: bool = False) -> Heatmap:
+def heatmap(
+    c_values,
+    a_values,
+    lookaheads,
+    tokens: int = PAPER_TOKENS,
+    repeats: int = PAPER_REPEATS,
+    seed: int = PAPER_SEED,
+    max_servers: int | None = PAPER_MAX_SERVERS,
+    si_feasible_only: bool = True,
+    progress: bool = False,
+) -> Heatmap:
     """Mean SI and DSI costs over a grid.
 
     A (c, k) needing more than `max_servers` target servers is excluded for DSI (NaN). With
@@ -269,6 +294,7 @@ def heatmap(c_values, a_values, lookaheads, tokens: int = PAPER_TOKENS, repeats:
     pairs = [(ia, ik) for ia in range(len(a_values)) for ik in range(len(lookaheads))]
     if progress:
         from tqdm import tqdm
+
         pairs = tqdm(pairs, desc="simulating (a, k)", unit="cfg")
     for ia, ik in pairs:
         k = int(lookaheads[ik])
@@ -276,8 +302,9 @@ def heatmap(c_values, a_values, lookaheads, tokens: int = PAPER_TOKENS, repeats:
         si[:, ia, ik] = costs.si
         dsi[:, ia, ik] = costs.dsi
     if max_servers is not None:
-        infeasible = np.array([[servers_required(c, int(k)) > max_servers for k in lookaheads]
-                               for c in c_values])                      # [c, k]
+        infeasible = np.array(
+            [[servers_required(c, int(k)) > max_servers for k in lookaheads] for c in c_values]
+        )  # [c, k]
         dsi[infeasible[:, None, :].repeat(len(a_values), axis=1)] = np.nan
         if si_feasible_only:
             si[infeasible[:, None, :].repeat(len(a_values), axis=1)] = np.nan
@@ -286,16 +313,17 @@ def heatmap(c_values, a_values, lookaheads, tokens: int = PAPER_TOKENS, repeats:
 
 # ------------------------------------------------------------------------------------------------ Table 1
 
+
 @dataclass(frozen=True)
 class PairRow:
     target: str
     drafter: str
     dataset: str
-    target_ms: float            # TPOT of the target (the paper's "Target Latency (ms)")
-    drafter_ms: float           # TPOT of the drafter
-    drafter_pct: float          # the paper's "Drafter Latency (%)", as printed
+    target_ms: float  # TPOT of the target (the paper's "Target Latency (ms)")
+    drafter_ms: float  # TPOT of the drafter
+    drafter_pct: float  # the paper's "Drafter Latency (%)", as printed
     acceptance: float
-    paper_speedup: float        # the paper's "Speedup DSI vs. SI" (thread-pool simulation; see dsi_online.py)
+    paper_speedup: float  # the paper's "Speedup DSI vs. SI" (thread-pool simulation; see dsi_online.py)
 
 
 # The DSI paper's Table 1 (Timor et al. 2024, arXiv 2405.14105 v1, section 4), all ten
@@ -338,8 +366,14 @@ class Table1Result:
         return PAPER_TOKENS / self.dsi_cost
 
 
-def table1(rows=PAPER_TABLE1, lookaheads=TABLE1_LOOKAHEADS, max_servers: int = PAPER_MAX_SERVERS,
-           tokens: int = PAPER_TOKENS, repeats: int = PAPER_REPEATS, seed: int = PAPER_SEED) -> list[Table1Result]:
+def table1(
+    rows=PAPER_TABLE1,
+    lookaheads=TABLE1_LOOKAHEADS,
+    max_servers: int = PAPER_MAX_SERVERS,
+    tokens: int = PAPER_TOKENS,
+    repeats: int = PAPER_REPEATS,
+    seed: int = PAPER_SEED,
+) -> list[Table1Result]:
     """DSI vs SI on measured pairs: SI runs on one target server with its best lookahead; DSI on up to
     `max_servers` target servers with its best lookahead among those that fit."""
     results = []
@@ -352,8 +386,11 @@ def table1(rows=PAPER_TABLE1, lookaheads=TABLE1_LOOKAHEADS, max_servers: int = P
             if servers_required(c, k) <= max_servers:
                 dsi_best = min(dsi_best, (costs.dsi, k))
         if dsi_best[1] == 0:
-            raise ValueError(f"{row.target}/{row.drafter}: no lookahead in {lookaheads} fits {max_servers} target "
-                             f"servers (needs {servers_required(c, max(lookaheads))}); allow more servers")
-        results.append(Table1Result(row, c, si_best[0], si_best[1], dsi_best[0], dsi_best[1],
-                                    servers_required(c, dsi_best[1])))
+            raise ValueError(
+                f"{row.target}/{row.drafter}: no lookahead in {lookaheads} fits {max_servers} target "
+                f"servers (needs {servers_required(c, max(lookaheads))}); allow more servers"
+            )
+        results.append(
+            Table1Result(row, c, si_best[0], si_best[1], dsi_best[0], dsi_best[1], servers_required(c, dsi_best[1]))
+        )
     return results

@@ -34,6 +34,7 @@ Positions: position 0 is the last token already known (the prompt's last token, 
 when prefill is simulated); the run generates positions 1..tokens. A model's cache holds positions < its `cache`.
 The output is a `paraspec.trace.Trace`, as the engine records, so bench plots draw simulated and real runs alike.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -71,19 +72,19 @@ class Setup:
     target: ForwardCost
     draft: ForwardCost | None = None
     acceptance_rate: float = 0.0
-    lookahead: int = 5                  # sd, dsi: drafts per verification
-    servers: int = 1                    # dsi: target servers
-    max_ahead: int | None = None        # amusd, dsi: uncommitted drafts allowed (amusd: 2 lookahead, dsi: (N+1) lookahead)
-    verify_min: int = 1                 # amusd: drafts the verifier waits for while the drafter can still add some
-    comm_s: float = 0.0                 # one message between devices
-    target_prefill_s: float = 0.0       # 0: the prompt is already in every cache
+    lookahead: int = 5  # sd, dsi: drafts per verification
+    servers: int = 1  # dsi: target servers
+    max_ahead: int | None = None  # amusd, dsi: uncommitted drafts allowed (amusd: 2 lookahead, dsi: (N+1) lookahead)
+    verify_min: int = 1  # amusd: drafts the verifier waits for while the drafter can still add some
+    comm_s: float = 0.0  # one message between devices
+    target_prefill_s: float = 0.0  # 0: the prompt is already in every cache
     draft_prefill_s: float = 0.0
-    target_only_thread: bool = True     # dsi: a spare server runs the target alone from the committed text
-    preempt: bool = True                # a rollback cuts every forward in flight short (the papers' model); False:
-                                        # the drafter and the target servers first finish it, as paraspec's workers do
-    link_s: float = 0.0                 # one message across nodes, on top of comm_s (the network transport)
-    remote_draft: bool = False          # amusd, dsi: the drafter on another node than the caller
-    remote_servers: int = 0             # amusd, dsi: the last N target servers (amusd: its target) on other nodes
+    target_only_thread: bool = True  # dsi: a spare server runs the target alone from the committed text
+    preempt: bool = True  # a rollback cuts every forward in flight short (the papers' model); False:
+    # the drafter and the target servers first finish it, as paraspec's workers do
+    link_s: float = 0.0  # one message across nodes, on top of comm_s (the network transport)
+    remote_draft: bool = False  # amusd, dsi: the drafter on another node than the caller
+    remote_servers: int = 0  # amusd, dsi: the last N target servers (amusd: its target) on other nodes
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -101,13 +102,17 @@ class Setup:
         if self.max_ahead is not None and self.max_ahead < 1:
             raise ValueError(f"max_ahead {self.max_ahead} must be >= 1")
         if self.strategy == "dsi" and self.max_ahead is not None and self.max_ahead < self.lookahead:
-            raise ValueError(f"max_ahead {self.max_ahead} < lookahead {self.lookahead}: a DSI chunk would never "
-                             f"fill; allow at least one chunk ahead")
+            raise ValueError(
+                f"max_ahead {self.max_ahead} < lookahead {self.lookahead}: a DSI chunk would never "
+                f"fill; allow at least one chunk ahead"
+            )
         if min(self.comm_s, self.target_prefill_s, self.draft_prefill_s, self.link_s) < 0:
             raise ValueError("latencies must be >= 0")
         if not 0 <= self.remote_servers <= (self.servers if self.strategy == "dsi" else 1):
-            raise ValueError(f"remote_servers {self.remote_servers} must be between 0 and the number of target "
-                             f"servers ({self.servers if self.strategy == 'dsi' else 1})")
+            raise ValueError(
+                f"remote_servers {self.remote_servers} must be between 0 and the number of target "
+                f"servers ({self.servers if self.strategy == 'dsi' else 1})"
+            )
         if (self.remote_draft or self.remote_servers) and self.strategy not in ("amusd", "dsi"):
             raise ValueError(f"{self.strategy} runs in the caller's process: it has no remote drafter or server")
 
@@ -135,12 +140,12 @@ class Setup:
 class Result:
     tokens: int
     total_s: float
-    ttft_s: float                       # time of the first generated token
+    ttft_s: float  # time of the first generated token
     trace: Trace
-    drafts: int = 0                     # drafts of positions not yet committed (a rollback may discard some)
-    accepted: int = 0                   # drafts committed
+    drafts: int = 0  # drafts of positions not yet committed (a rollback may discard some)
+    accepted: int = 0  # drafts committed
     rollbacks: int = 0
-    verifications: int = 0              # target forwards that verified drafts (or generated, for ar)
+    verifications: int = 0  # target forwards that verified drafts (or generated, for ar)
 
     @property
     def ms_per_token(self) -> float:
@@ -172,22 +177,24 @@ def mean_result(setup: Setup, tokens: int, repeats: int, seed: int = 0) -> tuple
 
 # --------------------------------------------------------------------------------------------- prefill
 
+
 def _prefill(setup: Setup, trace: Trace, targets: list[str], with_draft: bool) -> tuple[float, float, int]:
     """Prefill every replica in parallel. Returns (target ready, draft ready, first known position count)."""
     if setup.target_prefill_s == 0 and setup.draft_prefill_s == 0:
         return 0.0, 0.0, 1
     for name in targets:
         trace.add(name, "prefill", 0.0, setup.target_prefill_s)
-    first = setup.target_prefill_s                       # the target's prefill yields the first new token
+    first = setup.target_prefill_s  # the target's prefill yields the first new token
     trace.commit(1, at_s=first)
     draft_ready = first
     if with_draft:
         trace.add("draft", "prefill", 0.0, setup.draft_prefill_s)
-        draft_ready = max(setup.draft_prefill_s, first + setup.comm_s)   # and the drafter needs that token
+        draft_ready = max(setup.draft_prefill_s, first + setup.comm_s)  # and the drafter needs that token
     return first, draft_ready, 2
 
 
 # ------------------------------------------------------------------------------------------------- ar
+
 
 def _ar(setup: Setup, tokens: int) -> Result:
     trace = Trace(t0=0.0)
@@ -197,7 +204,7 @@ def _ar(setup: Setup, tokens: int) -> Result:
     forwards = 0
     while known < end:
         dt = setup.target(1)
-        trace.add("target", "verify", t, t + dt, 1)      # target forwards are "verify" events in every strategy
+        trace.add("target", "verify", t, t + dt, 1)  # target forwards are "verify" events in every strategy
         t += dt
         known += 1
         forwards += 1
@@ -206,6 +213,7 @@ def _ar(setup: Setup, tokens: int) -> Result:
 
 
 # ------------------------------------------------------------------------------------------------- sd
+
 
 def _sd(setup: Setup, tokens: int, rng: np.random.Generator) -> Result:
     """Leviathan et al. 2023, Algorithm 1: draft min(k, left - 1) tokens, verify them in one target forward
@@ -218,8 +226,8 @@ def _sd(setup: Setup, tokens: int, rng: np.random.Generator) -> Result:
     draft_cache = target_cache = known - 1
     res = Result(tokens, 0.0, 0.0, trace)
     while known < end:
-        n = min(setup.lookahead, end - known - 1)         # never draft the last token (the paper's curr_k)
-        for i in range(n):                                # the first forward also feeds tokens the drafter lacks
+        n = min(setup.lookahead, end - known - 1)  # never draft the last token (the paper's curr_k)
+        for i in range(n):  # the first forward also feeds tokens the drafter lacks
             width = known - draft_cache if i == 0 else 1
             dt = setup.draft(width)
             trace.add("draft", "draft", t, t + dt, width)
@@ -251,15 +259,16 @@ def _sd(setup: Setup, tokens: int, rng: np.random.Generator) -> Result:
 
 # ------------------------------------------------------------------------------------------- amusd, dsi
 
+
 @dataclass
 class _Server:
     name: str
     cache: int
-    task: int | None = None             # id of the running task, None when idle
+    task: int | None = None  # id of the running task, None when idle
     started: float = 0.0
     width: int = 0
-    cache_before: int = 0               # the cache when the running task started (a cut-off task keeps it)
-    free_at: float = 0.0                # busy until then after its last task's verdict (the link's last messages)
+    cache_before: int = 0  # the cache when the running task started (a cut-off task keeps it)
+    free_at: float = 0.0  # busy until then after its last task's verdict (the link's last messages)
 
     def idle(self, t: float) -> bool:
         return self.task is None and t >= self.free_at
@@ -267,16 +276,17 @@ class _Server:
 
 @dataclass
 class _Task:
-    kind: str                           # "chunk" (verify drafts) or "solo" (the target-only thread)
+    kind: str  # "chunk" (verify drafts) or "solo" (the target-only thread)
     server: int
-    first: int                          # chunk: first drafted position; solo: the position it generates
-    last: int                           # chunk: one past the last drafted position; solo: == first
-    trim: int | None = None             # preempt=False: rolled back to here while running; its result is void
+    first: int  # chunk: first drafted position; solo: the position it generates
+    last: int  # chunk: one past the last drafted position; solo: == first
+    trim: int | None = None  # preempt=False: rolled back to here while running; its result is void
 
 
 @dataclass
 class _Concurrent:
     """AMUSD and DSI: a drafter and target servers working at the same time, driven by an event queue."""
+
     setup: Setup
     tokens: int
     rng: np.random.Generator
@@ -290,19 +300,19 @@ class _Concurrent:
         self.ttft = ready_target if self.known == 2 else None
         self.end = self.tokens + 1
         self.t = 0.0
-        self.truth: set[int] = set()            # positions >= known whose target token is known
-        self.drafts: dict[int, bool] = {}       # position -> the draft there is the target's token
+        self.truth: set[int] = set()  # positions >= known whose target token is known
+        self.drafts: dict[int, bool] = {}  # position -> the draft there is the target's token
         self.servers = [_Server(n, cache=self.known - 1) for n in names]
         self.server_ready = ready_target
         self.tasks: dict[int, _Task] = {}
-        self.queue: deque[tuple[int, int]] = deque()     # dsi: drafted chunks waiting for a server
-        self.chunk_start = self.known           # dsi: first position of the chunk being drafted
-        self.chain_end = self.known             # next position the drafter drafts
+        self.queue: deque[tuple[int, int]] = deque()  # dsi: drafted chunks waiting for a server
+        self.chunk_start = self.known  # dsi: first position of the chunk being drafted
+        self.chain_end = self.known  # next position the drafter drafts
         self.draft_cache = self.known - 1
-        self.draft_gen = 0                      # the drafter's forward in flight is stale when this moved on
+        self.draft_gen = 0  # the drafter's forward in flight is stale when this moved on
         self.draft_busy = False
         self.draft_free_at = ready_draft
-        self.draft_event: tuple[float, float, int] | None = None   # (start, end, width) of a forward in flight
+        self.draft_event: tuple[float, float, int] | None = None  # (start, end, width) of a forward in flight
         self.heap: list = []
         self.ids = itertools.count()
         self.result = Result(self.tokens, 0.0, 0.0, self.trace)
@@ -312,7 +322,7 @@ class _Concurrent:
             self.t, _, fn, args = heapq.heappop(self.heap)
             fn(*args)
         if self.known < self.end:
-            raise RuntimeError("simulation stalled before generating every token")   # a bug, not bad input
+            raise RuntimeError("simulation stalled before generating every token")  # a bug, not bad input
         self.result.total_s = self.t
         self.result.ttft_s = self.ttft if self.ttft is not None else self.t
         return self.result
@@ -324,16 +334,16 @@ class _Concurrent:
     # -- the drafter
     def _drafter_wake(self, gen: int) -> None:
         if gen != self.draft_gen:
-            return                                            # a later rollback rescheduled the drafter
+            return  # a later rollback rescheduled the drafter
         self.draft_busy = False
         self._start_draft()
 
     def _start_draft(self) -> None:
         if self.draft_busy or self.t < self.draft_free_at:
             return
-        pos = max(self.chain_end, self.known)                 # text committed meanwhile is simply input
+        pos = max(self.chain_end, self.known)  # text committed meanwhile is simply input
         if pos >= self.end - 1 or pos - self.known >= self.setup.ahead_limit:
-            return                                            # nothing left worth drafting, or far enough ahead
+            return  # nothing left worth drafting, or far enough ahead
         width = pos - self.draft_cache
         dt = self.setup.draft(width) + self.setup.draft_link_s
         self.draft_busy = True
@@ -342,21 +352,21 @@ class _Concurrent:
 
     def _draft_done(self, gen: int, pos: int) -> None:
         if gen != self.draft_gen:
-            return                                            # preempted by a rollback
+            return  # preempted by a rollback
         start, end, width = self.draft_event
         self.trace.add("draft", "draft", start, end, width)
         self.draft_event = None
         self.draft_busy = False
         self.draft_cache = pos
         self.chain_end = pos + 1
-        if pos >= self.known:                                 # else the target got there first: nothing to add
+        if pos >= self.known:  # else the target got there first: nothing to add
             self.drafts[pos] = bool(self.rng.random() < self.setup.acceptance_rate)
             self.result.drafts += 1
             full = pos + 1 - self.chunk_start >= self.setup.lookahead
-            if self.setup.strategy == "dsi" and (full or pos + 1 >= self.end - 1):   # the last chunk may be short
+            if self.setup.strategy == "dsi" and (full or pos + 1 >= self.end - 1):  # the last chunk may be short
                 self.queue.append((self.chunk_start, pos + 1))
                 self.chunk_start = pos + 1
-            if pos in self.truth:                             # its verdict was already computed
+            if pos in self.truth:  # its verdict was already computed
                 self._commit()
         self._schedule()
 
@@ -379,7 +389,7 @@ class _Concurrent:
     def _next_chunk(self) -> tuple[int, int] | None:
         if self.setup.strategy == "dsi":
             while self.queue and self.queue[0][1] < self.known:
-                self.queue.popleft()                          # committed meanwhile (by the target-only thread)
+                self.queue.popleft()  # committed meanwhile (by the target-only thread)
             return self.queue.popleft() if self.queue else None
         # AMUSD's verifier takes everything drafted and not yet verified: at least one draft, and at least
         # `verify_min` while the drafter can still add some
@@ -391,7 +401,7 @@ class _Concurrent:
         return first, first + pending
 
     def _start_chunk(self, i: int, first: int, last: int) -> None:
-        width = last - self.servers[i].cache               # catch-up tokens + the token before the chunk + drafts
+        width = last - self.servers[i].cache  # catch-up tokens + the token before the chunk + drafts
         before, after = self.setup.server_link_s(i, len(self.servers))
         dt = self.setup.comm_s + self.setup.target(width) + self.setup.comm_s + before
         self._run(i, _Task("chunk", i, first, last), width, dt, after)
@@ -435,9 +445,9 @@ class _Concurrent:
 
     def _task_done(self, tid: int) -> None:
         if tid not in self.tasks:
-            return                                            # cancelled by a rollback
+            return  # cancelled by a rollback
         task = self._finish(tid)
-        if task.trim is not None:                             # overtaken by a rollback while it ran: drop it
+        if task.trim is not None:  # overtaken by a rollback while it ran: drop it
             self.servers[task.server].cache = min(self.servers[task.server].cache, task.trim)
             self._schedule()
             return
@@ -466,20 +476,20 @@ class _Concurrent:
             self.known += 1
             if draft_ok:
                 self.result.accepted += 1
-            elif draft_ok is False:                           # the target's token replaces a wrong draft
+            elif draft_ok is False:  # the target's token replaces a wrong draft
                 self._rollback(pos)
         if self.known > start:
             if self.ttft is None:
                 self.ttft = self.t
             self.trace.commit(self.known - 1, at_s=self.t)
-            for tid, task in list(self.tasks.items()):        # a target-only step the speculation overtook
+            for tid, task in list(self.tasks.items()):  # a target-only step the speculation overtook
                 if task.kind == "solo" and task.first < self.known:
                     self._cancel(tid)
 
     def _cancel(self, tid: int) -> None:
         task = self._finish(tid)
         server = self.servers[task.server]
-        server.cache = server.cache_before                    # a cut-off forward leaves nothing usable behind
+        server.cache = server.cache_before  # a cut-off forward leaves nothing usable behind
         server.free_at = self.t
 
     def _rollback(self, pos: int) -> None:
@@ -494,10 +504,10 @@ class _Concurrent:
         for tid, task in list(self.tasks.items()):
             if self.setup.preempt:
                 self._cancel(tid)
-            else:                                             # the server finishes this forward, then rolls back
+            else:  # the server finishes this forward, then rolls back
                 task.trim = pos if task.trim is None else min(task.trim, pos)
         for server in self.servers:
-            server.cache = min(server.cache, pos)             # `pos` held the wrong draft
+            server.cache = min(server.cache, pos)  # `pos` held the wrong draft
         # the drafter hears of it one message later; a forward it has in flight is wasted
         self.draft_gen += 1
         self.draft_busy = True

@@ -16,16 +16,17 @@ node is on the caller's); every message a worker there sends or receives also pa
 taken on the caller's node first; when remote devices are available, the plan also says up to which link latency
 a remote target server still pays (`remote_break_even_ms`).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from paraspec.sim.events import Setup, mean_result
 from paraspec.sim.costs import Profile
+from paraspec.sim.events import Setup, mean_result
 
-DEFAULT_COMM_MS = 0.5        # one message between local worker processes (shared memory + a pipe wake-up)
-DEFAULT_MIN_GAIN = 0.03      # speculation must predict >= 3% lower TPOT than ar: below that, model error dominates
-DEFAULT_LINK_MS = 1.0        # one message to another node (a LAN round trip is two)
+DEFAULT_COMM_MS = 0.5  # one message between local worker processes (shared memory + a pipe wake-up)
+DEFAULT_MIN_GAIN = 0.03  # speculation must predict >= 3% lower TPOT than ar: below that, model error dominates
+DEFAULT_LINK_MS = 1.0  # one message to another node (a LAN round trip is two)
 LINK_GRID_MS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
@@ -37,8 +38,8 @@ def is_remote(device: str | None) -> bool:
 @dataclass(frozen=True)
 class Choice:
     strategy: str
-    tpot_ms: float                      # predicted decode time per token (after the first)
-    ms_per_token: float                 # predicted time per token including prefill
+    tpot_ms: float  # predicted decode time per token (after the first)
+    ms_per_token: float  # predicted time per token including prefill
     draft_device: str | None
     target_devices: tuple[str, ...]
     lookahead: int | None = None
@@ -65,35 +66,45 @@ class Choice:
 @dataclass
 class Plan:
     profile: Profile
-    choices: dict[str, Choice | None]   # best setting per strategy; None when the devices do not allow it
+    choices: dict[str, Choice | None]  # best setting per strategy; None when the devices do not allow it
     recommended: Choice
     notes: list[str] = field(default_factory=list)
-    remote_break_even_ms: float | None = None   # dsi: the largest link latency at which its remote servers still
-                                                # beat dsi on the caller's node alone (None: no remote device)
+    remote_break_even_ms: float | None = None  # dsi: the largest link latency at which its remote servers still
+    # beat dsi on the caller's node alone (None: no remote device)
 
     def to_dict(self) -> dict:
-        return {"recommended": asdict(self.recommended),
-                "strategies": {k: (asdict(v) if v else None) for k, v in self.choices.items()},
-                "remote_break_even_ms": self.remote_break_even_ms, "notes": list(self.notes)}
+        return {
+            "recommended": asdict(self.recommended),
+            "strategies": {k: (asdict(v) if v else None) for k, v in self.choices.items()},
+            "remote_break_even_ms": self.remote_break_even_ms,
+            "notes": list(self.notes),
+        }
 
     def render(self) -> str:
         p = self.profile
         ar = self.choices["ar"].tpot_ms
-        lines = [f"target {p.target.model} on {p.target.device or '?'}: {p.target.tpot_ms:.1f} ms/token; "
-                 f"draft {p.draft.model} on {p.draft.device or '?'}: {p.draft.tpot_ms:.1f} ms/token "
-                 f"(c = {p.draft.tpot_ms / p.target.tpot_ms:.3f}); acceptance rate {p.acceptance_rate:.2f}; "
-                 f"devices {' '.join(p.devices)}",
-                 "",
-                 f"{'strategy':<9} {'settings':<34} {'TPOT ms':>9} {'vs ar':>7}  placement"]
+        lines = [
+            f"target {p.target.model} on {p.target.device or '?'}: {p.target.tpot_ms:.1f} ms/token; "
+            f"draft {p.draft.model} on {p.draft.device or '?'}: {p.draft.tpot_ms:.1f} ms/token "
+            f"(c = {p.draft.tpot_ms / p.target.tpot_ms:.3f}); acceptance rate {p.acceptance_rate:.2f}; "
+            f"devices {' '.join(p.devices)}",
+            "",
+            f"{'strategy':<9} {'settings':<34} {'TPOT ms':>9} {'vs ar':>7}  placement",
+        ]
         for name, choice in self.choices.items():
             if choice is None:
                 lines.append(f"{name:<9} {'(needs two devices)':<34}")
                 continue
-            lines.append(f"{name:<9} {choice.settings():<34} {choice.tpot_ms:>9.1f} {ar / choice.tpot_ms:>6.2f}x  "
-                         f"{choice.placement()}")
+            lines.append(
+                f"{name:<9} {choice.settings():<34} {choice.tpot_ms:>9.1f} {ar / choice.tpot_ms:>6.2f}x  "
+                f"{choice.placement()}"
+            )
         r = self.recommended
-        lines += ["", f"recommended: {r.strategy} ({r.settings()}; {r.placement()}): "
-                      f"{r.tpot_ms:.1f} ms/token, {ar / r.tpot_ms:.2f}x ar"]
+        lines += [
+            "",
+            f"recommended: {r.strategy} ({r.settings()}; {r.placement()}): "
+            f"{r.tpot_ms:.1f} ms/token, {ar / r.tpot_ms:.2f}x ar",
+        ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -120,38 +131,62 @@ def _simulator(profile: Profile, tokens: int, repeats: int, seed: int, link_ms: 
     costs filled in, so every strategy is predicted under the same assumptions."""
     target, draft = profile.target.cost(), profile.draft.cost()
     # paraspec's draft workers finish a forward in flight before they hear of a rollback: no preemption
-    base = dict(target=target, draft=draft, acceptance_rate=profile.acceptance_rate, preempt=False,
-                target_prefill_s=profile.target.ttft_ms / 1000, draft_prefill_s=profile.draft.ttft_ms / 1000,
-                link_s=link_ms / 1000)
+    base = dict(
+        target=target,
+        draft=draft,
+        acceptance_rate=profile.acceptance_rate,
+        preempt=False,
+        target_prefill_s=profile.target.ttft_ms / 1000,
+        draft_prefill_s=profile.draft.ttft_ms / 1000,
+        link_s=link_ms / 1000,
+    )
 
     def run(strategy: str, **kw) -> tuple[float, float]:
         total_s, tpot_ms = mean_result(Setup(strategy, **{**base, **kw}), tokens, repeats, seed)
         return tpot_ms, 1000 * total_s / tokens
+
     return run
 
 
 def _best_sd(run, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float, link_ms: float) -> Choice:
     """sd alternates draft and target, so it gains nothing from two devices; co-located it pays no messages."""
     sd_comm = 0.0 if draft_dev == target_dev else comm_ms / 1000 + (link_ms / 1000 if is_remote(target_dev) else 0)
-    return _fastest(Choice("sd", *run("sd", lookahead=k, comm_s=sd_comm), draft_dev, (target_dev,), lookahead=k)
-                    for k in lookaheads)
+    return _fastest(
+        Choice("sd", *run("sd", lookahead=k, comm_s=sd_comm), draft_dev, (target_dev,), lookahead=k) for k in lookaheads
+    )
 
 
 def _best_amusd(run, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float) -> Choice:
     """AMUSD's drafter may run `max_ahead` tokens ahead; verifying from 1 or only at max_ahead bracket the choice."""
-    return _fastest(Choice("amusd", *run("amusd", max_ahead=m, verify_min=v, comm_s=comm_ms / 1000,
-                                         remote_servers=int(is_remote(target_dev))),
-                           draft_dev, (target_dev,), max_ahead=m, verify_min=v)
-                    for m in lookaheads for v in sorted({1, m}))
+    return _fastest(
+        Choice(
+            "amusd",
+            *run("amusd", max_ahead=m, verify_min=v, comm_s=comm_ms / 1000, remote_servers=int(is_remote(target_dev))),
+            draft_dev,
+            (target_dev,),
+            max_ahead=m,
+            verify_min=v,
+        )
+        for m in lookaheads
+        for v in sorted({1, m})
+    )
 
 
 def _dsi_simulator(run, servers_order: list[str], draft_dev: str, comm_ms: float):
     """dsi(k, n, **setup) -> Choice for lookahead k on the first n servers; the remote servers are the last ones,
     as in the simulator, so n counts the caller's node's servers first."""
+
     def dsi(k: int, n: int, **kw) -> Choice:
         remote = sum(map(is_remote, servers_order[:n]))
-        return Choice("dsi", *run("dsi", lookahead=k, servers=n, comm_s=comm_ms / 1000, remote_servers=remote,
-                                  **kw), draft_dev, tuple(servers_order[:n]), lookahead=k, servers=n)
+        return Choice(
+            "dsi",
+            *run("dsi", lookahead=k, servers=n, comm_s=comm_ms / 1000, remote_servers=remote, **kw),
+            draft_dev,
+            tuple(servers_order[:n]),
+            lookahead=k,
+            servers=n,
+        )
+
     return dsi
 
 
@@ -161,12 +196,16 @@ def _recommendation(choices: dict[str, Choice | None], min_gain: float) -> tuple
     ar = choices["ar"]
     notes = []
     if choices["sd"].tpot_ms > ar.tpot_ms:
-        notes.append(f"sd is slower than ar ({choices['sd'].tpot_ms:.1f} vs {ar.tpot_ms:.1f} ms/token): the draft is "
-                     f"too slow or too inaccurate for synchronous speculation to pay")
+        notes.append(
+            f"sd is slower than ar ({choices['sd'].tpot_ms:.1f} vs {ar.tpot_ms:.1f} ms/token): the draft is "
+            f"too slow or too inaccurate for synchronous speculation to pay"
+        )
     fastest = _fastest(c for c in choices.values() if c is not None)
     if fastest.strategy != "ar" and fastest.tpot_ms > ar.tpot_ms * (1 - min_gain):
-        notes.append(f"speculation does not pay here: the best, {fastest.strategy}, predicts {fastest.tpot_ms:.1f} "
-                     f"ms/token, less than {min_gain:.0%} below ar; run ar")
+        notes.append(
+            f"speculation does not pay here: the best, {fastest.strategy}, predicts {fastest.tpot_ms:.1f} "
+            f"ms/token, less than {min_gain:.0%} below ar; run ar"
+        )
         fastest = ar
     elif fastest.strategy == "ar":
         notes.append("speculation does not pay here: no strategy beats ar; run ar")
@@ -175,8 +214,9 @@ def _recommendation(choices: dict[str, Choice | None], min_gain: float) -> tuple
     return fastest, notes
 
 
-def _remote_servers_verdict(dsi, lookaheads: list[int], servers_order: list[str],
-                            link_ms: float) -> tuple[float | None, list[str]]:
+def _remote_servers_verdict(
+    dsi, lookaheads: list[int], servers_order: list[str], link_ms: float
+) -> tuple[float | None, list[str]]:
     """(remote_break_even_ms, notes) for dsi's remote target servers; (None, []) when every server is local."""
     local_servers = sum(not is_remote(d) for d in servers_order)
     if local_servers == len(servers_order):
@@ -185,17 +225,28 @@ def _remote_servers_verdict(dsi, lookaheads: list[int], servers_order: list[str]
     if local_servers == 0:
         note = "every target device is on another node: dsi pays the link on every verification"
     elif break_even is None:
-        note = (f"remote target servers do not pay even over a free link: dsi on the caller's node "
-                f"({local_servers} server{'s' * (local_servers > 1)}) is as fast")
+        note = (
+            f"remote target servers do not pay even over a free link: dsi on the caller's node "
+            f"({local_servers} server{'s' * (local_servers > 1)}) is as fast"
+        )
     else:
-        note = (f"remote target servers pay while a message to their node takes up to ~{break_even:g} ms "
-                f"(planned at {link_ms:g} ms); above that run dsi on the caller's node alone")
+        note = (
+            f"remote target servers pay while a message to their node takes up to ~{break_even:g} ms "
+            f"(planned at {link_ms:g} ms); above that run dsi on the caller's node alone"
+        )
     return break_even, [note]
 
 
-def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range(1, 11),
-         comm_ms: float = DEFAULT_COMM_MS, min_gain: float = DEFAULT_MIN_GAIN, seed: int = 0,
-         link_ms: float = DEFAULT_LINK_MS) -> Plan:
+def plan(
+    profile: Profile,
+    tokens: int = 128,
+    repeats: int = 3,
+    lookaheads=range(1, 11),
+    comm_ms: float = DEFAULT_COMM_MS,
+    min_gain: float = DEFAULT_MIN_GAIN,
+    seed: int = 0,
+    link_ms: float = DEFAULT_LINK_MS,
+) -> Plan:
     """Simulate every strategy over its settings on `profile` and recommend the fastest (see the module docstring).
 
     The drafter goes on the first device and the target on the last unless the profile places them; amusd and dsi
@@ -206,8 +257,10 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     draft_dev = profile.draft.device or (devices[0] if devices[0] != target_dev else devices[-1])
     run = _simulator(profile, tokens, repeats, seed, link_ms)
     if is_remote(draft_dev):
-        raise ValueError(f"the draft device {draft_dev} is on another node: the planner places the drafter on the "
-                         f"caller's node; list a device without a node first")
+        raise ValueError(
+            f"the draft device {draft_dev} is on another node: the planner places the drafter on the "
+            f"caller's node; list a device without a node first"
+        )
 
     choices: dict[str, Choice | None] = {"ar": Choice("ar", *run("ar", draft=None), None, (target_dev,))}
     choices["sd"] = _best_sd(run, lookaheads, draft_dev, target_dev, comm_ms, link_ms)
@@ -226,10 +279,12 @@ def plan(profile: Profile, tokens: int = 128, repeats: int = 3, lookaheads=range
     if choices["dsi"] is not None:
         break_even, remote_notes = _remote_servers_verdict(dsi, lookaheads, servers_order, link_ms)
         notes += remote_notes
-    notes.append(f"assumes {comm_ms:g} ms per message, {link_ms:g} ms more across nodes, every target server as "
-                 f"fast as {target_dev}, "
-                 f"draft tokens accepted independently at rate {profile.acceptance_rate:.2f}, "
-                 f"and a draft forward in flight at a rollback run to its end (as the draft workers do)")
+    notes.append(
+        f"assumes {comm_ms:g} ms per message, {link_ms:g} ms more across nodes, every target server as "
+        f"fast as {target_dev}, "
+        f"draft tokens accepted independently at rate {profile.acceptance_rate:.2f}, "
+        f"and a draft forward in flight at a rollback run to its end (as the draft workers do)"
+    )
     return Plan(profile, choices, fastest, notes, break_even)
 
 
@@ -241,8 +296,9 @@ def remote_break_even(dsi, lookaheads, local_servers: int, all_servers: int) -> 
     local = _fastest(dsi(k, n) for k in lookaheads for n in range(1, local_servers + 1))
     best = None
     for link_ms in LINK_GRID_MS:
-        remote = _fastest(dsi(k, n, link_s=link_ms / 1000) for k in lookaheads
-                          for n in range(local_servers + 1, all_servers + 1))
+        remote = _fastest(
+            dsi(k, n, link_s=link_ms / 1000) for k in lookaheads for n in range(local_servers + 1, all_servers + 1)
+        )
         if remote.tpot_ms >= local.tpot_ms:
             break
         best = link_ms

@@ -3,6 +3,7 @@
 Slowdowns (speedup < 1) are pink, as in the paper; speedups get viridis bands of `step`, the last band open
 ended ("> vmax"). Configurations that were not simulated (too many target servers needed) stay white.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,10 +20,12 @@ PANELS = {
 PINK = (248 / 256, 24 / 256, 148 / 256, 1.0)
 
 
-def save_heatmap(speedup: np.ndarray, c: np.ndarray, a: np.ndarray, path: str | Path, title: str,
-                 step: float, vmax: float) -> Path:
+def save_heatmap(
+    speedup: np.ndarray, c: np.ndarray, a: np.ndarray, path: str | Path, title: str, step: float, vmax: float
+) -> Path:
     """speedup: [len(c), len(a)]. Returns the path written."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import BoundaryNorm, ListedColormap
@@ -34,7 +37,7 @@ def save_heatmap(speedup: np.ndarray, c: np.ndarray, a: np.ndarray, path: str | 
         bounds.append(bounds[-1] + step)
     bands = len(bounds) - 2
     colors = [PINK] + list(matplotlib.colormaps["viridis"](np.linspace(0, 1, max(bands, 1))))
-    cmap = ListedColormap(colors[:len(bounds) - 1]).with_extremes(over=colors[-1])
+    cmap = ListedColormap(colors[: len(bounds) - 1]).with_extremes(over=colors[-1])
     norm = BoundaryNorm(bounds, cmap.N)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.8))

@@ -9,6 +9,7 @@
 
 Each model picks its own lookaheads and server counts; the rows carry them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,13 +18,14 @@ import numpy as np
 
 from paraspec.sim import dsi_online as online
 from paraspec.sim import dsi_paper as paper
-from paraspec.sim.events import Setup, simulate
 from paraspec.sim.costs import ForwardCost
+from paraspec.sim.events import Setup, simulate
 
 
 @dataclass(frozen=True)
 class Choice:
     """One model's result on one row: mean SI and DSI times (its own unit) and what each used."""
+
     si: float
     si_k: int
     dsi: float
@@ -53,8 +55,15 @@ def offline_choice(pair: paper.PairRow) -> Choice:
     return Choice(r.si_cost, r.si_k, r.dsi_cost, r.dsi_k, r.dsi_servers)
 
 
-def online_choice(pair: paper.PairRow, variant: online.Variant, repeats: int, restart_ms: float = 0.0,
-                  seed: int = 0, lookaheads=online.ONLINE_LOOKAHEADS, servers=online.ONLINE_SERVERS) -> Choice:
+def online_choice(
+    pair: paper.PairRow,
+    variant: online.Variant,
+    repeats: int,
+    restart_ms: float = 0.0,
+    seed: int = 0,
+    lookaheads=online.ONLINE_LOOKAHEADS,
+    servers=online.ONLINE_SERVERS,
+) -> Choice:
     """The paper's protocol (section 4): SI at its best lookahead; DSI at its best (lookahead, target threads)."""
     latencies = online.Latencies(pair.target_ms, pair.drafter_ms)
 
@@ -67,8 +76,13 @@ def online_choice(pair: paper.PairRow, variant: online.Variant, repeats: int, re
     return Choice(si, si_k, dsi, dsi_k, dsi_n)
 
 
-def events_choice(pair: paper.PairRow, repeats: int, tokens: int = online.ONLINE_TOKENS,
-                  lookaheads=online.ONLINE_LOOKAHEADS, servers=online.ONLINE_SERVERS) -> Choice:
+def events_choice(
+    pair: paper.PairRow,
+    repeats: int,
+    tokens: int = online.ONLINE_TOKENS,
+    lookaheads=online.ONLINE_LOOKAHEADS,
+    servers=online.ONLINE_SERVERS,
+) -> Choice:
     target = ForwardCost.constant(pair.target_ms / 1000)
     draft = ForwardCost.constant(pair.drafter_ms / 1000)
 
@@ -81,14 +95,27 @@ def events_choice(pair: paper.PairRow, repeats: int, tokens: int = online.ONLINE
     return Choice(si, si_k, dsi, dsi_k, dsi_n)
 
 
-def table1(rows=paper.PAPER_TABLE1, variant: online.Variant = online.VARIANTS["paper"],
-           online_repeats: int = 1000, events_repeats: int = 100, restart_ms: float = 0.0) -> list[Row]:
-    return [Row(pair, offline_choice(pair), online_choice(pair, variant, online_repeats, restart_ms),
-                events_choice(pair, events_repeats)) for pair in rows]
+def table1(
+    rows=paper.PAPER_TABLE1,
+    variant: online.Variant = online.VARIANTS["paper"],
+    online_repeats: int = 1000,
+    events_repeats: int = 100,
+    restart_ms: float = 0.0,
+) -> list[Row]:
+    return [
+        Row(
+            pair,
+            offline_choice(pair),
+            online_choice(pair, variant, online_repeats, restart_ms),
+            events_choice(pair, events_repeats),
+        )
+        for pair in rows
+    ]
 
 
-def online_spread(pair: paper.PairRow, variant: online.Variant, repeats: int = online.ONLINE_REPEATS,
-                  estimates: int = 40) -> tuple[float, float]:
+def online_spread(
+    pair: paper.PairRow, variant: online.Variant, repeats: int = online.ONLINE_REPEATS, estimates: int = 40
+) -> tuple[float, float]:
     """5th and 95th percentile of the online speedup when every configuration is estimated from `repeats` runs
     (the authors' `iter_count`, 30) and the best is picked from those noisy means, as the paper's protocol does:
     how far one honest run of it can land from its expectation."""

@@ -19,6 +19,7 @@ rollback when rejected), not as a round: no forward verified it. Every drafted t
 drafted from: a token is published only under the version it was drafted at, and any change to an earlier
 position bumps the version and drops it.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -26,12 +27,12 @@ from functools import partial
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
-from paraspec.run import Run, top2_margins
+from paraspec.request_state import Run, top2_margins
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, make_generator
-from paraspec.strategies.registry import register
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
+from paraspec.strategies.registry import register
 from paraspec.trace import Trace
 from paraspec.verify import judge_in_hand, verify_chain
 
@@ -41,32 +42,64 @@ class AMUSD(WorkerStrategy):
     name = "amusd"
     summary = "draft and verify at the same time on separate devices (AMUSD)"
     options = ("max_ahead", "verify_chunk")
-    caps = Capabilities(runtimes=WITH_RAY, in_workers=True, across_nodes=True, why_not_model_free=(
-        "its draft worker overlaps a draft model's forwards with verification on another device, and a model-free "
-        "drafter costs microseconds, so there is nothing to overlap (use sd with the same draft, or dsi to put it "
-        "beside a draft model)"))
+    caps = Capabilities(
+        runtimes=WITH_RAY,
+        in_workers=True,
+        across_nodes=True,
+        why_not_model_free=(
+            "its draft worker overlaps a draft model's forwards with verification on another device, and a model-free "
+            "drafter costs microseconds, so there is nothing to overlap (use sd with the same draft, or dsi to put it "
+            "beside a draft model)"
+        ),
+    )
 
     def setup(self, placement: Placement) -> None:
-        self.start_workers(placement, [("target", placement.target, placement.target_devices[0]),
-                                       ("draft", placement.draft_checkpoints[0], placement.draft_devices[0])],
-                           drafts=("draft",))
+        self.start_workers(
+            placement,
+            [
+                ("target", placement.target, placement.target_devices[0]),
+                ("draft", placement.draft_checkpoints[0], placement.draft_devices[0]),
+            ],
+            drafts=("draft",),
+        )
         self.target, self.draft_models = self.remote("target"), [self.remote("draft")]
-        self.channel = self.runtime.channel(CHANNEL, capacity=min(self.target.max_context, self.draft_models[0].max_context),
-                                            vocab_size=self.target.vocab_size, q_window=64)
+        self.channel = self.runtime.channel(
+            CHANNEL,
+            capacity=min(self.target.max_context, self.draft_models[0].max_context),
+            vocab_size=self.target.vocab_size,
+            q_window=64,
+        )
 
     def decode(self, run: Run):
-        return run_request(run, self.runtime, self.channel, self.options["max_ahead"],
-                           self.options["verify_chunk"])
+        return run_request(run, self.runtime, self.channel, self.options["max_ahead"], self.options["verify_chunk"])
 
 
-def verify_loop(target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int], end: int,
-                verify_chunk: int, seed: int | None, record_margins: bool = False) -> dict:
+def verify_loop(
+    target,
+    ctx,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+    end: int,
+    verify_chunk: int,
+    seed: int | None,
+    record_margins: bool = False,
+) -> dict:
     """Runs in the target worker: verifies drafts and commits tokens until the request is done (or cancelled)."""
-    verifier = Verifier(target, ctx, prompt_ids, params, stop_ids, end, verify_chunk, make_generator(seed),
-                        margins={} if record_margins else None)
+    verifier = Verifier(
+        target,
+        ctx,
+        prompt_ids,
+        params,
+        stop_ids,
+        end,
+        verify_chunk,
+        make_generator(seed),
+        margins={} if record_margins else None,
+    )
     try:
         verifier.run_to_end()
-    except ChannelStopped:                  # the caller cancelled the request, or its Run matched a stop string
+    except ChannelStopped:  # the caller cancelled the request, or its Run matched a stop string
         pass
     finally:
         verifier.channel.stop("done")
@@ -82,20 +115,30 @@ class Verifier:
     its verdicts, which the caller's Run counts (`count_verdicts`). The caller's Run.commit applies the stop rules
     to the stream, so tokens committed here after a stop token in the same batch are cut there."""
 
-    def __init__(self, target, ctx, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
-                 end: int, verify_chunk: int, generator: torch.Generator, margins: dict[int, float] | None = None):
+    def __init__(
+        self,
+        target,
+        ctx,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop_ids: frozenset[int],
+        end: int,
+        verify_chunk: int,
+        generator: torch.Generator,
+        margins: dict[int, float] | None = None,
+    ):
         self.target, self.ctx, self.params, self.verify_chunk = target, ctx, params, verify_chunk
-        self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace    # the trace's rows: target:<device>
-        self.settle = partial(sync, ctx.device)   # waits for the target's device around a timed forward
-        self.sequence = list(prompt_ids)          # V after the prompt; its length is p_v
+        self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace  # the trace's rows: target:<device>
+        self.settle = partial(sync, ctx.device)  # waits for the target's device around a timed forward
+        self.sequence = list(prompt_ids)  # V after the prompt; its length is p_v
         self.prompt_length = len(prompt_ids)
         self.stop_ids, self.end = stop_ids, end
         self.stop_token_seen = False
         self.generator = generator
         self.sampling = not params.greedy
-        self.verdicts: list[tuple[int, int, bool]] = []   # (drafted, accepted, by a forward of its own)
-        self.margins = margins                    # the target's top-2 margins by output index, if asked
-        self.judged_at_once = self.bonus = 0      # tokens settled from a distribution already in hand
+        self.verdicts: list[tuple[int, int, bool]] = []  # (drafted, accepted, by a forward of its own)
+        self.margins = margins  # the target's top-2 margins by output index, if asked
+        self.judged_at_once = self.bonus = 0  # tokens settled from a distribution already in hand
 
     @property
     def done(self) -> bool:
@@ -104,7 +147,7 @@ class Verifier:
 
     def run_to_end(self) -> None:
         with self.trace.span("prefill", len(self.sequence), settle=self.settle):
-            in_hand = self.target.prefill(self.sequence)   # the target distribution at the first open position
+            in_hand = self.target.prefill(self.sequence)  # the target distribution at the first open position
         while not self.done:
             if in_hand is not None:
                 self.settle_in_hand(in_hand)
@@ -124,11 +167,14 @@ class Verifier:
         position = len(self.sequence)
         snap = self.channel.snapshot(position, position + 1)
         draft = int(snap.tokens[0]) if len(snap.tokens) else None
-        q = torch.from_numpy(self.channel.read_q(position, position + 1, version=snap.version)[0]) \
-            if self.sampling and draft is not None else None
+        q = (
+            torch.from_numpy(self.channel.read_q(position, position + 1, version=snap.version)[0])
+            if self.sampling and draft is not None
+            else None
+        )
         token, verdict = judge_in_hand(draft, q, logits, self.params, self.generator)
         if verdict is not None:
-            self.verdicts.append((1, verdict, False))   # judged, but no forward of its own verified it
+            self.verdicts.append((1, verdict, False))  # judged, but no forward of its own verified it
         self.judged_at_once += verdict is not None
         self.bonus += verdict is None
         self.commit([token])
@@ -138,7 +184,7 @@ class Verifier:
         chunk when every draft was accepted (Algorithm 1's bonus), else None."""
         position = len(self.sequence)
         drafts, q = self.take_drafts(position, min(self.verify_chunk, self.end - position - 1))  # + one target token
-        pending = self.sequence[self.target.length:]      # committed tokens the target has not cached yet
+        pending = self.sequence[self.target.length :]  # committed tokens the target has not cached yet
         with self.trace.span("verify", len(pending) + len(drafts), settle=self.settle):
             logits = self.target.forward(pending + drafts, last_n=len(drafts) + 1)
         if self.margins is not None:
@@ -160,13 +206,20 @@ class Verifier:
         snap = self.channel.wait_for_draft(position + 1, start=position, max_length=position + room)
         self.trace.add(None, "wait", start, self.trace.now())
         drafts = [int(t) for t in snap.tokens]
-        q = torch.from_numpy(self.channel.read_q(position, position + len(drafts), version=snap.version)) \
-            if self.sampling and drafts else None
+        q = (
+            torch.from_numpy(self.channel.read_q(position, position + len(drafts), version=snap.version))
+            if self.sampling and drafts
+            else None
+        )
         return drafts, q
 
     def report(self) -> dict:
-        return {"verdicts": self.verdicts, "margins": self.margins, "judged_at_once": self.judged_at_once,
-                "bonus": self.bonus}
+        return {
+            "verdicts": self.verdicts,
+            "margins": self.margins,
+            "judged_at_once": self.judged_at_once,
+            "bonus": self.bonus,
+        }
 
 
 def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
@@ -174,11 +227,25 @@ def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: i
     workers' reports and traces into `run`."""
     channel.reset(run.prompt_ids)
     target, draft = runtime["target"], runtime["draft"]
-    verify = target.start_loop(verify_loop, trace=Trace(t0=run.trace.t0), prompt_ids=run.prompt_ids,
-                               params=run.params, stop_ids=run.stop_ids, end=len(run.sequence) + run.remaining,
-                               verify_chunk=verify_chunk, seed=run.params.seed, record_margins=run.margins is not None)
-    drafting = draft.start_loop(draft_loop, params=run.params, max_ahead=max_ahead,
-                                vocab_size=target.info.vocab_size, seed=run.params.seed, t0=run.trace.t0)
+    verify = target.start_loop(
+        verify_loop,
+        trace=Trace(t0=run.trace.t0),
+        prompt_ids=run.prompt_ids,
+        params=run.params,
+        stop_ids=run.stop_ids,
+        end=len(run.sequence) + run.remaining,
+        verify_chunk=verify_chunk,
+        seed=run.params.seed,
+        record_margins=run.margins is not None,
+    )
+    drafting = draft.start_loop(
+        draft_loop,
+        params=run.params,
+        max_ahead=max_ahead,
+        vocab_size=target.info.vocab_size,
+        seed=run.params.seed,
+        t0=run.trace.t0,
+    )
     seen = len(run.prompt_ids)
     finished = False
     try:
@@ -190,12 +257,12 @@ def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: i
             new = [int(t) for t in channel.tokens(seen, state.committed)]
             seen = state.committed
             yield run.commit(new)
-            if run.stop_string is not None:     # a stop string (the caller's tokenizer): end the workers' loops
+            if run.stop_string is not None:  # a stop string (the caller's tokenizer): end the workers' loops
                 channel.stop("stop string")
                 break
         finished = True
     finally:
-        if not finished:                    # the consumer stopped early (or failed): end both loops first
+        if not finished:  # the consumer stopped early (or failed): end both loops first
             channel.stop("cancelled by the caller")
         verify_report, draft_report = runtime.gather(verify, drafting)
     count_verdicts(run, verify_report)

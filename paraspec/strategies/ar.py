@@ -1,10 +1,11 @@
 """Autoregressive decoding of the target: the baseline every other strategy must reproduce exactly."""
+
 from __future__ import annotations
 
+from paraspec.request_state import Run
 from paraspec.sampling import next_token
-from paraspec.strategies.registry import register
 from paraspec.strategies.base import Capabilities, LocalStrategy
-from paraspec.run import Run
+from paraspec.strategies.registry import register
 
 
 @register
@@ -15,7 +16,7 @@ class AR(LocalStrategy):
 
     def decode(self, run: Run):
         target = self.target
-        on = getattr(target, "device", None)     # llama.cpp and simulated models have none: they return when done
+        on = getattr(target, "device", None)  # llama.cpp and simulated models have none: they return when done
         with run.timed("target", "prefill", len(run.prompt_ids), on=on):
             logits = target.prefill(run.prompt_ids)
         run.observe_target(0, logits)

@@ -1,5 +1,5 @@
 """What every strategy shares: the Strategy interface the Engine calls and what setup() gets (`Placement`); the
-request in flight (`Run`) and the rules for committing tokens are in paraspec/run.py.
+request in flight (`Run`) and the rules for committing tokens are in paraspec/request_state.py.
 
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
     Strategy.decode(run)       a generator yielding each batch of newly committed token ids
@@ -19,39 +19,41 @@ is one declaration, `caps = Capabilities(...)`; EngineConfig checks every config
 (config.py, `capability_asks`) and names the strategies that accept what this one refuses. Its option names,
 `options`, sit beside it (registry.register checks them against OPTIONS).
 """
+
 from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
-from paraspec.run import Run
+from paraspec.request_state import Run
 from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
-
 
 # -- what a strategy accepts -------------------------------------------------------------------------------------
 
 DRAFT_COUNTS = ("none", "one", "several")
-IN_PROCESS = ("process", "inprocess")    # runtimes of a strategy that starts no workers: nothing for Ray to place
-WITH_RAY = IN_PROCESS + ("ray",)         # and of one that starts workers Ray can place
+IN_PROCESS = ("process", "inprocess")  # runtimes of a strategy that starts no workers: nothing for Ray to place
+WITH_RAY = IN_PROCESS + ("ray",)  # and of one that starts workers Ray can place
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a strategy accepts, declared once per strategy (`Strategy.caps`). EngineConfig refuses a configuration
     that asks for more, naming the fix and the strategies that accept it; the bench reads `in_workers`."""
-    drafts: str = "one"                        # "none" (decodes the target alone), "one" draft, "several" (a list)
-    model_free: bool = False                   # takes "ngram" / "suffix" (drafters.MODEL_FREE) as drafts
-    why_not_model_free: str = ""               # why not, when it does not (the error says it)
-    runtimes: tuple[str, ...] = IN_PROCESS     # the runtime= values it honours
-    backends: tuple[str, ...] = ("native", "hf", "llamacpp")   # model backends its forwards run on
-    in_workers: bool = False                   # its models run in pinned workers: the caller's thread count does
-                                               # not apply (the bench's @Nt)
-    across_nodes: bool = False                 # its workers may sit on other nodes (devices NODE/...)
-    why_not_across_nodes: str = "its models run in the caller's process"   # why not, when it may not
-    batches: bool = False                      # its loop runs in the caller on the models alone: requests may
-                                               # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
+
+    drafts: str = "one"  # "none" (decodes the target alone), "one" draft, "several" (a list)
+    model_free: bool = False  # takes "ngram" / "suffix" (drafters.MODEL_FREE) as drafts
+    why_not_model_free: str = ""  # why not, when it does not (the error says it)
+    runtimes: tuple[str, ...] = IN_PROCESS  # the runtime= values it honours
+    backends: tuple[str, ...] = ("native", "hf", "llamacpp")  # model backends its forwards run on
+    in_workers: bool = False  # its models run in pinned workers: the caller's thread count does
+    # not apply (the bench's @Nt)
+    across_nodes: bool = False  # its workers may sit on other nodes (devices NODE/...)
+    why_not_across_nodes: str = "its models run in the caller's process"  # why not, when it may not
+    batches: bool = False  # its loop runs in the caller on the models alone: requests may
+    # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
 
     def __post_init__(self):
         if self.drafts not in DRAFT_COUNTS:
@@ -67,17 +69,19 @@ class Capabilities:
 
 # -- the Strategy interface -------------------------------------------------------------------------------------
 
+
 @dataclass
 class Placement:
     """What the Engine resolved before setup(): the checkpoints, the devices, how to load."""
-    target: Any                        # a checkpoint folder, or a SimulatedSpec (models/simulated.py)
-    draft_specs: list                  # DraftSpecs in the order given: resolved checkpoints and model-free names
+
+    target: Any  # a checkpoint folder, or a SimulatedSpec (models/simulated.py)
+    draft_specs: list  # DraftSpecs in the order given: resolved checkpoints and model-free names
     target_devices: list[Device]
     draft_devices: list[Device]
-    load: dict                         # load_model's keyword arguments: dtype, backend, max_context
-    runtime: str                       # the kind of Runtime: where workers run (runtime/workers.RUNTIMES)
-    worker_timeout: float | None = None   # the workers' watchdog (Runtime's worker_timeout)
-    runtime_options: dict = field(default_factory=dict)   # the Runtime's transport, link latency, Ray address
+    load: dict  # load_model's keyword arguments: dtype, backend, max_context
+    runtime: str  # the kind of Runtime: where workers run (runtime/workers.RUNTIMES)
+    worker_timeout: float | None = None  # the workers' watchdog (Runtime's worker_timeout)
+    runtime_options: dict = field(default_factory=dict)  # the Runtime's transport, link latency, Ray address
 
     @property
     def draft_checkpoints(self) -> list:
@@ -88,9 +92,11 @@ class Placement:
     def loader(spec):
         """load_model for checkpoints; a simulated model builds from its spec (the same signature)."""
         from paraspec.models.simulated import SimulatedSpec, load_simulated
+
         if isinstance(spec, SimulatedSpec):
             return load_simulated
         from paraspec.models.loader import load_model
+
         return load_model
 
     def load_here(self, spec, device: Device, draft: bool = False):
@@ -100,8 +106,13 @@ class Placement:
     def worker_args(self, spec, device: Device, draft: bool = False) -> dict:
         """The factory arguments of a worker building `spec` on `device` (`draft`: as load_here)."""
         from paraspec.models.simulated import SimulatedSpec
-        return dict(spec=spec if isinstance(spec, SimulatedSpec) else str(spec), device=device.torch_device,
-                    draft=draft, **self.load)
+
+        return dict(
+            spec=spec if isinstance(spec, SimulatedSpec) else str(spec),
+            device=device.torch_device,
+            draft=draft,
+            **self.load,
+        )
 
 
 class Strategy(abc.ABC):
@@ -109,8 +120,8 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""
-    caps: ClassVar[Capabilities] = Capabilities()    # what it accepts (above); EngineConfig checks it
-    options: ClassVar[tuple[str, ...]] = ()           # names in strategies.OPTIONS (composed by subclasses)
+    caps: ClassVar[Capabilities] = Capabilities()  # what it accepts (above); EngineConfig checks it
+    options: ClassVar[tuple[str, ...]] = ()  # names in strategies.OPTIONS (composed by subclasses)
     # this strategy's defaults where they differ from the option's own (sd: adaptive=None, auto);
     # registry.option_default reads both
     option_defaults: ClassVar[dict[str, Any]] = {}
@@ -120,11 +131,11 @@ class Strategy(abc.ABC):
         """Checks across options, devices and backend (EngineConfig calls it); raise ValueError naming the fix."""
 
     def __init__(self, options: dict):
-        self.options = options         # the strategy's options, read at each decode()
-        self.target = None             # Model protocol (a RemoteModel when it runs in a worker)
-        self.draft_models: list = []         # the draft models (model-free drafters are not models)
-        self.draft_specs: list = []    # every draft as given (DraftSpecs): checkpoints and model-free names, in order
-        self.runtime = None            # the Runtime of its workers, if it has any
+        self.options = options  # the strategy's options, read at each decode()
+        self.target = None  # Model protocol (a RemoteModel when it runs in a worker)
+        self.draft_models: list = []  # the draft models (model-free drafters are not models)
+        self.draft_specs: list = []  # every draft as given (DraftSpecs): checkpoints and model-free names, in order
+        self.runtime = None  # the Runtime of its workers, if it has any
 
     def set_options(self, options: dict) -> None:
         """New options between requests (Engine.set_options, checked by EngineConfig), read from the next decode()
@@ -136,24 +147,29 @@ class Strategy(abc.ABC):
         """Load the models (set target and drafts) and start whatever workers and channels it needs."""
 
     @abc.abstractmethod
-    def decode(self, run: "Run") -> Iterator[list[int]]:
+    def decode(self, run: Run) -> Iterator[list[int]]:
         """Decode one request; yield each batch of committed tokens (Run.commit's return value)."""
 
     def make_drafters(self, for_model, models=None) -> list:
         """One entry per draft spec, in order: `for_model(model)` for the next draft model (of `models`, default
         self.draft_models), else the model-free Drafter the spec names."""
         from paraspec.drafters import model_free
+
         models = iter(self.draft_models if models is None else models)
-        return [model_free(d.spec, self.target.vocab_size, self.options) if d.model_free
-                else for_model(next(models)) for d in self.draft_specs]
+        return [
+            model_free(d.spec, self.target.vocab_size, self.options) if d.model_free else for_model(next(models))
+            for d in self.draft_specs
+        ]
 
     def open_runtime(self, placement: Placement):
         """The Runtime for this strategy's workers (`self.runtime`): of the placement's kind, with its
         worker_timeout watchdog. Every worker a strategy starts goes in it, so Engine.health() sees them,
         cancel() reaches their channels and close() stops them."""
         from paraspec.runtime import Runtime
-        self.runtime = Runtime(kind=placement.runtime, worker_timeout=placement.worker_timeout,
-                               **placement.runtime_options)
+
+        self.runtime = Runtime(
+            kind=placement.runtime, worker_timeout=placement.worker_timeout, **placement.runtime_options
+        )
         return self.runtime
 
     def cancel(self) -> None:
@@ -187,8 +203,8 @@ class LocalStrategy(Strategy):
     (when every device is a CPU core set)."""
 
     _pinning = None
-    policy = None                          # the kept drafters (sd, tree): the suffix cache and the learned costs
-                                           # persist across requests; built from the options
+    policy = None  # the kept drafters (sd, tree): the suffix cache and the learned costs
+    # persist across requests; built from the options
 
     def setup(self, placement: Placement) -> None:
         devices = placement.target_devices + (placement.draft_devices if placement.draft_checkpoints else [])
@@ -201,8 +217,9 @@ class LocalStrategy(Strategy):
         # strategy, share this dict (a copy of a table each), so no request's first round waits on another's timing
         self.cost_tables: dict = {}
         self.draft_specs = list(placement.draft_specs)
-        self.draft_models = [placement.load_here(d, placement.draft_devices[0], draft=True)
-                             for d in placement.draft_checkpoints]
+        self.draft_models = [
+            placement.load_here(d, placement.draft_devices[0], draft=True) for d in placement.draft_checkpoints
+        ]
 
     def build_policy(self) -> None:
         """Build `policy` from the options (sd, tree: make_policy with their drafters)."""
@@ -231,17 +248,21 @@ class LocalStrategy(Strategy):
         sampled requests (DraftPolicy.begin)."""
         from paraspec.drafters import DraftPolicy
         from paraspec.drafters.adaptive import DRAFT_WIDTHS, calibration_widths
+
         drafters = self.make_drafters(for_model)
         if self.options["adaptive"] is False:
             self.policy = DraftPolicy(drafters)
             return
         # a batched request's verification shares its step with the others' rows: the cost table covers them (timed
         # by the Engine's strategy on the model of several sequences, before any request, for every sequence)
-        model = getattr(self.target, "model", self.target)      # a sequence's model (batching.py), or the model
+        model = getattr(self.target, "model", self.target)  # a sequence's model (batching.py), or the model
         rows = model.exact_width if getattr(model, "n_seqs", 1) > 1 and model.batch_exact else 0
         cost = self.forward_cost("target", self.target, calibration_widths(max(widest, rows - 1)))
-        draft_costs = {i: self.forward_cost(f"draft{i}", d.model, DRAFT_WIDTHS, last_only=True)
-                       for i, d in enumerate(drafters) if not d.free}
+        draft_costs = {
+            i: self.forward_cost(f"draft{i}", d.model, DRAFT_WIDTHS, last_only=True)
+            for i, d in enumerate(drafters)
+            if not d.free
+        }
         self.policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
         self.policy.shared = getattr(self.target, "shared_load", None)
 
@@ -249,6 +270,7 @@ class LocalStrategy(Strategy):
         """`model`'s forward cost at `widths` (ForwardCost.measure), timed the first time a policy needs it and then
         copied out of `cost_tables`: each policy refines its own copy (ForwardCost.observe)."""
         from paraspec.drafters.adaptive import ForwardCost
+
         known = self.cost_tables.get(key)
         if known is None or not set(widths) <= set(known.seconds):
             known = self.cost_tables[key] = ForwardCost.measure(model, widths, last_only=last_only)
@@ -272,15 +294,18 @@ class WorkerStrategy(Strategy):
         """Start one worker per (name, checkpoint, device) and wait until every model is built; the workers named in
         `drafts` hold draft models (load_here's `draft`)."""
         from paraspec.runtime import RemoteError
+
         self.open_runtime(placement)
         for name, spec, device in workers:
-            self.runtime.add_worker(name, device, placement.loader(spec),
-                                    placement.worker_args(spec, device, draft=name in drafts))
+            self.runtime.add_worker(
+                name, device, placement.loader(spec), placement.worker_args(spec, device, draft=name in drafts)
+            )
         try:
             self.runtime.wait_ready()
-        except RemoteError as e:          # a bad checkpoint found while loading: raise its own clear error
+        except RemoteError as e:  # a bad checkpoint found while loading: raise its own clear error
             raise (e.original if isinstance(e.original, ValueError) else e) from None
 
     def remote(self, name: str):
         from paraspec.runtime.remote import RemoteModel
+
         return RemoteModel(self.runtime[name])

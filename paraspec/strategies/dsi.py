@@ -46,6 +46,7 @@ it verifies fixed chunks and pays a round trip per chunk. Differences from the p
 target-only ("non-SI") thread on a spare server, a preempted server finishes its forward before it takes the
 next chunk (a forward cannot be interrupted), and a drafter is not preempted mid-forward either.
 """
+
 from __future__ import annotations
 
 import queue
@@ -57,11 +58,11 @@ import numpy as np
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
-from paraspec.run import Run, common_prefix, top2_margins
+from paraspec.request_state import Run, common_prefix, top2_margins
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.runtime.devices import sync
-from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
+from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import greedy_match, verify_chain
 
@@ -77,8 +78,10 @@ class DSI(WorkerStrategy):
     def check_config(cls, config) -> None:
         o = config.strategy_options
         if o["max_ahead"] < o["lookahead"]:
-            raise ValueError(f"dsi: max_ahead ({o['max_ahead']}) < lookahead ({o['lookahead']}) would never fill a "
-                             f"chunk; pass max_ahead >= lookahead (servers x lookahead keeps every server busy)")
+            raise ValueError(
+                f"dsi: max_ahead ({o['max_ahead']}) < lookahead ({o['lookahead']}) would never fill a "
+                f"chunk; pass max_ahead >= lookahead (servers x lookahead keeps every server busy)"
+            )
 
     def setup(self, placement: Placement) -> None:
         """One target server per target device (group), target0..N-1; drafters draft, draft1, ..., each on its
@@ -86,11 +89,15 @@ class DSI(WorkerStrategy):
         devices, models = placement.draft_devices, placement.draft_checkpoints
         self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
         self.drafter_names = [drafter_name(i) for i in range(len(models))]
-        self.start_workers(placement, [(name, placement.target, d)
-                                       for name, d in zip(self.server_names, placement.target_devices)] +
-                           [(name, spec, devices[min(i, len(devices) - 1)])
-                            for i, (name, spec) in enumerate(zip(self.drafter_names, models))],
-                           drafts=self.drafter_names)
+        self.start_workers(
+            placement,
+            [(name, placement.target, d) for name, d in zip(self.server_names, placement.target_devices)]
+            + [
+                (name, spec, devices[min(i, len(devices) - 1)])
+                for i, (name, spec) in enumerate(zip(self.drafter_names, models))
+            ],
+            drafts=self.drafter_names,
+        )
         self.target = self.remote(self.server_names[0])
         self.draft_models = [self.remote(name) for name in self.drafter_names]
         capacity = min(m.max_context for m in [self.target, *self.draft_models])
@@ -102,8 +109,16 @@ class DSI(WorkerStrategy):
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
 
     def decode(self, run: Run):
-        return run_request(run, self.runtime, self.server_names, self.drafter_names, self.channel_names,
-                      self.options["lookahead"], self.options["max_ahead"], self.order)
+        return run_request(
+            run,
+            self.runtime,
+            self.server_names,
+            self.drafter_names,
+            self.channel_names,
+            self.options["lookahead"],
+            self.options["max_ahead"],
+            self.order,
+        )
 
 
 def drafter_name(i: int) -> str:
@@ -128,29 +143,33 @@ def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, greedy: bo
     """Runs in a target server: catch up and verify in one forward. The cache keeps its first `keep` tokens,
     then `tokens` (catch-up + the token before the chunk + the chunk) are fed; the last `rows` rows are the
     target's predictions for the chunk's positions and the one after it."""
-    with ctx.trace.span("prefill" if keep == 0 else "verify", len(tokens)):    # an empty cache: the prompt
+    with ctx.trace.span("prefill" if keep == 0 else "verify", len(tokens)):  # an empty cache: the prompt
         target.rollback(keep)
         logits = target.forward(tokens, last_n=rows)[-rows:]
-        sync(ctx.device)            # the event ends when the GPU has run the forward, not when it was queued
-    return {"argmax": logits.argmax(-1).tolist(), "logits": None if greedy else logits,
-            "margins": top2_margins(logits) if margins else None}
+        sync(ctx.device)  # the event ends when the GPU has run the forward, not when it was queued
+    return {
+        "argmax": logits.argmax(-1).tolist(),
+        "logits": None if greedy else logits,
+        "margins": top2_margins(logits) if margins else None,
+    }
 
 
 @dataclass
 class _Server:
     worker: object
-    cached: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # its cache after every request sent
+    cached: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # its cache after every request sent
     busy: bool = False
 
 
 @dataclass
 class _Drafter:
     """A draft model's worker, seen through its channel."""
+
     channel: object
-    version: int                   # the channel's version after the last commit
+    version: int  # the channel's version after the last commit
     name: str = "draft"
-    chunks: int = 0                # chunks cut from its drafts
-    judged_at_once: int = 0        # its drafts judged at once by a forward already in hand
+    chunks: int = 0  # chunks cut from its drafts
+    judged_at_once: int = 0  # its drafts judged at once by a forward already in hand
     local = False
 
     def proposed(self, speculated: np.ndarray, start: int, end: int) -> np.ndarray | None:
@@ -166,7 +185,8 @@ class _Drafter:
 @dataclass
 class _LocalDrafter:
     """A model-free drafter, asked in the caller for the tokens continuing the speculated sequence."""
-    drafter: object                # a drafters.Drafter (NGramDrafter, SuffixDrafter)
+
+    drafter: object  # a drafters.Drafter (NGramDrafter, SuffixDrafter)
     params: object
     generator: object
     chunks: int = 0
@@ -188,29 +208,30 @@ class _LocalDrafter:
         return np.concatenate([prefix, np.array(tokens, np.int64)]) if tokens else None
 
     def q(self, start: int, end: int, sequence: np.ndarray) -> None:
-        return None                # its tokens are fixed: point masses (verify reads q = None so)
+        return None  # its tokens are fixed: point masses (verify reads q = None so)
 
 
 @dataclass
 class _Chunk:
-    start: int                     # position of the first draft (the forward also yields position start + len)
+    start: int  # position of the first draft (the forward also yields position start + len)
     tokens: list[int]
-    q: torch.Tensor | None         # [len(tokens), vocab] when sampling, from the drafter that sampled them
+    q: torch.Tensor | None  # [len(tokens), vocab] when sampling, from the drafter that sampled them
     server: int
     handle: object
-    prefill: bool = False          # the prompt's forward: it yields the first token, it verifies nothing
+    prefill: bool = False  # the prompt's forward: it yields the first token, it verifies nothing
     drafter: _Drafter | None = None
 
 
 @dataclass
 class _Row:
     """The target's prediction for one position, kept after a full acceptance."""
+
     argmax: int
-    logits: torch.Tensor | None    # sampling only
+    logits: torch.Tensor | None  # sampling only
 
 
 def _notify_when_done(handle, server: int, events: queue.SimpleQueue) -> None:
-    handle.exception()             # blocks until the reply (or the worker's death) arrives; never raises
+    handle.exception()  # blocks until the reply (or the worker's death) arrives; never raises
     events.put(("done", server, handle))
 
 
@@ -230,25 +251,36 @@ class _Orchestrator:
     """The DSI paper's main thread (run in the caller's thread, not a thread of its own): chunks, servers,
     acceptance and preemption for one request."""
 
-    def __init__(self, run: Run, runtime, server_names: list[str], channels: list, lookahead: int,
-                 order: list | None = None, drafter_names: list[str] | None = None):
+    def __init__(
+        self,
+        run: Run,
+        runtime,
+        server_names: list[str],
+        channels: list,
+        lookahead: int,
+        order: list | None = None,
+        drafter_names: list[str] | None = None,
+    ):
         """order: every drafter in priority order, a channel index (a model drafter) or a model-free Drafter;
         None: the channels in order."""
         self.run, self.runtime, self.lookahead = run, runtime, lookahead
         self.servers = [_Server(runtime[name]) for name in server_names]
         names = drafter_names or [drafter_name(i) for i in range(len(channels))]
-        self.drafters = [_Drafter(channels[d], channels[d].reset(run.prompt_ids), names[d]) if isinstance(d, int)
-                         else _LocalDrafter(d, run.params, run.generator)
-                         for d in (range(len(channels)) if order is None else order)]
+        self.drafters = [
+            _Drafter(channels[d], channels[d].reset(run.prompt_ids), names[d])
+            if isinstance(d, int)
+            else _LocalDrafter(d, run.params, run.generator)
+            for d in (range(len(channels)) if order is None else order)
+        ]
         self.all_local = all(d.local for d in self.drafters)
         self.sampling = not run.params.greedy
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.chunks: deque[_Chunk] = deque()      # in flight, in sequence order
-        self.settled: set[int] = set()            # ids of handles whose reply arrived
-        self.handles: list = []                   # every request sent (their trace events are merged at the end)
-        self.next_start = len(run.prompt_ids)     # first position not in any chunk
-        self.speculated = np.array(run.prompt_ids, np.int64)   # the sequence the chunks in flight assume
-        self.next_row: _Row | None = None         # the target's prediction for the next position, if in hand
+        self.chunks: deque[_Chunk] = deque()  # in flight, in sequence order
+        self.settled: set[int] = set()  # ids of handles whose reply arrived
+        self.handles: list = []  # every request sent (their trace events are merged at the end)
+        self.next_start = len(run.prompt_ids)  # first position not in any chunk
+        self.speculated = np.array(run.prompt_ids, np.int64)  # the sequence the chunks in flight assume
+        self.next_row: _Row | None = None  # the target's prediction for the next position, if in hand
         self.chunks_sent = self.preempted = self.judged_at_once = self.bonus = 0
 
     # -- requests to servers ---------------------------------------------------------------------------------
@@ -257,14 +289,23 @@ class _Orchestrator:
         server = self.servers[i]
         keep = min(common_prefix(server.cached, sequence[:end]), start - 1)
         handle = server.worker.start_loop(
-            serve_chunk, trace=Trace(t0=self.run.trace.t0), keep=keep,
-            tokens=[int(t) for t in sequence[keep:end]], rows=end - start + 1, greedy=not self.sampling,
-            margins=self.run.margins is not None)
+            serve_chunk,
+            trace=Trace(t0=self.run.trace.t0),
+            keep=keep,
+            tokens=[int(t) for t in sequence[keep:end]],
+            rows=end - start + 1,
+            greedy=not self.sampling,
+            margins=self.run.margins is not None,
+        )
         server.cached = np.array(sequence[:end], np.int64)
         server.busy = True
         self.handles.append(handle)
-        threading.Thread(target=_notify_when_done, args=(handle, i, self.events), daemon=True,
-                         name=f"paraspec-dsi-{server.worker.name}").start()
+        threading.Thread(
+            target=_notify_when_done,
+            args=(handle, i, self.events),
+            daemon=True,
+            name=f"paraspec-dsi-{server.worker.name}",
+        ).start()
         return handle
 
     def start(self) -> None:
@@ -275,8 +316,9 @@ class _Orchestrator:
         for i in range(1, len(self.servers)):
             self.send(i, start, start, prompt)
         for i, drafter in enumerate(d for d in self.drafters if not d.local):
-            threading.Thread(target=_watch_channel, args=(drafter.channel, self.events), daemon=True,
-                             name=f"paraspec-dsi-watch{i}").start()
+            threading.Thread(
+                target=_watch_channel, args=(drafter.channel, self.events), daemon=True, name=f"paraspec-dsi-watch{i}"
+            ).start()
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def steps(self):
@@ -321,21 +363,21 @@ class _Orchestrator:
             free = [i for i, s in enumerate(self.servers) if not s.busy]
             if not free:
                 return sent
-            for i in free:                  # a busy server's death reaches us through its reply; an idle one's here
+            for i in free:  # a busy server's death reaches us through its reply; an idle one's here
                 _raise_if_dead(self.servers[i].worker)
             position = len(run.sequence)
             start = max(self.next_start, position)
-            size = min(self.lookahead, position + run.remaining - 1 - start)   # the last token is the target's
+            size = min(self.lookahead, position + run.remaining - 1 - start)  # the last token is the target's
             if size <= 0:
                 if self.chunks or self.next_row is not None or start > position:
                     return sent
-                size = 0          # one token left and nothing in flight: a chunk without drafts yields it
+                size = 0  # one token left and nothing in flight: a chunk without drafts yields it
             drafter, sequence = self.ready_drafter(start, start + size)
             if drafter is None:
                 if not (self.all_local and not self.chunks and self.next_row is None and start == position):
-                    return sent   # no drafter has got that far yet (on the sequence in flight)
-                sequence = np.array(run.sequence, np.int64)   # model-free drafters only, none has a draft here:
-            size = len(sequence) - start                      # a chunk without drafts decodes the position
+                    return sent  # no drafter has got that far yet (on the sequence in flight)
+                sequence = np.array(run.sequence, np.int64)  # model-free drafters only, none has a draft here:
+            size = len(sequence) - start  # a chunk without drafts decodes the position
             q = drafter.q(start, start + size, sequence) if self.sampling and size else None
             # the free server whose cache already holds most of the sequence has the least to catch up on
             i = max(free, key=lambda j: common_prefix(self.servers[j].cached, sequence))
@@ -360,15 +402,19 @@ class _Orchestrator:
                 run.margins.setdefault(position - len(run.prompt_ids) + r, gap)
         if self.sampling:
             logits = reply["logits"][skip:]
-            accepted, correction = verify_chain(drafts, None if chunk.q is None else chunk.q[skip:], logits, run.params, run.generator) \
-                if drafts else (0, None)
+            accepted, correction = (
+                verify_chain(drafts, None if chunk.q is None else chunk.q[skip:], logits, run.params, run.generator)
+                if drafts
+                else (0, None)
+            )
         else:
             accepted, correction = greedy_match(drafts, reply["argmax"][skip:])
-        run.count_round(len(drafts), accepted, verified=not chunk.prefill)   # the prompt's forward is no round
+        run.count_round(len(drafts), accepted, verified=not chunk.prefill)  # the prompt's forward is no round
         if accepted == len(drafts):
             # Alg. 1: the forward also computed p for the position after the chunk; keep it for the next step
-            self.next_row = _Row(reply["argmax"][skip + accepted],
-                                 reply["logits"][skip + accepted] if self.sampling else None)
+            self.next_row = _Row(
+                reply["argmax"][skip + accepted], reply["logits"][skip + accepted] if self.sampling else None
+            )
             return self.commit(drafts)
         return self.commit(drafts[:accepted] + [correction])
 
@@ -417,8 +463,8 @@ class _Orchestrator:
         for drafter in self.drafters:
             if not drafter.local:
                 drafter.version = drafter.channel.commit(kept, start=start).version
-        assumed = self.speculated[start:start + len(kept)].tolist()
-        if assumed != kept[:len(assumed)]:
+        assumed = self.speculated[start : start + len(kept)].tolist()
+        if assumed != kept[: len(assumed)]:
             self.preempted += len(self.chunks)
             self.chunks.clear()
             self.next_start = len(run.sequence)
@@ -430,15 +476,28 @@ class _Orchestrator:
         return [e for h in self.handles if id(h) in self.settled for e in h.events]
 
     def report(self) -> dict:
-        return {"servers": len(self.servers), "chunks": self.chunks_sent, "preempted": self.preempted,
-                "judged_at_once": self.judged_at_once, "bonus": self.bonus,
-                "drafters": [d.name for d in self.drafters],
-                "chunks_by_drafter": [d.chunks for d in self.drafters],
-                "judged_at_once_by_drafter": [d.judged_at_once for d in self.drafters]}
+        return {
+            "servers": len(self.servers),
+            "chunks": self.chunks_sent,
+            "preempted": self.preempted,
+            "judged_at_once": self.judged_at_once,
+            "bonus": self.bonus,
+            "drafters": [d.name for d in self.drafters],
+            "chunks_by_drafter": [d.chunks for d in self.drafters],
+            "judged_at_once_by_drafter": [d.judged_at_once for d in self.drafters],
+        }
 
 
-def run_request(run: Run, runtime, server_names: list[str], drafter_names: list[str], channel_names: list[str],
-           lookahead: int, max_ahead: int, order: list | None = None):
+def run_request(
+    run: Run,
+    runtime,
+    server_names: list[str],
+    drafter_names: list[str],
+    channel_names: list[str],
+    lookahead: int,
+    max_ahead: int,
+    order: list | None = None,
+):
     """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
     Drafter drafter_names[i] drafts into the channel channel_names[i]; `order` puts them and the model-free
     drafters in priority order (_Orchestrator)."""
@@ -451,9 +510,18 @@ def run_request(run: Run, runtime, server_names: list[str], drafter_names: list[
     drafting = []
     for i in range(len(channels)):
         seed = run.params.seed if run.params.seed is None or i == 0 else run.params.seed + 7919 * i
-        drafting.append(runtime[drafter_names[i]].start_loop(
-            draft_loop, params=run.params, max_ahead=max_ahead, vocab_size=vocab_size, seed=seed,
-            t0=run.trace.t0, channel_name=channel_names[i], label=drafter_names[i]))
+        drafting.append(
+            runtime[drafter_names[i]].start_loop(
+                draft_loop,
+                params=run.params,
+                max_ahead=max_ahead,
+                vocab_size=vocab_size,
+                seed=seed,
+                t0=run.trace.t0,
+                channel_name=channel_names[i],
+                label=drafter_names[i],
+            )
+        )
     finished = False
     try:
         main.start()
@@ -486,4 +554,4 @@ def _raise_worker_failure(main: _Orchestrator) -> None:
 
 def _raise_if_dead(worker) -> None:
     if not worker.alive:
-        worker.call("length", timeout=2.0)     # raises the worker's WorkerDied
+        worker.call("length", timeout=2.0)  # raises the worker's WorkerDied

@@ -20,12 +20,13 @@ core of the caller while the draft ranks wait); each further draft device gets a
 draft, started at setup() in this strategy's Runtime (`self.runtime`, of the Engine's runtime kind, with its
 worker_timeout watchdog), so Engine.health() sees a dead rank and close() stops them all.
 """
+
 from __future__ import annotations
 
 from paraspec.drafters.layer_parallel import DeviceGroupDrafter, FuzzyDrafter
-from paraspec.models.fuzzy import lp_groups, parse_layer_groups
-from paraspec.strategies.registry import register
+from paraspec.models.native.layer_parallel import lp_groups, parse_layer_groups
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement
+from paraspec.strategies.registry import register
 from paraspec.strategies.tree import TREE_BACKENDS, TreeStrategy
 
 
@@ -34,23 +35,31 @@ class EasySpec(TreeStrategy):
     name = "easyspec"
     summary = "layer-parallel fuzzy drafting with bonus calibration (EasySpec)"
     options = TreeStrategy.options + ("lp_size", "layer_groups", "calibration")
-    caps = Capabilities(backends=TREE_BACKENDS, runtimes=WITH_RAY,        # the runtime of its draft ranks 1..
-                        why_not_across_nodes="its draft ranks all-gather hidden states through one shared-memory "
-                                             "segment")
-    device_group = None            # DeviceGroupDrafter (several draft devices), kept across requests
+    caps = Capabilities(
+        backends=TREE_BACKENDS,
+        runtimes=WITH_RAY,  # the runtime of its draft ranks 1..
+        why_not_across_nodes="its draft ranks all-gather hidden states through one shared-memory segment",
+    )
+    device_group = None  # DeviceGroupDrafter (several draft devices), kept across requests
 
     def setup(self, placement: Placement) -> None:
         super().setup(placement)
         if len(placement.draft_devices) > 1:
-            self.device_group = DeviceGroupDrafter(self.draft_models[0], self.groups(), placement.draft_devices,
-                                                   placement.draft_checkpoints[0], self.open_runtime(placement),
-                                                   self.target.vocab_size)
+            self.device_group = DeviceGroupDrafter(
+                self.draft_models[0],
+                self.groups(),
+                placement.draft_devices,
+                placement.draft_checkpoints[0],
+                self.open_runtime(placement),
+                self.target.vocab_size,
+            )
 
     def groups(self) -> list[list[int]]:
         """The layer groups the options ask for (they may change between requests)."""
         o, n_layers = self.options, self.draft_models[0].cfg.num_layers
-        return parse_layer_groups(o["layer_groups"], n_layers) if o["layer_groups"] else lp_groups(o["lp_size"],
-                                                                                                   n_layers)
+        return (
+            parse_layer_groups(o["layer_groups"], n_layers) if o["layer_groups"] else lp_groups(o["lp_size"], n_layers)
+        )
 
     def drafter(self) -> FuzzyDrafter:
         """One draft device: every group in this process. Several: the attention layers of each group spread
@@ -63,7 +72,7 @@ class EasySpec(TreeStrategy):
         return self.device_group
 
     def close(self) -> None:
-        super().close()                  # the Runtime first: the ranks stop before their exchange is unlinked
+        super().close()  # the Runtime first: the ranks stop before their exchange is unlinked
         if self.device_group is not None:
             self.device_group.close()
             self.device_group = None

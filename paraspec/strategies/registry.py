@@ -3,6 +3,7 @@
 Each strategy module registers its class with `register`; `paraspec.strategies` imports the modules once. A
 strategy that is not implemented is absent here, and therefore absent from the CLI choices.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,13 +15,14 @@ from paraspec.strategies.base import Strategy
 @dataclass(frozen=True)
 class Option:
     """A strategy option: an Engine keyword argument and a CLI flag (`lp_size` <-> `--lp-size`)."""
+
     name: str
     type: type
     default: Any
     help: str
-    minimum: int | None = 1           # ints and floats: the smallest valid value
-    maximum: float | None = None      # and the largest
-    none: str = ""                    # what None means, where the option takes it ("" : it does not)
+    minimum: int | None = 1  # ints and floats: the smallest valid value
+    maximum: float | None = None  # and the largest
+    none: str = ""  # what None means, where the option takes it ("" : it does not)
 
     def check(self, value):
         if value is None and self.none:
@@ -38,46 +40,98 @@ class Option:
         return value
 
 
-OPTIONS: dict[str, Option] = {o.name: o for o in (
-    Option("lookahead", int, 5, "sd: drafted tokens per verification; dsi: drafted tokens per chunk"),
-    Option("max_ahead", int, 16, "amusd, dsi: how far the draft may run past the verified prefix "
-                                  "(dsi: servers x lookahead keeps every server busy)"),
-    Option("verify_chunk", int, 8, "amusd: most drafts verified in one forward"),
-    Option("draft_confidence", float, 0.0, "sd: stop a round's drafting early once the draft's probability "
-           "of its token falls below this (0 = always draft --lookahead tokens; HF assisted uses 0.4)",
-           minimum=0),
-    Option("tree_width", int, 4, "tree, easyspec: most nodes per tree level (1 = a chain)"),
-    Option("tree_depth", int, 5, "tree, easyspec: levels of the draft tree (tokens one round can accept)"),
-    Option("tree_budget", int, 64, "tree, easyspec: most tree nodes verified in one target forward"),
-    Option("lp_size", int, 2, "easyspec: layers per parallel group (first and last layer alone; 1 = exact)"),
-    Option("layer_groups", str, "", "easyspec: explicit layer groups such as '0,1-3,4-7,...,23' "
-                                    "(overrides --lp-size)", minimum=None),
-    Option("calibration", bool, True, "easyspec: recompute the draft's KV exactly after each verification"),
-    Option("ngram_min", int, 2, "sd, tree, dsi with --draft ngram: shortest n-gram matched (prompt lookup)"),
-    Option("ngram_max", int, 4, "sd, tree, dsi with --draft ngram: longest n-gram matched (the longest match wins)"),
-    Option("suffix_depth", int, 16, "sd, tree, dsi with --draft suffix: longest substring the suffix tries keep "
-                                    "(matched context up to half of it, then the proposal)", minimum=2),
-    Option("suffix_cache", int, 128, "sd, tree, dsi with --draft suffix: earlier outputs kept in the shared "
-                                     "suffix cache (0: this request only)", minimum=0),
-    Option("suffix_factor", float, 0.0, "sd, tree, dsi with --draft suffix: a proposal is at most this many times "
-                                        "as long as the matched context (SuffixDecoding's alpha, vLLM's 1.0; "
-                                        "0: no cap, the default: the adaptive rule's acceptance by match length "
-                                        "decides)",
-           minimum=0),
-    Option("suffix_min_prob", float, 0.1, "sd, tree, dsi with --draft suffix: stop a proposal where the empirical "
-                                          "probability of its path (counts in the suffix tries) falls below this",
-           minimum=0, maximum=1),
-    Option("draft_memory", bool, True, "sd, tree with --draft ngram/suffix: remember per matched pattern how far "
-                                       "its last proposal was right; cut the next one there, or let it run past "
-                                       "--suffix-factor when it was right throughout"),
-    Option("adaptive", bool, False, "sd, tree: choose each round's draft length (tree: depth) maximising expected "
-                                    "tokens per second from measured verification costs and acceptance; 0 drafts "
-                                    "when speculation does not pay (lookahead / tree_depth is the most). None "
-                                    "(auto, sd's default): the rule for greedy and unseeded requests, `lookahead` "
-                                    "every round for a sampled request with a seed (its answer then repeats, "
-                                    "alone or batched)",
-           none="auto"),
-)}
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option("lookahead", int, 5, "sd: drafted tokens per verification; dsi: drafted tokens per chunk"),
+        Option(
+            "max_ahead",
+            int,
+            16,
+            "amusd, dsi: how far the draft may run past the verified prefix "
+            "(dsi: servers x lookahead keeps every server busy)",
+        ),
+        Option("verify_chunk", int, 8, "amusd: most drafts verified in one forward"),
+        Option(
+            "draft_confidence",
+            float,
+            0.0,
+            "sd: stop a round's drafting early once the draft's probability "
+            "of its token falls below this (0 = always draft --lookahead tokens; HF assisted uses 0.4)",
+            minimum=0,
+        ),
+        Option("tree_width", int, 4, "tree, easyspec: most nodes per tree level (1 = a chain)"),
+        Option("tree_depth", int, 5, "tree, easyspec: levels of the draft tree (tokens one round can accept)"),
+        Option("tree_budget", int, 64, "tree, easyspec: most tree nodes verified in one target forward"),
+        Option("lp_size", int, 2, "easyspec: layers per parallel group (first and last layer alone; 1 = exact)"),
+        Option(
+            "layer_groups",
+            str,
+            "",
+            "easyspec: explicit layer groups such as '0,1-3,4-7,...,23' (overrides --lp-size)",
+            minimum=None,
+        ),
+        Option("calibration", bool, True, "easyspec: recompute the draft's KV exactly after each verification"),
+        Option("ngram_min", int, 2, "sd, tree, dsi with --draft ngram: shortest n-gram matched (prompt lookup)"),
+        Option(
+            "ngram_max", int, 4, "sd, tree, dsi with --draft ngram: longest n-gram matched (the longest match wins)"
+        ),
+        Option(
+            "suffix_depth",
+            int,
+            16,
+            "sd, tree, dsi with --draft suffix: longest substring the suffix tries keep "
+            "(matched context up to half of it, then the proposal)",
+            minimum=2,
+        ),
+        Option(
+            "suffix_cache",
+            int,
+            128,
+            "sd, tree, dsi with --draft suffix: earlier outputs kept in the shared suffix cache (0: this request only)",
+            minimum=0,
+        ),
+        Option(
+            "suffix_factor",
+            float,
+            0.0,
+            "sd, tree, dsi with --draft suffix: a proposal is at most this many times "
+            "as long as the matched context (SuffixDecoding's alpha, vLLM's 1.0; "
+            "0: no cap, the default: the adaptive rule's acceptance by match length "
+            "decides)",
+            minimum=0,
+        ),
+        Option(
+            "suffix_min_prob",
+            float,
+            0.1,
+            "sd, tree, dsi with --draft suffix: stop a proposal where the empirical "
+            "probability of its path (counts in the suffix tries) falls below this",
+            minimum=0,
+            maximum=1,
+        ),
+        Option(
+            "draft_memory",
+            bool,
+            True,
+            "sd, tree with --draft ngram/suffix: remember per matched pattern how far "
+            "its last proposal was right; cut the next one there, or let it run past "
+            "--suffix-factor when it was right throughout",
+        ),
+        Option(
+            "adaptive",
+            bool,
+            False,
+            "sd, tree: choose each round's draft length (tree: depth) maximising expected "
+            "tokens per second from measured verification costs and acceptance; 0 drafts "
+            "when speculation does not pay (lookahead / tree_depth is the most). None "
+            "(auto, sd's default): the rule for greedy and unseeded requests, `lookahead` "
+            "every round for a sampled request with a seed (its answer then repeats, "
+            "alone or batched)",
+            none="auto",
+        ),
+    )
+}
 
 DRAFTER_OPTIONS = ("ngram_min", "ngram_max", "suffix_depth", "suffix_cache", "suffix_factor", "suffix_min_prob")
 # the round strategies tell their drafters what each round committed (Drafter.committed), which the memory reads

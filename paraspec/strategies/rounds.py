@@ -14,12 +14,13 @@ each strategy supplies its draft step and its verify step, this skeleton runs th
 The first round drafts from the prompt and the target's prefill verifies those drafts in the same forward (as
 HF assisted generation does), so every round looks alike; its forward is traced as the prefill.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from paraspec.drafters import Drafter, DraftPolicy, Proposal, TokenTree
-from paraspec.run import Run
+from paraspec.request_state import Run
 
 # draft(policy, sequence, pending): the round's proposal (a chain or a tree); `pending` = committed tokens the target has not cached
 DraftStep = Callable[[DraftPolicy, list[int], int], "Proposal | TokenTree"]
@@ -27,8 +28,9 @@ DraftStep = Callable[[DraftPolicy, list[int], int], "Proposal | TokenTree"]
 VerifyStep = Callable[[list[int], list[int], "Proposal | TokenTree"], tuple[list[int], int]]
 
 
-def speculative_rounds(run: Run, target, policy: DraftPolicy | Drafter, draft: DraftStep, verify: VerifyStep
-                       ) -> Iterator[list[int]]:
+def speculative_rounds(
+    run: Run, target, policy: DraftPolicy | Drafter, draft: DraftStep, verify: VerifyStep
+) -> Iterator[list[int]]:
     """Yield each round's committed tokens until the run is done. `policy` picks who proposal each round and how
     much (a lone Drafter proposal every round at the fixed length)."""
     policy = policy if isinstance(policy, DraftPolicy) else DraftPolicy([policy])
@@ -38,7 +40,7 @@ def speculative_rounds(run: Run, target, policy: DraftPolicy | Drafter, draft: D
     try:
         while not run.done:
             sequence = run.sequence
-            pending = sequence[target.length:]      # the prompt, then each round's correction/bonus token
+            pending = sequence[target.length :]  # the prompt, then each round's correction/bonus token
             with run.timed("draft", "draft") as event:
                 proposal = draft(policy, sequence, len(pending))
                 event.tokens = proposal.depth
@@ -51,8 +53,9 @@ def speculative_rounds(run: Run, target, policy: DraftPolicy | Drafter, draft: D
                 policy.accept(len(sequence), path)
             committed = [proposal.tokens[node] for node in path] + [next_token]
             policy.observe(len(pending) + len(proposal), verifying.seconds, committed)
-            run.count_round(proposal.depth, len(path),
-                            tree_nodes=len(proposal) if isinstance(proposal, TokenTree) else None)
+            run.count_round(
+                proposal.depth, len(path), tree_nodes=len(proposal) if isinstance(proposal, TokenTree) else None
+            )
             yield run.commit(committed)
     finally:
         policy.finish(run.sequence)

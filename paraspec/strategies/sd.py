@@ -11,12 +11,13 @@ round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does 
 sampled request with a seed, which drafts fixed lengths (the rule's choices follow measured times, and a sampled
 answer depends on where rounds end).
 """
+
 from __future__ import annotations
 
 from paraspec.drafters import Drafter, DraftPolicy, ModelDrafter, Proposal
-from paraspec.run import Run
-from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
+from paraspec.request_state import Run
 from paraspec.strategies.base import Capabilities, LocalStrategy, Placement
+from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_chain
 
@@ -47,8 +48,9 @@ class SD(LocalStrategy):
 
 def chain_rounds(run: Run, target, drafter: Drafter, lookahead: int):
     """Leviathan et al. Algorithm 1, one round per loop of strategies/rounds.py."""
+
     def draft(drafter: DraftPolicy, sequence: list[int], pending: int) -> Proposal:
-        k = min(lookahead, run.remaining - 1)       # the round adds one target token after the drafts
+        k = min(lookahead, run.remaining - 1)  # the round adds one target token after the drafts
         return drafter.propose(sequence, k, run.params, run.generator, pending=pending, remaining=run.remaining)
 
     def verify(sequence: list[int], pending: list[int], proposal: Proposal) -> tuple[list[int], int]:
@@ -56,7 +58,7 @@ def chain_rounds(run: Run, target, drafter: Drafter, lookahead: int):
         target_logits = target.forward(pending + drafts, last_n=len(drafts) + 1)
         run.observe_target(len(run.tokens), target_logits)
         accepted, next_token = verify_chain(drafts, proposal.q, target_logits, run.params, run.generator)
-        target.rollback(len(sequence) + accepted)   # the accepted prefix; next_token is fed in the next round
+        target.rollback(len(sequence) + accepted)  # the accepted prefix; next_token is fed in the next round
         return list(range(accepted)), next_token
 
     return speculative_rounds(run, target, drafter, draft, verify)

@@ -15,14 +15,15 @@ The drafter grows the tree (drafters/token_tree.py, drafters/model.py); this mod
 loop around both is strategies/rounds.py's (sd's too). Trees need the native backend (explicit positions and a
 tree attention mask).
 """
+
 from __future__ import annotations
 
 import torch
 
 from paraspec.drafters import Drafter, DraftPolicy, ModelDrafter, TokenTree
-from paraspec.run import Run
-from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
+from paraspec.request_state import Run
 from paraspec.strategies.base import Capabilities, LocalStrategy
+from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_tree
 
@@ -33,7 +34,7 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
     mask = torch.eye(n, dtype=torch.bool)
     for i, parent in enumerate(parents):
         if parent >= 0:
-            mask[i] |= mask[parent]       # parents come first, so their rows are complete
+            mask[i] |= mask[parent]  # parents come first, so their rows are complete
     return mask
 
 
@@ -60,14 +61,14 @@ def tree_shape(run: Run, sequence_len: int, depth: int, budget: int) -> tuple[in
     return depth, max(0, min(budget, room))
 
 
-def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree: TokenTree
-                 ) -> tuple[list[int], int]:
+def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree: TokenTree) -> tuple[list[int], int]:
     """One target forward over the pending tokens and the whole tree; compact the target's cache to the
     accepted path. Returns (accepted node indices, the next token)."""
     tokens, positions, mask = verification_inputs(pending, tree, target.length)
     target_logits = target.forward(tokens, positions=positions, tree_mask=mask, last_n=len(tree) + 1)
-    path, next_token = verify_tree(tree.tokens, tree.parents, tree.draft_probs, target_logits, run.params,
-                                   run.generator)
+    path, next_token = verify_tree(
+        tree.tokens, tree.parents, tree.draft_probs, target_logits, run.params, run.generator
+    )
     run.observe_target(len(run.tokens), target_logits[[0] + [node + 1 for node in path]])
     target.keep_path(len(sequence), [len(sequence) + node for node in path])
     return path, next_token
@@ -76,12 +77,14 @@ def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree
 def tree_rounds(run: Run, target, drafter: Drafter, tree_width: int, tree_depth: int, tree_budget: int):
     """The rounds of `tree` and `easyspec` (strategies/rounds.py): draft a tree, verify it in one target forward.
     With the adaptive rule the tree's depth is the rule's k* (0: the target decodes plainly)."""
+
     def draft(drafter: DraftPolicy, sequence: list[int], pending: int) -> TokenTree:
         depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
         if depth == 0:
             return TokenTree()
-        return drafter.propose_tree(sequence, tree_width, depth, budget, run.params, run.generator, pending=pending,
-                                    remaining=run.remaining)
+        return drafter.propose_tree(
+            sequence, tree_width, depth, budget, run.params, run.generator, pending=pending, remaining=run.remaining
+        )
 
     def verify(sequence: list[int], pending: list[int], tree: TokenTree) -> tuple[list[int], int]:
         return verify_round(run, target, sequence, pending, tree)
@@ -96,6 +99,7 @@ TREE_BACKENDS = ("native",)
 
 class TreeStrategy(LocalStrategy):
     """What `tree` and `easyspec` share: the options, the native backend only, the round loop."""
+
     options = ("tree_width", "tree_depth", "tree_budget")
     caps = Capabilities(backends=TREE_BACKENDS)
 
@@ -111,6 +115,7 @@ class TreeStrategy(LocalStrategy):
 @register
 class Tree(TreeStrategy):
     """The drafter: a draft model, "suffix" (branches by frequency), "ngram" (one branch), or several in order."""
+
     name = "tree"
     summary = "token-tree speculative decoding, one tree-masked target forward (SpecInfer)"
     options = TreeStrategy.options + ("adaptive",) + ROUND_DRAFTER_OPTIONS
@@ -122,8 +127,9 @@ class Tree(TreeStrategy):
 
     def build_policy(self) -> None:
         o = self.options
-        self.make_policy(lambda m: ModelDrafter(m, self.target.vocab_size),
-                         min(o["tree_budget"], o["tree_width"] * o["tree_depth"]))
+        self.make_policy(
+            lambda m: ModelDrafter(m, self.target.vocab_size), min(o["tree_budget"], o["tree_width"] * o["tree_depth"])
+        )
 
     def drafter(self) -> DraftPolicy:
         return self.kept_policy()

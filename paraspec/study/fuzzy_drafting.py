@@ -1,12 +1,13 @@
 """EasySpec studies (Wu et al. 2025): how fuzzy the layer-parallel draft is, and what each knob buys.
 
-    similarity   (Table 5) cosine similarity between the fuzzy and the exact forward of the draft, per LP size:
-                 layer outputs (hidden states), attention outputs, and the q/k/v that the attention reads.
-                 Each measured token is run on top of an exact cache of its prefix -- the situation bonus
-                 calibration creates -- once exactly and once fuzzily; values average over tokens and layers.
-    ablation     (Fig. 4) tree width x LP size x calibration on/off: acceptance rate and ms/token of the
-                 easyspec strategy on real prompts, drawn as two line plots.
+similarity   (Table 5) cosine similarity between the fuzzy and the exact forward of the draft, per LP size:
+             layer outputs (hidden states), attention outputs, and the q/k/v that the attention reads.
+             Each measured token is run on top of an exact cache of its prefix -- the situation bonus
+             calibration creates -- once exactly and once fuzzily; values average over tokens and layers.
+ablation     (Fig. 4) tree width x LP size x calibration on/off: acceptance rate and ms/token of the
+             easyspec strategy on real prompts, drawn as two line plots.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from paraspec.models.fuzzy import fuzzy_forward, lp_groups
+from paraspec.models.native.layer_parallel import fuzzy_forward, lp_groups
 
 QUANTITIES = ("hidden", "attn", "q", "k", "v")
 _RECORD_KEY = {"hidden": "h_out", "attn": "attn", "q": "q", "k": "k", "v": "v"}
@@ -29,8 +30,8 @@ def similarity(draft, prompts: list[list[int]], lp_sizes=(2, 3, 4), tokens_per_p
     counts = {lp: 0 for lp in lp_sizes}
     for ids in prompts:
         measured = min(tokens_per_prompt, len(ids) - 1)
-        draft.prefill(ids[:len(ids) - measured])
-        for token in ids[len(ids) - measured:]:
+        draft.prefill(ids[: len(ids) - measured])
+        for token in ids[len(ids) - measured :]:
             length = draft.length
             exact = {}
             fuzzy_forward(draft, [token], exact_groups, record=exact, head=False)
@@ -40,11 +41,15 @@ def similarity(draft, prompts: list[list[int]], lp_sizes=(2, 3, 4), tokens_per_p
                 fuzzy_forward(draft, [token], lp_groups(lp, n_layers), record=fuzzy, head=False)
                 for quantity in QUANTITIES:
                     key = _RECORD_KEY[quantity]
-                    sims = [torch.nn.functional.cosine_similarity(fuzzy[i][key].float(), exact[i][key].float(),
-                                                                  dim=-1).mean().item() for i in range(n_layers)]
+                    sims = [
+                        torch.nn.functional.cosine_similarity(fuzzy[i][key].float(), exact[i][key].float(), dim=-1)
+                        .mean()
+                        .item()
+                        for i in range(n_layers)
+                    ]
                     sums[lp][quantity] += sum(sims) / n_layers
                 counts[lp] += 1
-            draft.rollback(length)                       # advance exactly, as calibration would
+            draft.rollback(length)  # advance exactly, as calibration would
             fuzzy_forward(draft, [token], exact_groups, head=False)
     return [{"lp_size": lp, **{q: sums[lp][q] / max(counts[lp], 1) for q in QUANTITIES}} for lp in lp_sizes]
 
@@ -56,8 +61,16 @@ def similarity_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def ablation(engine_factory, prompts, params, widths=(1, 4, 8, 12), lp_sizes=(1, 2, 3, 4, 5),
-             calibrations=(True, False), tree_depth: int = 5, progress=None) -> list[dict]:
+def ablation(
+    engine_factory,
+    prompts,
+    params,
+    widths=(1, 4, 8, 12),
+    lp_sizes=(1, 2, 3, 4, 5),
+    calibrations=(True, False),
+    tree_depth: int = 5,
+    progress=None,
+) -> list[dict]:
     """Run easyspec for every (width, LP size, calibration); engine_factory(**options) returns an Engine.
 
     One engine is reused (Engine.set_options between configurations, checked like the Engine's arguments) so
@@ -65,22 +78,35 @@ def ablation(engine_factory, prompts, params, widths=(1, 4, 8, 12), lp_sizes=(1,
     rows = []
     engine = engine_factory()
     try:
-        engine.generate(prompts[0], type(params)(max_new_tokens=4))          # warm-up
-        for lp in lp_sizes:                   # LP size outermost: a multi-device drafter restarts per layout
+        engine.generate(prompts[0], type(params)(max_new_tokens=4))  # warm-up
+        for lp in lp_sizes:  # LP size outermost: a multi-device drafter restarts per layout
             for calibration in calibrations:
                 for width in widths:
-                    engine.set_options(tree_width=width, lp_size=lp, calibration=calibration,
-                                       tree_depth=tree_depth, tree_budget=width * tree_depth)
+                    engine.set_options(
+                        tree_width=width,
+                        lp_size=lp,
+                        calibration=calibration,
+                        tree_depth=tree_depth,
+                        tree_budget=width * tree_depth,
+                    )
                     accepted = drafted = tokens = 0
                     start = time.perf_counter()
                     for prompt in prompts:
                         stats = engine.generate(prompt, params).stats
-                        accepted, drafted, tokens = (accepted + stats.accepted, drafted + stats.drafted,
-                                                     tokens + stats.new_tokens)
+                        accepted, drafted, tokens = (
+                            accepted + stats.accepted,
+                            drafted + stats.drafted,
+                            tokens + stats.new_tokens,
+                        )
                     elapsed = time.perf_counter() - start
-                    row = dict(tree_width=width, lp_size=lp, calibration=calibration,
-                               acceptance_rate=accepted / max(drafted, 1), ms_per_token=elapsed * 1000 / tokens,
-                               tokens=tokens)
+                    row = dict(
+                        tree_width=width,
+                        lp_size=lp,
+                        calibration=calibration,
+                        acceptance_rate=accepted / max(drafted, 1),
+                        ms_per_token=elapsed * 1000 / tokens,
+                        tokens=tokens,
+                    )
                     rows.append(row)
                     if progress:
                         progress(row)
@@ -93,20 +119,29 @@ def plot_ablation(rows: list[dict], out_dir: Path) -> list[Path]:
     """Two line plots (the paper's Fig. 4): acceptance rate and ms/token against LP size, one line per
     (tree width, calibration)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for metric, label in (("acceptance_rate", "acceptance rate"), ("ms_per_token", "ms / token")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         widths = sorted({r["tree_width"] for r in rows})
-        for (width, calibration) in sorted({(r["tree_width"], r["calibration"]) for r in rows}):
-            line = sorted((r for r in rows if r["tree_width"] == width and r["calibration"] == calibration),
-                          key=lambda r: r["lp_size"])
-            ax.plot([r["lp_size"] for r in line], [r[metric] for r in line], marker="o" if calibration else "x",
-                    color=f"C{widths.index(width)}", linestyle="-" if calibration else "--",
-                    label=f"width {width}, calibration {'on' if calibration else 'off'}")
+        for width, calibration in sorted({(r["tree_width"], r["calibration"]) for r in rows}):
+            line = sorted(
+                (r for r in rows if r["tree_width"] == width and r["calibration"] == calibration),
+                key=lambda r: r["lp_size"],
+            )
+            ax.plot(
+                [r["lp_size"] for r in line],
+                [r[metric] for r in line],
+                marker="o" if calibration else "x",
+                color=f"C{widths.index(width)}",
+                linestyle="-" if calibration else "--",
+                label=f"width {width}, calibration {'on' if calibration else 'off'}",
+            )
         ax.set_xticks(sorted({r["lp_size"] for r in rows}))
         ax.set_xlabel("LP size (layers per parallel group)")
         ax.set_ylabel(label)

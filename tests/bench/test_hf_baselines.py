@@ -1,4 +1,5 @@
 """The transformers baselines: same weights, same tokens as ar, same stopping rules, consistent stats."""
+
 import pytest
 import torch
 
@@ -7,14 +8,16 @@ from paraspec.bench.hf_baselines import HFBaseline, hf_causal_lm
 from paraspec.models.loader import resolve_checkpoint
 
 PROMPTS = ["def add(a, b):", "Once upon a time", "import os\n"]
-COPY = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("   # lookup finds n-grams
-EOS_AT_ONCE = "x = [1, 2, 3]\n"      # the tiny target answers this with its EOS id
+COPY = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("  # lookup finds n-grams
+EOS_AT_ONCE = "x = [1, 2, 3]\n"  # the tiny target answers this with its EOS id
 
 
 @pytest.fixture(scope="module")
 def setup(bench_target, bench_draft):
-    with Engine(bench_target, bench_draft, strategy="sd", dtype="float32") as sd, \
-            Engine(bench_target, strategy="ar", dtype="float32") as ar:
+    with (
+        Engine(bench_target, bench_draft, strategy="sd", dtype="float32") as sd,
+        Engine(bench_target, strategy="ar", dtype="float32") as ar,
+    ):
         target = hf_causal_lm(sd.target, resolve_checkpoint(bench_target))
         draft = hf_causal_lm(sd.draft, resolve_checkpoint(bench_draft))
         yield ar, sd, HFBaseline("hf-ar", target), HFBaseline("hf-assisted", target, draft)
@@ -35,7 +38,7 @@ def test_weights_are_shared_not_copied(setup):
     draft_embed = sd.draft.decoder.model.embed_tokens.weight
     assert hf_assisted.draft.model.embed_tokens.weight.data_ptr() == draft_embed.data_ptr()
     assert hf_ar.dtype == torch.float32 and hf_ar.settings()["dtype"] == "float32"
-    assert hf_assisted.settings()["num_assistant_tokens"] == 20          # transformers' default, recorded
+    assert hf_assisted.settings()["num_assistant_tokens"] == 20  # transformers' default, recorded
 
 
 @pytest.mark.parametrize("prompt", PROMPTS + [COPY])
@@ -57,11 +60,11 @@ def test_hf_assisted_stats_add_up(setup):
     result = hf_assisted.generate(ar.encode(PROMPTS[0]), SamplingParams(max_new_tokens=24))
     s, trace = result.stats, result.trace
     forwards = [e for e in trace.events if e.device == "target"]
-    assert forwards[0].kind == "prefill" and {e.kind for e in forwards[1:]} == {"verify"}   # the prompt's forward
+    assert forwards[0].kind == "prefill" and {e.kind for e in forwards[1:]} == {"verify"}  # the prompt's forward
     verifies = forwards[1:]
     drafts = [e for e in trace.events if e.kind == "draft"]
     assert s.rounds == len(forwards) > 1 and s.drafted == len(drafts) > 0
-    assert s.accepted + s.rounds == s.new_tokens == 24          # each round: accepted drafts + one target token
+    assert s.accepted + s.rounds == s.new_tokens == 24  # each round: accepted drafts + one target token
     assert s.acceptance_rate == pytest.approx(s.accepted / s.drafted)
     assert s.mean_accepted_length == pytest.approx(24 / s.rounds)
     assert s.verify_s == pytest.approx(sum(e.duration_s for e in verifies))
@@ -81,11 +84,11 @@ def test_hf_prompt_lookup_copies_candidates_and_its_stats_add_up(setup, lookup):
     verifies = forwards[1:]
     # the first forward holds the prompt and its candidates, every later one the last token and its candidates
     drafted = [forwards[0].tokens - len(ids)] + [e.tokens - 1 for e in verifies]
-    assert s.drafted == sum(drafted) > 0 and max(drafted) <= 4            # prompt_lookup_num_tokens=4
+    assert s.drafted == sum(drafted) > 0 and max(drafted) <= 4  # prompt_lookup_num_tokens=4
     assert s.accepted + s.rounds == s.new_tokens == 24 and 0 <= s.accepted <= s.drafted
     assert s.draft_s == 0 and s.verify_s == pytest.approx(sum(e.duration_s for e in verifies))
     assert lookup.settings()["prompt_lookup_num_tokens"] == 4
-    assert lookup.settings()["max_matching_ngram_size"] == 2              # transformers' default, recorded
+    assert lookup.settings()["max_matching_ngram_size"] == 2  # transformers' default, recorded
     with pytest.raises(ValueError, match="hf-prompt-lookup needs >= 1 candidate tokens"):
         HFBaseline("hf-prompt-lookup", lookup.target, prompt_lookup_tokens=0)
 
@@ -94,7 +97,7 @@ def test_hf_ar_trace_and_stats(setup):
     ar, _, hf_ar, _ = setup
     result = hf_ar.generate(ar.encode(PROMPTS[1]), SamplingParams(max_new_tokens=10))
     kinds = [e.kind for e in result.trace.events]
-    assert kinds[0] == "prefill" and kinds[1:] == ["decode"] * 9      # one forward per token, no extra
+    assert kinds[0] == "prefill" and kinds[1:] == ["decode"] * 9  # one forward per token, no extra
     assert [n for _, n in result.trace.progress] == list(range(1, 11))
     assert result.stats.acceptance_rate is None and result.stats.new_tokens == 10
 

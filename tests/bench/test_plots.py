@@ -1,4 +1,5 @@
 """The two plots: drawn from traces, and readable (the timeline's legend clear of the axis label and lanes)."""
+
 import pytest
 
 from paraspec.bench.metrics import Variant
@@ -20,6 +21,7 @@ def traced(variant, lanes):
 @pytest.mark.parametrize("lanes", [1, 3, 8])
 def test_timeline_legend_is_clear_of_the_axis_label_and_the_lanes(lanes):
     import matplotlib.pyplot as plt
+
     fig = timeline_figure([traced(Variant("sd", 2), lanes), traced(Variant("ar", 2), 1)], "Device timeline")
     try:
         fig.canvas.draw()
@@ -32,4 +34,3 @@ def test_timeline_legend_is_clear_of_the_axis_label_and_the_lanes(lanes):
         assert {t.get_text() for t in ax.get_legend().get_texts()} == {"prefill", "draft", "verify", "idle", "wait"}
     finally:
         plt.close(fig)
-

@@ -1,9 +1,16 @@
 """`paraspec profile`: the DSI paper's acceptance arithmetic and the planner's JSON schema."""
+
 import pytest
 
 from paraspec import Engine
-from paraspec.bench.pair_profile import (acceptance_from_windows, draft_hits, greedy_tokens, match_windows,
-                                    profile_pair, time_forwards)
+from paraspec.bench.pair_profile import (
+    acceptance_from_windows,
+    draft_hits,
+    greedy_tokens,
+    match_windows,
+    profile_pair,
+    time_forwards,
+)
 from paraspec.runtime.devices import Device, available_cores
 from paraspec.sim.costs import Profile
 
@@ -15,7 +22,7 @@ def test_match_windows_and_acceptance():
     rate, mean = acceptance_from_windows(6, 3)
     assert mean == pytest.approx(2.0) and rate == pytest.approx(1 - 1 / 3)
     assert acceptance_from_windows(0, 4) == (0.0, 0.0)
-    rate, mean = acceptance_from_windows(10, 0)            # never missed: one window of 10, rate stays < 1
+    rate, mean = acceptance_from_windows(10, 0)  # never missed: one window of 10, rate stays < 1
     assert mean == 10 and rate == pytest.approx(10 / 11)
 
 
@@ -37,7 +44,7 @@ def test_draft_hits_agree_with_step_by_step_greedy(engine):
     for i, token in enumerate(reference):
         logits = engine.draft.prefill(ids + reference[:i])
         expected.append(int(logits.argmax()) == token)
-    assert hits == expected and 0 < sum(hits) < 12          # a partial draft: some hits, some misses
+    assert hits == expected and 0 < sum(hits) < 12  # a partial draft: some hits, some misses
 
 
 def test_time_forwards_leaves_the_cache_as_it_found_it(engine):
@@ -49,8 +56,9 @@ def test_time_forwards_leaves_the_cache_as_it_found_it(engine):
 
 def test_profile_schema_is_what_the_planner_reads(engine, bench_target, bench_draft):
     prompts = [engine.encode(p) for p in ("def add(a, b):", "Once upon a time")]
-    profile = profile_pair(engine.target, engine.draft, ONE_CORE, ONE_CORE, prompts, "T", "D",
-                           tokens=5, match_tokens=16, widths=(1, 2, 8))
+    profile = profile_pair(
+        engine.target, engine.draft, ONE_CORE, ONE_CORE, prompts, "T", "D", tokens=5, match_tokens=16, widths=(1, 2, 8)
+    )
     assert set(profile) == {"target", "draft", "acceptance_rate", "mean_match_length", "devices"}
     for role, name in (("target", "T"), ("draft", "D")):
         entry = profile[role]
@@ -66,8 +74,9 @@ def test_profile_schema_is_what_the_planner_reads(engine, bench_target, bench_dr
 
 def test_a_draft_equal_to_the_target_always_matches(engine):
     prompts = [engine.encode("Once upon a time")]
-    profile = profile_pair(engine.target, engine.target, ONE_CORE, ONE_CORE, prompts, "T", "T",
-                           tokens=3, match_tokens=10, widths=(1,))
+    profile = profile_pair(
+        engine.target, engine.target, ONE_CORE, ONE_CORE, prompts, "T", "T", tokens=3, match_tokens=10, widths=(1,)
+    )
     assert profile["mean_match_length"] == 10 and profile["acceptance_rate"] == pytest.approx(10 / 11)
 
 

@@ -1,5 +1,6 @@
 """The model-free drafters (prompt lookup, suffix tries), the hybrid order and the adaptive draft length rule, on
 hand-made sequences; point-mass acceptance against the target distribution (chi-square)."""
+
 import numpy as np
 import pytest
 import torch
@@ -7,8 +8,18 @@ from scipy.stats import chisquare
 
 from paraspec import SamplingParams
 from paraspec.drafters import DraftPolicy, NGramDrafter, Proposal, SuffixDrafter
-from paraspec.drafters.adaptive import (SOURCE_STRIDE, TRIAL_REMAINING, Acceptance, ForwardCost, best_length,
-                                        bucket_label, calibration_widths, catch_up_pays, expected_tokens, match_bucket)
+from paraspec.drafters.adaptive import (
+    SOURCE_STRIDE,
+    TRIAL_REMAINING,
+    Acceptance,
+    ForwardCost,
+    best_length,
+    bucket_label,
+    calibration_widths,
+    catch_up_pays,
+    expected_tokens,
+    match_bucket,
+)
 from paraspec.drafters.base import Drafter
 from paraspec.drafters.policy import prune
 from paraspec.drafters.suffix import SuffixTrie
@@ -24,16 +35,17 @@ def ngram(seq, k=5, lo=1, hi=3, vocab=100):
 
 # -- prompt lookup ---------------------------------------------------------------------------------------------
 
+
 def test_ngram_longest_match_wins():
     # "7 8" occurred followed by 1, 2; "9 7 8" occurred (later-ending shorter match elsewhere) followed by 3, 4
     seq = [9, 7, 8, 3, 4, 0, 5, 7, 8, 1, 2, 0, 9, 7, 8]
-    assert ngram(seq, k=2, lo=1, hi=3) == [3, 4]          # the 3-gram (9 7 8) beats the 2-gram's latest (1 2)
-    assert ngram(seq, k=2, lo=1, hi=2) == [1, 2]          # up to 2-grams: the most recent occurrence of (7 8)
+    assert ngram(seq, k=2, lo=1, hi=3) == [3, 4]  # the 3-gram (9 7 8) beats the 2-gram's latest (1 2)
+    assert ngram(seq, k=2, lo=1, hi=2) == [1, 2]  # up to 2-grams: the most recent occurrence of (7 8)
 
 
 def test_ngram_no_match_proposes_nothing_and_respects_min():
     assert ngram([1, 2, 3, 4, 5]) == []
-    seq = [1, 2, 3, 4, 2]                                   # only a 1-gram match (2 -> 3)
+    seq = [1, 2, 3, 4, 2]  # only a 1-gram match (2 -> 3)
     assert ngram(seq, lo=1) == [3, 4, 2] and ngram(seq, lo=2) == []
 
 
@@ -41,9 +53,9 @@ def test_ngram_proposal_length_and_growth():
     drafter = NGramDrafter(100, 2, 3)
     seq = [5, 6, 7, 8, 9, 5, 6]
     assert drafter.propose(seq, 2, GREEDY, GEN).tokens == [7, 8]
-    assert drafter.propose(seq, 10, GREEDY, GEN).tokens == [7, 8, 9, 5, 6]   # runs to the end of the text
-    assert drafter.propose(seq + [7], 3, GREEDY, GEN).tokens == [8, 9, 5]   # extended incrementally
-    assert drafter.propose([1, 2, 1], 3, GREEDY, GEN).tokens == []          # a new sequence: index rebuilt
+    assert drafter.propose(seq, 10, GREEDY, GEN).tokens == [7, 8, 9, 5, 6]  # runs to the end of the text
+    assert drafter.propose(seq + [7], 3, GREEDY, GEN).tokens == [8, 9, 5]  # extended incrementally
+    assert drafter.propose([1, 2, 1], 3, GREEDY, GEN).tokens == []  # a new sequence: index rebuilt
     assert drafter.propose([1, 2, 1, 2], 0, GREEDY, GEN).tokens == []
 
 
@@ -54,6 +66,7 @@ def test_ngram_q_is_none_under_sampling():
 
 
 # -- suffix tries ----------------------------------------------------------------------------------------------
+
 
 def test_suffix_trie_counts_and_removal():
     trie = SuffixTrie(depth=3)
@@ -77,12 +90,12 @@ def test_suffix_cache_is_shared_across_requests_and_bounded():
     outputs = [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
     for i, out in enumerate(outputs):
         drafter.reset()
-        drafter.propose([99, i], 1, GREEDY, GEN)             # the request's prompt
+        drafter.propose([99, i], 1, GREEDY, GEN)  # the request's prompt
         drafter.finish([99, i] + out)
     drafter.reset()
-    assert drafter.propose([5, 5, 20, 21], 2, GREEDY, GEN).tokens == [22, 23]   # an earlier request's output
+    assert drafter.propose([5, 5, 20, 21], 2, GREEDY, GEN).tokens == [22, 23]  # an earlier request's output
     assert drafter.propose([5, 5, 30, 31], 2, GREEDY, GEN).tokens == [32, 33]
-    assert drafter.propose([5, 5, 10, 11], 2, GREEDY, GEN).tokens == []         # evicted: the cache holds 2
+    assert drafter.propose([5, 5, 10, 11], 2, GREEDY, GEN).tokens == []  # evicted: the cache holds 2
     assert len(drafter.cached) == 2
     # the cache holds exactly what the two kept outputs put there
     fresh = SuffixTrie(8)
@@ -92,16 +105,16 @@ def test_suffix_cache_is_shared_across_requests_and_bounded():
 
 
 def test_suffix_tree_branches_ordered_by_frequency():
-    seq = [7, 2, 0, 7, 2, 1, 7, 2, 5, 7, 3, 6, 7, 3, 8, 7, 1, 9, 7]   # the longest earlier match is "7" alone
+    seq = [7, 2, 0, 7, 2, 1, 7, 2, 5, 7, 3, 6, 7, 3, 8, 7, 1, 9, 7]  # the longest earlier match is "7" alone
     tree = SuffixDrafter(100, depth=6, cache_requests=0).propose_tree(seq, 3, 2, 10, GREEDY, GEN)
     roots = [t for t, p in zip(tree.tokens, tree.parents) if p == -1]
-    assert roots == [2, 3, 1]                               # 3, 2 and 1 occurrences after "7"
+    assert roots == [2, 3, 1]  # 3, 2 and 1 occurrences after "7"
     assert all(tree.depths[i] == 2 for i, p in enumerate(tree.parents) if p != -1)
-    assert not tree.draft_probs                             # deterministic: point masses
+    assert not tree.draft_probs  # deterministic: point masses
 
 
 def test_suffix_drops_improbable_paths():
-    seq = [7, 1, 7, 2, 7, 3, 7, 4, 7, 5, 7, 6, 7, 8, 7, 9, 7, 10, 7, 11, 7, 12, 7]   # after 7: 11 continuations
+    seq = [7, 1, 7, 2, 7, 3, 7, 4, 7, 5, 7, 6, 7, 8, 7, 9, 7, 10, 7, 11, 7, 12, 7]  # after 7: 11 continuations
     assert SuffixDrafter(100, depth=4, cache_requests=0).propose(seq, 3, GREEDY, GEN).tokens == []
 
 
@@ -112,23 +125,25 @@ def test_suffix_stops_where_the_path_probability_falls_below_the_minimum():
     def proposal(min_prob):
         drafter = SuffixDrafter(100, depth=4, cache_requests=0, factor=0, min_prob=min_prob, memory=False)
         return drafter.propose(seq, 8, GREEDY, GEN).tokens
+
     assert proposal(0.8) == [6]
     assert proposal(0.75) == proposal(0.5) == [6, 7]
     assert proposal(1.0) == [6]
 
 
 def test_suffix_proposal_is_at_most_factor_times_the_match():
-    seq = list(range(10, 40)) + [10, 11]                     # a 2-token match, then 28 tokens to copy
+    seq = list(range(10, 40)) + [10, 11]  # a 2-token match, then 28 tokens to copy
 
     def proposal(factor, k=16):
         drafter = SuffixDrafter(100, depth=32, cache_requests=0, factor=factor, memory=False)
         tokens = drafter.propose(seq, k, GREEDY, GEN).tokens
         assert drafter.last_match == 2
         return tokens
+
     assert proposal(1.0) == [12, 13]
-    assert proposal(2.5) == [12, 13, 14, 15, 16]             # ceil(2.5 x 2)
-    assert proposal(0.0) == list(range(12, 28)) == proposal(100.0)        # no cap: k = 16
-    assert proposal(0.1) == [12]                              # at least one token
+    assert proposal(2.5) == [12, 13, 14, 15, 16]  # ceil(2.5 x 2)
+    assert proposal(0.0) == list(range(12, 28)) == proposal(100.0)  # no cap: k = 16
+    assert proposal(0.1) == [12]  # at least one token
     tree = SuffixDrafter(100, depth=32, cache_requests=0, factor=1.5).propose_tree(seq, 2, 10, 20, GREEDY, GEN)
     assert tree.depth == 3
 
@@ -137,18 +152,20 @@ def test_suffix_chain_copies_past_the_trie_depth():
     """A copy longer than the trie's depth: after a match as long as the trie sees (depth // 2), the chain runs to
     the depth, then continues as the text did after the latest occurrence of its last 8 tokens, up to k; without
     such a long match it stays within the depth and the factor."""
-    span = [int(t) for t in np.random.default_rng(3).permutation(np.arange(10, 90))]    # 80 distinct tokens
-    seq = span + [1, 2] + span[:20]                         # the span copied again: a 20-token earlier match
+    span = [int(t) for t in np.random.default_rng(3).permutation(np.arange(10, 90))]  # 80 distinct tokens
+    seq = span + [1, 2] + span[:20]  # the span copied again: a 20-token earlier match
     drafter = SuffixDrafter(100, depth=16, cache_requests=0, factor=1.0, memory=False)
     tokens = drafter.propose(seq, 40, GREEDY, GEN).tokens
-    assert drafter.last_match == 8 and tokens == span[20:60]           # 8 from the trie, 32 copied
+    assert drafter.last_match == 8 and tokens == span[20:60]  # 8 from the trie, 32 copied
     assert drafter.propose(seq, 5, GREEDY, GEN).tokens == span[20:25]  # never more than k
-    short = span + [1, 2] + span[:5]                          # a 5-token match: the factor caps it at 5
-    assert SuffixDrafter(100, depth=16, cache_requests=0, factor=1.0, memory=False).propose(
-        short, 40, GREEDY, GEN).tokens == span[5:10]
+    short = span + [1, 2] + span[:5]  # a 5-token match: the factor caps it at 5
+    assert (
+        SuffixDrafter(100, depth=16, cache_requests=0, factor=1.0, memory=False).propose(short, 40, GREEDY, GEN).tokens
+        == span[5:10]
+    )
     uncapped = SuffixDrafter(100, depth=16, cache_requests=0, factor=0, memory=False)
-    assert uncapped.propose(short, 40, GREEDY, GEN).tokens == span[5:45]   # no factor: 11 from the trie, 29 copied
-    edited = span + [1, 2] + span[:20] + [3]                  # an edit: nothing earlier continues it
+    assert uncapped.propose(short, 40, GREEDY, GEN).tokens == span[5:45]  # no factor: 11 from the trie, 29 copied
+    edited = span + [1, 2] + span[:20] + [3]  # an edit: nothing earlier continues it
     assert SuffixDrafter(100, depth=16, cache_requests=0, memory=False).propose(edited, 40, GREEDY, GEN).tokens == []
 
 
@@ -158,16 +175,16 @@ def test_memory_cuts_a_pattern_where_its_last_proposal_went_wrong():
     drafter = NGramDrafter(100, 2, 2, memory=True)
     first = [1, 2, 3, 4, 5, 6, 0, 1, 2]
     assert drafter.propose(first, 4, GREEDY, GEN).tokens == [3, 4, 5, 6]
-    drafter.committed(len(first), [3, 4, 7])                   # right for 2, then the target took 7 not 5
+    drafter.committed(len(first), [3, 4, 7])  # right for 2, then the target took 7 not 5
     assert drafter.memory.last[(1, 2)] == ([3, 4, 5, 6], 2, False)
-    again = [1, 2, 3, 4, 5, 6, 0, 9, 9, 1, 2]                   # a new request with the same text and pattern
+    again = [1, 2, 3, 4, 5, 6, 0, 9, 9, 1, 2]  # a new request with the same text and pattern
     drafter.reset()
-    assert drafter.propose(again, 4, GREEDY, GEN).tokens == [3, 4, 5, 6]     # reset: forgotten
+    assert drafter.propose(again, 4, GREEDY, GEN).tokens == [3, 4, 5, 6]  # reset: forgotten
     drafter.committed(len(again), [3, 4, 7])
-    later = again + [3, 4, 7, 8, 1, 2]                          # "1 2" again: its latest continuation, 3 4 7 8,
-    assert drafter.propose(later, 4, GREEDY, GEN).tokens == [3, 4, 7, 8]     # differs at the wrong token: no cut
-    drafter.committed(len(later), [9])                         # wrong from the first token on
-    same = later + [9, 1, 2, 3, 4, 7, 8, 1, 2]                  # "1 2" continued by 3 4 7 8 once more
+    later = again + [3, 4, 7, 8, 1, 2]  # "1 2" again: its latest continuation, 3 4 7 8,
+    assert drafter.propose(later, 4, GREEDY, GEN).tokens == [3, 4, 7, 8]  # differs at the wrong token: no cut
+    drafter.committed(len(later), [9])  # wrong from the first token on
+    same = later + [9, 1, 2, 3, 4, 7, 8, 1, 2]  # "1 2" continued by 3 4 7 8 once more
     assert drafter.propose(same, 4, GREEDY, GEN).tokens == []  # the same continuation: cut to 0 tokens
     without = NGramDrafter(100, 2, 2, memory=False)
     without.propose(later, 4, GREEDY, GEN)
@@ -179,28 +196,29 @@ def test_memory_judges_only_the_round_after_its_proposal():
     drafter = NGramDrafter(100, 2, 2, memory=True)
     seq = [1, 2, 3, 4, 5, 0, 1, 2]
     drafter.propose(seq, 3, GREEDY, GEN)
-    drafter.committed(len(seq) + 1, [9])                      # not the sequence it continued: ignored
-    drafter.committed(len(seq), [])                            # nothing committed: ignored
+    drafter.committed(len(seq) + 1, [9])  # not the sequence it continued: ignored
+    drafter.committed(len(seq), [])  # nothing committed: ignored
     assert drafter.memory.last == {}
-    drafter.committed(len(seq), [3, 4])                        # right as far as it was checked
+    drafter.committed(len(seq), [3, 4])  # right as far as it was checked
     assert drafter.memory.last[(1, 2)] == ([3, 4, 5], 2, True)
-    drafter.committed(len(seq), [9])                           # judged once
+    drafter.committed(len(seq), [9])  # judged once
     assert drafter.memory.last[(1, 2)][1:] == (2, True)
 
 
 def test_memory_lets_a_suffix_pattern_that_was_right_run_past_the_factor():
     seq = list(range(10, 40)) + [10, 11]
     drafter = SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=True)
-    assert drafter.propose(seq, 8, GREEDY, GEN).tokens == [12, 13]              # 2-token match, factor 1
-    drafter.committed(len(seq), [12, 13, 14])                                    # right beyond what was drafted
-    again = seq + [12, 13, 14, 50, 10, 11]                                       # "10 11" once more
-    assert drafter.propose(again, 8, GREEDY, GEN).tokens == [12, 13, 14, 15, 16, 17, 18, 19]   # extended
+    assert drafter.propose(seq, 8, GREEDY, GEN).tokens == [12, 13]  # 2-token match, factor 1
+    drafter.committed(len(seq), [12, 13, 14])  # right beyond what was drafted
+    again = seq + [12, 13, 14, 50, 10, 11]  # "10 11" once more
+    assert drafter.propose(again, 8, GREEDY, GEN).tokens == [12, 13, 14, 15, 16, 17, 18, 19]  # extended
     drafter.committed(len(again), [12, 13, 99])
     third = again + [12, 13, 99, 51, 10, 11]
-    assert drafter.propose(third, 8, GREEDY, GEN).tokens == [12, 13]            # cut where it went wrong
+    assert drafter.propose(third, 8, GREEDY, GEN).tokens == [12, 13]  # cut where it went wrong
 
 
 # -- hybrid and adaptive length --------------------------------------------------------------------------------
+
 
 class Fixed(Drafter):
     def __init__(self, name, tokens, free):
@@ -245,7 +263,8 @@ def test_adaptive_rule_full_acceptance_flat_cost_drafts_the_most():
 def test_forward_costs_are_measured_within_a_small_context():
     """An engine with max_context 24 (sd's default is adaptive) times its widths in what the context holds: a
     shorter prefix, and the widths that would not fit left out, rather than failing at start-up."""
-    class Model:                                   # records the forwards: what a model with 24 positions accepts
+
+    class Model:  # records the forwards: what a model with 24 positions accepts
         vocab_size, max_context, device = 50, 24, None
 
         def __init__(self):
@@ -262,7 +281,7 @@ def test_forward_costs_are_measured_within_a_small_context():
     model = Model()
     cost = ForwardCost.measure(model, calibration_widths(32))
     assert sorted(cost.seconds) == [w for w in calibration_widths(32) if w < 24] and model.cached == 0
-    assert model.forwards[0] == 24 - 20                  # the prefix: what the widest width (20) leaves
+    assert model.forwards[0] == 24 - 20  # the prefix: what the widest width (20) leaves
     model = Model()
     model.max_context = 4096
     assert sorted(ForwardCost.measure(model, [1, 8]).seconds) == [1, 8] and model.forwards[0] == 32
@@ -272,6 +291,7 @@ def test_start_up_times_a_short_forward_twice_and_a_long_one_once(monkeypatch):
     """The rule's start-up timing: a forward under REPEAT_UNDER_S is timed again and the faster kept; a longer
     one is timed once (start-up time). The clock is the model's own: each forward advances it by its cost."""
     import types
+
     from paraspec.drafters import adaptive
 
     class Model:
@@ -293,15 +313,15 @@ def test_start_up_times_a_short_forward_twice_and_a_long_one_once(monkeypatch):
     model = Model()
     monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=lambda: model.now))
     cost = ForwardCost.measure(model, adaptive.DRAFT_WIDTHS)
-    timed = model.forwards[1:]                                  # after the prefix
+    timed = model.forwards[1:]  # after the prefix
     short = [w for w in adaptive.DRAFT_WIDTHS if 0.04 * w + 0.01 < adaptive.REPEAT_UNDER_S]
     assert short == [1, 2, 4] and all(timed.count(w) == (2 if w in short else 1) for w in adaptive.DRAFT_WIDTHS)
-    assert cost.seconds[1] == pytest.approx(0.04) and cost.seconds[16] == pytest.approx(0.65)    # fastest; once
-    assert cost(128) == pytest.approx(0.04 * 128 + 0.01)        # beyond the widths: extrapolated from 16 and 64
-    assert model.rows_out[1:] == model.forwards[1:]             # a verification's widths: every row's logits
+    assert cost.seconds[1] == pytest.approx(0.04) and cost.seconds[16] == pytest.approx(0.65)  # fastest; once
+    assert cost(128) == pytest.approx(0.04 * 128 + 0.01)  # beyond the widths: extrapolated from 16 and 64
+    assert model.rows_out[1:] == model.forwards[1:]  # a verification's widths: every row's logits
     model = Model()
     ForwardCost.measure(model, adaptive.DRAFT_WIDTHS, last_only=True)
-    assert set(model.rows_out) == {1}                           # a draft's catch-ups and drafts: the last row's
+    assert set(model.rows_out) == {1}  # a draft's catch-ups and drafts: the last row's
 
 
 def test_adaptive_rule_prompt_round_pays_at_the_margin():
@@ -330,21 +350,22 @@ def test_adaptive_rule_priced_by_the_batch_rows():
     busy = best_length(0.8, 0.0, cpu, 1, 16, shared=[4, 4, 4])[0]
     assert 0 <= busy < alone and best_length(0.8, 0.0, cpu, 1, 16, shared=[])[0] == alone
     gpu = ForwardCost({1: 0.0060, 8: 0.0063, 16: 0.0066, 32: 0.0072})
-    assert best_length(0.8, 0.0, gpu, 1, 16, shared=[4, 4, 4])[0] >= 8 > busy      # still long drafts there
+    assert best_length(0.8, 0.0, gpu, 1, 16, shared=[4, 4, 4])[0] >= 8 > busy  # still long drafts there
     # a prompt round pays at the margin whatever shares it
     assert best_length(0.99, 0.0, cpu, 400, 12, shared=[4, 4, 4]) == best_length(0.99, 0.0, cpu, 400, 12)
 
 
 def test_the_policy_asks_the_batch_for_its_load():
     cpu = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
-    seq = [1, 2, 3, 4, 5, 6] * 6                        # a repeating text: the n-gram drafts with confidence
+    seq = [1, 2, 3, 4, 5, 6] * 6  # a repeating text: the n-gram drafts with confidence
     lengths = {}
     for load in ((), (4, 4, 4)):
         policy = DraftPolicy([NGramDrafter(100, 1, 3)], cpu)
-        for _ in range(30):                              # the same evidence for both: every draft accepted
+        for _ in range(30):  # the same evidence for both: every draft accepted
             proposal = policy.propose(seq, 16, GREEDY, GEN)
-            policy.observe(1 + len(proposal.tokens), cpu(1 + len(proposal.tokens)),
-                           proposal.tokens + [seq[len(seq) % 6]])
+            policy.observe(
+                1 + len(proposal.tokens), cpu(1 + len(proposal.tokens)), proposal.tokens + [seq[len(seq) % 6]]
+            )
         policy.shared = lambda load=load: list(load)
         lengths[load] = len(policy.propose(seq, 16, GREEDY, GEN).tokens)
     assert 0 < lengths[(4, 4, 4)] < lengths[()]
@@ -353,9 +374,9 @@ def test_the_policy_asks_the_batch_for_its_load():
 def test_verify_cost_follows_the_level_keeps_the_shape():
     cost = ForwardCost({1: 0.05, 5: 0.15})
     for _ in range(40):
-        cost.observe(1, 0.10)                  # a long context: the 1-token forward now costs twice as much
+        cost.observe(1, 0.10)  # a long context: the 1-token forward now costs twice as much
     assert cost(1) == pytest.approx(0.10, rel=0.01) and cost(5) == pytest.approx(0.30, rel=0.05)
-    cost.observe(500, 9.0)                     # a prompt round changes nothing
+    cost.observe(500, 9.0)  # a prompt round changes nothing
     assert cost(1) == pytest.approx(0.10, rel=0.01)
 
 
@@ -363,14 +384,14 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
     """A free drafter that is always wrong ends up drafting nothing, but keeps being observed; one that is always
     right drafts the most under a flat cost."""
     wrong = Fixed("ngram", [7] * 8, True)
-    policy = DraftPolicy([wrong], ForwardCost({1: 0.05, 9: 0.45}))      # compute-bound: each drafted token costs
+    policy = DraftPolicy([wrong], ForwardCost({1: 0.05, 9: 0.45}))  # compute-bound: each drafted token costs
     ks = []
     for _ in range(30):
         proposal = policy.propose([1, 2], 8, GREEDY, GEN)
         ks.append(len(proposal.tokens))
         policy.accept(2, [])
-        policy.observe(1 + len(proposal.tokens), 0.05, [3])      # the target's token is never 7
-    assert set(ks) == {0} and policy.stats(0).alpha < 0.1      # observed without drafting
+        policy.observe(1 + len(proposal.tokens), 0.05, [3])  # the target's token is never 7
+    assert set(ks) == {0} and policy.stats(0).alpha < 0.1  # observed without drafting
     right = Fixed("ngram", [7] * 8, True)
     policy = DraftPolicy([right], ForwardCost({1: 0.05, 9: 0.05}))
     for _ in range(10):
@@ -382,12 +403,12 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
 
 def test_adaptive_sampling_keeps_a_model_free_proposals_q_none():
     """Under sampling the rule cuts a model-free proposal and its q stays None (point masses: nothing built)."""
-    seq = list(range(10, 40)) + [10, 11, 12, 13, 14, 15]                 # a 6-token match, 24 tokens to copy
+    seq = list(range(10, 40)) + [10, 11, 12, 13, 14, 15]  # a 6-token match, 24 tokens to copy
     sampling = SamplingParams(temperature=0.8)
     for cost, kept in ((ForwardCost({1: 0.05, 2: 0.05, 33: 0.05}), 6), (ForwardCost({1: 0.01, 2: 1.0}), 0)):
         policy = DraftPolicy([SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=False)], cost)
         proposal = policy.propose(seq, 32, sampling, GEN)
-        assert proposal.tokens == list(range(16, 16 + kept))            # flat cost: the factor's 6; steep: none
+        assert proposal.tokens == list(range(16, 16 + kept))  # flat cost: the factor's 6; steep: none
         assert proposal.q is None
 
 
@@ -404,14 +425,14 @@ def test_adaptive_model_drafter_is_probed_after_plain_rounds(verify, probed):
     policy = DraftPolicy([model], ForwardCost(dict(verify.seconds)), {0: ForwardCost({1: 0.02})})
     policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
     drafted = [len(policy.propose([1], 8, GREEDY, GEN).tokens) for _ in range(8)]
-    assert drafted == [0] * 7 + [1 if probed else 0]         # plain rounds, then one probe
+    assert drafted == [0] * 7 + [1 if probed else 0]  # plain rounds, then one probe
 
 
 def test_match_buckets():
     assert [match_bucket(n) for n in (0, 1, 4, 5, 7, 8, 11, 12, 15, 16, 40)] == [0, 1, 4, 5, 5, 8, 8, 12, 12, 16, 16]
     assert [bucket_label(b) for b in (1, 5, 16)] == ["match1", "match5-7", "match16+"]
     assert expected_tokens([1.0, 0.5, 0.0], 3) == pytest.approx(1 + 1 + 0.5)
-    assert best_length([1.0, 1.0], 0.0, flat, 1, 16)[0] == 2          # per-position: at most their number
+    assert best_length([1.0, 1.0], 0.0, flat, 1, 16)[0] == 2  # per-position: at most their number
 
 
 def test_acceptance_by_position_borrows_from_the_shorter_context():
@@ -422,15 +443,15 @@ def test_acceptance_by_position_borrows_from_the_shorter_context():
     policy = DraftPolicy([drafter], ForwardCost({1: 0.05, 9: 0.05}))
     assert policy.buckets(0, 6) == [4, 5, 5, 5, 8, 8]
     proposal = policy.propose([1, 2, 3, 4], 6, GREEDY, GEN)
-    assert len(proposal.tokens) == 6                           # flat cost: any chance pays
-    policy.accept(4, [0, 1, 2, 3])                             # 4 accepted, the 5th (bucket 8) rejected
+    assert len(proposal.tokens) == 6  # flat cost: any chance pays
+    policy.accept(4, [0, 1, 2, 3])  # 4 accepted, the 5th (bucket 8) rejected
     policy.observe(7, 0.05, [7, 7, 7, 7, 3])
     assert (policy.stats(0, 4).judged, policy.stats(0, 4).accepted) == (1, 1)
     assert (policy.stats(0, 5).judged, policy.stats(0, 5).accepted) == (3, 3)
     assert (policy.stats(0, 8).judged, policy.stats(0, 8).accepted) == (1, 0)
-    assert (0, 12) not in policy.acceptance                   # not judged: the 6th was after the rejection
+    assert (0, 12) not in policy.acceptance  # not judged: the 6th was after the rejection
     assert policy.alpha(0, 12) == policy.alpha(0, 8) < policy.alpha(0, 5)
-    assert policy.alpha(0, 1) == 0.5                           # nothing shorter: Beta(1, 1)
+    assert policy.alpha(0, 1) == 0.5  # nothing shorter: Beta(1, 1)
 
 
 def test_the_token_after_an_accepted_cut_proposal_is_judged_for_free():
@@ -441,18 +462,19 @@ def test_the_token_after_an_accepted_cut_proposal_is_judged_for_free():
     policy = DraftPolicy([drafter], ForwardCost({1: 0.05, 2: 0.06, 3: 0.07, 4: 0.5, 9: 0.9}))
     policy.acceptance[(0, 2)] = Acceptance(judged=50, accepted=50)
     proposal = policy.propose([1, 2], 8, GREEDY, GEN)
-    assert proposal.tokens == [5, 6]                           # width 4 costs too much
+    assert proposal.tokens == [5, 6]  # width 4 costs too much
     policy.accept(2, [0, 1])
     policy.observe(3, 0.07, [5, 6, 7])
-    assert (policy.stats(0, 4).judged, policy.stats(0, 4).accepted) == (1, 1)      # token 7 at match 2 + 2
+    assert (policy.stats(0, 4).judged, policy.stats(0, 4).accepted) == (1, 1)  # token 7 at match 2 + 2
     assert len(policy.propose([1, 2], 8, GREEDY, GEN).tokens) == 2
-    policy.accept(2, [0])                                      # a rejection: the third position is not judged
+    policy.accept(2, [0])  # a rejection: the third position is not judged
     policy.observe(3, 0.07, [5, 0])
     assert policy.stats(0, 4).judged == 1
 
 
 class Model(Drafter):
     """A draft model stand-in that has seen `length` tokens: drafting first feeds it the rest (its catch-up)."""
+
     name, free = "model", False
 
     def __init__(self, tokens, length=0):
@@ -467,14 +489,15 @@ class Model(Drafter):
         return Proposal(self.tokens[:k])
 
 
-CHEAP_VERIFY = ForwardCost({1: 0.050, 2: 0.052, 4: 0.056, 8: 0.064, 16: 0.080})     # a GPU-like target
-DRAFT = ForwardCost({1: 0.005, 64: 0.1})                  # a 0.5B draft: 5 ms a token, 100 ms for 64 at once
+CHEAP_VERIFY = ForwardCost({1: 0.050, 2: 0.052, 4: 0.056, 8: 0.064, 16: 0.080})  # a GPU-like target
+DRAFT = ForwardCost({1: 0.005, 64: 0.1})  # a 0.5B draft: 5 ms a token, 100 ms for 64 at once
 
 
 def test_a_draft_that_stops_short_fails_the_slot_it_declined():
     """A draft model asked for k* tokens that stops after 2 (draft_confidence), both accepted: the third slot counts
     as judged and rejected, so the acceptance is that of a slot being drafted and accepted; a draft given all the
     slots it was asked for, all accepted, adds no rejection."""
+
     def one_round(cap):
         """(asked, drafted, judged, accepted) of one round whose drafts are all accepted, over 100 judged / 95."""
         model = Model([7] * cap, 400)
@@ -486,35 +509,38 @@ def test_a_draft_that_stops_short_fails_the_slot_it_declined():
         return model.asked[-1], len(tokens), policy.stats(0).judged - 90, policy.stats(0).accepted - 85.5
 
     asked, drafted, judged, accepted = one_round(2)
-    assert asked > 2 and drafted == 2 and (judged, accepted) == pytest.approx((3, 2))     # the 3rd slot: rejected
+    assert asked > 2 and drafted == 2 and (judged, accepted) == pytest.approx((3, 2))  # the 3rd slot: rejected
     asked, drafted, judged, accepted = one_round(16)
     assert drafted == asked and (judged, accepted) == pytest.approx((asked, asked))
 
 
 def test_catch_up_pays_when_the_rest_of_the_request_saves_more():
     assert catch_up_pays(0.0, 10.0, 0.05, 5)
-    assert not catch_up_pays(25.0, 4.0, 0.5, 100)             # saves 100 x (0.5 - 0.25) s = 25 s: not more
+    assert not catch_up_pays(25.0, 4.0, 0.5, 100)  # saves 100 x (0.5 - 0.25) s = 25 s: not more
     assert catch_up_pays(25.0, 4.0, 0.5, 101)
-    assert not catch_up_pays(0.1, 15.0, 0.05, 10_000)         # slower than plain decoding: never
-    assert catch_up_pays(1.0, 25.0, 0.05, None)              # unknown budget: assumed to pay
+    assert not catch_up_pays(0.1, 15.0, 0.05, 10_000)  # slower than plain decoding: never
+    assert catch_up_pays(1.0, 25.0, 0.05, None)  # unknown budget: assumed to pay
 
 
 def test_adaptive_rule_prices_a_draft_models_catch_up():
     """A good draft model (95% acceptance) with cheap verification: in step (one token behind) it drafts; 400
     tokens behind (the prompt) its catch-up, ~0.6 s extrapolated from DRAFT, pays over 1,000 more tokens, not
     over 16."""
+
     def choose(length, remaining, sequence_len=400, pending=1):
         policy = DraftPolicy([Model([7] * 8, length)], CHEAP_VERIFY, {0: ForwardCost(dict(DRAFT.seconds))})
         policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=95)
-        return len(policy.propose(list(range(sequence_len)), 8, GREEDY, GEN, pending=pending,
-                                  remaining=remaining).tokens)
-    assert choose(399, 16) > 2                                # in step: drafting pays at once
-    assert choose(0, 16) == 0                                 # the whole prompt to feed first: not for 16 tokens
+        return len(
+            policy.propose(list(range(sequence_len)), 8, GREEDY, GEN, pending=pending, remaining=remaining).tokens
+        )
+
+    assert choose(399, 16) > 2  # in step: drafting pays at once
+    assert choose(0, 16) == 0  # the whole prompt to feed first: not for 16 tokens
     assert choose(0, 1000) > 2
     # the prompt round (the target has cached nothing): the target's prefill alone, whatever the catch-up would
     # save, so the first token comes at plain decoding's time; the draft reads the prompt in the next round
     assert choose(0, 16, pending=400) == 0 and choose(0, 1000, pending=400) == 0 and choose(0, None, pending=400) == 0
-    assert choose(0, None) > 2                                # no budget given: not priced
+    assert choose(0, None) > 2  # no budget given: not priced
 
 
 def test_a_probe_must_not_cost_a_catch_up_on_many_tokens():
@@ -555,7 +581,9 @@ def test_adaptive_rule_stays_within_five_percent_of_plain_decoding_when_drafts_a
     verify = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
     draft = ForwardCost({1: 0.023, 64: 0.4})
     drafter = Fixed("ngram", [7] * 8, True) if free else Model([7] * 8, 50)
-    policy = DraftPolicy([drafter], ForwardCost(dict(verify.seconds)), {} if free else {0: ForwardCost(dict(draft.seconds))})
+    policy = DraftPolicy(
+        [drafter], ForwardCost(dict(verify.seconds)), {} if free else {0: ForwardCost(dict(draft.seconds))}
+    )
     plain, adaptive = plain_and_adaptive_seconds(drafter, policy, verify, draft, 400, lambda k: 0)
     assert adaptive <= 1.05 * plain
 
@@ -616,20 +644,23 @@ def test_a_trial_that_fails_ends_and_decoding_goes_plain():
     ks = [d["k"] for d in policy.decisions]
     assert ks[:5] == [1] * 5 and all(d["trial"] for d in policy.decisions[:5])
     assert policy.stats(0).tried and ks[5:12] == [0] * 7
-    short = DraftPolicy([Model([7] * 16, 0)], ForwardCost(dict(AMX_VERIFY.seconds)),
-                        {0: ForwardCost(dict(AMX_DRAFT.seconds))})
+    short = DraftPolicy(
+        [Model([7] * 16, 0)], ForwardCost(dict(AMX_VERIFY.seconds)), {0: ForwardCost(dict(AMX_DRAFT.seconds))}
+    )
     assert short.propose(list(range(50)), 8, GREEDY, GEN, remaining=TRIAL_REMAINING - 1).tokens == []
 
 
 def test_prune_keeps_parents_and_remaps():
     tree = SuffixDrafter(100, depth=6, cache_requests=0, factor=0).propose_tree(
-        [7, 1, 2, 0, 7, 1, 3, 0, 7], 2, 3, 10, GREEDY, GEN)
-    assert tree.depth == 3                                 # something to cut
+        [7, 1, 2, 0, 7, 1, 3, 0, 7], 2, 3, 10, GREEDY, GEN
+    )
+    assert tree.depth == 3  # something to cut
     cut = prune(tree, 1)
     assert cut.depth == 1 and cut.tokens == [t for t, d in zip(tree.tokens, tree.depths) if d == 1]
 
 
 # -- point-mass acceptance follows p ----------------------------------------------------------------------------
+
 
 def test_point_mass_acceptance_follows_the_target():
     gen = torch.Generator().manual_seed(1)
@@ -670,16 +701,18 @@ def test_q_none_is_the_one_hot_q_draw_for_draw():
     params = SamplingParams(temperature=0.9)
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(3))
     drafts = logits[:4].argmax(-1).tolist()
-    drafts[2] = int(logits[2].argsort()[-3])               # a likely rejection in the middle
+    drafts[2] = int(logits[2].argsort()[-3])  # a likely rejection in the middle
     one_hot = torch.nn.functional.one_hot(torch.tensor(drafts), 40).float()
     a, b = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     outcomes = set()
     for _ in range(2000):
         implicit = verify_chain(drafts, None, logits, params, a)
         assert implicit == verify_chain(drafts, one_hot, logits, params, b)
-        assert verify_token(drafts[2], None, logits[2], params, a) == verify_token(drafts[2], one_hot[2], logits[2], params, b)
+        assert verify_token(drafts[2], None, logits[2], params, a) == verify_token(
+            drafts[2], one_hot[2], logits[2], params, b
+        )
         outcomes.add(implicit[0])
-    assert len(outcomes) >= 3                               # rejections at several depths were compared
+    assert len(outcomes) >= 3  # rejections at several depths were compared
 
 
 def test_bulk_indexing_pauses_the_garbage_collector_and_restores_it():
@@ -698,17 +731,17 @@ def test_bulk_indexing_pauses_the_garbage_collector_and_restores_it():
             super().append(token)
 
     assert gc.isenabled()
-    Spy(8).sync(list(range(BULK)))                               # a prompt: paused throughout
+    Spy(8).sync(list(range(BULK)))  # a prompt: paused throughout
     assert seen == [False] * BULK and gc.isenabled()
     seen.clear()
     index = Spy(8)
-    index.sync([1, 2])                                           # a round's few tokens: not paused
+    index.sync([1, 2])  # a round's few tokens: not paused
     assert seen == [True, True]
     gc.disable()
     try:
         with gc_paused():
             pass
-        assert not gc.isenabled()                                # off before: left off
+        assert not gc.isenabled()  # off before: left off
     finally:
         gc.enable()
     with pytest.raises(RuntimeError):
@@ -723,7 +756,7 @@ def test_bulk_indexing_pauses_the_garbage_collector_and_restores_it():
             return super()._step(active, token, sign)
 
     trie = SpyTrie(4)
-    trie.add(list(range(BULK)) * 2)                              # an output joining the cache: paused too
+    trie.add(list(range(BULK)) * 2)  # an output joining the cache: paused too
     assert stepped == [False] * 2 * BULK and gc.isenabled() and trie.match([0, 1, 2], 3)[1] == 3
 
 
@@ -732,24 +765,24 @@ def test_adaptive_keeps_an_acceptance_per_source_of_evidence():
     own: a cache whose proposals are always wrong stops being drafted while the request's right ones, at the same
     match length, still are; the report names both."""
     context = list(range(10, 20))
-    request_text = context + [1, 2, 3, 4, 5, 6] + context            # the request repeats itself: right proposals
+    request_text = context + [1, 2, 3, 4, 5, 6] + context  # the request repeats itself: right proposals
     suffix = SuffixDrafter(100, depth=16, cache_requests=4, memory=False)
     suffix.reset()
-    suffix.propose([50, 51], 4, GREEDY, GEN)                          # an earlier request's prompt, and its output:
-    suffix.finish([50, 51] + context + [7, 7, 7, 7, 7, 7])              # the context, then the wrong continuation
+    suffix.propose([50, 51], 4, GREEDY, GEN)  # an earlier request's prompt, and its output:
+    suffix.finish([50, 51] + context + [7, 7, 7, 7, 7, 7])  # the context, then the wrong continuation
     cost = ForwardCost({1: 0.05, 2: 0.07, 7: 0.12})
     policy = DraftPolicy([suffix], ForwardCost(dict(cost.seconds)))
     policy.reset()
-    for _ in range(12):                                               # the cache's: always rejected
+    for _ in range(12):  # the cache's: always rejected
         proposal = policy.propose([60, 61] + context, 6, GREEDY, GEN)
         assert suffix.last_source == 1
         policy.accept(12, [])
         policy.observe(1 + len(proposal.tokens), cost(1 + len(proposal.tokens)), [9])
     assert len(policy.propose([60, 61] + context, 6, GREEDY, GEN).tokens) == 0
-    assert policy.alpha(0, SOURCE_STRIDE + 8) < 0.2 and policy.alpha(0, 8) == 0.5     # the request's: untouched
+    assert policy.alpha(0, SOURCE_STRIDE + 8) < 0.2 and policy.alpha(0, 8) == 0.5  # the request's: untouched
     policy.reset()
-    for bucket in (8, 12):                                            # the request's own proposals: always right
+    for bucket in (8, 12):  # the request's own proposals: always right
         policy.acceptance[(0, bucket)] = Acceptance(judged=50, accepted=50)
-    proposal = policy.propose(request_text, 6, GREEDY, GEN)           # same match length, the request's own text
+    proposal = policy.propose(request_text, 6, GREEDY, GEN)  # same match length, the request's own text
     assert suffix.last_source == 0 and proposal.tokens == [1, 2, 3, 4, 5, 6]
     assert {"suffix/cache/match8-11", "suffix/match8-11"} <= set(policy.report()["alpha"])

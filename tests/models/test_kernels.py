@@ -1,10 +1,11 @@
-"""models/kernels.py: the oneDNN path gives F.linear's result, and the dispatch rule does what it says."""
+"""models/native/kernels.py: the oneDNN path gives F.linear's result, and the dispatch rule does what it says."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from paraspec.models import kernels
-from paraspec.models.kernels import Linear, linear, onednn_available, use_onednn
+from paraspec.models.native import kernels
+from paraspec.models.native.kernels import Linear, linear, onednn_available, use_onednn
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN inner product")
 
@@ -39,7 +40,7 @@ def test_dispatch_rule(monkeypatch):
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            assert not use_onednn(one, w)          # one row on one thread: MKL's gemv is as fast
+            assert not use_onednn(one, w)  # one row on one thread: MKL's gemv is as fast
             torch.set_num_threads(2)
             assert use_onednn(one, w)
         finally:
@@ -65,11 +66,23 @@ def test_bad_mode_names_the_choices(monkeypatch):
 
 @needs_onednn
 def test_native_decoder_logits_do_not_depend_on_the_kernel(monkeypatch):
-    from paraspec.models.llama import Decoder, DecoderConfig, NativeModel
-    cfg = DecoderConfig.from_hf(dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     vocab_size=97, max_position_embeddings=256, rms_norm_eps=1e-6,
-                                     rope_theta=10000.0, tie_word_embeddings=False))
+    from paraspec.models.native.decoder import Decoder, DecoderConfig, NativeModel
+
+    cfg = DecoderConfig.from_hf(
+        dict(
+            architectures=["Qwen2ForCausalLM"],
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=97,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        )
+    )
     torch.manual_seed(0)
     decoder = Decoder(cfg).float()
     for p in decoder.parameters():

@@ -1,12 +1,13 @@
 """The native decoder computes what Hugging Face computes (fp32), through prefill, decoding and rollbacks."""
+
 import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from paraspec.models.llama import UnsupportedModelError
 from paraspec.models.loader import load_model, load_native
+from paraspec.models.native.decoder import UnsupportedModelError
 from tests.conftest import ON_CUDA, TEST_DEVICE
 
 FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]
@@ -32,14 +33,14 @@ def test_native_matches_hf_prefill_decode_and_rollback(family, static_width, req
     model = load_native(folder, torch.float32, device=TEST_DEVICE, static_width=static_width)
 
     assert (model.prefill(ids[:20]) - ref[19]).abs().max() <= TOL
-    for i in range(20, 30):                                   # one token at a time
+    for i in range(20, 30):  # one token at a time
         assert (model.forward([ids[i]])[-1] - ref[i]).abs().max() <= TOL
-    assert (model.forward(ids[30:40]) - ref[30:40]).abs().max() <= TOL   # a chunk
-    model.rollback(25)                                        # rewrite positions 25.. with the same tokens
+    assert (model.forward(ids[30:40]) - ref[30:40]).abs().max() <= TOL  # a chunk
+    model.rollback(25)  # rewrite positions 25.. with the same tokens
     assert model.length == 25
     assert (model.forward(ids[25:48]) - ref[25:48]).abs().max() <= TOL
     model.rollback(33)
-    other = [5] * 6                                           # a different continuation after a rollback
+    other = [5] * 6  # a different continuation after a rollback
     ref_other = hf_logits(folder, ids[:33] + other)
     assert (model.forward(other) - ref_other[33:]).abs().max() <= TOL
 
@@ -47,7 +48,7 @@ def test_native_matches_hf_prefill_decode_and_rollback(family, static_width, req
 def test_hf_backend_matches_hf(qwen2_target):
     ids = list(range(10, 40))
     ref = hf_logits(qwen2_target, ids)
-    model = load_model(qwen2_target, "float32", backend="hf", device=TEST_DEVICE)     # ref is on TEST_DEVICE
+    model = load_model(qwen2_target, "float32", backend="hf", device=TEST_DEVICE)  # ref is on TEST_DEVICE
     assert (model.prefill(ids[:10]) - ref[9]).abs().max() <= 1e-4
     assert (model.forward(ids[10:20]) - ref[10:20]).abs().max() <= 1e-4
     model.rollback(12)
@@ -68,7 +69,7 @@ def test_tree_mask_and_positions(qwen2_target, static_width):
     out = model.forward(a + b, positions=[4, 5, 4, 5], tree_mask=mask)
     assert (out[:2] - ref_a[4:]).abs().max() <= 1e-4
     assert (out[2:] - ref_b[4:]).abs().max() <= 1e-4
-    model.keep_path(4, [6, 7])                                 # keep branch b
+    model.keep_path(4, [6, 7])  # keep branch b
     assert model.length == 6
     assert (model.forward([40]) - hf_logits(qwen2_target, prefix + b + [40])[-1]).abs().max() <= 1e-4
 
@@ -87,7 +88,7 @@ def test_blocks_compose_to_the_layer(qwen2_target):
 
 
 def test_bf16_default_and_untied_head(llama_target):
-    model = load_model(llama_target)                          # bfloat16 by default
+    model = load_model(llama_target)  # bfloat16 by default
     assert model.dtype == torch.bfloat16
     assert model.decoder.lm_head.weight is not model.decoder.model.embed_tokens.weight
     logits = model.prefill([1, 2, 3])
@@ -115,6 +116,7 @@ def test_rollback_beyond_length_is_an_error(qwen2_target):
 @pytest.mark.parametrize("fast_bf16,expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_dtype_follows_the_cpu(monkeypatch, qwen2_target, fast_bf16, expected):
     from paraspec.models import loader
+
     monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: fast_bf16)
     assert loader.parse_dtype("auto") == expected
     assert loader.parse_dtype("auto", "cuda:0") == torch.bfloat16

@@ -1,4 +1,4 @@
-"""The llamacpp backend (models/llamacpp.py) on tiny GGUF files written by tests/tiny_gguf.py.
+"""The llamacpp backend (models/llamacpp/model.py) on tiny GGUF files written by tests/tiny_gguf.py.
 
 - its logits are the native decoder's on the same weights (f32 file; Q8_0 file vs its dequantized weights);
 - a forward of w tokens gives logits bitwise equal to w one-token forwards, for w = 1..16, at contexts the probe
@@ -6,6 +6,7 @@
 - greedy sd / amusd / dsi equal ar on the backend, and sd's sampling follows the target's distribution;
 - bad files and a missing llama-cpp-python give errors that name the fix.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.models import llamacpp
-from paraspec.models.llamacpp import LlamaCppModel, measure_exact_width
+from paraspec.models.llamacpp.model import LlamaCppModel, measure_exact_width
+from paraspec.models.llamacpp import model as llamacpp
 from paraspec.models.loader import load_model
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf
@@ -31,18 +32,24 @@ def assert_close_to_native(a: torch.Tensor, b: torch.Tensor, atol: float) -> Non
 # (logits' std ~3); with its f16 K/V (what the engine runs) to ~0.05. The Q8_0 file (std ~0.8) is compared with
 # the native decoder on its dequantized weights: llama.cpp also rounds the activations to 8 bits there (~0.06).
 # A tensor mapped wrongly moves the logits by about their std, and breaks the correlation.
-@pytest.mark.parametrize("kind,kv_f32,atol", [("target", True, 2e-4), ("target", False, 0.15),
-                                              ("target_q8", True, 0.15), ("target_q8", False, 0.15)])
+@pytest.mark.parametrize(
+    "kind,kv_f32,atol",
+    [("target", True, 2e-4), ("target", False, 0.15), ("target_q8", True, 0.15), ("target_q8", False, 0.15)],
+)
 def test_logits_match_the_native_decoder(gguf_pair, kind, kv_f32, atol):
     lc = LlamaCppModel(gguf_pair[kind], 2048, (), n_threads=1, kv_f32=kv_f32)
-    native = load_model(gguf_pair[kind] if kind == "target_q8" else gguf_pair["target_hf"], dtype="float32",
-                        backend="native", max_context=2048)
+    native = load_model(
+        gguf_pair[kind] if kind == "target_q8" else gguf_pair["target_hf"],
+        dtype="float32",
+        backend="native",
+        max_context=2048,
+    )
     prompt = list(range(10, 60))
     assert_close_to_native(lc.prefill(prompt), native.prefill(prompt), atol)
-    for t in (5, 77, 130):                                          # decoding one token at a time
+    for t in (5, 77, 130):  # decoding one token at a time
         assert_close_to_native(lc.forward([t]), native.forward([t]), atol)
-    assert_close_to_native(lc.forward([1, 2, 3, 4]), native.forward([1, 2, 3, 4]), atol)   # a chunk
-    for m in (lc, native):                                          # a rollback, then other tokens
+    assert_close_to_native(lc.forward([1, 2, 3, 4]), native.forward([1, 2, 3, 4]), atol)  # a chunk
+    for m in (lc, native):  # a rollback, then other tokens
         m.rollback(len(prompt) + 2)
     assert lc.length == native.length == len(prompt) + 2
     assert_close_to_native(lc.forward([200, 201, 9]), native.forward([200, 201, 9]), atol)
@@ -55,8 +62,9 @@ def test_forward_is_bitwise_one_token_forwards(gguf_pair, threads, context):
     """The guarantee the engine relies on, at contexts the start-up probe did not use (it uses 32 and 600)."""
     model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=threads)
     rng = np.random.default_rng(context)
-    assert_forwards_are_one_token_forwards(model, rng.integers(0, model.vocab_size, size=context + 16).tolist(),
-                                           context)
+    assert_forwards_are_one_token_forwards(
+        model, rng.integers(0, model.vocab_size, size=context + 16).tolist(), context
+    )
 
 
 @pytest.mark.parametrize("prompt", [30, 700])
@@ -77,12 +85,13 @@ def test_flash_attention_is_on_only_in_a_patched_build(gguf_pair, monkeypatch):
     patched = bool(getattr(lib, "__paraspec_flash_attn__", False))
     on = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, probe=False)
     assert on.flash_attention is patched
-    assert LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, probe=False, kv_f32=True).flash_attention \
-        is False                                                      # flash attention would cast f32 K/V to f16
+    assert (
+        LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, probe=False, kv_f32=True).flash_attention is False
+    )  # flash attention would cast f32 K/V to f16
     monkeypatch.setenv("PARASPEC_LLAMACPP_FLASH_ATTN", "0")
     off = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2, probe=False)
     assert off.flash_attention is False
-    if patched:              # one exactness verdict per setting: the probe's cache keeps them apart
+    if patched:  # one exactness verdict per setting: the probe's cache keeps them apart
         assert llamacpp._probe_cache(on) != llamacpp._probe_cache(off)
     ids = [3 + i % 250 for i in range(600 + 8)]
     assert_forwards_are_one_token_forwards(off, ids, 600)
@@ -117,7 +126,7 @@ def test_a_first_forward_decodes_its_prompt_as_prefill_does(gguf_pair):
     model.rollback(0)
     model.forward_widths = {}
     assert torch.equal(model.forward(prompt + drafts, last_n=4), reference)
-    assert model.forward_widths == {3: 1}                 # only the drafts went through the exact-width split
+    assert model.forward_widths == {3: 1}  # only the drafts went through the exact-width split
 
 
 @pytest.mark.parametrize("prompt", [40, 100, 600])
@@ -129,7 +138,7 @@ def test_a_prompts_last_token_refed_alone_gets_the_prefills_logits(gguf_pair, pr
     ids = [3 + (7 * i) % 250 for i in range(prompt + 4)]
     first = torch.cat([model.prefill(ids[:prompt])[None], model.forward(ids[prompt:])])
     model.rollback(prompt - 1)
-    again = model.forward(ids[prompt - 1:])
+    again = model.forward(ids[prompt - 1 :])
     assert torch.equal(first, again), f"max |diff| {float((first - again).abs().max()):.3g}"
 
 
@@ -142,9 +151,10 @@ def test_probe_measures_and_is_cached(gguf_pair, monkeypatch, tmp_path):
 
     def fail(*a, **k):
         raise AssertionError("measured again")
+
     monkeypatch.setattr(llamacpp, "run_probe", fail)
-    assert LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2).exact_width == width   # from the cache
-    with pytest.raises(AssertionError, match="measured again"):       # another thread count is another key
+    assert LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2).exact_width == width  # from the cache
+    with pytest.raises(AssertionError, match="measured again"):  # another thread count is another key
         LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
 
 
@@ -161,28 +171,33 @@ def ar_tokens(gguf_pair):
         return ar.generate(PROMPT, PARAMS).token_ids
 
 
-@pytest.mark.parametrize("config", [
-    # fixed lengths: sd's default (the adaptive rule) may rightly draft nothing on the tiny pair
-    *(dict(strategy="sd", adaptive=False, lookahead=k) for k in (1, 3, 8)),
-    dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
-    dict(strategy="dsi", lookahead=3, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
-], ids=["sd1", "sd3", "sd8", "amusd", "dsi"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        # fixed lengths: sd's default (the adaptive rule) may rightly draft nothing on the tiny pair
+        *(dict(strategy="sd", adaptive=False, lookahead=k) for k in (1, 3, 8)),
+        dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
+        dict(strategy="dsi", lookahead=3, target_devices=["cpu:1", "cpu:1"], draft_devices=["cpu:0"]),
+    ],
+    ids=["sd1", "sd3", "sd8", "amusd", "dsi"],
+)
 def test_greedy_strategies_equal_ar(gguf_pair, ar_tokens, config):
     with Engine(gguf_pair["target"], gguf_pair["draft"], backend="llamacpp", **config) as engine:
         result = engine.generate(PROMPT, PARAMS)
-        again = engine.generate(PROMPT, PARAMS)          # a second request on the same engine
+        again = engine.generate(PROMPT, PARAMS)  # a second request on the same engine
     assert result.token_ids == ar_tokens and again.token_ids == ar_tokens
-    assert 0 < result.stats.accepted < result.stats.drafted      # the draft partly agrees: both paths ran
+    assert 0 < result.stats.accepted < result.stats.drafted  # the draft partly agrees: both paths ran
 
 
 def test_sd_stops_on_a_stop_token_inside_a_chunk(gguf_pair, ar_tokens):
     stop = ar_tokens[9]
     first = ar_tokens.index(stop)
     params = SamplingParams(max_new_tokens=40, stop_token_ids=[stop])
-    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="sd", adaptive=False, lookahead=8,
-                backend="llamacpp") as sd:
+    with Engine(
+        gguf_pair["target"], gguf_pair["draft"], strategy="sd", adaptive=False, lookahead=8, backend="llamacpp"
+    ) as sd:
         result = sd.generate(PROMPT, params)
-    assert result.token_ids == ar_tokens[:first + 1] and result.finish_reason == "stop"
+    assert result.token_ids == ar_tokens[: first + 1] and result.finish_reason == "stop"
 
 
 N_SAMPLES = 4_000
@@ -192,10 +207,18 @@ N_SAMPLES = 4_000
 def test_sd_sampling_follows_the_target(gguf_pair, sampling):
     """Joint distribution of the first two tokens: sd on llama.cpp vs the target's exact distribution."""
     from scipy.stats import chisquare
+
     from paraspec.sampling import logits_to_probs
+
     params = SamplingParams(**sampling)
-    with Engine(gguf_pair["sample_target"], gguf_pair["sample_draft"], strategy="sd", adaptive=False, lookahead=3,
-                backend="llamacpp") as sd:
+    with Engine(
+        gguf_pair["sample_target"],
+        gguf_pair["sample_draft"],
+        strategy="sd",
+        adaptive=False,
+        lookahead=3,
+        backend="llamacpp",
+    ) as sd:
         p1 = logits_to_probs(sd.target.prefill(PROMPT), params).double()
         support = torch.nonzero(p1).flatten().tolist()
         joint = {}
@@ -210,11 +233,11 @@ def test_sd_sampling_follows_the_target(gguf_pair, sampling):
             counts[key] = counts.get(key, 0) + 1
             accepted += result.stats.accepted
     assert set(counts) <= set(joint), f"sampled pairs outside the target's support: {set(counts) - set(joint)}"
-    assert 0.05 * N_SAMPLES < accepted < 0.95 * N_SAMPLES    # kept drafts and resampled rejections both ran
+    assert 0.05 * N_SAMPLES < accepted < 0.95 * N_SAMPLES  # kept drafts and resampled rejections both ran
     keys = sorted(joint)
     expected = np.array([joint[k] for k in keys])
     observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    big = expected * N_SAMPLES >= 5                   # pool the rare pairs into one cell
+    big = expected * N_SAMPLES >= 5  # pool the rare pairs into one cell
     exp, obs = expected[big] * N_SAMPLES, observed[big]
     if (~big).any():
         exp, obs = np.append(exp, expected[~big].sum() * N_SAMPLES), np.append(obs, observed[~big].sum())
@@ -223,12 +246,13 @@ def test_sd_sampling_follows_the_target(gguf_pair, sampling):
 
 # -- backend choice and bad input ---------------------------------------------------------------------------
 
+
 def test_auto_backend_choice(gguf_pair):
-    with Engine(gguf_pair["target"], strategy="ar") as engine:              # a GGUF on CPU: llama.cpp
+    with Engine(gguf_pair["target"], strategy="ar") as engine:  # a GGUF on CPU: llama.cpp
         assert engine.backend == "llamacpp" and isinstance(engine.target, LlamaCppModel)
-    with Engine(gguf_pair["target"], strategy="ar", dtype="float32") as engine:   # a dtype asks for torch
+    with Engine(gguf_pair["target"], strategy="ar", dtype="float32") as engine:  # a dtype asks for torch
         assert engine.backend == "native"
-    with Engine(gguf_pair["target_hf"], strategy="ar") as engine:          # no GGUF source
+    with Engine(gguf_pair["target_hf"], strategy="ar") as engine:  # no GGUF source
         assert engine.backend == "native"
 
 
@@ -236,7 +260,7 @@ def test_tree_strategies_are_refused_on_llamacpp(gguf_pair):
     for strategy in ("tree", "easyspec"):
         with pytest.raises(ValueError, match="backend='native'"):
             Engine(gguf_pair["target"], gguf_pair["draft"], strategy=strategy, backend="llamacpp")
-    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="tree") as tree:   # auto: native
+    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="tree") as tree:  # auto: native
         assert tree.backend == "native"
 
 
@@ -259,10 +283,11 @@ def test_damaged_files(gguf_pair, tmp_path, damage):
     if damage == "truncated":
         path.write_bytes(data[: len(data) // 2])
     elif damage == "corrupt":
-        path.write_bytes(data[:64] + bytes(len(data) - 64))     # header start kept, the rest zeroed
+        path.write_bytes(data[:64] + bytes(len(data) - 64))  # header start kept, the rest zeroed
     else:
         path.write_bytes(b"PK\x03\x04" + data[4:])
-    from paraspec.models.llamacpp import load_llamacpp
+    from paraspec.models.llamacpp.model import load_llamacpp
+
     expected = "is not a GGUF file" if damage == "not_gguf" else "corrupt or truncated.*re-download the file"
     with pytest.raises(ValueError, match=expected):
         load_llamacpp(path, None)
@@ -270,14 +295,16 @@ def test_damaged_files(gguf_pair, tmp_path, damage):
 
 def test_missing_llama_cpp_python_names_the_fix(monkeypatch):
     import sys
+
     monkeypatch.setattr(llamacpp, "_lib", None)
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)       # import fails as if it were not installed
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if it were not installed
     with pytest.raises(llamacpp.LlamaCppUnavailable, match="make setup|build_llamacpp.py wheel"):
         llamacpp._llama_cpp()
 
 
 def test_gguf_file_gets_a_tokenizer_folder_without_weights(gguf_pair):
     from paraspec.models.loader import gguf_source, resolve_checkpoint
+
     folder = resolve_checkpoint(gguf_pair["target"], backend="llamacpp")
     assert not list(folder.glob("*.safetensors")) and (folder / "tokenizer.json").exists()
     assert gguf_source(folder) == gguf_pair["target"].resolve()
@@ -293,8 +320,9 @@ def test_fast_prefill_hands_its_kv_cache_to_the_exact_context(gguf_pair, kind):
     runs = {}
     for fast in (True, False):
         model = LlamaCppModel(gguf_pair[kind], 2048, (), n_threads=1, fast_prefill=fast, kernels="plain")
-        runs[fast] = torch.cat([model.prefill(prompt)[None]] + [model.forward([t]) for t in rest]
-                               + [model.forward(rest, last_n=len(rest))])
+        runs[fast] = torch.cat(
+            [model.prefill(prompt)[None]] + [model.forward([t]) for t in rest] + [model.forward(rest, last_n=len(rest))]
+        )
         assert model.fast_prefills == (1 if fast else 0)
         assert model.length == len(prompt) + 2 * len(rest)
         model.close()

@@ -5,14 +5,15 @@
   where the probe says so (`batch_exact`, measured in the child with the width probe and cached per sequence count);
 - bad batches are refused with errors that say what is allowed.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from paraspec.models import llamacpp
-from paraspec.models.llamacpp import LlamaCppModel, measure_batch_exact
+from paraspec.models.llamacpp.model import LlamaCppModel, measure_batch_exact
+from paraspec.models.llamacpp import model as llamacpp
 
 pytest.importorskip("llama_cpp")
 
@@ -35,18 +36,22 @@ def test_sequences_batched_are_bitwise_alone_where_the_probe_says_so(gguf_pair, 
     exact, rows = measure_batch_exact(model, 8)
     assert {r["sequences"] for r in rows} == {2, 3, 4} and {r["kind"] for r in rows} == {"decode", "verify"}
     if not exact:
-        pytest.skip(f"llama.cpp's {kernels} kernels do not batch sequences exactly on this CPU (the probe refuses "
-                    f"batching here; tests/strategies/test_batched.py covers that path)")
+        pytest.skip(
+            f"llama.cpp's {kernels} kernels do not batch sequences exactly on this CPU (the probe refuses "
+            f"batching here; tests/strategies/test_batched.py covers that path)"
+        )
     rng = np.random.default_rng(5)
     # decode steps (one token each) and verify-like steps (different widths per sequence), sequences joining late
-    steps = [[rng.integers(0, model.vocab_size, size=w).tolist() for w in widths]
-             for widths in ([1, 1, 4, 1], [3, 1, 1, 2], [1, 2, 1, 1], [2, 1, 3, 1])]
+    steps = [
+        [rng.integers(0, model.vocab_size, size=w).tolist() for w in widths]
+        for widths in ([1, 1, 4, 1], [3, 1, 1, 2], [1, 2, 1, 1], [2, 1, 3, 1])
+    ]
     expected = [alone(gguf_pair["target"], p, s, kernels) for p, s in zip(PROMPTS, steps)]
     got = [[] for _ in PROMPTS]
     for seq in (0, 1):
         got[seq].append(model.sequence(seq).prefill(PROMPTS[seq])[None])
     for i in range(4):
-        if i == 1:                                         # two sequences join after the first step
+        if i == 1:  # two sequences join after the first step
             for seq in (2, 3):
                 got[seq].append(model.sequence(seq).prefill(PROMPTS[seq])[None])
         running = [0, 1] if i == 0 else [0, 1, 2, 3]
@@ -55,11 +60,12 @@ def test_sequences_batched_are_bitwise_alone_where_the_probe_says_so(gguf_pair, 
         for seq, logits in zip(running, out):
             got[seq].append(logits)
     for seq in range(4):
-        want = expected[seq][:len(got[seq])]
+        want = expected[seq][: len(got[seq])]
         for g, w in zip(got[seq], want):
             assert torch.equal(g, w), f"sequence {seq}: batched rows differ from alone"
-    assert [model.sequence(s).length for s in range(4)] == [len(p) + sum(map(len, s[:len(got[i]) - 1]))
-                                                           for i, (p, s) in enumerate(zip(PROMPTS, steps))]
+    assert [model.sequence(s).length for s in range(4)] == [
+        len(p) + sum(map(len, s[: len(got[i]) - 1])) for i, (p, s) in enumerate(zip(PROMPTS, steps))
+    ]
     model.close()
 
 
@@ -70,8 +76,8 @@ def test_rollback_and_prefill_touch_only_their_sequence(gguf_pair):
     b.prefill(PROMPTS[1])
     before = b.forward([7, 8], last_n=1)
     b.rollback(len(PROMPTS[1]))
-    a.rollback(2)                                          # sequence 0's cut leaves sequence 1's cache whole
-    a.prefill(PROMPTS[2])                                  # and so does a new prompt on sequence 0
+    a.rollback(2)  # sequence 0's cut leaves sequence 1's cache whole
+    a.prefill(PROMPTS[2])  # and so does a new prompt on sequence 0
     assert (a.length, b.length) == (1, len(PROMPTS[1]))
     assert torch.equal(b.forward([7, 8], last_n=1), before)
     model.close()
@@ -86,10 +92,12 @@ def test_a_moved_sequence_goes_on_bitwise_and_any_order_is_one_forward(gguf_pair
     want = model.forward_batch([(2, [9, 10], 2), (0, [4], 1)])
     model.rollback(len(PROMPTS[2]), 2)
     model.rollback(len(PROMPTS[0]), 0)
-    assert [torch.equal(a, b) for a, b in zip(model.forward_batch([(0, [4], 1), (2, [9, 10], 2)]), want[::-1])] \
-        == [True, True]
+    assert [torch.equal(a, b) for a, b in zip(model.forward_batch([(0, [4], 1), (2, [9, 10], 2)]), want[::-1])] == [
+        True,
+        True,
+    ]
     model.rollback(len(PROMPTS[2]), 2)
-    model.move_sequence(2, 1)                              # sequence 2's request now decodes on sequence 1
+    model.move_sequence(2, 1)  # sequence 2's request now decodes on sequence 1
     assert (model.sequence(1).length, model.sequence(2).length) == (len(PROMPTS[2]), 0)
     assert torch.equal(model.sequence(1).forward([9, 10]), want[0])
     with pytest.raises(ValueError, match="two different sequences"):
@@ -127,10 +135,13 @@ def test_the_batch_verdict_is_probed_in_the_child_and_cached_per_sequence_count(
 
     def fail(*a, **k):
         raise AssertionError("measured again")
+
     monkeypatch.setattr(llamacpp, "run_probe", fail)
-    assert LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=3).batch_exact \
-        == three.batch_exact                                                   # from the cache
-    with pytest.raises(AssertionError, match="measured again"):                # another sequence count: another key
+    assert (
+        LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=3).batch_exact
+        == three.batch_exact
+    )  # from the cache
+    with pytest.raises(AssertionError, match="measured again"):  # another sequence count: another key
         LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=2)
     three.close()
 
@@ -142,6 +153,7 @@ def test_an_inexact_batch_verdict_is_said(gguf_pair, monkeypatch, tmp_path, caps
     def rows_differ(model):
         width, rows = real(model)
         return width, rows + [{"sequences": 2, "kind": "decode", "max_abs_diff": 1e-3}]
+
     monkeypatch.setattr(llamacpp, "run_probe", rows_differ)
     model = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, kernels="plain", n_seqs=2)
     assert model.batch_exact is False

@@ -5,6 +5,7 @@ a draft's context turns it on, a target's never does. These tests check that the
 arithmetic, that a target beside a fast draft (in the same process, their forwards interleaved) is still
 batch-invariant, and that the Engine opens drafts -- and only drafts -- that way.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.models import llamacpp
-from paraspec.models.llamacpp import LlamaCppModel
+from paraspec.models.llamacpp.model import LlamaCppModel
+from paraspec.models.llamacpp import model as llamacpp
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards
 
 pytest.importorskip("llama_cpp")
@@ -54,7 +55,7 @@ def test_a_draft_context_runs_tinyblas_and_an_exact_target_beside_it_stays_exact
     draft = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=2, exact=False)
     try:
         assert (draft.tinyblas, draft.exact, target.tinyblas, target.exact) == (True, False, False, True)
-        assert draft.exact_width == draft.n_batch and target.exact_width >= 8   # a draft's forwards are not split
+        assert draft.exact_width == draft.n_batch and target.exact_width >= 8  # a draft's forwards are not split
         ids = np.random.default_rng(3).integers(0, target.vocab_size, size=120).tolist()
         target.prefill(ids[:100])
         draft.prefill(ids[:100])
@@ -75,20 +76,24 @@ def test_a_fast_drafts_answer_repeats(gguf_pair):
     for _ in range(2):
         draft = LlamaCppModel(gguf_pair["draft"], 512, (), n_threads=2, exact=False)
         try:
-            first = draft.forward(list(range(5, 70)), last_n=1)          # a prompt into the empty cache
+            first = draft.forward(list(range(5, 70)), last_n=1)  # a prompt into the empty cache
             steps = [draft.forward([int(first.argmax())])]
-            steps.append(draft.forward([3, 4, 5, 6], last_n=4))          # a catch-up of several tokens
+            steps.append(draft.forward([3, 4, 5, 6], last_n=4))  # a catch-up of several tokens
             runs.append(torch.cat([first, *steps]))
         finally:
             draft.close()
     assert torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("config", [
-    dict(strategy="sd", adaptive=False, lookahead=3),
-    dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),              # draft worker
-    dict(strategy="dsi", lookahead=3, target_devices=["cpu:1"], draft_devices=["cpu:0"]),   # drafter worker
-], ids=["sd", "amusd", "dsi"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(strategy="sd", adaptive=False, lookahead=3),
+        dict(strategy="amusd", target_devices=["cpu:1"], draft_devices=["cpu:0"]),  # draft worker
+        dict(strategy="dsi", lookahead=3, target_devices=["cpu:1"], draft_devices=["cpu:0"]),  # drafter worker
+    ],
+    ids=["sd", "amusd", "dsi"],
+)
 def test_the_engine_opens_drafts_fast_and_targets_exact(gguf_pair, config):
     prompt, params = [5, 17, 33, 90, 12, 7], SamplingParams(max_new_tokens=24)
     with Engine(gguf_pair["target"], strategy="ar", backend="llamacpp") as ar:
@@ -96,7 +101,7 @@ def test_the_engine_opens_drafts_fast_and_targets_exact(gguf_pair, config):
     with Engine(gguf_pair["target"], gguf_pair["draft"], backend="llamacpp", **config) as engine:
         assert engine.strategy.target.exact is True
         assert [d.exact for d in engine.strategy.draft_models] == [False]
-        if config["strategy"] == "sd":             # in this process: tinyBLAS really is on for the draft only
+        if config["strategy"] == "sd":  # in this process: tinyBLAS really is on for the draft only
             assert engine.strategy.draft_models[0].tinyblas and not engine.strategy.target.tinyblas
         result = engine.generate(prompt, params)
     assert result.token_ids == want and result.stats.drafted > 0
@@ -106,9 +111,10 @@ def test_a_build_running_tinyblas_in_every_context_is_refused(monkeypatch):
     """llama.cpp's own build (tinyBLAS compiled in, no per-context switch) would make every target inexact."""
     import sys
     import types
+
     fake = types.ModuleType("llama_cpp")
     fake.llama_print_system_info = lambda: b"CPU : AVX2 = 1 | LLAMAFILE = 1 | OPENMP = 1 |"
-    fake.llama_cpp = types.SimpleNamespace(_lib=types.SimpleNamespace())     # no llama_paraspec_set_llamafile
+    fake.llama_cpp = types.SimpleNamespace(_lib=types.SimpleNamespace())  # no llama_paraspec_set_llamafile
     monkeypatch.setattr(llamacpp, "_lib", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)

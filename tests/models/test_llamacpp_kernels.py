@@ -14,6 +14,7 @@
   repacking off.
 On an unpatched build the Q4_K cases fail (rows of the 4-row groups differ by ~1e-5 in the kernels).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from paraspec.models import llamacpp
-from paraspec.models.llamacpp import PROBE_WIDTH, LlamaCppModel
+from paraspec.models.llamacpp.model import PROBE_WIDTH, LlamaCppModel
+from paraspec.models.llamacpp import model as llamacpp
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import quantize_gguf, tiny_hf_model, tiny_vocab, write_gguf
 
@@ -45,8 +46,23 @@ def build_kernel_program(tmp_path_factory, name: str) -> Path:
     if not (include / "ggml-backend.h").exists() or not list(lib.glob("libggml-cpu.so*")):
         pytest.skip(f"llama-cpp-python's ggml headers or libraries are not installed ({include}, {lib})")
     exe = tmp_path_factory.mktemp("kernels") / name
-    subprocess.run([compiler, "-O2", "-o", str(exe), str(KERNELS_DIR / f"{name}.c"), f"-I{include}", f"-L{lib}",
-                    "-lggml", "-lggml-base", "-lggml-cpu", "-lm", f"-Wl,-rpath,{lib}"], check=True)
+    subprocess.run(
+        [
+            compiler,
+            "-O2",
+            "-o",
+            str(exe),
+            str(KERNELS_DIR / f"{name}.c"),
+            f"-I{include}",
+            f"-L{lib}",
+            "-lggml",
+            "-lggml-base",
+            "-lggml-cpu",
+            "-lm",
+            f"-Wl,-rpath,{lib}",
+        ],
+        check=True,
+    )
     return exe
 
 
@@ -67,7 +83,7 @@ def tiled_build() -> bool:
 
 
 @pytest.mark.parametrize("kind", ["q4_K", "q4_0", "iq4_nl", "q6_K", "q4_K-tiled"])
-@pytest.mark.parametrize("n,nc", [(256, 8), (1536, 256), (8960, 64)])   # (columns of the weight, its rows)
+@pytest.mark.parametrize("n,nc", [(256, 8), (1536, 256), (8960, 64)])  # (columns of the weight, its rows)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_equal_one_row_products(kernel_program, kind, n, nc, threads):
     env = dict(os.environ)
@@ -76,10 +92,15 @@ def test_rows_equal_one_row_products(kernel_program, kind, n, nc, threads):
             pytest.skip("the tiled matmul is made invariant on AVX512-VNNI builds only (paraspec turns it off here)")
         env["GGML_CPU_TILED_MM"] = "1"
     for seed in (1, 2):
-        proc = subprocess.run([str(kernel_program), kind, str(n), str(nc), str(threads), str(seed)],
-                              capture_output=True, text=True, timeout=300, env=env)
+        proc = subprocess.run(
+            [str(kernel_program), kind, str(n), str(nc), str(threads), str(seed)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         if proc.returncode == 2:
-            pytest.skip(proc.stdout.strip())       # not repacked on this CPU (no AVX2): nothing to check
+            pytest.skip(proc.stdout.strip())  # not repacked on this CPU (no AVX2): nothing to check
         lines = proc.stdout.splitlines()
         assert len([x for x in lines if x.startswith("width ")]) == 16, proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{kind} {nc}x{n}, {threads} thread(s), seed {seed}:\n{proc.stdout}"
@@ -87,7 +108,7 @@ def test_rows_equal_one_row_products(kernel_program, kind, n, nc, threads):
         assert lines[-1].startswith("reference_max_rel_diff") and float(lines[-1].split()[-1]) < 1e-4, proc.stdout
 
 
-AMX_SHAPES = [(256, 96), (1536, 256), (8960, 64)]       # (columns of the weight: K, its rows); rows % 32 == 0
+AMX_SHAPES = [(256, 96), (1536, 256), (8960, 64)]  # (columns of the weight: K, its rows); rows % 32 == 0
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs"])
@@ -101,8 +122,12 @@ def test_amx_rows_equal_one_row_products(amx_program, kind, n, nc, threads):
     if n % 256 and kind not in ("q4_0", "q4_1", "q8_0"):
         pytest.skip(f"{kind} rows hold 256-value super blocks")
     for seed in (1, 2):
-        proc = subprocess.run([str(amx_program), kind, str(n), str(nc), str(threads), str(seed)],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [str(amx_program), kind, str(n), str(nc), str(threads), str(seed)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if proc.returncode == 2:
             pytest.skip(f"no AMX here: {proc.stdout.strip()}")
         lines = proc.stdout.splitlines()
@@ -116,18 +141,27 @@ def test_amx_rows_equal_one_row_products(amx_program, kind, n, nc, threads):
 
 # -- whole models on repacked kernels ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def repacked_files(tmp_path_factory) -> dict[str, Path]:
     """A tiny Qwen2 (rows of 256 values: Q4_K's super block) quantized by llama.cpp to pure Q4_K and Q4_0."""
     folder = tmp_path_factory.mktemp("repacked")
-    model = tiny_hf_model("qwen2", len(tiny_vocab()[0]), tied=True, seed=21, scale=5, hidden_size=256,
-                          intermediate_size=512, max_position_embeddings=2048)
+    model = tiny_hf_model(
+        "qwen2",
+        len(tiny_vocab()[0]),
+        tied=True,
+        seed=21,
+        scale=5,
+        hidden_size=256,
+        intermediate_size=512,
+        max_position_embeddings=2048,
+    )
     f32 = folder / "f32.gguf"
     write_gguf(f32, model)
     return {kind: quantize_gguf(f32, folder / f"{kind}.gguf", kind) for kind in ("Q4_K", "Q4_0", "Q6_K", "Q4_K_M")}
 
 
-REPACKED = {"Q4_K": "q4_K_8x8", "Q4_0": "q4_0_8x8"}      # x86 with AVX2 (CPU_REPACK)
+REPACKED = {"Q4_K": "q4_K_8x8", "Q4_0": "q4_0_8x8"}  # x86 with AVX2 (CPU_REPACK)
 
 
 def repacked(log: str, kind: str) -> bool:
@@ -140,11 +174,11 @@ def repacked(log: str, kind: str) -> bool:
 @pytest.mark.parametrize("kind", ["Q4_K", "Q4_0"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_repacked_forward_is_bitwise_one_token_forwards(repacked_files, kind, threads, monkeypatch, capsys):
-    monkeypatch.setenv("PARASPEC_LLAMACPP_LOG", "all")      # llama.cpp says which tensors it repacks
+    monkeypatch.setenv("PARASPEC_LLAMACPP_LOG", "all")  # llama.cpp says which tensors it repacks
     model = LlamaCppModel(repacked_files[kind], 2048, (), n_threads=threads, probe=False, kernels="repacked")
     monkeypatch.delenv("PARASPEC_LLAMACPP_LOG")
     assert repacked(capsys.readouterr().err, kind), f"no {kind} weight was repacked on this CPU"
-    assert model.kernels == "repacked" and model.exact_width == PROBE_WIDTH   # no probe: no split either
+    assert model.kernels == "repacked" and model.exact_width == PROBE_WIDTH  # no probe: no split either
     for context in (40, 600):
         ids = np.random.default_rng(context).integers(0, model.vocab_size, size=context + 16).tolist()
         assert_forwards_are_one_token_forwards(model, ids, context, kind)
@@ -173,6 +207,7 @@ def test_auto_falls_back_to_plain_kernels_where_repacked_ones_are_not_exact(gguf
     def repacked_inexact(model):
         width, rows = real(model)
         return (3 if model.kernels == "repacked" else width), rows
+
     monkeypatch.setattr(llamacpp, "run_probe", repacked_inexact)
     auto = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
     assert auto.kernels == "plain" and auto.exact_width == PROBE_WIDTH and auto._fast is not None
@@ -223,11 +258,37 @@ def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
 
     from paraspec.cli.main import main
     from paraspec.runtime.devices import available_cores
+
     core = f"cpu:{available_cores()[0]}"
     out = tmp_path / "profile.json"
-    assert main(["profile", "--target", str(gguf_pair["target"]), "--draft", str(gguf_pair["draft"]),
-                 "--backend", "llamacpp", "--num-prompts", "1", "--tokens", "4", "--match-tokens", "8",
-                 "--widths", "1,4", "--target-devices", core, "--draft-devices", core, "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--target",
+                str(gguf_pair["target"]),
+                "--draft",
+                str(gguf_pair["draft"]),
+                "--backend",
+                "llamacpp",
+                "--num-prompts",
+                "1",
+                "--tokens",
+                "4",
+                "--match-tokens",
+                "8",
+                "--widths",
+                "1,4",
+                "--target-devices",
+                core,
+                "--draft-devices",
+                core,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     profile = json.loads(out.read_text())
     for role in ("target", "draft"):
         assert profile[role]["llamacpp"]["kernels"] in ("repacked", "plain")
@@ -241,8 +302,14 @@ def test_profile_says_which_kernels_ran(gguf_pair, tmp_path):
 def test_repacked_one_thread_equals_two_threads(repacked_files):
     """amusd's target runs on one core, ar's on two: on the repacked kernels too their logits agree bitwise."""
     ids = list(range(3, 60))
-    runs = [one_at_a_time(LlamaCppModel(repacked_files["Q4_K"], 2048, (), n_threads=t, probe=False,
-                                        kernels="repacked"), ids[:40], ids[40:]) for t in (1, 2)]
+    runs = [
+        one_at_a_time(
+            LlamaCppModel(repacked_files["Q4_K"], 2048, (), n_threads=t, probe=False, kernels="repacked"),
+            ids[:40],
+            ids[40:],
+        )
+        for t in (1, 2)
+    ]
     assert torch.equal(*runs)
 
 
@@ -250,13 +317,24 @@ def test_a_tiled_matmul_asked_for_where_it_is_not_exact_is_refused():
     """GGML_CPU_TILED_MM=1 on a build or CPU the patch does not cover (here: the check made to say so, in a fresh
     process, as ggml reads the switch once per process) is an error that names the fix, not a near-exact run."""
     import sys
-    code = ("import paraspec.models.llamacpp as L\n"
-            "L.tiled_matmul_patched = lambda lib, info: False\n"
-            "L._llama_cpp()\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, GGML_CPU_TILED_MM="1"))
+
+    code = (
+        "import paraspec.models.llamacpp.model as L\nL.tiled_matmul_patched = lambda lib, info: False\nL._llama_cpp()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, GGML_CPU_TILED_MM="1"),
+    )
     assert proc.returncode != 0 and "GGML_CPU_TILED_MM=1" in proc.stderr and "unset it" in proc.stderr, proc.stderr
     unset = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
-    proc = subprocess.run([sys.executable, "-c", code + "import os; print(os.environ['GGML_CPU_TILED_MM'])"],
-                          capture_output=True, text=True, timeout=120, env=unset)
+    proc = subprocess.run(
+        [sys.executable, "-c", code + "import os; print(os.environ['GGML_CPU_TILED_MM'])"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=unset,
+    )
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stderr

@@ -1,11 +1,12 @@
-"""The native decoder with several sequences (models/native_seqs.py): a KV cache per sequence, rows of several
+"""The native decoder with several sequences (models/native/sequences.py): a KV cache per sequence, rows of several
 sequences in one forward_batch, each row's logits those of its sequence alone wherever the load-time probe says so
 -- and the probe's verdict is what this machine's kernels really do."""
+
 import numpy as np
 import pytest
 import torch
 
-import paraspec.models.native_seqs as native_seqs
+import paraspec.models.native.sequences as native_seqs
 from paraspec.models.loader import load_native
 
 
@@ -37,7 +38,7 @@ def test_batched_rows_equal_alone_exactly_where_the_probe_says(qwen2_target, kin
     same = all(torch.equal(g, a) for g, a in zip(got, alone))
     if admitted:
         assert same, "the probe admitted this width, but batched rows differ from alone"
-    for g, a in zip(got, alone):                       # the same numbers to rounding either way
+    for g, a in zip(got, alone):  # the same numbers to rounding either way
         assert (g - a).abs().max() < 1e-3
 
 
@@ -48,9 +49,9 @@ def test_sequences_are_independent_and_move_bitwise(qwen2_target):
     m.prefill(a, 0)
     m.prefill(b, 2)
     m.forward(tokens(3, 4), seq=2)
-    m.rollback(9, 2)                                   # per sequence: sequence 0 keeps its 12
+    m.rollback(9, 2)  # per sequence: sequence 0 keeps its 12
     assert m._lengths == [12, 0, 9]
-    m.move_sequence(2, 1)                              # the caches trade places
+    m.move_sequence(2, 1)  # the caches trade places
     assert m._lengths == [12, 9, 0]
     single.prefill(b)
     single.forward(tokens(3, 4))
@@ -75,7 +76,7 @@ def test_bad_calls_are_refused(qwen2_target):
         m.forward([1], seq=5)
     with pytest.raises(ValueError, match="two different sequences"):
         m.move_sequence(1, 1)
-    assert m._lengths == [3, 2]                        # nothing refused changed a cache
+    assert m._lengths == [3, 2]  # nothing refused changed a cache
     with pytest.raises(ValueError, match="n_seqs=1"):
         native_seqs.NativeSequences(m.decoder, 64, n_seqs=1)
 
@@ -83,13 +84,18 @@ def test_bad_calls_are_refused(qwen2_target):
 @pytest.mark.parametrize("verdict", [(False, True), (True, False), (False, False)])
 def test_the_verdict_sets_what_shares_and_says_so(qwen2_target, monkeypatch, capfd, verdict):
     decode_exact, verify_exact = verdict
-    rows = [{"kind": "decode", "max_abs_diff": 0.0 if decode_exact else 1e-6},
-            {"kind": "verify", "max_abs_diff": 0.0 if verify_exact else 1e-6}]
+    rows = [
+        {"kind": "decode", "max_abs_diff": 0.0 if decode_exact else 1e-6},
+        {"kind": "verify", "max_abs_diff": 0.0 if verify_exact else 1e-6},
+    ]
     monkeypatch.setattr(native_seqs, "measure_batch_exact", lambda m, width: rows)
     m = model(qwen2_target, n_seqs=2)
     assert m.batch_exact == (decode_exact or verify_exact)
     assert m.min_shared_width == (1 if decode_exact else 2)
     assert m.exact_width == (native_seqs.PROBE_WIDTH if verify_exact else 1)
     err = capfd.readouterr().err
-    assert {(False, True): "one-token steps run alone", (True, False): "verifications run alone",
-            (False, False): "every forward runs alone"}[verdict] in err
+    assert {
+        (False, True): "one-token steps run alone",
+        (True, False): "verifications run alone",
+        (False, False): "every forward runs alone",
+    }[verdict] in err

@@ -1,5 +1,6 @@
 """Simulated models: the Model protocol, the acceptance model of the event simulator, and measured wall times
 through the real Engine and runtime close to the event simulator's predictions."""
+
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from paraspec.sim.costs import ForwardCost
 def test_target_predicts_the_truth_by_position():
     model = SimulatedModel(SimulatedSpec(seed=3, vocab_size=50, eos_token_ids=(2,)))
     truth = model.predicted
-    assert 2 not in truth                                    # no EOS unless asked for
+    assert 2 not in truth  # no EOS unless asked for
     logits = model.prefill([1, 2, 3])
     assert int(logits.argmax()) == truth[3] and model.length == 3
     rows = model.forward([7, 8], last_n=2)
@@ -34,13 +35,13 @@ def test_draft_agrees_with_probability_a_independently():
     # independent per position: P(agree at i+1 | agree at i) is still a
     assert abs(agree[1:][agree[:-1]].mean() - a) < 0.02
     other = SimulatedModel(SimulatedSpec(role="draft", seed=1, draft_seed=10, acceptance_rate=a, max_context=20_000))
-    assert (other.predicted != draft.predicted).any()        # the draft seed moves the disagreements
+    assert (other.predicted != draft.predicted).any()  # the draft seed moves the disagreements
 
 
 def test_latency_is_slept_per_forward():
     model = SimulatedModel(SimulatedSpec(cost=ForwardCost.linear(0.02, per_token_fraction=0.5)))
     start = time.perf_counter()
-    model.forward([1, 2, 3])                                 # 0.02 * (1 + 0.5 * 2) = 0.04 s
+    model.forward([1, 2, 3])  # 0.02 * (1 + 0.5 * 2) = 0.04 s
     assert 0.039 < time.perf_counter() - start < 0.1
 
 
@@ -60,13 +61,25 @@ def test_runs_through_the_engine_with_many_servers(strategy):
         result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=100))
     assert result.token_ids == SimulatedModel(target).predicted[3:103].tolist()
     if strategy == "dsi":
-        assert len({e.device for e in result.trace.events if e.kind in ("prefill", "verify")
-                    and e.device.startswith("target")}) == 8
+        assert (
+            len(
+                {
+                    e.device
+                    for e in result.trace.events
+                    if e.kind in ("prefill", "verify") and e.device.startswith("target")
+                }
+            )
+            == 8
+        )
 
 
 T, D = ForwardCost.linear(0.015), ForwardCost.linear(0.003)
-TIMED = {"ar": Case("ar", T, None, 0.7), "sd": Case("sd", T, D, 0.7, lookahead=3),
-         "amusd": Case("amusd", T, D, 0.7), "dsi": Case("dsi", T, D, 0.7, lookahead=2, servers=4)}
+TIMED = {
+    "ar": Case("ar", T, None, 0.7),
+    "sd": Case("sd", T, D, 0.7, lookahead=3),
+    "amusd": Case("amusd", T, D, 0.7),
+    "dsi": Case("dsi", T, D, 0.7, lookahead=2, servers=4),
+}
 
 
 @pytest.mark.parametrize("name", list(TIMED))
@@ -76,7 +89,7 @@ def test_wall_time_is_close_to_the_event_simulator(name):
     case = TIMED[name]
     predicted = predict(case, tokens=200)
     ratios = []
-    for _ in range(3):      # a shared machine can stall a run; a correct runtime passes on some attempt
+    for _ in range(3):  # a shared machine can stall a run; a correct runtime passes on some attempt
         ratios.append(min(measure(case, tokens=200, repeats=1, warmup=False)) / predicted)
         if 0.85 < ratios[-1] < 1.3:
             return
@@ -85,14 +98,15 @@ def test_wall_time_is_close_to_the_event_simulator(name):
 
 def test_a_shape_pays_a_real_forward_in_step_with_the_oracle():
     from paraspec.models.simulated import load_simulated
+
     spec = SimulatedSpec(seed=2, shape="tiny-draft")
     model = load_simulated(spec, max_context=64, static_width=4)
     oracle = SimulatedModel(SimulatedSpec(seed=2), max_context=64)
     real = model.real
     assert real.static_width == 4 and real.vocab_size == 256
-    assert torch.equal(model.prefill([1, 2, 3]), oracle.prefill([1, 2, 3]))    # the logits stay the oracle's
+    assert torch.equal(model.prefill([1, 2, 3]), oracle.prefill([1, 2, 3]))  # the logits stay the oracle's
     assert torch.equal(model.forward([4, 5], last_n=2), oracle.forward([4, 5], last_n=2))
-    assert real.length == model.length == 5                                    # its cache moves with the oracle's
+    assert real.length == model.length == 5  # its cache moves with the oracle's
     model.rollback(2)
     assert real.length == 2
     model.forward([6, 7, 8])

@@ -1,5 +1,6 @@
-"""The static-shape forward (models/static.py): padded to W rows, a token's logits are the same bits whatever its
+"""The static-shape forward (models/native/padded.py): padded to W rows, a token's logits are the same bits whatever its
 forward carried; it computes what the dynamic forward computes; "auto" measures W once per model and device."""
+
 import json
 
 import pytest
@@ -7,15 +8,16 @@ import torch
 
 from paraspec import Engine
 from paraspec.models.loader import load_model, load_native
-from paraspec.models.static import choose_width, check_width, measured_width
+from paraspec.models.native.padded import check_width, choose_width, measured_width
 from tests.conftest import ON_CUDA, TEST_DEVICE, needs_cuda
 
-FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]   # mistral: a sliding window of 16
+FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]  # mistral: a sliding window of 16
 
 
 def native(folder, width, graph=None, compile_step=False):
-    return load_native(folder, torch.float32, device=TEST_DEVICE, static_width=width, graph=graph,
-                       compile_step=compile_step)
+    return load_native(
+        folder, torch.float32, device=TEST_DEVICE, static_width=width, graph=graph, compile_step=compile_step
+    )
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])
@@ -42,7 +44,7 @@ def test_a_compiled_step_keeps_rows_independent_of_the_split(family, request):
 
 def assert_rows_independent_of_the_split(model):
     ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    whole = model.forward(ids)                                      # one call: ceil(40 / W) padded steps
+    whole = model.forward(ids)  # one call: ceil(40 / W) padded steps
     model.prefill(ids[:17])
     singles = torch.stack([model.forward([t])[-1] for t in ids[17:23]])
     chunk = model.forward(ids[23:31])
@@ -89,14 +91,14 @@ def test_a_tree_wider_than_w_sees_only_its_ancestors(qwen2_target):
     for branch in branches:
         reference.prefill(prefix)
         sequential = reference.forward(branch)
-        assert (tree[start:start + len(branch)].cpu() - sequential.cpu()).abs().max() < 1e-4
+        assert (tree[start : start + len(branch)].cpu() - sequential.cpu()).abs().max() < 1e-4
         start += len(branch)
 
 
 def test_choose_width_takes_the_widest_free_padding():
     assert choose_width({1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1, 16: 1.6, 32: 3.0}) == 8
     assert choose_width({1: 1.0, 2: 2.0}) == 1
-    assert choose_width({4: 0.9, 8: 1.0, 1: 1.2}) == 8         # noise: a wider width measured cheaper
+    assert choose_width({4: 0.9, 8: 1.0, 1: 1.2}) == 8  # noise: a wider width measured cheaper
     with pytest.raises(ValueError):
         choose_width({})
 
@@ -116,12 +118,12 @@ def test_static_width_is_for_the_native_backend(tmp_path):
 def test_compile_step_needs_the_static_step(tmp_path, qwen2_target):
     for backend, width in (("llamacpp", "auto"), ("hf", "auto"), ("native", None)):
         with pytest.raises(ValueError, match="compile_step=True compiles the native decoder's static-shape step"):
-            Engine(str(tmp_path / "model.gguf"), strategy="ar", backend=backend, static_width=width,
-                   compile_step=True)
+            Engine(str(tmp_path / "model.gguf"), strategy="ar", backend=backend, static_width=width, compile_step=True)
     with pytest.raises(ValueError, match="compile_step compiles the static-shape step: pass static_width=W"):
         native(qwen2_target, None, compile_step=True)
-    with pytest.raises(ValueError, match="compile_step compiles the native decoder's static-shape step, not the "
-                                         "'hf' backend's"):
+    with pytest.raises(
+        ValueError, match="compile_step compiles the native decoder's static-shape step, not the 'hf' backend's"
+    ):
         load_model(qwen2_target, "float32", backend="hf", compile_step=True)
 
 
@@ -135,7 +137,8 @@ def test_auto_is_off_on_cpu_and_graphs_need_cuda(qwen2_target):
 def test_auto_width_is_measured_once_and_shared(qwen2_target, tmp_path, monkeypatch):
     """The measurement is remembered per model shape and device: a second load (another worker) reads it, so
     every process pads alike however noisy its own timing would have been."""
-    import paraspec.models.static as static
+    import paraspec.models.native.padded as static
+
     monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
     measured = []
 

@@ -1,4 +1,5 @@
 """Loop functions for runtime tests: module-level so a spawned worker can unpickle them."""
+
 from __future__ import annotations
 
 import os
@@ -68,7 +69,7 @@ def draft_token(position: int, version: int) -> int:
 
 
 def correction_token(position: int) -> int:
-    return 1_000_000 + position     # never equal to a draft token
+    return 1_000_000 + position  # never equal to a draft token
 
 
 def draft_q(position: int, version: int, n: int = STRESS_VOCAB) -> np.ndarray:
@@ -89,8 +90,11 @@ def stress_drafter(model, ctx, channel, seed: int):
             # a chunk that does not fit the q window would wait for a commit that waits for it
             n = max(1, min(rng.randint(1, 4), state.committed + channel.q_window - position))
             ok = state.version == version and channel.publish_draft(
-                position, [draft_token(p, version) for p in range(position, position + n)],
-                np.stack([draft_q(p, version) for p in range(position, position + n)]), version=version)
+                position,
+                [draft_token(p, version) for p in range(position, position + n)],
+                np.stack([draft_q(p, version) for p in range(position, position + n)]),
+                version=version,
+            )
             if ok:
                 position += n
                 published += n

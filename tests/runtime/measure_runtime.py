@@ -3,6 +3,7 @@
 spawn-to-ready time, call round trip, a [8, 151936] float32 logits return, TokenChannel publish/read of q,
 and the wake-up latency of a blocking channel wait across processes. Prints medians.
 """
+
 import statistics
 import time
 
@@ -28,14 +29,20 @@ def main():
         rt.add_worker("w0", "cpu:0", make_toy)
         rt.add_worker("w1", "cpu:1", make_toy)
         infos = rt.wait_ready()
-        print(f"spawn 2 workers in parallel, to ready: {time.perf_counter() - t:.2f} s "
-              f"(per worker: {', '.join(f'{i.startup_s:.2f}' for i in infos.values())} s)")
+        print(
+            f"spawn 2 workers in parallel, to ready: {time.perf_counter() - t:.2f} s "
+            f"(per worker: {', '.join(f'{i.startup_s:.2f}' for i in infos.values())} s)"
+        )
         w = rt["w1"]
         print("call round trip (length): median %.3f ms, min %.3f ms" % median_ms(lambda: w.call("length"), 500))
-        print("call round trip (echo of a small list): median %.3f ms, min %.3f ms"
-              % median_ms(lambda: w.call("echo", [1], [5], None), 500))
-        print("logits [8, 151936] float32 back through the socket: median %.2f ms, min %.2f ms"
-              % median_ms(lambda: w.call("big_logits", 8, 151_936), 30))
+        print(
+            "call round trip (echo of a small list): median %.3f ms, min %.3f ms"
+            % median_ms(lambda: w.call("echo", [1], [5], None), 500)
+        )
+        print(
+            "logits [8, 151936] float32 back through the socket: median %.2f ms, min %.2f ms"
+            % median_ms(lambda: w.call("big_logits", 8, 151_936), 30)
+        )
         channel = rt.channel("q", capacity=4096, vocab_size=151_936, q_window=64)
         v = channel.reset([1])
         q = np.random.rand(8, 151_936).astype(np.float32)
@@ -45,11 +52,16 @@ def main():
             channel.publish_draft(state["pos"], list(range(8)), q, version=v)
             state["pos"] += 8
             channel.commit(list(range(8)))
-        print("channel publish_draft of 8 tokens + q [8, 151936] (+ commit): median %.2f ms, min %.2f ms"
-              % median_ms(publish, 30))
+
+        print(
+            "channel publish_draft of 8 tokens + q [8, 151936] (+ commit): median %.2f ms, min %.2f ms"
+            % median_ms(publish, 30)
+        )
         channel.publish_draft(state["pos"], list(range(8)), q, version=v)
-        print("channel read_q [8, 151936]: median %.2f ms, min %.2f ms"
-              % median_ms(lambda: channel.read_q(state["pos"], state["pos"] + 8), 30))
+        print(
+            "channel read_q [8, 151936]: median %.2f ms, min %.2f ms"
+            % median_ms(lambda: channel.read_q(state["pos"], state["pos"] + 8), 30)
+        )
         wake = rt.channel("wake", capacity=64)
         latencies = []
         for i in range(20):
@@ -60,8 +72,10 @@ def main():
             wake.commit([5])
             woke, *_ = handle.result(timeout=10)
             latencies.append((woke - committed_at) * 1e3)
-        print(f"cross-process wake-up after commit: median {statistics.median(latencies):.3f} ms, "
-              f"max {max(latencies):.3f} ms")
+        print(
+            f"cross-process wake-up after commit: median {statistics.median(latencies):.3f} ms, "
+            f"max {max(latencies):.3f} ms"
+        )
 
 
 if __name__ == "__main__":

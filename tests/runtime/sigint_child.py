@@ -3,6 +3,7 @@
     python -m tests.runtime.sigint_child with|atexit|sigkill     (sigkill: the test kills it; no cleanup runs)
 prints one JSON line {"pid", "workers", "segments"} once everything is up, then blocks.
 """
+
 import glob
 import json
 import os
@@ -24,10 +25,18 @@ if __name__ == "__main__":
     channel.reset([1, 2, 3])
     worker.wait_ready(timeout=60)
     handle = worker.start_loop(loops.wait_until_stopped, channel=channel)
-    print(json.dumps({"pid": os.getpid(), "workers": [worker.pid],
-                      "segments": sorted(glob.glob(f"/dev/shm/paraspec_{os.getpid()}_*"))}), flush=True)
+    print(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "workers": [worker.pid],
+                "segments": sorted(glob.glob(f"/dev/shm/paraspec_{os.getpid()}_*")),
+            }
+        ),
+        flush=True,
+    )
     if mode == "with":
         with rt:
-            handle.result()          # Ctrl-C lands here; leaving the with-block closes the runtime
+            handle.result()  # Ctrl-C lands here; leaving the with-block closes the runtime
     else:
-        handle.result()              # no with: the runtime's atexit finalizer has to clean up
+        handle.result()  # no with: the runtime's atexit finalizer has to clean up

@@ -1,6 +1,7 @@
 """Channels between processes: a randomized drafter/verifier stress test and cross-process wake-ups, with the
 workers as local processes (shared memory) and as Ray actors on two nodes of a cluster (the network transport:
 every channel call over TCP to this process)."""
+
 import time
 
 import numpy as np
@@ -52,8 +53,9 @@ def test_randomized_drafter_verifier_stress(rt):
                 assert snap is not None, "reader starved"
                 assert snap.version >= version
                 assert np.all(snap.stamps == snap.version)
-                assert snap.tokens.tolist() == [loops.draft_token(snap.start + i, snap.version)
-                                                for i in range(len(snap.tokens))]
+                assert snap.tokens.tolist() == [
+                    loops.draft_token(snap.start + i, snap.version) for i in range(len(snap.tokens))
+                ]
                 version, length = snap.version, snap.length
                 seen_versions.append(version)
                 reads += 1
@@ -62,12 +64,12 @@ def test_randomized_drafter_verifier_stress(rt):
         (published, resyncs), (record, rollbacks, checked) = rt.gather(drafter, verifier, timeout=60)
         assert channel.tokens(0, channel.committed).tolist() == record
         assert len(record) > 400 and rollbacks > 50 and checked > 200 and published > 400
-        assert resyncs >= rollbacks // 2          # the drafter noticed the rollbacks and resynced
+        assert resyncs >= rollbacks // 2  # the drafter noticed the rollbacks and resynced
         assert seen_versions == sorted(seen_versions) and reads > 20
         committed_curve = [tokens for _, tokens in trace.progress]
         assert committed_curve == sorted(committed_curve) and committed_curve[-1] == len(record)
     finally:
-        channel.stop("test over")          # a loop still waiting on it ends
+        channel.stop("test over")  # a loop still waiting on it ends
 
 
 def test_cross_process_wait_wakes_promptly_without_polling(rt):
@@ -75,15 +77,15 @@ def test_cross_process_wait_wakes_promptly_without_polling(rt):
     try:
         channel.reset([1])
         handle = rt["w1"].start_loop(loops.timed_commit_wait, channel=channel, min_committed=2)
-        time.sleep(0.6)                            # the worker is asleep in the kernel by now
+        time.sleep(0.6)  # the worker is asleep in the kernel by now
         committed_at = time.perf_counter()
         channel.commit([5])
         woke, switches, cpu_s, committed = handle.result(timeout=10)
         assert committed == 2
-        assert woke - committed_at < 0.25, woke - committed_at   # typically ~0.1 ms
-        assert switches < 20 and cpu_s < 0.05, (switches, cpu_s)   # a sleep-poll loop would show hundreds
+        assert woke - committed_at < 0.25, woke - committed_at  # typically ~0.1 ms
+        assert switches < 20 and cpu_s < 0.05, (switches, cpu_s)  # a sleep-poll loop would show hundreds
     finally:
-        channel.stop("test over")          # a loop still waiting on it ends
+        channel.stop("test over")  # a loop still waiting on it ends
 
 
 def test_stop_reaches_a_loop_in_another_process(rt):
@@ -97,7 +99,7 @@ def test_stop_reaches_a_loop_in_another_process(rt):
         # and the stop signal: a loop started afterwards, in the other worker, sees it set, with this reason
         assert rt["w1"].start_loop(loops.report_stop).result(timeout=5) == (True, "request cancelled")
     finally:
-        channel.stop("test over")          # a loop still waiting on it ends
+        channel.stop("test over")  # a loop still waiting on it ends
 
 
 def test_gather_stops_the_others_when_one_fails(rt):
@@ -115,4 +117,4 @@ def test_gather_stops_the_others_when_one_fails(rt):
         assert waiting.done() and waiting.result().startswith("stopped: worker 'w1' failed")
         assert time.perf_counter() - start < 2
     finally:
-        channel.stop("test over")          # a loop still waiting on it ends
+        channel.stop("test over")  # a loop still waiting on it ends

@@ -1,4 +1,5 @@
 """TokenChannel and StopSignal semantics, in one process (threads stand in for the other side)."""
+
 import os
 import pickle
 import resource
@@ -43,14 +44,20 @@ def test_segments_of_a_killed_owner_are_reaped():
     """A SIGKILLed owner whose resource tracker died with it unlinks nothing: the next process to create a
     segment removes this user's paraspec segments whose owner pid is gone, and only those."""
     import subprocess
+
     from paraspec.runtime import shm
+
     dead = subprocess.Popen(["true"])
-    dead.wait()                                   # an exited, reaped pid
-    names = {"stale": f"paraspec_{dead.pid}_3_stop", "live": f"paraspec_{os.getpid()}_9999_stop",
-             "other": "someone_else_1_x", "odd": "paraspec_notapid_1_x"}
+    dead.wait()  # an exited, reaped pid
+    names = {
+        "stale": f"paraspec_{dead.pid}_3_stop",
+        "live": f"paraspec_{os.getpid()}_9999_stop",
+        "other": "someone_else_1_x",
+        "odd": "paraspec_notapid_1_x",
+    }
     fds = [shm._posixshmem.shm_open("/" + n, os.O_CREAT | os.O_RDWR, mode=0o600) for n in names.values()]
     try:
-        removed = shm.reap_stale()                # (other dead owners' leftovers may go too)
+        removed = shm.reap_stale()  # (other dead owners' leftovers may go too)
         assert names["stale"] in removed and not os.path.exists(f"/dev/shm/{names['stale']}")
         kept = {n for k, n in names.items() if k != "stale"}
         assert kept <= set(os.listdir("/dev/shm")) and not kept & set(removed)
@@ -77,7 +84,7 @@ def test_reset_publish_commit_accept_all(channel):
 def test_mismatch_bumps_version_and_drops_later_drafts(channel):
     v = channel.reset([1])
     assert channel.publish_draft(1, [2, 3, 4], version=v)
-    result = channel.commit([2, 9])          # first draft accepted, second replaced by a correction
+    result = channel.commit([2, 9])  # first draft accepted, second replaced by a correction
     assert result.rollback_at == 2 and result.version == v + 1
     assert channel.state() == (v + 1, 3, 3, False)
     assert channel.tokens().tolist() == [1, 2, 9]
@@ -93,22 +100,22 @@ def test_read_since_gives_the_whole_sequence_after_a_version_change(channel):
     ok, snap = channel.publish_and_read(2, [3], version=v)
     assert ok and (snap.version, snap.start, snap.tokens.tolist()) == (v, 2, [3])
     assert channel.read_since(3, v).tokens.tolist() == []
-    channel.commit([7])                                    # rejects the draft 3: version v + 1
+    channel.commit([7])  # rejects the draft 3: version v + 1
     snap = channel.read_since(3, v)
     assert (snap.version, snap.start, snap.tokens.tolist()) == (v + 1, 0, [1, 2, 7])
     ok, snap = channel.publish_and_read(3, [4], version=v)  # stale: nothing published, the whole sequence read
     assert not ok and (snap.version, snap.start, snap.tokens.tolist()) == (v + 1, 0, [1, 2, 7])
-    assert channel.read_since(0, None).start == 0           # a drafter that has seen no version yet
+    assert channel.read_since(0, None).start == 0  # a drafter that has seen no version yet
 
 
 def test_wait_below_ahead_returns_the_next_read(channel):
     v = channel.reset([1])
     assert channel.publish_draft(1, [2, 3], version=v)
-    assert channel.wait_below_ahead(2, 3, v, timeout=0.05) is None          # two drafts ahead: it waits
-    threading.Timer(0.05, lambda: channel.commit([2])).start()               # the verifier accepts one
+    assert channel.wait_below_ahead(2, 3, v, timeout=0.05) is None  # two drafts ahead: it waits
+    threading.Timer(0.05, lambda: channel.commit([2])).start()  # the verifier accepts one
     snap = channel.wait_below_ahead(2, 3, v, timeout=5)
     assert (snap.version, snap.committed, snap.start, snap.tokens.tolist()) == (v, 2, 3, [])
-    channel.commit([9])                                                      # rejects 3: the version moves
+    channel.commit([9])  # rejects 3: the version moves
     snap = channel.wait_below_ahead(5, 3, v, timeout=5)
     assert (snap.version, snap.start, snap.tokens.tolist()) == (v + 1, 0, [1, 2, 9])
 
@@ -118,13 +125,13 @@ def test_stale_version_never_passes_as_current(channel):
     assert channel.publish_draft(3, [10, 11], version=v)
     got = {}
 
-    def reader():   # waits for a 6th token at version v; a rollback happens instead
+    def reader():  # waits for a 6th token at version v; a rollback happens instead
         got["snap"] = channel.wait_for_draft(6, version=v, timeout=5)
 
     t = threading.Thread(target=reader)
     t.start()
     time.sleep(0.05)
-    channel.commit([99])                     # reject the drafts: version v+1, length 4
+    channel.commit([99])  # reject the drafts: version v+1, length 4
     t.join()
     snap = got["snap"]
     assert snap.version == v + 1
@@ -139,11 +146,11 @@ def test_stale_version_never_passes_as_current(channel):
 
 def test_publish_over_committed_tokens_compares(channel):
     v = channel.reset([1])
-    channel.commit([2, 3])                    # the verifier ran ahead of the drafter (no drafts there)
+    channel.commit([2, 3])  # the verifier ran ahead of the drafter (no drafts there)
     assert channel.version == v
-    assert channel.publish_draft(1, [2, 3, 4], version=v)       # agrees with what is there: appends 4
+    assert channel.publish_draft(1, [2, 3, 4], version=v)  # agrees with what is there: appends 4
     assert channel.tokens().tolist() == [1, 2, 3, 4]
-    assert not channel.publish_draft(2, [7, 8], version=v)      # contradicts a committed token
+    assert not channel.publish_draft(2, [7, 8], version=v)  # contradicts a committed token
     assert channel.tokens().tolist() == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="gap"):
         channel.publish_draft(6, [1], version=v)
@@ -153,7 +160,7 @@ def test_commit_order_and_expected_version(channel):
     v = channel.reset([1, 2])
     with pytest.raises(ValueError, match="in order"):
         channel.commit([3], start=5)
-    assert channel.commit([3], version=v + 7) is None            # stale expectation: nothing happens
+    assert channel.commit([3], version=v + 7) is None  # stale expectation: nothing happens
     assert channel.committed == 2
     assert channel.commit([3], start=2, version=v).committed == 3
 
@@ -178,16 +185,16 @@ def test_q_ring(channel):
     with pytest.raises(ChannelFull, match="q_window"):
         channel.publish_draft(4, [7, 8], np.zeros((2, 8)), version=v)
     assert channel.wait_for_room(6, version=v, timeout=0.01) is None
-    channel.commit([4, 5])                     # committed 3: positions up to 7 fit; ring slots get reused
+    channel.commit([4, 5])  # committed 3: positions up to 7 fit; ring slots get reused
     assert channel.publish_draft(4, [7, 8], np.ones((2, 8)), version=v)
     assert np.array_equal(channel.read_q(3, 6), np.concatenate([q[2:], np.ones((2, 8))]))
-    with pytest.raises(KeyError):              # position 5 took position 1's slot
+    with pytest.raises(KeyError):  # position 5 took position 1's slot
         channel.read_q(1, 2)
 
 
 def test_q_errors(channel):
     v = channel.reset([0])
-    channel.publish_draft(1, [3], version=v)                    # drafted without q
+    channel.publish_draft(1, [3], version=v)  # drafted without q
     with pytest.raises(KeyError):
         channel.read_q(1, 2)
     with pytest.raises(ValueError, match="columns"):
@@ -230,7 +237,7 @@ def test_stop_wakes_waiters_and_refuses_writes(channel):
         channel.publish_draft(1, [2], version=v)
     with pytest.raises(ChannelStopped):
         channel.commit([2])
-    channel.reset([1])                                           # reset clears the stop
+    channel.reset([1])  # reset clears the stop
     assert not channel.stopped and channel.publish_draft(1, [2], version=v + 1)
 
 
@@ -263,7 +270,7 @@ def test_wait_blocks_without_polling_and_wakes_promptly(channel):
     channel.publish_draft(1, [42], version=v)
     t.join(5)
     assert seen["tokens"] == [42]
-    assert seen["woke"] - published < 0.25        # typically ~0.1 ms; generous for a loaded machine
+    assert seen["woke"] - published < 0.25  # typically ~0.1 ms; generous for a loaded machine
     assert seen["switches"] < 20, seen
 
 
@@ -342,7 +349,7 @@ def test_a_remote_channel_whose_server_is_gone_reads_as_stopped(served):
     t = threading.Thread(target=waiter)
     t.start()
     time.sleep(0.2)
-    served.server.close()                   # the caller's end disappears while the worker waits
+    served.server.close()  # the caller's end disappears while the worker waits
     t.join(5)
     assert not t.is_alive() and errors and "lost" in errors[0]
     with pytest.raises(ChannelStopped):
@@ -354,8 +361,8 @@ def test_a_remote_channel_whose_server_is_gone_reads_as_stopped(served):
 def test_link_latency_is_paid_per_message(served):
     fast, slow = served.remote(), served.remote(latency_s=0.05)
     fast.reset([1])
-    slow.state()                             # connected
+    slow.state()  # connected
     start = time.perf_counter()
     for _ in range(4):
         slow.state()
-    assert time.perf_counter() - start >= 4 * 2 * 0.05     # a request and its reply: two messages per call
+    assert time.perf_counter() - start >= 4 * 2 * 0.05  # a request and its reply: two messages per call

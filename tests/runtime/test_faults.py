@@ -1,4 +1,5 @@
 """Faults: killed workers, close(), garbage collection, Ctrl-C. Nothing may be left behind."""
+
 import gc
 import json
 import multiprocessing
@@ -30,7 +31,7 @@ def assert_nothing_left(pids, segments=()):
 
 
 def test_sigkill_is_detected_within_2s_and_wakes_everyone():
-    baseline = set(segments_of(os.getpid()))     # other runtimes of this test session
+    baseline = set(segments_of(os.getpid()))  # other runtimes of this test session
     rt = Runtime("process")
     victim = rt.add_worker("victim", "cpu:0", make_toy)
     watcher = rt.add_worker("watcher", "cpu:1", make_toy)
@@ -62,7 +63,7 @@ def test_sigkill_is_detected_within_2s_and_wakes_everyone():
     assert watching.result(timeout=5).startswith("stopped: worker 'victim'")
     with pytest.raises(WorkerDied):
         victim.call("length")
-    assert watcher.call("length") == 0            # the survivor still serves
+    assert watcher.call("length") == 0  # the survivor still serves
     pids = [victim.pid, watcher.pid]
     rt.close()
     assert_nothing_left(pids, segments)
@@ -90,22 +91,22 @@ def test_blocked_caller_measures_kill_detection():
 
 def test_close_stops_busy_workers_and_unlinks():
     baseline = set(segments_of(os.getpid()))
-    rt = Runtime("process", close_timeout=10)    # a close that had to terminate someone would take 10 s
+    rt = Runtime("process", close_timeout=10)  # a close that had to terminate someone would take 10 s
     worker = rt.add_worker("busy", "cpu:0", make_toy)
     channel = rt.channel("tokens", capacity=8, vocab_size=16, q_window=2)
     channel.reset([1])
     looping = worker.start_loop(loops.wait_until_stopped, channel=channel)
-    worker.submit("sleep", 60)                    # queued behind the loop: dropped at shutdown
+    worker.submit("sleep", 60)  # queued behind the loop: dropped at shutdown
     worker.wait_ready(timeout=60)
     segments = sorted(set(segments_of(os.getpid())) - baseline)
     assert len(segments) == 2
     pid = worker.pid
     start = time.perf_counter()
     rt.close()
-    assert time.perf_counter() - start < 5        # the loop woke up at once; nobody had to be killed
+    assert time.perf_counter() - start < 5  # the loop woke up at once; nobody had to be killed
     assert_nothing_left([pid], segments)
     assert rt.closed
-    rt.close()                                    # idempotent
+    rt.close()  # idempotent
     with pytest.raises(WorkerClosed):
         looping.worker.call("length")
 
@@ -145,7 +146,7 @@ def test_garbage_collected_runtime_cleans_up():
     rt.channel("tokens", capacity=8).reset([1])
     pid, segments = rt["orphan"].pid, sorted(set(segments_of(os.getpid())) - baseline)
     assert process_running(pid) and len(segments) == 2
-    del rt                                         # never closed
+    del rt  # never closed
     gc.collect()
     assert_nothing_left([pid], segments)
 
@@ -155,8 +156,13 @@ def test_ctrl_c_or_kill_of_the_parent_leaves_nothing(mode):
     """Ctrl-C: the parent closes its runtime (with-block, or the atexit finalizer). SIGKILL: nothing runs in
     the parent; its workers notice it is gone and exit, and multiprocessing's resource tracker unlinks the
     segments the parent had registered."""
-    child = subprocess.Popen([sys.executable, "-m", "tests.runtime.sigint_child", mode], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.sigint_child", mode],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = child.stdout.readline()
         assert line, child.stderr.read()
@@ -171,10 +177,9 @@ def test_ctrl_c_or_kill_of_the_parent_leaves_nothing(mode):
         assert child.returncode == -signal.SIGKILL
     else:
         assert "KeyboardInterrupt" in stderr
-        assert "leaked" not in stderr, stderr      # the resource tracker had nothing to clean up for us
-    deadline = time.monotonic() + 5                # the workers were the child's: give them a moment
-    while time.monotonic() < deadline and (any(process_running(p) for p in up["workers"])
-                                           or segments_of(up["pid"])):
+        assert "leaked" not in stderr, stderr  # the resource tracker had nothing to clean up for us
+    deadline = time.monotonic() + 5  # the workers were the child's: give them a moment
+    while time.monotonic() < deadline and (any(process_running(p) for p in up["workers"]) or segments_of(up["pid"])):
         time.sleep(0.05)
     assert_nothing_left(up["workers"], up["segments"])
     assert segments_of(up["pid"]) == []

@@ -1,4 +1,5 @@
 """The worker protocol: commands, async submits, loops, pinning, remote exceptions, traces, RemoteModel."""
+
 import os
 import time
 
@@ -74,7 +75,7 @@ def test_exception_carries_remote_traceback_and_worker_survives(worker):
 
 def test_bad_request_or_reply_fails_only_that_request(worker):
     gone = TokenChannel(4, tag="gone")
-    gone.close()                                 # unlinked: the worker cannot attach it any more
+    gone.close()  # unlinked: the worker cannot attach it any more
     with pytest.raises(RemoteError, match="FileNotFoundError"):
         worker.call("echo", gone)
     with pytest.raises(RemoteError, match="pickle"):
@@ -144,7 +145,7 @@ def test_large_logits_come_back_intact(pair):
     out = pair["w0"].call("big_logits", 8, 151_936)
     assert out.shape == (8, 151_936) and out.dtype == torch.float32
     assert bool((out == 0.5).all())
-    out.add_(1)                                  # writable, owned by the caller
+    out.add_(1)  # writable, owned by the caller
 
 
 def test_remote_model_follows_the_model_protocol(pair):

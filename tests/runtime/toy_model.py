@@ -3,6 +3,7 @@
 Logits depend only on (position, token): row i of forward() is cos(arange(vocab) * (token + 1) + position),
 so a test can recompute any answer locally. The "KV cache" is a list of tokens.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ class ToyModel:
             raise ValueError(f"cache full: {len(self.cache)} + {len(token_ids)} > {self.max_context}")
         self.cache.extend(token_ids)
         logits = self.logits_for(token_ids, positions)
-        if tree_mask is not None:   # lets a test see that the mask arrived intact
+        if tree_mask is not None:  # lets a test see that the mask arrived intact
             logits = logits + tree_mask.to(torch.float32).sum(dim=1, keepdim=True)
         return logits if last_n is None else logits[-last_n:]
 
@@ -80,5 +81,6 @@ def illegal_instruction_factory(**kwargs):
     import ctypes
     import os
     import signal
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)         # PR_SET_DUMPABLE = 4: no core dump, pipe handlers included
+
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4: no core dump, pipe handlers included
     os.kill(os.getpid(), signal.SIGILL)

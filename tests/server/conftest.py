@@ -1,5 +1,6 @@
 """`paraspec serve` in a subprocess on a free loopback port (--port 0: the server prints the port it got), the
 official `openai` client against it, and the tiny pair with a long context (long generations to cancel)."""
+
 import json
 import os
 import re
@@ -42,6 +43,7 @@ def never_end(folder: Path) -> None:
     """Zero the EOS row of the (tied) embedding: its logit is 0 while the top logit of these peaked random models
     is far above, so greedy decoding never stops early and a long generation really runs long."""
     from safetensors.torch import load_file, save_file
+
     path = folder / "model.safetensors"
     weights = load_file(path)
     weights["model.embed_tokens.weight"][EOS_ID] = 0
@@ -61,10 +63,30 @@ class Server:
         args = [a.format(draft=draft) for a in WORKERS[strategy]] + (["--dtype", dtype] if dtype else [])
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "paraspec", "serve", "--target", str(target), "--strategy", strategy,
-             "--port", "0", "--served-model-name", MODEL, *args, *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        line = self.process.stdout.readline()       # the server prints its URL once it listens
+            [
+                sys.executable,
+                "-m",
+                "paraspec",
+                "serve",
+                "--target",
+                str(target),
+                "--strategy",
+                strategy,
+                "--port",
+                "0",
+                "--served-model-name",
+                MODEL,
+                *args,
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        line = self.process.stdout.readline()  # the server prints its URL once it listens
         match = re.search(r"at (http://\S+)/v1", line)
         if not match:
             self.kill()
@@ -74,6 +96,7 @@ class Server:
 
     def client(self, api_key: str = KEY, **kwargs):
         import openai
+
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)
 
     def get(self, path: str) -> tuple[int, str]:
@@ -139,9 +162,9 @@ def start_server(long_pair):
     def start(strategy: str = "ar", *flags: str) -> Server:
         servers.append(Server(long_pair, strategy, "--api-key", KEY, *flags))
         return servers[-1]
+
     yield start
     for server in servers:
         if server.process.poll() is None:
             code, err = server.stop()
             assert code == 0, err
-

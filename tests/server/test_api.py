@@ -46,8 +46,11 @@ def test_greedy_completions_equal_ar(any_server, expected):
     choice = reply.choices[0]
     assert choice.token_ids == expected.token_ids and choice.text == expected.text
     assert choice.finish_reason == "length"
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == \
-        (len(expected.prompt_ids), TOKENS, len(expected.prompt_ids) + TOKENS)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+        len(expected.prompt_ids),
+        TOKENS,
+        len(expected.prompt_ids) + TOKENS,
+    )
     stats = reply.model_extra["paraspec"]
     assert stats["strategy"] == any_server.strategy and stats["ttft_s"] > 0 and stats["tpot_ms"] > 0
     if any_server.strategy == "ar":
@@ -55,8 +58,11 @@ def test_greedy_completions_equal_ar(any_server, expected):
     else:
         assert 0 <= stats["acceptance_rate"] <= 1 and stats["mean_accepted_length"] >= 1 and stats["draft_s"] > 0
     # token ids as the prompt, streamed: the deltas add up to the same text; the last chunk has the figures
-    text, chunks = streamed(client.completions.create(model=MODEL, prompt=expected.prompt_ids, stream=True,
-                                                      extra_body={"return_token_ids": True}, **GREEDY))
+    text, chunks = streamed(
+        client.completions.create(
+            model=MODEL, prompt=expected.prompt_ids, stream=True, extra_body={"return_token_ids": True}, **GREEDY
+        )
+    )
     assert text == expected.text and len(chunks) > 2
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].choices[0].model_extra["token_ids"] == expected.token_ids
@@ -72,8 +78,16 @@ def test_chat_equals_ar(ar_server, ar_engine):
     assert reply.usage.prompt_tokens == len(want.prompt_ids)
     assert reply.usage.completion_tokens == 12 and reply.choices[0].finish_reason == "length"
     assert reply.id.startswith("chatcmpl-") and reply.model == MODEL and reply.object == "chat.completion"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -88,7 +102,7 @@ def test_stop_strings_and_token_ids(ar_server, expected, ar_engine):
     assert reply.choices[0].text == expected.text[:cut] and reply.choices[0].finish_reason == "stop"
     text, chunks = streamed(client.completions.create(model=MODEL, prompt=PROMPT, stop=stop, stream=True, **GREEDY))
     assert text == expected.text[:cut] and chunks[-1].choices[0].finish_reason == "stop"
-    token = expected.token_ids[5]                          # a stop token id (extension): ends before it
+    token = expected.token_ids[5]  # a stop token id (extension): ends before it
     first = expected.token_ids.index(token)
     reply = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"stop_token_ids": [token]}, **GREEDY)
     assert reply.choices[0].text == ar_engine.decode_text(expected.token_ids[:first])
@@ -99,19 +113,24 @@ def test_max_tokens_and_defaults(ar_server, expected):
     client = ar_server.client()
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
     # OpenAI's default max_tokens, 16. Greedy: its default temperature (1) may sample the end-of-text token sooner
-    assert len(expected.token_ids) == TOKENS                # greedy runs past 16 tokens from this prompt
+    assert len(expected.token_ids) == TOKENS  # greedy runs past 16 tokens from this prompt
     reply = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0)
     assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                                          max_completion_tokens=7, temperature=0)
-    assert chat.usage.completion_tokens == 7            # max_completion_tokens wins, as in OpenAI's API
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=7, temperature=0
+    )
+    assert chat.usage.completion_tokens == 7  # max_completion_tokens wins, as in OpenAI's API
 
 
 def test_seed_reproducible(ar_server):
     client = ar_server.client()
-    sample = lambda seed: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0,
-                                                    seed=seed, extra_body={"return_token_ids": True}
-                                                    ).choices[0].token_ids
+    sample = lambda seed: (
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=seed, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .token_ids
+    )
     first = sample(7)
     assert sample(7) == first
     assert sample(8) != first
@@ -134,13 +153,20 @@ def test_sixteen_clients_at_once(ar_server, ar_engine):
     client = ar_server.client()
 
     def ask(i):
-        results[i] = client.completions.create(model=MODEL, prompt=prompts[i], temperature=0, max_tokens=10,
-                                               stream=i % 2 == 1, extra_body={"return_token_ids": True})
+        results[i] = client.completions.create(
+            model=MODEL,
+            prompt=prompts[i],
+            temperature=0,
+            max_tokens=10,
+            stream=i % 2 == 1,
+            extra_body={"return_token_ids": True},
+        )
         if i % 2:
             results[i] = list(results[i])[-1]
+
     depth = ar_server.at_once(16, ask, "paraspec:num_requests_waiting")
     assert [r.choices[0].model_extra["token_ids"] for r in results] == want
-    assert max(depth) >= 2        # requests waited their turn, and /metrics showed it
+    assert max(depth) >= 2  # requests waited their turn, and /metrics showed it
 
 
 def test_api_key(ar_server):
@@ -150,16 +176,20 @@ def test_api_key(ar_server):
         assert body["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         ar_server.client(api_key="wrong").models.list()
-    assert ar_server.get("/health")[0] == 200           # health and metrics need no key
+    assert ar_server.get("/health")[0] == 200  # health and metrics need no key
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-BAD = [   # (path, body, the param named, words of the message)
+BAD = [  # (path, body, the param named, words of the message)
     ("/v1/chat/completions", b"{not json", None, "not valid JSON"),
     ("/v1/chat/completions", {"model": MODEL}, "messages", "'messages' is required"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1 item"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role",
-     "'system', 'developer', 'user' or 'assistant'"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "tool", "content": "x"}]},
+        "messages[0].role",
+        "'system', 'developer', 'user' or 'assistant'",
+    ),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages[0].content", "required"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 2.5}, "max_tokens", "valid integer"),
@@ -199,8 +229,20 @@ def test_the_openai_client_sees_400s(ar_server):
 def test_dsi_served_across_ray_nodes(ray_cluster, start_server, expected):
     """`paraspec serve --runtime ray --ray-address ...`: dsi with its two target servers on two nodes of a Ray
     cluster and the drafter on the head, every token over the network transport; the openai client gets ar's text."""
-    server = start_server("dsi", "--runtime", "ray", "--ray-address", ray_cluster.address, "--transport", "tcp",
-                          "--target-devices", "box-a/cpu:0", "box-b/cpu:1", "--draft-devices", "head-box/cpu:0")
+    server = start_server(
+        "dsi",
+        "--runtime",
+        "ray",
+        "--ray-address",
+        ray_cluster.address,
+        "--transport",
+        "tcp",
+        "--target-devices",
+        "box-a/cpu:0",
+        "box-b/cpu:1",
+        "--draft-devices",
+        "head-box/cpu:0",
+    )
     client = server.client()
     reply = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"return_token_ids": True}, **GREEDY)
     assert reply.choices[0].token_ids == expected.token_ids and reply.choices[0].text == expected.text

@@ -2,6 +2,7 @@
 several threads at once, each answer the token ids of the same request run alone through the Python API (greedy,
 and sampling with a seed); one client leaving mid-stream ends its own generation and no other; /metrics shows the
 requests running together and the rows their shared forwards carried."""
+
 import threading
 
 import pytest
@@ -20,6 +21,7 @@ PROMPTS = ["def fib(n):\n    return", "class A:\n", "print(", "x = [1, 2, 3]\n",
 def long_gguf(tiny_dir):
     """A tiny GGUF whose special tokens never win (their tied embedding rows are zero): generations run long."""
     from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf
+
     tokens = tiny_vocab()[0]
     model = tiny_hf_model("qwen2", len(tokens), tied=True, seed=11, scale=20, max_position_embeddings=4096)
     with torch.no_grad():
@@ -32,8 +34,21 @@ def long_gguf(tiny_dir):
 
 @pytest.fixture(scope="module")
 def server(long_gguf):
-    server = Server((long_gguf, None), "ar", "--strategy", "sd", "--draft", "ngram", "--backend", "llamacpp",
-                    "--max-num-seqs", "4", "--api-key", KEY, dtype=None)
+    server = Server(
+        (long_gguf, None),
+        "ar",
+        "--strategy",
+        "sd",
+        "--draft",
+        "ngram",
+        "--backend",
+        "llamacpp",
+        "--max-num-seqs",
+        "4",
+        "--api-key",
+        KEY,
+        dtype=None,
+    )
     yield server
     code, err = server.stop()
     assert code == 0, err
@@ -60,13 +75,15 @@ def test_concurrent_clients_each_get_the_answer_they_get_alone(server, alone):
     results = [None] * len(PROMPTS)
 
     def ask(i):
-        reply = client.completions.create(model=MODEL, stream=i % 2 == 1, extra_body={"return_token_ids": True},
-                                          **request(i))
+        reply = client.completions.create(
+            model=MODEL, stream=i % 2 == 1, extra_body={"return_token_ids": True}, **request(i)
+        )
         results[i] = list(reply)[-1] if i % 2 else reply
+
     running = server.at_once(len(PROMPTS), ask, "paraspec:num_requests_running")
     assert [r.choices[0].model_extra["token_ids"] for r in results] == alone
-    assert max(running) >= 2                                   # they ran together, and /metrics said so
-    assert server.metric("paraspec:batch_mean_rows") > 1       # their forwards were shared
+    assert max(running) >= 2  # they ran together, and /metrics said so
+    assert server.metric("paraspec:batch_mean_rows") > 1  # their forwards were shared
 
 
 def test_a_client_leaving_mid_stream_ends_only_its_own_generation(server, alone):
@@ -77,13 +94,14 @@ def test_a_client_leaving_mid_stream_ends_only_its_own_generation(server, alone)
 
     def ask(i):
         results[i] = client.completions.create(model=MODEL, extra_body={"return_token_ids": True}, **request(i))
+
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for i, _ in enumerate(stream):
         if i == 5:
             break
-    stream.close()                                             # this client leaves; the others go on
+    stream.close()  # this client leaves; the others go on
     for t in threads:
         t.join(120)
     assert [r.choices[0].model_extra["token_ids"] for r in results] == alone[:3]

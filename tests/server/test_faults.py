@@ -1,5 +1,6 @@
 """What a server meets besides well-formed requests: clients that leave mid-stream (every strategy, workers
 included), generations past --request-timeout, a full queue, a worker killed mid-request, and SIGTERM."""
+
 import os
 import signal
 import threading
@@ -10,16 +11,17 @@ import openai
 import pytest
 
 from paraspec import SamplingParams
-from tests.server.conftest import MODEL
 from tests.conftest import gone, spawned_workers, wait_for
+from tests.server.conftest import MODEL
 
 LONG = dict(model=MODEL, prompt="def fib(n):\n    return", temperature=0, max_tokens=3000)
 
 
 def check_next_request(server, ar_engine):
     want = ar_engine.generate("next", SamplingParams(max_new_tokens=12)).token_ids
-    reply = server.client().completions.create(model=MODEL, prompt="next", temperature=0, max_tokens=12,
-                                               extra_body={"return_token_ids": True})
+    reply = server.client().completions.create(
+        model=MODEL, prompt="next", temperature=0, max_tokens=12, extra_body={"return_token_ids": True}
+    )
     assert reply.choices[0].model_extra["token_ids"] == want
 
 
@@ -30,11 +32,10 @@ def test_disconnect_mid_stream_stops_the_generation(start_server, ar_engine, str
     for i, _ in enumerate(stream):
         if i == 3:
             break
-    stream.close()                               # the client leaves
-    wait_for(lambda: server.metric("paraspec:request_success_total", finished_reason="disconnect") == 1,
-             60)
+    stream.close()  # the client leaves
+    wait_for(lambda: server.metric("paraspec:request_success_total", finished_reason="disconnect") == 1, 60)
     generated = server.metric("paraspec:generation_tokens_total")
-    assert 0 < generated < 3000                  # stopped early, not run to max_tokens
+    assert 0 < generated < 3000  # stopped early, not run to max_tokens
     assert server.metric("paraspec:num_requests_running") == 0
     check_next_request(server, ar_engine)
 
@@ -60,10 +61,12 @@ def test_full_queue_gives_429_and_loses_no_request(start_server, ar_engine):
 
     def ask(i):
         try:
-            results[i] = client.completions.create(model=MODEL, prompt=prompts[i], temperature=0, max_tokens=200,
-                                                   extra_body={"return_token_ids": True})
+            results[i] = client.completions.create(
+                model=MODEL, prompt=prompts[i], temperature=0, max_tokens=200, extra_body={"return_token_ids": True}
+            )
         except openai.RateLimitError as e:
             results[i] = e
+
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
@@ -86,7 +89,7 @@ def test_a_killed_worker_is_an_error_then_restarted(start_server, ar_engine):
         for i, _ in enumerate(stream):
             if i == 3:
                 os.kill(workers[0], signal.SIGKILL)
-    assert server.get("/health")[0] == 503        # restarting
+    assert server.get("/health")[0] == 503  # restarting
     wait_for(lambda: server.get("/health")[0] == 200, 120)
     assert all(gone(pid) for pid in workers) and len(spawned_workers(server.pid)) == 2
     assert server.metric("paraspec:worker_restarts_total") == 1

@@ -1,11 +1,12 @@
 """The authors' thread-pool simulation, replayed (paraspec/sim/dsi_online.py): windows computed by hand, the
 run rules of each variant, and agreement with the event simulator where the two models assume the same."""
+
 import numpy as np
 import pytest
 
 from paraspec.sim import dsi_online as online
-from paraspec.sim.events import Setup, simulate
 from paraspec.sim.costs import ForwardCost
+from paraspec.sim.events import Setup, simulate
 
 PAPER = online.VARIANTS["paper"]
 BONUS = online.VARIANTS["bonus"]
@@ -49,8 +50,11 @@ def test_acceptance_zero_windows_and_runs():
     # without it the window yields nothing, and at a = 0 the authors' loop never ends: refused.
     for servers in (None, 3):
         run = online._Run()
-        assert online.dsi_window(setup(a=0.5, k=2, servers=3, variant=BONUS), run, 0) == (10.0, False) \
-            if servers else online.si_window(setup(a=0.5, k=2, variant=BONUS), run, 0) == (10.0, False)
+        assert (
+            online.dsi_window(setup(a=0.5, k=2, servers=3, variant=BONUS), run, 0) == (10.0, False)
+            if servers
+            else online.si_window(setup(a=0.5, k=2, variant=BONUS), run, 0) == (10.0, False)
+        )
         assert run.gained == 1
     run = online._Run()
     assert online.dsi_window(setup(a=0.5, k=1, servers=3), run, 0) == (11.0, False) and run.gained == 0
@@ -79,7 +83,7 @@ def test_per_second_draws_repeat_within_a_second():
     draws.phase_s = 0.0
     first = draws.correct(0.1)
     assert all(draws.correct(w) == first for w in (0.2, 0.5, 0.99))
-    assert len({draws.correct(w + 0.5) for w in range(200)}) > 1        # other seconds draw again
+    assert len({draws.correct(w + 0.5) for w in range(200)}) > 1  # other seconds draw again
     iid = online._Draws(setup(a=0.5, variant=online.VARIANTS["main"]), np.random.default_rng(0))
     assert len({iid.correct(0.1) for _ in range(50)}) > 1
 
@@ -90,12 +94,25 @@ def test_agrees_with_the_event_simulator_where_the_assumptions_coincide(t, c, a,
     # servers that no call waits, TTFT = TPOT, no restart cost. Left different: the online run stops as soon as an
     # accepting call *would* reach S (up to ~correct drafts early), so a is kept low and the run long.
     tokens, n = 300, int(np.ceil(t / (k * c))) + 2
-    s = online.OnlineSetup(online.Latencies(t, c), a, k, n, tokens, max_correct=10 ** 6, variant=BONUS)
+    s = online.OnlineSetup(online.Latencies(t, c), a, k, n, tokens, max_correct=10**6, variant=BONUS)
     rng = np.random.default_rng(1)
     ours = [online.simulate_run(s, rng).time_ms for _ in range(200)]
-    ev = [1000 * simulate(Setup("dsi", ForwardCost.constant(t / 1000), ForwardCost.constant(c / 1000),
-                                acceptance_rate=a, lookahead=k, servers=n), tokens, seed=r).total_s
-          for r in range(60)]
+    ev = [
+        1000
+        * simulate(
+            Setup(
+                "dsi",
+                ForwardCost.constant(t / 1000),
+                ForwardCost.constant(c / 1000),
+                acceptance_rate=a,
+                lookahead=k,
+                servers=n,
+            ),
+            tokens,
+            seed=r,
+        ).total_s
+        for r in range(60)
+    ]
     error = np.hypot(np.std(ours) / np.sqrt(len(ours)), np.std(ev) / np.sqrt(len(ev)))
     assert abs(np.mean(ours) - np.mean(ev)) < 4 * error + 2 * c
 
@@ -106,17 +123,23 @@ def test_si_window_pays_a_target_call_before_drafting(variant, correct):
     # The authors' SI calls the target at draft count 0 too, synchronously, then after every k drafts: a window
     # costs t + m (k c + t), m = the calls with drafts until one rejects (paper: correct < d; bonus: correct <= d).
     t, c, k = 10.0, 1.0, 5
-    s = setup(a=0.5, k=k, t=t, c=c, tokens=10 ** 6, variant=variant)
+    s = setup(a=0.5, k=k, t=t, c=c, tokens=10**6, variant=variant)
     m = correct // k + 1 if not variant.bonus else -(-correct // k)
     run = online._Run()
-    run.gained = 1                                       # not the first window: no drafter TTFT question
+    run.gained = 1  # not the first window: no drafter TTFT question
     assert online.si_window(s, run, correct) == (t + m * (k * c + t), False)
     assert run.gained == 1 + correct + variant.bonus
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(a=1.5), r"\(0, 1\]"), (dict(k=0), "lookahead 0"), (dict(servers=0), "servers 0"), (dict(t=0.0), "target_tpot_ms"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(a=1.5), r"\(0, 1\]"),
+        (dict(k=0), "lookahead 0"),
+        (dict(servers=0), "servers 0"),
+        (dict(t=0.0), "target_tpot_ms"),
+    ],
+)
 def test_bad_setup_names_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         setup(**kwargs)

@@ -1,5 +1,6 @@
 """The DSI paper's offline model: edge cases, closed forms, the paper's theorems, and faithfulness to the authors'
 per-round loops (transcribed here literally as the reference)."""
+
 import math
 
 import numpy as np
@@ -68,7 +69,7 @@ def test_acceptance_zero(c, k):
     costs = paper.simulate(c, 0.0, k, tokens=100, repeats=1)
     # every round gains one token and pays min(k, left - 1) drafts
     assert costs.si == pytest.approx(sum(min(k, left - 1) * c + 1 for left in range(100, 0, -1)))
-    assert costs.dsi == pytest.approx(100)          # nothing is ever accepted: DSI = its non-SI thread
+    assert costs.dsi == pytest.approx(100)  # nothing is ever accepted: DSI = its non-SI thread
 
 
 @pytest.mark.parametrize("k", [1, 4, 20])
@@ -111,9 +112,8 @@ def test_heatmap_excludes_configurations_needing_too_many_servers():
     # c = 0.01 needs ceil(1 / (k c)) servers: 100, 8, 7
     assert np.isnan(hm.dsi[0, 0, :2]).all() and not np.isnan(hm.dsi[0, 0, 2])
     assert not np.isnan(hm.dsi[1]).any()
-    assert np.isnan(hm.si[0, 0, :2]).all()                    # the authors drop the whole configuration
-    free_si = paper.heatmap(c, np.array([0.5]), np.array([1, 14, 15]), tokens=50, repeats=1,
-                            si_feasible_only=False)
+    assert np.isnan(hm.si[0, 0, :2]).all()  # the authors drop the whole configuration
+    free_si = paper.heatmap(c, np.array([0.5]), np.array([1, 14, 15]), tokens=50, repeats=1, si_feasible_only=False)
     assert not np.isnan(free_si.si).any()
     assert hm.best_lookahead("dsi")[0, 0] == 15
 
@@ -150,18 +150,21 @@ def test_table1_all_ten_rows():
         assert r.c == pytest.approx(r.row.drafter_ms / r.row.target_ms)
         assert r.si_k in paper.TABLE1_LOOKAHEADS and r.dsi_k in paper.TABLE1_LOOKAHEADS
         assert r.dsi_servers <= paper.PAPER_MAX_SERVERS
-        assert 1.0 < r.speedup < r.row.paper_speedup   # faster than SI; below the paper's (thread-pool) figure
+        assert 1.0 < r.speedup < r.row.paper_speedup  # faster than SI; below the paper's (thread-pool) figure
     with pytest.raises(ValueError, match="allow more servers"):
-        paper.table1(lookaheads=(1,), max_servers=2)   # Vicuna: c = 0.066 needs 16 servers at k = 1
+        paper.table1(lookaheads=(1,), max_servers=2)  # Vicuna: c = 0.066 needs 16 servers at k = 1
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: paper.simulate(0.0, 0.5, 5), r"c=0.0 is outside \(0, 1\]"),
-    (lambda: paper.simulate(1.5, 0.5, 5), r"outside \(0, 1\]"),
-    (lambda: paper.simulate(0.5, -0.1, 5), r"outside \[0, 1\]"),
-    (lambda: paper.check_acceptance(1.0, allow_one=False), r"outside \[0, 1\)"),
-    (lambda: paper.simulate(0.5, 0.5, 0), r"k=0 must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: paper.simulate(0.0, 0.5, 5), r"c=0.0 is outside \(0, 1\]"),
+        (lambda: paper.simulate(1.5, 0.5, 5), r"outside \(0, 1\]"),
+        (lambda: paper.simulate(0.5, -0.1, 5), r"outside \[0, 1\]"),
+        (lambda: paper.check_acceptance(1.0, allow_one=False), r"outside \[0, 1\)"),
+        (lambda: paper.simulate(0.5, 0.5, 0), r"k=0 must be an integer >= 1"),
+    ],
+)
 def test_bad_input_names_the_fix(call, match):
     with pytest.raises(ValueError, match=match):
         call()

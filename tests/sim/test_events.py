@@ -1,5 +1,6 @@
 """The event-driven simulator: agreement with the paper's model where that model is exact, Proposition 1, the
 AMUSD limit, and the costs the paper leaves out (width, catch-up, messages, prefill, queueing)."""
+
 import dataclasses
 import math
 
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 from paraspec.sim import dsi_paper as paper
-from paraspec.sim.events import AMUSD_VERIFY_MESSAGES, CHUNK_MESSAGES, DRAFT_MESSAGES, Setup, simulate
 from paraspec.sim.costs import ForwardCost
+from paraspec.sim.events import AMUSD_VERIFY_MESSAGES, CHUNK_MESSAGES, DRAFT_MESSAGES, Setup, simulate
 from paraspec.trace import Trace
 
 
@@ -95,7 +96,7 @@ def test_amusd_verifier_is_busy_when_the_drafter_is_fast():
     busy = r.trace.busy_s("verify")
     assert busy == pytest.approx(r.verifications * 1.0)
     assert busy / r.total_s > 0.95
-    assert r.tokens / r.verifications > 1.5                   # and each verification gains several tokens
+    assert r.tokens / r.verifications > 1.5  # and each verification gains several tokens
 
 
 def test_amusd_overlaps_drafting_with_verification():
@@ -110,8 +111,7 @@ def test_amusd_rollback_with_and_without_preempting_the_drafter(preempt, per_tok
     """a = 0: every draft is wrong. Each token then costs one draft (0.4) and one verification (1.0) when the
     rollback cuts the drafter's forward short; without preemption the drafter, 2.5 forwards into the 1.0 s
     verification, first finishes the forward in flight (0.2 more): 1.6 per token, as paraspec's draft workers."""
-    setup = Setup("amusd", ForwardCost.constant(1.0), ForwardCost.constant(0.4), 0.0, max_ahead=50,
-                  preempt=preempt)
+    setup = Setup("amusd", ForwardCost.constant(1.0), ForwardCost.constant(0.4), 0.0, max_ahead=50, preempt=preempt)
     short, long = simulate(setup, 10), simulate(setup, 200)
     assert long.rollbacks == 199
     assert (long.total_s - short.total_s) / 190 == pytest.approx(per_token)
@@ -123,13 +123,14 @@ def test_forward_width_and_catch_up_cost_time():
     base = dict(acceptance_rate=0.8, lookahead=2, servers=4)
     flat = simulate(Setup("dsi", ForwardCost.constant(1.0), ForwardCost.constant(0.2), **base), 300)
     widths = [e.tokens for e in flat.trace.events if e.kind == "verify"]
-    assert max(widths) > 3                                     # catch-up beyond the chunk's k + 1 tokens
+    assert max(widths) > 3  # catch-up beyond the chunk's k + 1 tokens
     wide = simulate(Setup("dsi", ForwardCost.linear(1.0, 0.1), ForwardCost.linear(0.2, 0.1), **base), 300)
     assert wide.total_s > flat.total_s * 1.02
 
 
-@pytest.mark.parametrize("strategy,kw", [("sd", {"lookahead": 4}), ("amusd", {"max_ahead": 6}),
-                                         ("dsi", {"lookahead": 2, "servers": 4})])
+@pytest.mark.parametrize(
+    "strategy,kw", [("sd", {"lookahead": 4}), ("amusd", {"max_ahead": 6}), ("dsi", {"lookahead": 2, "servers": 4})]
+)
 def test_messages_and_prefill_cost_time(strategy, kw):
     plain = totals(unit_setup(strategy, 0.2, 0.7, **kw), 200, runs=3).mean()
     slow = totals(unit_setup(strategy, 0.2, 0.7, comm_s=0.05, **kw), 200, runs=3).mean()
@@ -147,8 +148,10 @@ def test_too_few_servers_queue():
     assert one > 1.5 * enough
 
 
-@pytest.mark.parametrize("strategy,kw", [("ar", {}), ("sd", {"lookahead": 3}), ("amusd", {"max_ahead": 4}),
-                                         ("dsi", {"lookahead": 3, "servers": 3})])
+@pytest.mark.parametrize(
+    "strategy,kw",
+    [("ar", {}), ("sd", {"lookahead": 3}), ("amusd", {"max_ahead": 4}), ("dsi", {"lookahead": 3, "servers": 3})],
+)
 def test_trace_is_the_engines_format(strategy, kw):
     r = simulate(unit_setup(strategy, 0.3, 0.6, **kw), 120, seed=3)
     assert isinstance(r.trace, Trace)
@@ -162,8 +165,9 @@ def test_trace_is_the_engines_format(strategy, kw):
     assert r.accepted <= r.drafts
     # a device never runs two forwards at once
     for device in {e.device for e in r.trace.events}:
-        spans = sorted((e.start_s, e.end_s) for e in r.trace.events
-                       if e.device == device and e.kind in ("draft", "verify"))
+        spans = sorted(
+            (e.start_s, e.end_s) for e in r.trace.events if e.device == device and e.kind in ("draft", "verify")
+        )
         assert all(s2 >= e1 - 1e-12 for (_, e1), (s2, _) in zip(spans, spans[1:]))
 
 
@@ -171,15 +175,20 @@ def test_dsi_servers_without_preemption_finish_their_forward_first():
     """preempt=False (paraspec's workers): a rollback leaves a server busy until its forward ends. Without
     rollbacks (a = 1) nothing changes; with them it costs time, and every cut-off forward runs its full length."""
     kw = dict(lookahead=2, servers=3, target_only_thread=False)
-    assert simulate(unit_setup("dsi", 0.2, 1.0, **kw), 100).total_s == \
-        simulate(unit_setup("dsi", 0.2, 1.0, preempt=False, **kw), 100).total_s
+    assert (
+        simulate(unit_setup("dsi", 0.2, 1.0, **kw), 100).total_s
+        == simulate(unit_setup("dsi", 0.2, 1.0, preempt=False, **kw), 100).total_s
+    )
     cut = totals(unit_setup("dsi", 0.2, 0.5, **kw), 100, runs=20)
     whole = totals(unit_setup("dsi", 0.2, 0.5, preempt=False, **kw), 100, runs=20)
     assert whole.mean() > 1.02 * cut.mean()
     r = simulate(unit_setup("dsi", 0.2, 0.5, preempt=False, **kw), 100)
     assert all(e.end_s - e.start_s >= 1.0 - 1e-9 for e in r.trace.events if e.kind == "verify")
-    assert any(e.end_s - e.start_s < 1.0 - 1e-9
-               for e in simulate(unit_setup("dsi", 0.2, 0.5, **kw), 100).trace.events if e.kind == "verify")
+    assert any(
+        e.end_s - e.start_s < 1.0 - 1e-9
+        for e in simulate(unit_setup("dsi", 0.2, 0.5, **kw), 100).trace.events
+        if e.kind == "verify"
+    )
 
 
 def test_random_setups_always_finish_and_never_double_book_a_device():
@@ -187,18 +196,27 @@ def test_random_setups_always_finish_and_never_double_book_a_device():
     for i in range(60):
         strategy = str(rng.choice(["ar", "sd", "amusd", "dsi"]))
         k = int(rng.integers(1, 6))
-        setup = Setup(strategy, ForwardCost.linear(1.0, float(rng.choice([0, 0.05]))),
-                      ForwardCost.linear(float(rng.uniform(0.01, 1.0)), 0.02), float(rng.choice([0, 1, rng.random()])),
-                      lookahead=k, servers=int(rng.integers(1, 5)), max_ahead=int(rng.integers(k, 10)),
-                      verify_min=int(rng.integers(1, 4)), comm_s=float(rng.choice([0, 0.05])),
-                      target_prefill_s=float(rng.choice([0, 2.0])), target_only_thread=bool(rng.random() < 0.7),
-                      preempt=bool(rng.random() < 0.5))
+        setup = Setup(
+            strategy,
+            ForwardCost.linear(1.0, float(rng.choice([0, 0.05]))),
+            ForwardCost.linear(float(rng.uniform(0.01, 1.0)), 0.02),
+            float(rng.choice([0, 1, rng.random()])),
+            lookahead=k,
+            servers=int(rng.integers(1, 5)),
+            max_ahead=int(rng.integers(k, 10)),
+            verify_min=int(rng.integers(1, 4)),
+            comm_s=float(rng.choice([0, 0.05])),
+            target_prefill_s=float(rng.choice([0, 2.0])),
+            target_only_thread=bool(rng.random() < 0.7),
+            preempt=bool(rng.random() < 0.5),
+        )
         tokens = int(rng.integers(1, 60))
         r = simulate(setup, tokens, seed=i)
         assert r.trace.progress[-1][1] == tokens
         for device in {e.device for e in r.trace.events}:
-            spans = sorted((e.start_s, e.end_s) for e in r.trace.events
-                           if e.device == device and e.kind in ("draft", "verify"))
+            spans = sorted(
+                (e.start_s, e.end_s) for e in r.trace.events if e.device == device and e.kind in ("draft", "verify")
+            )
             assert all(s2 >= e1 - 1e-9 for (_, e1), (s2, _) in zip(spans, spans[1:])), (setup, device)
 
 
@@ -208,16 +226,31 @@ def test_deterministic_for_a_seed():
     assert simulate(setup, 200, seed=5).total_s != simulate(setup, 200, seed=6).total_s
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(strategy="beam", target=ForwardCost.constant(1.0)), "unknown strategy 'beam'"),
-    (dict(strategy="sd", target=ForwardCost.constant(1.0)), "needs a draft forward cost"),
-    (dict(strategy="dsi", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), servers=0),
-     "servers 0 must be >= 1"),
-    (dict(strategy="sd", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), acceptance_rate=1.5),
-     r"must be in \[0, 1\]"),
-    (dict(strategy="dsi", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), lookahead=4,
-          max_ahead=3), "would never fill"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(strategy="beam", target=ForwardCost.constant(1.0)), "unknown strategy 'beam'"),
+        (dict(strategy="sd", target=ForwardCost.constant(1.0)), "needs a draft forward cost"),
+        (
+            dict(strategy="dsi", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), servers=0),
+            "servers 0 must be >= 1",
+        ),
+        (
+            dict(strategy="sd", target=ForwardCost.constant(1.0), draft=ForwardCost.constant(0.1), acceptance_rate=1.5),
+            r"must be in \[0, 1\]",
+        ),
+        (
+            dict(
+                strategy="dsi",
+                target=ForwardCost.constant(1.0),
+                draft=ForwardCost.constant(0.1),
+                lookahead=4,
+                max_ahead=3,
+            ),
+            "would never fill",
+        ),
+    ],
+)
 def test_bad_setup(kw, match):
     with pytest.raises(ValueError, match=match):
         Setup(**kw)
@@ -225,10 +258,21 @@ def test_bad_setup(kw, match):
 
 # -- workers on other nodes: the link latency ------------------------------------------------------------------
 
+
 def _remote_dsi(a: float, link_s: float, remote: int = 1, **kw) -> "Setup":
-    return Setup("dsi", target=ForwardCost.constant(0.1), draft=ForwardCost.constant(0.001), acceptance_rate=a,
-                 lookahead=4, servers=1, preempt=False, link_s=link_s, remote_servers=remote,
-                 target_only_thread=False, **kw)
+    return Setup(
+        "dsi",
+        target=ForwardCost.constant(0.1),
+        draft=ForwardCost.constant(0.001),
+        acceptance_rate=a,
+        lookahead=4,
+        servers=1,
+        preempt=False,
+        link_s=link_s,
+        remote_servers=remote,
+        target_only_thread=False,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("a", [0.0, 1.0])
@@ -245,8 +289,16 @@ def test_a_remote_verifiers_verdict_lands_before_its_last_messages():
     and the verifier starts its next verification only after the messages that follow the commit."""
     link = 0.01
     before, after = AMUSD_VERIFY_MESSAGES
-    setup = Setup("amusd", target=ForwardCost.constant(0.1), draft=ForwardCost.constant(0.001), acceptance_rate=0.3,
-                  lookahead=3, preempt=False, link_s=link, remote_servers=1)
+    setup = Setup(
+        "amusd",
+        target=ForwardCost.constant(0.1),
+        draft=ForwardCost.constant(0.001),
+        acceptance_rate=0.3,
+        lookahead=3,
+        preempt=False,
+        link_s=link,
+        remote_servers=1,
+    )
     trace = simulate(setup, 40, seed=1).trace
     verifies = sorted((e.start_s, e.end_s) for e in trace.events if e.kind == "verify")
     rollbacks = [e.start_s for e in trace.events if e.kind == "rollback"]
@@ -257,16 +309,29 @@ def test_a_remote_verifiers_verdict_lands_before_its_last_messages():
 
 def test_a_link_costs_nothing_where_nothing_crosses_it():
     for strategy in ("amusd", "dsi"):
-        base = Setup(strategy, target=ForwardCost.constant(0.05), draft=ForwardCost.constant(0.01),
-                     acceptance_rate=0.7, lookahead=3, servers=2 if strategy == "dsi" else 1, preempt=False)
+        base = Setup(
+            strategy,
+            target=ForwardCost.constant(0.05),
+            draft=ForwardCost.constant(0.01),
+            acceptance_rate=0.7,
+            lookahead=3,
+            servers=2 if strategy == "dsi" else 1,
+            preempt=False,
+        )
         linked = dataclasses.replace(base, link_s=0.02)
         assert simulate(base, 60, seed=3).total_s == simulate(linked, 60, seed=3).total_s
 
 
 def test_a_remote_drafter_pays_its_messages_per_token():
     """Every draft forward of a remote drafter lasts DRAFT_MESSAGES links longer; a local one pays nothing."""
-    setup = Setup("amusd", target=ForwardCost.constant(0.001), draft=ForwardCost.constant(0.05), acceptance_rate=1.0,
-                  preempt=False, link_s=0.002)
+    setup = Setup(
+        "amusd",
+        target=ForwardCost.constant(0.001),
+        draft=ForwardCost.constant(0.05),
+        acceptance_rate=1.0,
+        preempt=False,
+        link_s=0.002,
+    )
     for remote, extra in ((False, 0.0), (True, DRAFT_MESSAGES["amusd"] * 0.002)):
         trace = simulate(dataclasses.replace(setup, remote_draft=remote), 40, seed=0).trace
         drafts = [e.end_s - e.start_s for e in trace.events if e.kind == "draft"]

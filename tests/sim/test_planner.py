@@ -2,17 +2,21 @@ import json
 
 import pytest
 
-from paraspec.sim.planner import plan
 from paraspec.sim.costs import Profile
+from paraspec.sim.planner import plan
 
 ENGINE_STRATEGIES = {"ar", "sd", "amusd", "dsi"}
 
 
 def make_profile(target_ms=376.0, draft_ms=133.0, a=0.8, devices=("cpu:0", "cpu:1")):
-    return Profile.from_dict({
-        "target": {"model": "t", "device": devices[-1], "tpot_ms": target_ms, "ttft_ms": 900.0},
-        "draft": {"model": "d", "device": devices[0], "tpot_ms": draft_ms, "ttft_ms": 300.0},
-        "acceptance_rate": a, "devices": list(devices)})
+    return Profile.from_dict(
+        {
+            "target": {"model": "t", "device": devices[-1], "tpot_ms": target_ms, "ttft_ms": 900.0},
+            "draft": {"model": "d", "device": devices[0], "tpot_ms": draft_ms, "ttft_ms": 300.0},
+            "acceptance_rate": a,
+            "devices": list(devices),
+        }
+    )
 
 
 def quick(profile, **kw):
@@ -73,7 +77,7 @@ def test_remote_servers_come_after_local_ones_and_the_break_even_is_stated():
     devices = ("cpu:0", "cpu:1", "nodeB/cpu:0", "nodeC/cpu:0")
     p = quick(make_profile(target_ms=60.0, draft_ms=6.0, a=0.8, devices=devices), link_ms=1.0)
     dsi = p.choices["dsi"]
-    assert dsi.target_devices[0] == "cpu:1"                       # the caller's node first
+    assert dsi.target_devices[0] == "cpu:1"  # the caller's node first
     assert p.remote_break_even_ms is not None and p.remote_break_even_ms >= 1.0
     assert any("remote target servers pay while" in n for n in p.notes)
     assert json.loads(json.dumps(p.to_dict()))["remote_break_even_ms"] == p.remote_break_even_ms
@@ -86,7 +90,7 @@ def test_a_slow_link_makes_remote_servers_useless():
     # at 0 ms remote servers are as good as local ones; at 200 ms per message dsi keeps to the caller's node
     assert fast.choices["dsi"].servers >= 2
     assert all("/" not in d for d in slow.choices["dsi"].target_devices)
-    assert slow.remote_break_even_ms == fast.remote_break_even_ms       # a property of the profile, not of link_ms
+    assert slow.remote_break_even_ms == fast.remote_break_even_ms  # a property of the profile, not of link_ms
 
 
 def test_a_drafter_on_another_node_is_refused():

@@ -1,4 +1,5 @@
 """The DSI paper's Table 1 as data (checked against the paper's text) and the ten rows in the three models."""
+
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,13 @@ def test_the_ten_rows_are_the_papers():
     parsed = []
     for line in PAPER_TEXT.splitlines():
         target, drafter, dataset, t, d, pct, a, speedup = line.split("\t")
-        parsed.append(paper.PairRow(target, drafter, dataset, float(t), float(d), float(pct), int(a) / 100,
-                                    float(speedup.rstrip("x"))))
+        parsed.append(
+            paper.PairRow(
+                target, drafter, dataset, float(t), float(d), float(pct), int(a) / 100, float(speedup.rstrip("x"))
+            )
+        )
     assert tuple(parsed) == paper.PAPER_TABLE1
-    for row in paper.PAPER_TABLE1:          # the printed percentage is the ratio of unrounded latencies
+    for row in paper.PAPER_TABLE1:  # the printed percentage is the ratio of unrounded latencies
         assert 100 * row.drafter_ms / row.target_ms == pytest.approx(row.drafter_pct, abs=0.8)
 
 

@@ -1,4 +1,5 @@
 """Fixtures the strategy test modules share."""
+
 import os
 from pathlib import Path
 
@@ -6,7 +7,7 @@ import pytest
 
 from tests.tiny import make_checkpoint
 
-VOCAB = 6          # tests/strategies/test_sd.py's small vocabulary, for the sampling pairs
+VOCAB = 6  # tests/strategies/test_sd.py's small vocabulary, for the sampling pairs
 
 
 @pytest.fixture
@@ -23,10 +24,21 @@ def slow_target_pair(tmp_path_factory):
     checked nothing more), so the draft is usually ahead and most tokens go through speculative acceptance rather
     than the verifier's own sampling."""
     d = tmp_path_factory.mktemp("slow-target")
-    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=3, tokenizer=False, vocab_size=VOCAB,
-                             eos_token_id=None, num_hidden_layers=3, hidden_size=128, intermediate_size=512)
-    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
-                            eos_token_id=None, num_hidden_layers=1)
+    target = make_checkpoint(
+        d / "t",
+        "qwen2",
+        seed=21,
+        scale=3,
+        tokenizer=False,
+        vocab_size=VOCAB,
+        eos_token_id=None,
+        num_hidden_layers=3,
+        hidden_size=128,
+        intermediate_size=512,
+    )
+    draft = make_checkpoint(
+        d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=1
+    )
     return target, draft
 
 

@@ -1,5 +1,6 @@
 """AMUSD: concurrent draft and verify workers return exactly ar's tokens (greedy) and ar's distribution
 (sampling); the draft's cache never holds a token twice; faults surface fast; nothing is left behind."""
+
 import os
 import signal
 import time
@@ -33,8 +34,15 @@ CONFIGS = {  # draft, max_ahead, verify_chunk
 def amusd(request, qwen2_target):
     draft_fixture, max_ahead, verify_chunk = CONFIGS[request.param]
     draft = request.getfixturevalue(draft_fixture)
-    with Engine(qwen2_target, draft, strategy="amusd", dtype="float32", max_ahead=max_ahead,
-                verify_chunk=verify_chunk, **DEVICES) as engine:
+    with Engine(
+        qwen2_target,
+        draft,
+        strategy="amusd",
+        dtype="float32",
+        max_ahead=max_ahead,
+        verify_chunk=verify_chunk,
+        **DEVICES,
+    ) as engine:
         engine.config_name = request.param
         yield engine
 
@@ -73,6 +81,7 @@ def test_amusd_uses_both_paths_and_overlaps(ar_engine, qwen2_target):
 
 # -- faults and cleanup ---------------------------------------------------------------------------------------
 
+
 def test_killed_draft_worker_is_reported_within_seconds(qwen2_target, qwen2_partial, shm_segments):
     before = shm_segments()
     engine = Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **DEVICES)
@@ -99,7 +108,7 @@ def test_close_leaves_nothing_behind(qwen2_target, qwen2_partial, shm_segments):
     pids = [w.pid for w in engine.runtime.workers.values()]
     engine.generate(PROMPT, SamplingParams(max_new_tokens=5))
     engine.close()
-    engine.close()                                   # idempotent
+    engine.close()  # idempotent
     time.sleep(0.2)
     assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
     assert shm_segments() <= before
@@ -109,8 +118,8 @@ def test_abandoned_stream_cancels_cleanly(ar_engine, qwen2_target, qwen2_partial
     with Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", **DEVICES) as engine:
         stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
         next(stream)
-        stream.close()                                # the consumer walks away mid-request
-        params = SamplingParams(max_new_tokens=12)    # the engine still serves the next request exactly
+        stream.close()  # the consumer walks away mid-request
+        params = SamplingParams(max_new_tokens=12)  # the engine still serves the next request exactly
         assert engine.generate(PROMPT, params).token_ids == ar_engine.generate(PROMPT, params).token_ids
 
 

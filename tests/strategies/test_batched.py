@@ -6,6 +6,7 @@ requests join and leave mid-run and some wait their turn) on `ar` and `sd` (mode
 model) on the llamacpp backend; greedy and seeded sampling; one request cancelled mid-batch while the others
 finish unchanged; the inexact verdict decoding one sequence per forward, still exact.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,12 +18,23 @@ from paraspec.models.loader import load_model
 
 pytest.importorskip("llama_cpp")
 
-PROMPTS = [[5, 17, 33, 90, 12, 7], list(range(20, 60)), [3, 3, 3, 9], list(range(200, 150, -1)),
-           [40, 41, 40, 41, 40, 41, 42], [7] * 12, list(range(100, 130)), [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+PROMPTS = [
+    [5, 17, 33, 90, 12, 7],
+    list(range(20, 60)),
+    [3, 3, 3, 9],
+    list(range(200, 150, -1)),
+    [40, 41, 40, 41, 40, 41, 42],
+    [7] * 12,
+    list(range(100, 130)),
+    [1, 2, 3, 4, 5, 6, 7, 8, 9],
+]
 LIMITS = [40, 25, 33, 12, 48, 20, 30, 17]
-CONFIGS = {"ar": dict(strategy="ar"), "sd-ngram": dict(strategy="sd", adaptive=False, draft="ngram", lookahead=4),
-           "sd-model": dict(strategy="sd", adaptive=False, draft="model", lookahead=3),
-           "sd-ngram+model": dict(strategy="sd", adaptive=False, draft=["ngram", "model"], lookahead=5)}
+CONFIGS = {
+    "ar": dict(strategy="ar"),
+    "sd-ngram": dict(strategy="sd", adaptive=False, draft="ngram", lookahead=4),
+    "sd-model": dict(strategy="sd", adaptive=False, draft="model", lookahead=3),
+    "sd-ngram+model": dict(strategy="sd", adaptive=False, draft=["ngram", "model"], lookahead=5),
+}
 
 
 def params(i: int, sampling: bool) -> SamplingParams:
@@ -33,8 +45,11 @@ def params(i: int, sampling: bool) -> SamplingParams:
 def engine(gguf_pair, name: str, seqs: int, backend: str = "llamacpp", **kwargs) -> Engine:
     config = dict(CONFIGS[name])
     draft = config.pop("draft", None)
-    draft = [gguf_pair["draft"] if d == "model" else d for d in draft] if isinstance(draft, list) else \
-        (gguf_pair["draft"] if draft == "model" else draft)
+    draft = (
+        [gguf_pair["draft"] if d == "model" else d for d in draft]
+        if isinstance(draft, list)
+        else (gguf_pair["draft"] if draft == "model" else draft)
+    )
     target = gguf_pair["sample_target" if kwargs.pop("sampling", False) else "target"]
     if draft == gguf_pair["draft"] and target == gguf_pair["sample_target"]:
         draft = gguf_pair["sample_draft"]
@@ -59,8 +74,9 @@ def together(e: Engine, n: int, sampling: bool, stream: bool = False) -> list:
                 assert text == s.result.text
             else:
                 results[i] = e.generate(PROMPTS[i], params(i, sampling))
-        except BaseException as exc:     # noqa: BLE001 -- raised below, in the test's thread
+        except BaseException as exc:  # noqa: BLE001 -- raised below, in the test's thread
             errors.append(exc)
+
     threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -81,7 +97,7 @@ def assert_same(got, want) -> None:
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sampling, backend):
-    """On the native decoder (models/native_seqs.py) too: its probe decides which asks share a forward (on many
+    """On the native decoder (models/native/sequences.py) too: its probe decides which asks share a forward (on many
     CPUs a one-row product is another kernel, so one-token steps stay alone and verifications share)."""
     want = alone(gguf_pair, name, 8, sampling, backend)
     with engine(gguf_pair, name, 4, backend, sampling=sampling) as e:
@@ -95,10 +111,10 @@ def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sa
             assert_same(together(e, n, sampling, stream=n == 5), want[:n])
         widths, moves = e.batch_stats.widths, e.batch_stats.moves
     if shares:
-        assert max(widths) >= 2, f"no forward was shared: {widths}"      # the requests really were batched
+        assert max(widths) >= 2, f"no forward was shared: {widths}"  # the requests really were batched
     elif not exact:
         assert widths == {}, f"shared forwards the probe found inexact: {widths}"
-    assert moves > 0             # requests that outlived others moved down to keep the sequences contiguous
+    assert moves > 0  # requests that outlived others moved down to keep the sequences contiguous
     if name != "ar" and not sampling:
         assert any(r.stats.drafted for r in want)
 
@@ -110,13 +126,14 @@ def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(gguf_pair):
 
         def call(i):
             results[i] = e.generate(PROMPTS[i], params(i, False))
+
         threads = [threading.Thread(target=call, args=(i,)) for i in (1, 2, 3)]
-        stream = e.stream(PROMPTS[0], SamplingParams(max_new_tokens=200))     # alone: 200 tokens, no stop
+        stream = e.stream(PROMPTS[0], SamplingParams(max_new_tokens=200))  # alone: 200 tokens, no stop
         next(stream)
         for t in threads:
             t.start()
         next(stream)
-        stream.close()                                    # cancelled while the others decode beside it
+        stream.close()  # cancelled while the others decode beside it
         for t in threads:
             t.join(120)
         assert stream.result.finish_reason == "cancelled" and len(stream.result.token_ids) < 200
@@ -127,25 +144,27 @@ def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(gguf_pair):
 def test_an_inexact_batch_verdict_decodes_one_sequence_per_forward(gguf_pair):
     want = alone(gguf_pair, "ar", 4, False)
     with engine(gguf_pair, "ar", 4) as e:
-        e.target.batch_exact = False                      # as if the probe had found rows differ in a batch
+        e.target.batch_exact = False  # as if the probe had found rows differ in a batch
         assert_same(together(e, 4, False), want)
-        assert e.batch_stats.widths == {}                 # nothing shared a forward
+        assert e.batch_stats.widths == {}  # nothing shared a forward
 
 
 def test_open_streams_are_idle_and_the_engine_full_says_who_holds_it(gguf_pair):
     """A stream left open does not hold the others' steps up; a request beyond max_num_seqs waits, or with
     on_busy="error" is refused naming the requests that hold the Engine."""
     from paraspec import EngineBusy
+
     want = alone(gguf_pair, "ar", 2, False)
     with engine(gguf_pair, "ar", 2, on_busy="error") as e:
         opened, release = threading.Event(), threading.Event()
 
-        def hold():                                       # a stream opened in its thread, read once, left open
-            held = e.stream(PROMPTS[3], SamplingParams(max_new_tokens=100))     # alone: no stop before 200
+        def hold():  # a stream opened in its thread, read once, left open
+            held = e.stream(PROMPTS[3], SamplingParams(max_new_tokens=100))  # alone: no stop before 200
             next(held)
             opened.set()
             release.wait(60)
             held.close()
+
         holder = threading.Thread(target=hold)
         holder.start()
         assert opened.wait(60)
@@ -153,7 +172,7 @@ def test_open_streams_are_idle_and_the_engine_full_says_who_holds_it(gguf_pair):
         t = threading.Thread(target=lambda: got.append(e.generate(PROMPTS[0], params(0, False))))
         t.start()
         t.join(60)
-        assert got and got[0].token_ids == want[0].token_ids      # it finished while the stream stayed open
+        assert got and got[0].token_ids == want[0].token_ids  # it finished while the stream stayed open
         other = e.stream(PROMPTS[1], params(1, False))
         next(other)
         with pytest.raises(EngineBusy, match=r"stream #\d+ .*; stream #\d+ .* are running on this Engine"):
@@ -172,7 +191,7 @@ def test_open_streams_are_idle_and_the_engine_full_says_who_holds_it(gguf_pair):
 def _call(fn, *args):
     try:
         fn(*args)
-    except BaseException as exc:       # noqa: BLE001 -- handed to the test's thread
+    except BaseException as exc:  # noqa: BLE001 -- handed to the test's thread
         return exc
     return AssertionError("it did not raise")
 
@@ -182,10 +201,10 @@ def test_max_num_seqs_is_checked_and_applies_where_requests_can_batch(gguf_pair,
         with pytest.raises(ValueError, match="max_num_seqs must be an integer from 1 to 64"):
             Engine(gguf_pair["target"], strategy="ar", max_num_seqs=bad)
     with Engine(qwen2_target, strategy="ar", dtype="float32", max_num_seqs=4) as native:
-        assert native.max_num_seqs == 4 and native.target.n_seqs == 4       # the dynamic native forward batches
+        assert native.max_num_seqs == 4 and native.target.n_seqs == 4  # the dynamic native forward batches
     for options in (dict(static_width=2), dict(strategy="tree", draft=qwen2_target)):
         with Engine(qwen2_target, **{"strategy": "ar", **options}, dtype="float32", max_num_seqs=4) as one:
-            assert one.max_num_seqs == 1 and one.batch_stats is None       # padded forwards, trees: one at a time
+            assert one.max_num_seqs == 1 and one.batch_stats is None  # padded forwards, trees: one at a time
     with pytest.raises(ValueError, match="several sequences run the native decoder's dynamic forward"):
         load_model(qwen2_target, "float32", static_width=2, n_seqs=2)
     with pytest.raises(ValueError, match="llamacpp and native backends', not 'hf'"):
@@ -203,7 +222,7 @@ def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend
     with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
         assert_same(together(e, 4, False), want)
         slots = [slot for slot in e._slots if slot.policy is not None]
-        assert slots                    # each sequence's rule asks its own sequence's step for the load
+        assert slots  # each sequence's rule asks its own sequence's step for the load
         for slot in slots:
             assert slot.policy.shared == slot.target.shared_load and isinstance(slot.policy.shared(), list)
         assert_same(together(e, 4, False), want)
@@ -213,23 +232,24 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     """The adaptive rule's forward costs are timed once per model, when the Engine starts (covering the rows a
     shared step can carry): four concurrent first requests time nothing, so none waits on another's timing."""
     from paraspec.drafters.adaptive import ForwardCost
+
     timed, measure = [], ForwardCost.measure.__func__
 
     def counted(cls, model, widths, **kwargs):
         timed.append(max(widths))
         return measure(cls, model, widths, **kwargs)
+
     monkeypatch.setattr(ForwardCost, "measure", classmethod(counted))
-    options = dict(strategy="sd", draft=["ngram", gguf_pair["draft"]], lookahead=5, adaptive=True,
-                   backend="llamacpp")
+    options = dict(strategy="sd", draft=["ngram", gguf_pair["draft"]], lookahead=5, adaptive=True, backend="llamacpp")
     with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
         at_start = list(timed)
         together(e, 4, False)
         slots = [slot for slot in e._slots if slot.policy is not None]
         tables = [slot.policy.cost for slot in slots] + [e.strategy.policy.cost]
         widest_step = e.target.exact_width
-    assert len(at_start) == 2 and timed == at_start       # the target's and the draft model's, at start-up only
-    assert at_start[0] >= widest_step - 1                  # the target's table reaches the widest shared step
-    assert len(slots) >= 2 and len({id(t) for t in tables}) == len(tables)    # a copy each: refined apart
+    assert len(at_start) == 2 and timed == at_start  # the target's and the draft model's, at start-up only
+    assert at_start[0] >= widest_step - 1  # the target's table reaches the widest shared step
+    assert len(slots) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "seeded"])

@@ -1,5 +1,6 @@
 """easyspec: greedy equality with ar (chain and tree, LP sizes 1-3, calibration on/off, one device and two
 worker processes), fuzzy LP 1 == exact, calibration rebuilds the exact draft cache, sampling distribution."""
+
 import os
 import signal
 import time
@@ -9,10 +10,16 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.models.fuzzy import exact_forward, format_groups, fuzzy_forward, lp_groups, parse_layer_groups
-from paraspec.models.llama import NativeModel
-from paraspec.models.loader import load_native
 from paraspec.drafters.layer_parallel import DeviceGroupDrafter, FuzzyDrafter
+from paraspec.models.loader import load_native
+from paraspec.models.native.decoder import NativeModel
+from paraspec.models.native.layer_parallel import (
+    exact_forward,
+    format_groups,
+    fuzzy_forward,
+    lp_groups,
+    parse_layer_groups,
+)
 from paraspec.runtime import Runtime, WorkerDied, WorkerError
 from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
@@ -55,8 +62,15 @@ def ar_engine(deep_pair):
 @pytest.mark.parametrize("tree_width", [1, 4])
 def test_easyspec_greedy_equals_ar(ar_engine, deep_pair, lp_size, calibration, tree_width):
     params = SamplingParams(max_new_tokens=30)
-    with Engine(*deep_pair, strategy="easyspec", dtype="float32", lp_size=lp_size, calibration=calibration,
-                tree_width=tree_width, tree_depth=4) as engine:
+    with Engine(
+        *deep_pair,
+        strategy="easyspec",
+        dtype="float32",
+        lp_size=lp_size,
+        calibration=calibration,
+        tree_width=tree_width,
+        tree_depth=4,
+    ) as engine:
         result = engine.generate(PROMPT, params)
     assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
     assert result.stats.rounds > 0 and 0 < result.stats.accepted < result.stats.drafted
@@ -71,9 +85,9 @@ def test_calibration_rebuilds_the_exact_cache(deep_pair):
     drafter = FuzzyDrafter(model, groups)
     prompt, accepted, bonus = [5, 9, 14, 3], [22, 40], 41
     drafter.forward(prompt, exact=True)
-    drafter.forward(accepted + [77])               # a fuzzy chain: two kept drafts and a rejected one
-    drafter.rollback(len(prompt))                  # calibration: drop every fuzzy entry...
-    drafter.forward(accepted + [bonus], exact=True)   # ...and recompute the accepted tokens + the bonus
+    drafter.forward(accepted + [77])  # a fuzzy chain: two kept drafts and a rejected one
+    drafter.rollback(len(prompt))  # calibration: drop every fuzzy entry...
+    drafter.forward(accepted + [bonus], exact=True)  # ...and recompute the accepted tokens + the bonus
     reference = NativeModel(model.decoder, model.max_context)
     reference.prefill(prompt + accepted + [bonus])
     n = len(prompt) + len(accepted) + 1
@@ -82,22 +96,21 @@ def test_calibration_rebuilds_the_exact_cache(deep_pair):
     assert torch.allclose(model.cache.k[:, :, :n], reference.cache.k[:, :, :n], rtol=1e-5, atol=1e-4)
     assert torch.allclose(model.cache.v[:, :, :n], reference.cache.v[:, :, :n], rtol=1e-5, atol=1e-4)
     drafter.rollback(len(prompt))
-    drafter.forward(accepted + [bonus])            # no calibration: fuzzy entries stay
+    drafter.forward(accepted + [bonus])  # no calibration: fuzzy entries stay
     assert not torch.allclose(model.cache.k[:, :, :n], reference.cache.k[:, :, :n], rtol=1e-2, atol=1e-2)
 
 
 # -- two draft worker processes -----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def two_device_engine(deep_pair):
     with Engine(*deep_pair, strategy="easyspec", dtype="float32", draft_devices=DEVICES) as engine:
-        yield engine    # the tests set options between requests (set_options): a strategy reads them at each decode
+        yield engine  # the tests set options between requests (set_options): a strategy reads them at each decode
 
 
-@pytest.mark.parametrize("lp_size,calibration,tree_width", [(2, True, 4), (3, False, 1), (3, True, 1),
-                                                            (2, False, 4)])
-def test_easyspec_two_processes_equals_one(ar_engine, deep_pair, two_device_engine, lp_size, calibration,
-                                           tree_width):
+@pytest.mark.parametrize("lp_size,calibration,tree_width", [(2, True, 4), (3, False, 1), (3, True, 1), (2, False, 4)])
+def test_easyspec_two_processes_equals_one(ar_engine, deep_pair, two_device_engine, lp_size, calibration, tree_width):
     """Across two CPU worker processes: ar's tokens, and the very same drafts as on one device (the all-gather
     sums attention outputs in the same order, so fuzzy logits are bit-identical)."""
     params = SamplingParams(max_new_tokens=30)
@@ -140,8 +153,9 @@ def test_killed_draft_rank_is_reported_and_nothing_leaks(deep_pair, shm_segments
 def test_draft_ranks_are_the_engines_workers(ar_engine, deep_pair):
     """The ranks run in the strategy's own Runtime, under the Engine's watchdog: a killed rank is named by
     health(), the next request raises WorkerDied, and restart_workers() brings the ranks back."""
-    with Engine(*deep_pair, strategy="easyspec", dtype="float32", draft_devices=DEVICES, runtime="process",
-                worker_timeout=30.0) as engine:
+    with Engine(
+        *deep_pair, strategy="easyspec", dtype="float32", draft_devices=DEVICES, runtime="process", worker_timeout=30.0
+    ) as engine:
         runtime = engine.strategy.runtime
         assert runtime.worker_timeout == 30.0 and list(runtime.workers) == ["draft1"]
         assert engine.health() is None
@@ -164,13 +178,16 @@ N_SAMPLES = 2_000
 
 def test_easyspec_sampling_matches_target_distribution(tmp_path_factory):
     d = tmp_path_factory.mktemp("es-small-vocab")
-    target = make_checkpoint(d / "t", "qwen2", seed=21, scale=5, tokenizer=False, vocab_size=VOCAB,
-                             eos_token_id=None, num_hidden_layers=4)
-    draft = make_checkpoint(d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB,
-                            eos_token_id=None, num_hidden_layers=4)
+    target = make_checkpoint(
+        d / "t", "qwen2", seed=21, scale=5, tokenizer=False, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=4
+    )
+    draft = make_checkpoint(
+        d / "d", "qwen2", seed=22, scale=5, tokenizer=False, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=4
+    )
     prompt, sampling = [1, 2, 3], dict(temperature=1.0)
-    with Engine(target, draft, strategy="easyspec", dtype="float32", lp_size=2, tree_width=3, tree_depth=2,
-                calibration=False) as engine:
+    with Engine(
+        target, draft, strategy="easyspec", dtype="float32", lp_size=2, tree_width=3, tree_depth=2, calibration=False
+    ) as engine:
         joint = exact_joint(engine, prompt, SamplingParams(**sampling))
         counts, accepted = np.zeros((VOCAB, VOCAB)), 0
         for seed in range(N_SAMPLES):

@@ -11,6 +11,7 @@ processes, without spawning N processes per case), and once, greedy and sampling
 (test_worker_processes); the per-strategy modules test faults and cleanup. A toy strategy registered from this
 module shows that nothing else needs an edit.
 """
+
 import numpy as np
 import pytest
 
@@ -34,11 +35,18 @@ def shapes(name: str) -> list[dict]:
 def _shapes(name: str) -> list[dict]:
     options = STRATEGIES[name].options
     if "lookahead" in options:
-        return [dict(lookahead=k, max_ahead=max(OPTIONS["max_ahead"].default, 2 * k)) if "max_ahead" in options
-                else dict(lookahead=k) for k in (1, 3, 8)]
+        return [
+            dict(lookahead=k, max_ahead=max(OPTIONS["max_ahead"].default, 2 * k))
+            if "max_ahead" in options
+            else dict(lookahead=k)
+            for k in (1, 3, 8)
+        ]
     if "tree_depth" in options:
-        return [dict(tree_width=1, tree_depth=4), dict(tree_width=3, tree_depth=3, tree_budget=10),
-                dict(tree_width=2, tree_depth=6)]
+        return [
+            dict(tree_width=1, tree_depth=4),
+            dict(tree_width=3, tree_depth=3, tree_budget=10),
+            dict(tree_width=2, tree_depth=6),
+        ]
     if "max_ahead" in options:
         return [dict(max_ahead=1, verify_chunk=1), dict(max_ahead=4, verify_chunk=2), dict(max_ahead=16)]
     return [{}]
@@ -57,8 +65,15 @@ DEVICES = {"dsi": dict(target_devices=["cpu:0", "cpu:1"]), "easyspec": dict(draf
 # tests/strategies/test_batched.py's
 def engine(name: str, target, draft, runtime: str | None = None, **options) -> Engine:
     runtime = runtime or ("inprocess" if "inprocess" in STRATEGIES[name].caps.runtimes else "process")
-    return Engine(target, draft, strategy=name, dtype="float32", runtime=runtime, **on_device(**DEVICES.get(name, {})),
-                  **{"max_num_seqs": 1, **options})
+    return Engine(
+        target,
+        draft,
+        strategy=name,
+        dtype="float32",
+        runtime=runtime,
+        **on_device(**DEVICES.get(name, {})),
+        **{"max_num_seqs": 1, **options},
+    )
 
 
 def ar(target, **options) -> Engine:
@@ -90,7 +105,7 @@ def test_greedy_equals_ar(ar_engine, qwen2_target, drafts, name, shape, draft_ki
     s = result.stats
     assert s.drafted > 0 and s.rounds > 0
     if draft_kind == "unrelated":
-        assert s.accepted < s.drafted                  # rejections really happened and were repaired
+        assert s.accepted < s.drafted  # rejections really happened and were repaired
 
 
 @pytest.mark.parametrize("name", SPECULATIVE)
@@ -101,7 +116,7 @@ def test_stop_token_inside_a_chunk(ar_engine, qwen2_target, name):
     params = SamplingParams(max_new_tokens=40, stop_token_ids=[reference[position]])
     with engine(name, qwen2_target, qwen2_target, **long_chunks(name)) as e:
         result = e.generate(PROMPT, params)
-    assert result.token_ids == reference[:position + 1] and result.finish_reason == "stop"
+    assert result.token_ids == reference[: position + 1] and result.finish_reason == "stop"
     assert result.stats.drafted > 0
 
 
@@ -127,9 +142,9 @@ def test_streams_equal_generate_over_several_requests(ar_engine, qwen2_target, q
             assert text == streamed.text == e.generate(prompt, params).text
 
 
-# -- the static-shape forward (models/static.py): every forward padded to W rows, as on GPUs ----------------------
+# -- the static-shape forward (models/native/padded.py): every forward padded to W rows, as on GPUs ----------------------
 
-STATIC_WIDTH = 4          # narrower than most verifications here: they run in several padded steps
+STATIC_WIDTH = 4  # narrower than most verifications here: they run in several padded steps
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +197,7 @@ def test_static_width_sampling_matches_target_distribution(slow_target_pair, nam
 # -- sampling ---------------------------------------------------------------------------------------------------
 
 N_SAMPLES = 1_200
-SAMPLING = dict(temperature=0.9, top_k=4)      # top-k: q has zeros, as real samplers make
+SAMPLING = dict(temperature=0.9, top_k=4)  # top-k: q has zeros, as real samplers make
 
 
 def sample_first_two(e: Engine, prompt, n: int = N_SAMPLES) -> tuple[np.ndarray, int, int]:
@@ -208,11 +223,11 @@ def test_sampling_matches_target_distribution(slow_target_pair, name):
     with engine(name, target, draft, **shapes(name)[1]) as e, ar(target) as reference:
         joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt)
-    assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted   # both branches ran
+    assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted  # both branches ran
     assert_matches(counts, joint)
 
 
-PROCESS_SAMPLES = 400          # a request costs a few round trips between processes: fewer samples here
+PROCESS_SAMPLES = 400  # a request costs a few round trips between processes: fewer samples here
 
 
 def test_worker_processes(ar_engine, qwen2_target, qwen2_partial, slow_target_pair):
@@ -226,8 +241,7 @@ def test_worker_processes(ar_engine, qwen2_target, qwen2_partial, slow_target_pa
     assert 0 < result.stats.accepted < result.stats.drafted
     target, draft = slow_target_pair
     prompt = [1, 2, 3]
-    with engine("dsi", target, draft, runtime="process", **shapes("dsi")[1]) as e, \
-            ar(target) as reference:
+    with engine("dsi", target, draft, runtime="process", **shapes("dsi")[1]) as e, ar(target) as reference:
         joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt, PROCESS_SAMPLES)
     assert drafted > PROCESS_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted
@@ -236,17 +250,20 @@ def test_worker_processes(ar_engine, qwen2_target, qwen2_partial, slow_target_pa
 
 # -- a new strategy needs no edit elsewhere --------------------------------------------------------------------
 
+
 class Echo(LocalStrategy):
     """A toy strategy: drafts nothing, the target decodes one token per round through verify_chain."""
+
     name = "toy-echo"
     summary = "test-only"
     caps = Capabilities(drafts="none")
 
     def decode(self, run):
         from paraspec.verify import verify_chain
+
         self.target.rollback(0)
         while not run.done:
-            pending = run.sequence[self.target.length:]
+            pending = run.sequence[self.target.length :]
             logits = self.target.forward(pending, last_n=1)
             _, token = verify_chain([], None, logits, run.params, run.generator)
             yield run.commit([token])
@@ -261,6 +278,7 @@ def toy_registered():
 
 def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, ar_engine, qwen2_target):
     from paraspec.cli.main import build_parser, engine_config
+
     params = SamplingParams(max_new_tokens=12)
     with Engine(qwen2_target, strategy=toy_registered, dtype="float32") as e:
         result = e.generate(PROMPT, params)
@@ -275,19 +293,34 @@ def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, a
 # -- model-free drafters (ngram, suffix) and the hybrid, with and without the adaptive length ------------------
 
 FREE_TAKERS = [name for name, cls in STRATEGIES.items() if cls.caps.model_free]
-FREE_DRAFTS = {"ngram": lambda model: "ngram", "suffix": lambda model: "suffix",
-               "ngram+model": lambda model: ["ngram", model], "suffix+model": lambda model: ["suffix", model]}
+FREE_DRAFTS = {
+    "ngram": lambda model: "ngram",
+    "suffix": lambda model: "suffix",
+    "ngram+model": lambda model: ["ngram", model],
+    "suffix+model": lambda model: ["suffix", model],
+}
 # how a model-free drafter sizes its proposals: the defaults (suffix: at most the match length, paths of empirical
 # probability >= 0.1; memory per pattern where the strategy takes it), none of it, and strict settings
-FREE_RULES = {"defaults": {}, "uncapped": dict(suffix_factor=0.0, suffix_min_prob=0.0, draft_memory=False),
-              "strict": dict(suffix_factor=3.0, suffix_min_prob=0.5, draft_memory=True)}
-FREE_CASES = [(name, kind, adaptive, "defaults") for name in FREE_TAKERS for kind in FREE_DRAFTS
-              for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))]
-FREE_CASES += [(name, kind, adaptive, rules) for name in FREE_TAKERS for kind in ("ngram", "suffix")
-               for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))
-               for rules in ("uncapped", "strict")]
-SMALL_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]       # repeats: the n-gram and suffix drafters find matches
-SAMPLED_PROMPT = [1, 2, 3, 5, 5, 1, 5, 5, 5, 5]          # the target often samples what the drafters propose
+FREE_RULES = {
+    "defaults": {},
+    "uncapped": dict(suffix_factor=0.0, suffix_min_prob=0.0, draft_memory=False),
+    "strict": dict(suffix_factor=3.0, suffix_min_prob=0.5, draft_memory=True),
+}
+FREE_CASES = [
+    (name, kind, adaptive, "defaults")
+    for name in FREE_TAKERS
+    for kind in FREE_DRAFTS
+    for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))
+]
+FREE_CASES += [
+    (name, kind, adaptive, rules)
+    for name in FREE_TAKERS
+    for kind in ("ngram", "suffix")
+    for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))
+    for rules in ("uncapped", "strict")
+]
+SMALL_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]  # repeats: the n-gram and suffix drafters find matches
+SAMPLED_PROMPT = [1, 2, 3, 5, 5, 1, 5, 5, 5, 5]  # the target often samples what the drafters propose
 FREE_OPTIONS = dict(ngram_min=1)
 
 
@@ -318,8 +351,7 @@ def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive, rul
     """Small vocabulary: the text repeats, so proposals are often right and often wrong; exactly ar's tokens over
     several requests (the suffix cache and the pattern memory carry across rounds and requests)."""
     target, draft = slow_target_pair
-    with free_engine(name, target, draft, kind, adaptive, rules) as e, \
-            ar(target) as reference:
+    with free_engine(name, target, draft, kind, adaptive, rules) as e, ar(target) as reference:
         drafted = accepted = 0
         for prompt in (SMALL_PROMPT, SMALL_PROMPT[:7], [4, 4, 5, 4, 4]):
             params = SamplingParams(max_new_tokens=40)
@@ -328,18 +360,29 @@ def test_model_free_greedy_equals_ar(slow_target_pair, name, kind, adaptive, rul
             drafted += result.stats.drafted
             accepted += result.stats.accepted
     assert drafted > 0
-    assert adaptive or 0 < accepted < drafted         # drafts were accepted and rejected (the rule may rightly
-                                                      # keep only the rejected ones: these texts are random)
+    assert adaptive or 0 < accepted < drafted  # drafts were accepted and rejected (the rule may rightly
+    # keep only the rejected ones: these texts are random)
 
 
 # sampling: every drafter and every q path at least once per strategy (point-mass chains, deterministic tree
 # siblings, dsi's drafters in the caller, the hybrids' mixed q), fixed and adaptive; greedy above covers them all.
 # The drafters' length rules (uncapped, strict) change which tokens a point mass sits on, not how it is judged: one
 # sampled case each for sd and dsi (dsi's in-caller point masses: with the suffix drafter only), for CI time
-FREE_SAMPLED = [c for c in FREE_CASES if c in {
-    ("sd", "ngram", False, "defaults"), ("sd", "suffix", True, "defaults"), ("sd", "ngram+model", True, "defaults"),
-    ("tree", "suffix", False, "defaults"), ("tree", "ngram+model", True, "defaults"),
-    ("dsi", "suffix+model", False, "defaults"), ("sd", "suffix", True, "strict"), ("dsi", "suffix", False, "strict")}]
+FREE_SAMPLED = [
+    c
+    for c in FREE_CASES
+    if c
+    in {
+        ("sd", "ngram", False, "defaults"),
+        ("sd", "suffix", True, "defaults"),
+        ("sd", "ngram+model", True, "defaults"),
+        ("tree", "suffix", False, "defaults"),
+        ("tree", "ngram+model", True, "defaults"),
+        ("dsi", "suffix+model", False, "defaults"),
+        ("sd", "suffix", True, "strict"),
+        ("dsi", "suffix", False, "strict"),
+    }
+]
 
 
 @pytest.mark.parametrize("name,kind,adaptive,rules", FREE_SAMPLED, ids=map(free_id, FREE_SAMPLED))
@@ -348,11 +391,10 @@ def test_model_free_sampling_matches_target_distribution(slow_target_pair, name,
     follow the target's exact joint distribution."""
     target, draft = slow_target_pair
     prompt = SAMPLED_PROMPT
-    with free_engine(name, target, draft, kind, adaptive, rules) as e, \
-            ar(target) as reference:
+    with free_engine(name, target, draft, kind, adaptive, rules) as e, ar(target) as reference:
         joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt)
     assert drafted > (0 if adaptive else N_SAMPLES / 4)
-    if not adaptive:    # both branches ran (the rule may learn to draft only where drafts are rarely right)
+    if not adaptive:  # both branches ran (the rule may learn to draft only where drafts are rarely right)
         assert 0.05 * drafted < accepted < 0.95 * drafted
     assert_matches(counts, joint)

@@ -1,5 +1,6 @@
 """sd: what is sd's own (EOS, the confidence stop, sampling at several settings, the power control). Greedy equality
 with ar for every draft pattern and lookahead, stops and budgets: tests/strategies/test_lossless.py."""
+
 import numpy as np
 import pytest
 
@@ -33,6 +34,7 @@ def test_sd_model_eos_ends_generation(tmp_path):
 
 # -- sampling: the joint distribution of the first two tokens equals the target's ---------------------------
 
+
 def sampled_joint(engine, prompt, params_for_seed, n: int = N_SAMPLES):
     counts, accepted = np.zeros((VOCAB, VOCAB)), 0
     for seed in range(n):
@@ -44,8 +46,9 @@ def sampled_joint(engine, prompt, params_for_seed, n: int = N_SAMPLES):
     return counts
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
-                                      dict(temperature=1.3, top_p=0.8)])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)]
+)
 def test_sd_sampling_matches_target_distribution(small_vocab_pair, sampling):
     target, draft = small_vocab_pair
     prompt = [1, 2, 3]
@@ -57,8 +60,8 @@ def test_sd_sampling_matches_target_distribution(small_vocab_pair, sampling):
     assert_matches(counts, joint)
 
 
-POWER_SAMPLES = 1_500     # a check that rejects the lossy decoder at 1,500 samples rejects it at 5,000 (chi-square's
-                          # statistic grows with the sample count for a fixed difference); 5,000 cost CI 43 s
+POWER_SAMPLES = 1_500  # a check that rejects the lossy decoder at 1,500 samples rejects it at 5,000 (chi-square's
+# statistic grows with the sample count for a fixed difference); 5,000 cost CI 43 s
 
 
 def test_sampling_check_has_power(small_vocab_pair):
@@ -68,8 +71,9 @@ def test_sampling_check_has_power(small_vocab_pair):
     prompt = [1, 2, 3]
     with Engine(target, strategy="ar", dtype="float32") as tgt, Engine(draft, strategy="ar", dtype="float32") as d:
         joint = exact_joint(tgt, prompt, SamplingParams(temperature=1.0))
-        counts = sampled_joint(d, prompt, lambda s: SamplingParams(max_new_tokens=2, seed=s, temperature=1.0),
-                               POWER_SAMPLES)
+        counts = sampled_joint(
+            d, prompt, lambda s: SamplingParams(max_new_tokens=2, seed=s, temperature=1.0), POWER_SAMPLES
+        )
     with pytest.raises(AssertionError):
         assert_matches(counts, joint)
 
@@ -79,16 +83,24 @@ def test_sd_confidence_stop_equals_ar(ar_engine, qwen2_target, qwen2_partial, co
     """Stopping a round's drafting where the draft is unsure (HF's assisted-generation rule) stays exact,
     and really shortens rounds."""
     params = SamplingParams(max_new_tokens=40)
-    with Engine(qwen2_target, qwen2_partial, strategy="sd", adaptive=False, lookahead=12, draft_confidence=confidence,
-                dtype="float32") as sd:
+    with Engine(
+        qwen2_target,
+        qwen2_partial,
+        strategy="sd",
+        adaptive=False,
+        lookahead=12,
+        draft_confidence=confidence,
+        dtype="float32",
+    ) as sd:
         result = sd.generate(PROMPT, params)
     assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
     assert result.stats.drafted < 12 * result.stats.rounds
 
 
 def test_sd_trace_counts_the_tokens_really_drafted(qwen2_target, qwen2_partial):
-    with Engine(qwen2_target, qwen2_partial, strategy="sd", adaptive=False, lookahead=12, draft_confidence=0.9,
-                dtype="float32") as sd:
+    with Engine(
+        qwen2_target, qwen2_partial, strategy="sd", adaptive=False, lookahead=12, draft_confidence=0.9, dtype="float32"
+    ) as sd:
         result = sd.generate(PROMPT, SamplingParams(max_new_tokens=30))
     drafted = sum(e.tokens for e in result.trace.events if e.kind == "draft")
     assert drafted == result.stats.drafted < 12 * result.stats.rounds
@@ -116,7 +128,7 @@ def test_set_options_reaches_the_kept_drafters(qwen2_target):
         sd.generate(PROMPT, SamplingParams(max_new_tokens=4))
         assert sd.strategy.policy is kept and kept.drafters[0].factor == 0.0 and kept.drafters[0].memory
         sd.set_options(suffix_factor=3.0, draft_memory=False, suffix_min_prob=0.5)
-        rebuilt = sd.strategy.policy                     # by set_options, before the next request
+        rebuilt = sd.strategy.policy  # by set_options, before the next request
         assert rebuilt is not kept and sd.options["suffix_factor"] == 3.0
         suffix = rebuilt.drafters[0]
         assert (suffix.factor, suffix.memory, suffix.min_prob) == (3.0, None, 0.5)
@@ -127,6 +139,7 @@ def test_set_options_reaches_the_kept_drafters(qwen2_target):
 
 
 # -- the default: the adaptive rule, standing aside for seeded sampled requests ---------------------------------
+
 
 def with_costs(engine, per_token: float) -> None:
     """Give the rule verification costs that make drafting pay (flat) or never pay (steep), whatever it measured."""
@@ -152,16 +165,17 @@ def test_sd_default_is_the_rule_but_a_seeded_sample_repeats(ar_engine, qwen2_tar
         tokens, drafted, planned, reported = rounds_and_tokens(sd, greedy)
         assert tokens == ar_engine.generate(PROMPT, greedy).token_ids and planned and reported and drafted > 0
         _, _, planned, _ = rounds_and_tokens(sd, SamplingParams(max_new_tokens=8, temperature=1.0))
-        assert planned                                   # unseeded: the rule's
+        assert planned  # unseeded: the rule's
         first = rounds_and_tokens(sd, seeded)
-        with_costs(sd, 1.0)                              # drafting would never pay now
-        assert rounds_and_tokens(sd, greedy)[1] < drafted   # the rule decodes greedy requests (nearly) plainly
+        with_costs(sd, 1.0)  # drafting would never pay now
+        assert rounds_and_tokens(sd, greedy)[1] < drafted  # the rule decodes greedy requests (nearly) plainly
         again = rounds_and_tokens(sd, seeded)
         assert first == again and not first[2] and not first[3] and first[1] > 0
-    with Engine(qwen2_target, qwen2_partial, strategy="sd", lookahead=4, dtype="float32", max_num_seqs=1,
-                adaptive=True) as rule:
+    with Engine(
+        qwen2_target, qwen2_partial, strategy="sd", lookahead=4, dtype="float32", max_num_seqs=1, adaptive=True
+    ) as rule:
         with_costs(rule, 0.0)
         cheap = rounds_and_tokens(rule, seeded)
         with_costs(rule, 1.0)
         steep = rounds_and_tokens(rule, seeded)
-        assert cheap[2] and cheap[1] > steep[1]          # the same seed, other rounds
+        assert cheap[2] and cheap[1] > steep[1]  # the same seed, other rounds

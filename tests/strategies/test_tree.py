@@ -1,6 +1,7 @@
 """tree: masks and positions against a brute-force reference, KV compaction, greedy equality with ar, and the
 sampling distribution (multi-step speculative sampling over i.i.d. siblings), with a control that a wrong
 rule is caught."""
+
 import random
 
 import numpy as np
@@ -8,13 +9,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from paraspec import Engine, SamplingParams
-from paraspec import verify
-from paraspec.models.fuzzy import exact_forward
-from paraspec.models.loader import load_native
-from paraspec.sampling import make_generator
-from paraspec.run import Run
+from paraspec import Engine, SamplingParams, verify
 from paraspec.drafters.token_tree import DraftTreeCache, TokenTree, draft_tree
+from paraspec.models.loader import load_native
+from paraspec.models.native.layer_parallel import exact_forward
+from paraspec.request_state import Run
+from paraspec.sampling import make_generator
 from paraspec.strategies.tree import tree_mask, verification_inputs
 from paraspec.verify import multi_step_accept, residual, verify_tree
 from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
@@ -114,7 +114,8 @@ def test_draft_levels_and_compaction_match_sequential_decoding(models):
 
 
 def _fresh(model):
-    from paraspec.models.llama import NativeModel
+    from paraspec.models.native.decoder import NativeModel
+
     return NativeModel(model.decoder, model.max_context, model.eos_token_ids)
 
 
@@ -134,6 +135,7 @@ def test_keep_path_of_backends_that_cannot_move_entries():
     whose predictions depend only on positions, is the new length."""
     from paraspec.models.base import keep_chain
     from paraspec.models.simulated import SimulatedModel, SimulatedSpec
+
     sim = SimulatedModel(SimulatedSpec())
     sim.forward(list(range(8)))
     keep_chain(sim, 3, [3, 4])
@@ -147,6 +149,7 @@ def test_keep_path_of_backends_that_cannot_move_entries():
 
 # -- greedy: exactly ar's tokens ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def ar_engine(qwen2_target):
     with Engine(qwen2_target, strategy="ar", dtype="float32") as engine:
@@ -158,8 +161,15 @@ def test_tree_beats_chain_on_accepted_length(qwen2_target, qwen2_partial):
     params = SamplingParams(max_new_tokens=40)
     lengths = []
     for width in (1, 4):
-        with Engine(qwen2_target, qwen2_partial, strategy="tree", dtype="float32", tree_width=width,
-                    tree_depth=4, tree_budget=64) as engine:
+        with Engine(
+            qwen2_target,
+            qwen2_partial,
+            strategy="tree",
+            dtype="float32",
+            tree_width=width,
+            tree_depth=4,
+            tree_budget=64,
+        ) as engine:
             lengths.append(engine.generate(PROMPT, params).stats.mean_accepted_length)
     assert lengths[1] >= lengths[0]
 
@@ -174,6 +184,7 @@ def test_tree_never_overshoots(ar_engine, qwen2_target, qwen2_partial, max_new_t
 
 
 # -- sampling: multi-step speculative sampling is exact ------------------------------------------------------
+
 
 def wrong_multi_step_accept(candidates, p, q, generator):
     """A plausible bug: every sibling judged against the original p (no residual between siblings)."""
@@ -204,7 +215,7 @@ def test_multi_step_accept_outputs_p():
 
 
 N_SAMPLES = 2_000
-SAMPLING = dict(temperature=0.9, top_k=5)   # top-k: q has zeros, as real samplers make
+SAMPLING = dict(temperature=0.9, top_k=5)  # top-k: q has zeros, as real samplers make
 
 
 def tree_joint_counts(engine, prompt, sampling):
@@ -222,11 +233,10 @@ def test_tree_sampling_matches_target_distribution(small_vocab_pair):  # noqa: F
     the target's exact joint distribution."""
     target, draft = small_vocab_pair
     prompt = [1, 2, 3]
-    with Engine(target, draft, strategy="tree", dtype="float32", tree_width=3, tree_depth=2,
-                tree_budget=12) as engine:
+    with Engine(target, draft, strategy="tree", dtype="float32", tree_width=3, tree_depth=2, tree_budget=12) as engine:
         joint = exact_joint(engine, prompt, SamplingParams(**SAMPLING))
         counts, accepted = tree_joint_counts(engine, prompt, SAMPLING)
-    assert 0.2 * N_SAMPLES < accepted < 1.8 * N_SAMPLES      # drafts were really accepted and rejected
+    assert 0.2 * N_SAMPLES < accepted < 1.8 * N_SAMPLES  # drafts were really accepted and rejected
     assert_matches(counts, joint)
 
 
@@ -234,8 +244,7 @@ def test_tree_sampling_check_catches_a_wrong_rule(small_vocab_pair, monkeypatch)
     target, draft = small_vocab_pair
     prompt = [1, 2, 3]
     monkeypatch.setattr(verify, "multi_step_accept", wrong_multi_step_accept)
-    with Engine(target, draft, strategy="tree", dtype="float32", tree_width=3, tree_depth=2,
-                tree_budget=12) as engine:
+    with Engine(target, draft, strategy="tree", dtype="float32", tree_width=3, tree_depth=2, tree_budget=12) as engine:
         joint = exact_joint(engine, prompt, SamplingParams(**SAMPLING))
         counts, _ = tree_joint_counts(engine, prompt, SAMPLING)
     with pytest.raises(AssertionError):
@@ -247,9 +256,9 @@ def test_verify_tree_greedy_follows_argmax():
     a, b = tree.add(3, -1), tree.add(1, -1)
     c = tree.add(2, b)
     logits = torch.full((4, 5), -1.0)
-    logits[0, 1] = logits[2, 2] = logits[3, 4] = 5.0     # root -> 1 (node b) -> 2 (node c) -> bonus 4
+    logits[0, 1] = logits[2, 2] = logits[3, 4] = 5.0  # root -> 1 (node b) -> 2 (node c) -> bonus 4
     path, token = verify_tree(tree.tokens, tree.parents, None, logits, SamplingParams(), make_generator(0))
     assert path == [b, c] and token == 4
-    logits[0, 1], logits[0, 0] = -1.0, 5.0                # root wants 0: nothing accepted, correction 0
+    logits[0, 1], logits[0, 0] = -1.0, 5.0  # root wants 0: nothing accepted, correction 0
     assert verify_tree(tree.tokens, tree.parents, None, logits, SamplingParams(), make_generator(0)) == ([], 0)
     assert a == 0

@@ -1,5 +1,6 @@
 """EasySpec studies on a tiny model: the similarity table is 1 where fuzzy == exact and below 1 elsewhere; the
 ablation produces one row per configuration and two PNG plots; the CLI wires both."""
+
 import json
 
 import pytest
@@ -9,7 +10,6 @@ from paraspec import Engine, SamplingParams
 from paraspec.cli.main import main
 from paraspec.models.loader import load_native
 from paraspec.study.fuzzy_drafting import ablation, plot_ablation, similarity, similarity_table
-
 
 
 def test_similarity_is_one_for_exact_and_lower_for_fuzzy(deep_pair):
@@ -24,8 +24,15 @@ def test_similarity_is_one_for_exact_and_lower_for_fuzzy(deep_pair):
 
 def test_ablation_rows_and_plots(deep_pair, tmp_path):
     factory = lambda: Engine(*deep_pair, strategy="easyspec", dtype="float32")
-    rows = ablation(factory, ["def f(x):"], SamplingParams(max_new_tokens=8), widths=(1, 3), lp_sizes=(1, 2),
-                    calibrations=(True, False), tree_depth=3)
+    rows = ablation(
+        factory,
+        ["def f(x):"],
+        SamplingParams(max_new_tokens=8),
+        widths=(1, 3),
+        lp_sizes=(1, 2),
+        calibrations=(True, False),
+        tree_depth=3,
+    )
     assert len(rows) == 8 and {r["tree_width"] for r in rows} == {1, 3}
     assert all(0 <= r["acceptance_rate"] <= 1 and r["ms_per_token"] > 0 for r in rows)
     # LP size 1 is the exact draft: calibration on or off drafts the same tokens, so acceptance is the same
@@ -38,9 +45,28 @@ def test_ablation_rows_and_plots(deep_pair, tmp_path):
 
 def test_study_cli_similarity(deep_pair, tmp_path, monkeypatch, capsys):
     from paraspec.cli import study as study_cli
+
     monkeypatch.setattr(study_cli, "_prompts", lambda args, tok: [[{"role": "user", "content": "def f(x): return"}]])
-    assert main(["study", "easyspec", "--draft", str(deep_pair[1]), "--lp-sizes", "2", "3",
-                 "--tokens-per-prompt", "4", "--dtype", "float32", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "study",
+                "easyspec",
+                "--draft",
+                str(deep_pair[1]),
+                "--lp-sizes",
+                "2",
+                "3",
+                "--tokens-per-prompt",
+                "4",
+                "--dtype",
+                "float32",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((tmp_path / "similarity.json").read_text())
     assert [r["lp_size"] for r in rows] == [2, 3]
     assert "| LP size |" in capsys.readouterr().out

@@ -6,12 +6,13 @@ enforces stop tokens, stop strings, `max_new_tokens` and the context) and counts
 Worker loops (amusd's verifier and drafter, dsi's drafters and servers) keep no Run: the caller's Run counts what
 they report and folds their traces and reports in (`Run.merge_worker_reports`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
-from functools import partial
 from dataclasses import dataclass, field
-from typing import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -35,26 +36,26 @@ class Run:
     params: SamplingParams
     stop_ids: frozenset[int]
     generator: torch.Generator
-    max_context: int                       # the smallest cache among the models in use
+    max_context: int  # the smallest cache among the models in use
     trace: Trace = field(default_factory=Trace)
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None       # "stop" | "length" | "context"
+    finish_reason: str | None = None  # "stop" | "length" | "context"
     first_token_s: float | None = None
     # stop strings (the caller's tokenizer): tokens -> the stop string their text now contains, or None
     stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
-    stop_string: str | None = None         # the stop string that ended the run (finish_reason "stop")
+    stop_string: str | None = None  # the stop string that ended the run (finish_reason "stop")
     # counters for the stats (names as in docs/ARCHITECTURE.md)
     drafted: int = 0
     accepted: int = 0
-    rounds: int = 0                        # verification forwards
-    verified_tokens: int = 0               # tokens committed by verification rounds (bonus included)
+    rounds: int = 0  # verification forwards
+    verified_tokens: int = 0  # tokens committed by verification rounds (bonus included)
     rollbacks: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     # optional: the target's top-1 minus top-2 logit for each output index it scored (to tell near-ties
     # from real divergences when comparing strategies in bf16)
     margins: dict[int, float] | None = None
-    worker_reports: dict = field(default_factory=dict)   # raw reports of worker loops (amusd, dsi)
+    worker_reports: dict = field(default_factory=dict)  # raw reports of worker loops (amusd, dsi)
 
     @property
     def done(self) -> bool:
@@ -74,7 +75,7 @@ class Run:
         if self.margins is None:
             return
         for i, gap in enumerate(top2_margins(logits)):
-            self.margins[first_index + i] = gap   # the last observation is the one on the committed prefix
+            self.margins[first_index + i] = gap  # the last observation is the one on the committed prefix
 
     def commit(self, new_tokens: list[int]) -> list[int]:
         """Append verified tokens, cut at the first stop token or the token budget; return what was kept."""
@@ -124,8 +125,7 @@ class Run:
         if tree_nodes is not None:
             self.worker_reports["tree_nodes"] = self.worker_reports.get("tree_nodes", 0) + tree_nodes
 
-    def merge_worker_reports(self, draft_reports: dict[str, dict], target_events: list[TraceEvent],
-                             **reports) -> None:
+    def merge_worker_reports(self, draft_reports: dict[str, dict], target_events: list[TraceEvent], **reports) -> None:
         """Fold in what the worker loops of amusd and dsi sent back once they have ended: each drafter's trace
         (its draft_loop report, keyed by worker name) and the target's events join this run's trace in time order,
         draft_s becomes the drafters' drafting time and verify_s the target's verifying time, and the raw reports

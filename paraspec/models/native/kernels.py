@@ -14,6 +14,7 @@ Speculative decoding lives on that ratio, so `Linear` sends fp32 CPU products to
 
 oneDNN is probed once with a tiny product; if this torch build or CPU lacks it, F.linear is used throughout.
 """
+
 from __future__ import annotations
 
 import os

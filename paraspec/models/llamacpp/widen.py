@@ -13,6 +13,7 @@ from the CPU's name (`widen_verdict`): once per (llama.cpp build, CPU, file, thr
 draft's prompt and one-token forwards on both files, and the verdict is cached. PARASPEC_LLAMACPP_WIDEN_Q5_0=1/0
 decides without measuring.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,7 +30,7 @@ from paraspec.models.cache import cache_dir, sha256_prefix, write_json
 
 logger = logging.getLogger(__name__)
 
-Q5_0_BLOCK, Q8_0_BLOCK = 22, 34       # bytes per 32 weights: f16 d + 4 bytes of high bits + 16 of nibbles; f16 d + 32
+Q5_0_BLOCK, Q8_0_BLOCK = 22, 34  # bytes per 32 weights: f16 d + 4 bytes of high bits + 16 of nibbles; f16 d + 32
 
 # the race behind the verdict: what a draft does for sd per request, in small: one prompt, then one-token forwards
 RACE = {"prompt_tokens": 64, "steps": 16, "rounds": 3}
@@ -59,10 +60,21 @@ def widening_pays(race: dict, prompt_tokens: int = RACE["prompt_tokens"]) -> boo
 
 
 def _verdict_path(source: Path, n_threads: int) -> Path:
-    from paraspec.models.llamacpp import _library_fingerprint      # the build and the CPU's flags
-    key = hashlib.sha256("\n".join([_library_fingerprint(), "draft kernels", sha256_prefix(source), str(n_threads),
-                                    json.dumps(RACE, sort_keys=True),
-                                    str(WIDEN_MARGIN), str(DECODE_PER_PROMPT_TOKEN)]).encode())
+    from paraspec.models.llamacpp.model import _library_fingerprint  # the build and the CPU's flags
+
+    key = hashlib.sha256(
+        "\n".join(
+            [
+                _library_fingerprint(),
+                "draft kernels",
+                sha256_prefix(source),
+                str(n_threads),
+                json.dumps(RACE, sort_keys=True),
+                str(WIDEN_MARGIN),
+                str(DECODE_PER_PROMPT_TOKEN),
+            ]
+        ).encode()
+    )
     return cache_dir() / "widened" / "verdicts" / f"{source.stem}-{key.hexdigest()[:20]}.json"
 
 
@@ -70,28 +82,38 @@ def widen_verdict(source: Path, wide: Path, n_threads: int) -> dict:
     """Whether the draft `source` runs faster as `wide` (its Q5_0 matrices as Q8_0) with `n_threads` threads here:
     {"widen": bool, "race": timings, ...}, measured once in a child process (the widened file's first Q8_0 products
     on this CPU; a crash there is a verdict against it, with the reason) and cached."""
-    from paraspec.models.crashes import run_child
+    from paraspec.models.llamacpp.child import run_child
+
     path = _verdict_path(source, n_threads)
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    print(f"paraspec: timing {source.name} as given and with its Q5_0 matrices as Q8_0 at {n_threads} thread(s), "
-          f"once for this llama.cpp build and CPU (PARASPEC_LLAMACPP_WIDEN_Q5_0=0/1 decides without it)",
-          file=sys.stderr, flush=True)
+    print(
+        f"paraspec: timing {source.name} as given and with its Q5_0 matrices as Q8_0 at {n_threads} thread(s), "
+        f"once for this llama.cpp build and CPU (PARASPEC_LLAMACPP_WIDEN_Q5_0=0/1 decides without it)",
+        file=sys.stderr,
+        flush=True,
+    )
     start = time.perf_counter()
     try:
-        race = run_child(["race", json.dumps({"files": [str(source), str(wide)], "n_threads": n_threads, **RACE})],
-                         f"timing {source.name} against its widened copy", timeout=600)
+        race = run_child(
+            ["race", json.dumps({"files": [str(source), str(wide)], "n_threads": n_threads, **RACE})],
+            f"timing {source.name} against its widened copy",
+            timeout=600,
+        )
         verdict = {"widen": widening_pays(race), "race": race}
         (p0, p1), (s0, s1) = race["prompt_s"], race["step_s"]
-        print(f"paraspec: {source.name}: prompt of {RACE['prompt_tokens']} {p0 * 1e3:.0f} -> {p1 * 1e3:.0f} ms, "
-              f"one-token forward {s0 * 1e3:.1f} -> {s1 * 1e3:.1f} ms widened: "
-              f"{'widening' if verdict['widen'] else 'kept as it is'}", file=sys.stderr, flush=True)
-    except RuntimeError as e:                # NativeCrash included: the draft runs from its own file
+        print(
+            f"paraspec: {source.name}: prompt of {RACE['prompt_tokens']} {p0 * 1e3:.0f} -> {p1 * 1e3:.0f} ms, "
+            f"one-token forward {s0 * 1e3:.1f} -> {s1 * 1e3:.1f} ms widened: "
+            f"{'widening' if verdict['widen'] else 'kept as it is'}",
+            file=sys.stderr,
+            flush=True,
+        )
+    except RuntimeError as e:  # NativeCrash included: the draft runs from its own file
         verdict = {"widen": False, "error": str(e)}
-        logger.warning("%s: the widened copy could not be timed (%s); the draft runs from its own file",
-                       source.name, e)
+        logger.warning("%s: the widened copy could not be timed (%s); the draft runs from its own file", source.name, e)
     verdict.update(seconds=round(time.perf_counter() - start, 2), threads=n_threads)
     write_json(path, verdict)
     return verdict
@@ -103,12 +125,12 @@ def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
     if rows.shape[-1] % Q5_0_BLOCK:
         raise ValueError(f"a Q5_0 row of {rows.shape[-1]} bytes is not whole blocks of {Q5_0_BLOCK}")
     b = rows.reshape(-1, Q5_0_BLOCK)
-    bits = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")          # bit j: the 5th bit of weight j
+    bits = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")  # bit j: the 5th bit of weight j
     nibbles = b[:, 6:]
-    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)         # weights 0..15, then 16..31
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)  # weights 0..15, then 16..31
     out = np.empty((b.shape[0], Q8_0_BLOCK), np.uint8)
-    out[:, :2] = b[:, :2]                                                # the same f16 scale
-    out[:, 2:] = (low | (bits << 4)) - np.uint8(16)                      # 0..31 - 16, as int8's two's complement
+    out[:, :2] = b[:, :2]  # the same f16 scale
+    out[:, 2:] = (low | (bits << 4)) - np.uint8(16)  # 0..31 - 16, as int8's two's complement
     return out.reshape(*blocks.shape[:-1], -1)
 
 
@@ -127,8 +149,9 @@ def widen_q5_0(src: str | os.PathLike, dst: str | os.PathLike) -> int:
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         kind = field.types[0]
-        writer.add_key_value(name, field.contents(), kind,
-                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+        writer.add_key_value(
+            name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
+        )
     widened = 0
     for t in reader.tensors:
         data, kind = t.data, t.tensor_type
@@ -141,7 +164,7 @@ def widen_q5_0(src: str | os.PathLike, dst: str | os.PathLike) -> int:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, dst)       # whole or not at all: a failed conversion leaves no file that looks done
+        os.replace(tmp, dst)  # whole or not at all: a failed conversion leaves no file that looks done
     finally:
         tmp.unlink(missing_ok=True)
     return widened
@@ -150,6 +173,7 @@ def widen_q5_0(src: str | os.PathLike, dst: str | os.PathLike) -> int:
 def tensor_types(path: str | os.PathLike) -> set[str]:
     """The quantization types of a GGUF file's tensors ("Q5_0", "Q4_K", "F32", ...)."""
     from gguf import GGUFReader
+
     return {t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
@@ -169,8 +193,11 @@ def widened(path: str | os.PathLike) -> Path:
     if "Q5_0" not in tensor_types(path):
         none.touch()
         return path
-    print(f"paraspec: writing {path.name}'s Q5_0 matrices as Q8_0 (the same weights; llama.cpp has faster kernels "
-          f"for Q8_0 on some CPUs), once, into {out} (PARASPEC_LLAMACPP_WIDEN_Q5_0=0 keeps the file as it is)",
-          file=sys.stderr, flush=True)
+    print(
+        f"paraspec: writing {path.name}'s Q5_0 matrices as Q8_0 (the same weights; llama.cpp has faster kernels "
+        f"for Q8_0 on some CPUs), once, into {out} (PARASPEC_LLAMACPP_WIDEN_Q5_0=0 keeps the file as it is)",
+        file=sys.stderr,
+        flush=True,
+    )
     widen_q5_0(path, out)
     return out

@@ -2,6 +2,7 @@
 
 One reader for the choices that depend on them (bf16 on `dtype=auto`, the llama.cpp probe's fingerprint, widening
 a draft's Q5_0 matrices); a leaf of the models layer, so those modules need nothing above it."""
+
 from __future__ import annotations
 
 

@@ -8,11 +8,12 @@ shapes, and a simulated model with `shape=` pays one such forward per forward (m
     llama-3.2-1b, llama-3.1-8b      Llama 3 (3.2-1B tied, 3.1-8B not)
     tiny-draft, tiny-target         two-layer stand-ins for tests and CPU runs
 """
+
 from __future__ import annotations
 
 import torch
 
-from paraspec.models.llama import Decoder, DecoderConfig
+from paraspec.models.native.decoder import Decoder, DecoderConfig
 
 # hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied (from each model's config.json)
 SHAPES: dict[str, tuple] = {
@@ -35,11 +36,25 @@ def check_shape(shape: str) -> str:
 def decoder_config(shape: str) -> DecoderConfig:
     family, hidden, inter, layers, heads, kv_heads, head_dim, vocab, tied = SHAPES[check_shape(shape)]
     return DecoderConfig(
-        family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
-        rope_theta=1e6 if family == "qwen2" else 5e5, rope_scaling=None, max_position_embeddings=32768,
-        tie_word_embeddings=tied, qkv_bias=family == "qwen2", o_bias=False, mlp_bias=False, sliding_window=None,
-        eos_token_ids=())
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6 if family == "qwen2" else 5e5,
+        rope_scaling=None,
+        max_position_embeddings=32768,
+        tie_word_embeddings=tied,
+        qkv_bias=family == "qwen2",
+        o_bias=False,
+        mlp_bias=False,
+        sliding_window=None,
+        eos_token_ids=(),
+    )
 
 
 def shape_dtype(dtype, device) -> torch.dtype:

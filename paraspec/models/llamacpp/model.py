@@ -46,6 +46,7 @@ whose KV cells are contiguous, but a branch laid out with other nodes between it
 apart on the reference target) and so do the tokens decoded after it (0.60): the attention reductions run over
 cell indices (`benchmarks/llamacpp_tree_exactness.py`). Only one root-to-leaf path of a tree can be contiguous.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -61,12 +62,12 @@ import numpy as np
 import torch
 
 from paraspec.models.base import SequenceChecks, check_batch, check_rollback
-from paraspec.models.cpu import cpu_flags
+from paraspec.models.cpu_features import cpu_flags
 
-PROBE_WIDTH = 32          # widths 1..PROBE_WIDTH are checked; wider forwards are split
+PROBE_WIDTH = 32  # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
-TILED_MIN_ROWS = 8          # llama.cpp's tiled K-quant matmul takes products of this many activation rows and more
-FLASH_TILE_ROWS = 64        # llama.cpp's flash attention takes forwards of this many rows through its tiled pass
+TILED_MIN_ROWS = 8  # llama.cpp's tiled K-quant matmul takes products of this many activation rows and more
+FLASH_TILE_ROWS = 64  # llama.cpp's flash attention takes forwards of this many rows through its tiled pass
 # weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build
 # without llamafile): LlamaCppModel's `kernels`, chosen by measurement unless asked for (PARASPEC_LLAMACPP_KERNELS)
 KERNELS = ("repacked", "plain")
@@ -96,16 +97,18 @@ def _llama_cpp():
             raise ValueError(
                 f"GGML_CPU_TILED_MM={asked}: llama.cpp's tiled K-quant matmul (8 rows and more) is batch-invariant "
                 f"only in paraspec's patched build on an AVX512-VNNI CPU, and this build or CPU is not one, so the "
-                f"llamacpp backend would not be exact: unset it (paraspec then turns it off)")
+                f"llamacpp backend would not be exact: unset it (paraspec then turns it off)"
+            )
         if "LLAMAFILE = 1" in info and _llamafile_switch(llama_cpp) is None:
             raise LlamaCppUnavailable(
                 "this llama-cpp-python was built with llamafile's tinyBLAS in every context, whose multi-token "
                 "products differ from its one-token ones (not exact); rebuild it with `python "
                 f"scripts/build_llamacpp.py wheel --force --python {sys.executable}` (paraspec's build runs tinyBLAS "
-                "only in draft models' contexts)")
+                "only in draft models' contexts)"
+            )
         llama_cpp.llama_backend_init()
         global _log_callback
-        _log_callback = llama_cpp.llama_log_callback(_log)   # kept referenced: C holds the pointer
+        _log_callback = llama_cpp.llama_log_callback(_log)  # kept referenced: C holds the pointer
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
         _lib = llama_cpp
     return _lib
@@ -126,14 +129,15 @@ def _llamafile_switch(llama_cpp):
 def tinyblas_available() -> bool:
     """Whether this build can run llamafile's tinyBLAS in a draft's context (compiled in, behind paraspec's switch)."""
     lib = _llama_cpp()
-    return "LLAMAFILE = 1" in lib.llama_print_system_info().decode(errors="replace") and \
-        _llamafile_switch(lib) is not None
+    return (
+        "LLAMAFILE = 1" in lib.llama_print_system_info().decode(errors="replace") and _llamafile_switch(lib) is not None
+    )
 
 
 def _log(level, text, user_data):
     """llama.cpp's log is silent unless PARASPEC_LLAMACPP_LOG is set (1: errors, all: everything)."""
     wanted = os.environ.get("PARASPEC_LLAMACPP_LOG")
-    if wanted == "all" or (wanted and level == 4):   # 4 = GGML_LOG_LEVEL_ERROR
+    if wanted == "all" or (wanted and level == 4):  # 4 = GGML_LOG_LEVEL_ERROR
         sys.stderr.write(text.decode(errors="replace"))
 
 
@@ -161,17 +165,23 @@ def flash_attention() -> bool:
     if asked not in ("auto", "0", "1"):
         raise ValueError(f"PARASPEC_LLAMACPP_FLASH_ATTN={asked!r}: use auto, 0 or 1")
     if asked == "1" and not patched:
-        raise ValueError("PARASPEC_LLAMACPP_FLASH_ATTN=1: this llama-cpp-python lacks paraspec's flash-attention patch "
-                         "(its one-token rows depend on the thread count: not exact); rebuild it with `python "
-                         f"scripts/build_llamacpp.py wheel --python {sys.executable}`, or unset the variable")
+        raise ValueError(
+            "PARASPEC_LLAMACPP_FLASH_ATTN=1: this llama-cpp-python lacks paraspec's flash-attention patch "
+            "(its one-token rows depend on the thread count: not exact); rebuild it with `python "
+            f"scripts/build_llamacpp.py wheel --python {sys.executable}`, or unset the variable"
+        )
     return patched if asked == "auto" else asked == "1"
 
 
 def build_fingerprint(kernels: str, flash: bool, kv_f32: bool) -> str:
     """What the numerics depend on besides the model: library build, its switches, the CPU."""
-    return "\n".join([_library_fingerprint(),
-                      f"repack={int(kernels == 'repacked')} flash={int(flash)} tiled={int(tiled_matmul())}"
-                      + (" kv=f32" if kv_f32 else "")])
+    return "\n".join(
+        [
+            _library_fingerprint(),
+            f"repack={int(kernels == 'repacked')} flash={int(flash)} tiled={int(tiled_matmul())}"
+            + (" kv=f32" if kv_f32 else ""),
+        ]
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -198,9 +208,19 @@ class LlamaCppModel(SequenceChecks):
     max_context long: `sequence(i)` is the Model protocol on sequence i, and `forward_batch` decodes tokens of
     several sequences in one llama_decode (requests batched by strategies/batched.py)."""
 
-    def __init__(self, path: Path, max_context: int, eos_token_ids: tuple[int, ...], n_threads: int | None = None,
-                 probe: bool = True, kv_f32: bool = False, fast_prefill: bool | None = None,
-                 kernels: str | None = None, n_seqs: int = 1, exact: bool = True):
+    def __init__(
+        self,
+        path: Path,
+        max_context: int,
+        eos_token_ids: tuple[int, ...],
+        n_threads: int | None = None,
+        probe: bool = True,
+        kv_f32: bool = False,
+        fast_prefill: bool | None = None,
+        kernels: str | None = None,
+        n_seqs: int = 1,
+        exact: bool = True,
+    ):
         """n_threads None: follow torch's thread count (set by the Engine or worker to the device group's cores,
         and by the benchmark per variant), checked at every prefill; an int fixes it. kv_f32: keep K/V in f32
         instead of llama.cpp's f16 (twice the cache memory; the tests use it to compare with fp32 references;
@@ -220,27 +240,32 @@ class LlamaCppModel(SequenceChecks):
             raise ValueError(f"n_seqs must be a positive integer, got {n_seqs!r}")
         _llama_cpp()
         self.exact = exact
-        self.tiled_matmul = tiled_matmul()         # llama.cpp's tiled K-quant matmul on (patched VNNI builds)
+        self.tiled_matmul = tiled_matmul()  # llama.cpp's tiled K-quant matmul on (patched VNNI builds)
         # llama.cpp's flash attention on (patched builds; llama.cpp's own default for a draft), but not for f32 K/V:
         # flash attention casts them to f16
         self.flash_attention = (flash_attention() or not exact) and not kv_f32
-        self.tinyblas = False                      # llamafile's tinyBLAS runs this context's products (exact=False)
+        self.tinyblas = False  # llamafile's tinyBLAS runs this context's products (exact=False)
         self._follow_torch = n_threads is None
         self.n_threads = n_threads or torch.get_num_threads()
         self.path = Path(path)
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
-        self._asked = {"max_context": max_context, "kv_f32": kv_f32,
-                       "kernels": _kernels_asked(kernels) if exact else "repacked",
-                       "fast_prefill": exact and (os.environ.get("PARASPEC_LLAMACPP_FAST_PREFILL", "1") != "0"
-                                                  if fast_prefill is None else fast_prefill)}
+        self._asked = {
+            "max_context": max_context,
+            "kv_f32": kv_f32,
+            "kernels": _kernels_asked(kernels) if exact else "repacked",
+            "fast_prefill": exact
+            and (
+                os.environ.get("PARASPEC_LLAMACPP_FAST_PREFILL", "1") != "0" if fast_prefill is None else fast_prefill
+            ),
+        }
         self._model = self._ctx = self._fast = None
-        self.fast_prefills = 0                    # prompts decoded on the repacked copy (tests, reports)
+        self.fast_prefills = 0  # prompts decoded on the repacked copy (tests, reports)
         self.n_seqs = n_seqs
         self._lengths = [0] * n_seqs
         self.exact_width = PROBE_WIDTH
-        self.batch_exact = n_seqs == 1            # several sequences in one forward: as alone (the probe's verdict)
-        self.min_shared_width = 1                 # the narrowest ask that shares a forward (the Batcher reads it)
-        self.forward_widths: dict[int, int] = {}      # sub-forward width -> count (what the split really ran)
+        self.batch_exact = n_seqs == 1  # several sequences in one forward: as alone (the probe's verdict)
+        self.min_shared_width = 1  # the narrowest ask that shares a forward (the Batcher reads it)
+        self.forward_widths: dict[int, int] = {}  # sub-forward width -> count (what the split really ran)
         self._probe = probe and exact
         try:
             asked = self._asked["kernels"]
@@ -248,7 +273,7 @@ class LlamaCppModel(SequenceChecks):
             if self._probe:
                 self._measure()
             elif not exact:
-                self.exact_width = self.n_batch      # no width is exact, none needs to be: forwards whole
+                self.exact_width = self.n_batch  # no width is exact, none needs to be: forwards whole
         except BaseException:
             self.close()
             raise
@@ -257,14 +282,16 @@ class LlamaCppModel(SequenceChecks):
         """Load the model with repacking on or off, and its context (and the fast-prefill copy for plain)."""
         lib = _lib
         mparams = lib.llama_model_default_params()
-        mparams.use_extra_bufts = kernels == "repacked"   # gemm for 4-row groups, (patched) gemv for the rest
+        mparams.use_extra_bufts = kernels == "repacked"  # gemm for 4-row groups, (patched) gemv for the rest
         mparams.n_gpu_layers = 0
         model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not model:
-            raise ValueError(f"llama.cpp could not load {self.path} (architecture {_architecture(self.path)!r}): "
-                             f"the file is corrupt or truncated, or its architecture is not one this llama.cpp "
-                             f"knows (PARASPEC_LLAMACPP_LOG=1 shows llama.cpp's reason); re-download the file, or "
-                             f"convert the model for backend='native'")
+            raise ValueError(
+                f"llama.cpp could not load {self.path} (architecture {_architecture(self.path)!r}): "
+                f"the file is corrupt or truncated, or its architecture is not one this llama.cpp "
+                f"knows (PARASPEC_LLAMACPP_LOG=1 shows llama.cpp's reason); re-download the file, or "
+                f"convert the model for backend='native'"
+            )
         self._model = model
         self.kernels = kernels
         train_ctx = lib.llama_model_n_ctx_train(model)
@@ -272,7 +299,7 @@ class LlamaCppModel(SequenceChecks):
         self.max_context = min(max_context, train_ctx) if train_ctx > 0 else max_context
         self.n_batch = min(512, self.max_context)
         cparams = lib.llama_context_default_params()
-        cparams.n_ctx = self.max_context * self.n_seqs      # split evenly between the sequences' own caches
+        cparams.n_ctx = self.max_context * self.n_seqs  # split evenly between the sequences' own caches
         cparams.n_batch = cparams.n_ubatch = self.n_batch
         cparams.n_seq_max = self.n_seqs
         cparams.kv_unified = self.n_seqs == 1
@@ -281,11 +308,12 @@ class LlamaCppModel(SequenceChecks):
         cparams.flash_attn_type = 1 if self.flash_attention else 0
         cparams.no_perf = True
         if self._asked["kv_f32"]:
-            cparams.type_k = cparams.type_v = 0       # GGML_TYPE_F32
+            cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
-            raise ValueError(f"llama.cpp could not create a context of {self.max_context} tokens for {self.path}; "
-                             f"lower max_context")
+            raise ValueError(
+                f"llama.cpp could not create a context of {self.max_context} tokens for {self.path}; lower max_context"
+            )
         self._ctx = ctx
         if not self.exact and tinyblas_available():
             self.tinyblas = bool(_llamafile_switch(lib)(ctx, True))
@@ -298,28 +326,38 @@ class LlamaCppModel(SequenceChecks):
 
     def _measure(self) -> None:
         """Probe the kernels in use; in auto, repacked kernels found inexact give way to plain ones."""
-        prompts = self.fast_prefills              # the probe's prompts are not the user's
+        prompts = self.fast_prefills  # the probe's prompts are not the user's
         # with the tiled matmul on, a model holding K-quants the patch does not cover is inexact from 8 rows on
         # whatever the repacking (every K-quant that is not repacked goes tiled): plain kernels could do no better
         floor = TILED_MIN_ROWS - 1 if self.tiled_matmul else PROBE_WIDTH
         width, self.batch_exact = probe_exact_width(self)
         if width < floor and self.kernels == "repacked" and self._asked["kernels"] == "auto":
-            print(f"paraspec: llama.cpp's repacked kernels are not batch-invariant for {self.path.name} here (forwards "
-                  f"wider than {width} token(s) differ: an unpatched build, or a CPU the patch does not cover); "
-                  f"using weight repacking off", file=sys.stderr, flush=True)
+            print(
+                f"paraspec: llama.cpp's repacked kernels are not batch-invariant for {self.path.name} here (forwards "
+                f"wider than {width} token(s) differ: an unpatched build, or a CPU the patch does not cover); "
+                f"using weight repacking off",
+                file=sys.stderr,
+                flush=True,
+            )
             self.close()
             self._open("plain")
             width, self.batch_exact = probe_exact_width(self)
         if width < PROBE_WIDTH:
-            print(f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
-                  f"forwards for {self.path.name} here ({self.kernels} kernels, tiled matmul "
-                  f"{'on' if self.tiled_matmul else 'off'}); verification is split into sub-forwards of <= {width}"
-                  + ("; GGML_CPU_TILED_MM=0 may make every width exact" if self.tiled_matmul else ""),
-                  file=sys.stderr, flush=True)
+            print(
+                f"paraspec: llama.cpp forwards wider than {width} token(s) are not bitwise equal to one-token "
+                f"forwards for {self.path.name} here ({self.kernels} kernels, tiled matmul "
+                f"{'on' if self.tiled_matmul else 'off'}); verification is split into sub-forwards of <= {width}"
+                + ("; GGML_CPU_TILED_MM=0 may make every width exact" if self.tiled_matmul else ""),
+                file=sys.stderr,
+                flush=True,
+            )
         if self.n_seqs > 1 and not self.batch_exact:
-            print(f"paraspec: llama.cpp's rows of several sequences in one forward differ from the same rows alone for "
-                  f"{self.path.name} here ({self.kernels} kernels); requests are decoded one sequence per forward",
-                  file=sys.stderr, flush=True)
+            print(
+                f"paraspec: llama.cpp's rows of several sequences in one forward differ from the same rows alone for "
+                f"{self.path.name} here ({self.kernels} kernels); requests are decoded one sequence per forward",
+                file=sys.stderr,
+                flush=True,
+            )
         self.exact_width = width
         self.fast_prefills = prompts
 
@@ -338,7 +376,7 @@ class LlamaCppModel(SequenceChecks):
     def length(self) -> int:
         return self._lengths[0]
 
-    def sequence(self, seq: int) -> "LlamaCppSequence":
+    def sequence(self, seq: int) -> LlamaCppSequence:
         """The Model protocol on sequence `seq` (0 <= seq < n_seqs) of this context."""
         if not 0 <= seq < self.n_seqs:
             raise ValueError(f"sequence {seq} is outside this context's {self.n_seqs} sequence(s)")
@@ -376,7 +414,7 @@ class LlamaCppModel(SequenceChecks):
         ones -- the repacked copy of the fast prefill, or flash attention's tiled pass for a last chunk of 64+
         tokens -- all but the last token go first and the last one alone, here."""
         head, chunk = token_ids[:-1], (len(token_ids) - 1) % self.n_batch + 1
-        if not self.exact:                   # a draft: its prompt in whole chunks, on whatever kernels are fastest
+        if not self.exact:  # a draft: its prompt in whole chunks, on whatever kernels are fastest
             return self._decode_chunks(token_ids, seq, outputs=1)
         if head and self._fast is not None:
             self._fast.prefill(head, self.n_batch, into=self, seq=seq)
@@ -391,7 +429,7 @@ class LlamaCppModel(SequenceChecks):
     def _decode_chunks(self, token_ids: list[int], seq: int, outputs: int) -> torch.Tensor:
         """token_ids in n_batch chunks; the last chunk's logits for its last `outputs` tokens."""
         for start in range(0, len(token_ids), self.n_batch):
-            chunk = token_ids[start:start + self.n_batch]
+            chunk = token_ids[start : start + self.n_batch]
             out = self._decode(chunk, outputs=outputs if start + len(chunk) == len(token_ids) else 0, seq=seq)
         return out
 
@@ -404,15 +442,17 @@ class LlamaCppModel(SequenceChecks):
         # in increasing sequence order: llama.cpp puts sequences in one micro-batch only while their ids follow
         # each other (s, s + 1, ...; its per-sequence caches are viewed as one range), else one micro-batch each
         order = sorted(range(len(items)), key=lambda i: items[i][0])
-        _llama_decode_many(self._ctx, self._batch, [(items[i][0], items[i][1], self._lengths[items[i][0]],
-                                                     items[i][2]) for i in order])
-        rows = np.ctypeslib.as_array(_lib.llama_get_logits(self._ctx),
-                                     shape=(sum(o for _, _, o in items), self.vocab_size))
+        _llama_decode_many(
+            self._ctx, self._batch, [(items[i][0], items[i][1], self._lengths[items[i][0]], items[i][2]) for i in order]
+        )
+        rows = np.ctypeslib.as_array(
+            _lib.llama_get_logits(self._ctx), shape=(sum(o for _, _, o in items), self.vocab_size)
+        )
         out, at = [None] * len(items), 0
         for i in order:
             seq, tokens, outputs = items[i]
             self._lengths[seq] += len(tokens)
-            out[i] = torch.from_numpy(rows[at:at + outputs].copy())
+            out[i] = torch.from_numpy(rows[at : at + outputs].copy())
             at += outputs
         return out
 
@@ -423,17 +463,25 @@ class LlamaCppModel(SequenceChecks):
         if not (0 <= src < self.n_seqs and 0 <= dst < self.n_seqs) or src == dst:
             raise ValueError(f"move_sequence({src}, {dst}): two different sequences of {self.n_seqs}")
         self._clear(dst)
-        _lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)    # copied at the next llama_decode, before it runs
+        _lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # copied at the next llama_decode, before it runs
         if not _lib.llama_memory_seq_rm(self._mem, src, -1, -1):
             raise RuntimeError(f"llama.cpp refused to clear sequence {src} after copying it")
         self._lengths[dst], self._lengths[src] = self._lengths[src], 0
 
-    def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None, last_n: int | None = None, seq: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: list[int],
+        positions: list[int] | None = None,
+        tree_mask: torch.Tensor | None = None,
+        last_n: int | None = None,
+        seq: int = 0,
+    ) -> torch.Tensor:
         if tree_mask is not None:
-            raise ValueError("token trees are not exact on the llamacpp backend (a verified branch would sit in "
-                             "non-contiguous KV cells); use strategy sd/amusd/dsi, or backend='native' for tree "
-                             "and easyspec")
+            raise ValueError(
+                "token trees are not exact on the llamacpp backend (a verified branch would sit in "
+                "non-contiguous KV cells); use strategy sd/amusd/dsi, or backend='native' for tree "
+                "and easyspec"
+            )
         n = len(token_ids)
         if n == 0:
             raise ValueError("forward needs at least one token")
@@ -448,15 +496,15 @@ class LlamaCppModel(SequenceChecks):
             # into an empty cache: the tokens up to the first wanted row are a prompt, decoded in n_batch chunks
             # exactly as prefill() decodes one (same chunks, same output row), so every strategy's prompt KV and
             # first logits are ar's, without paying exact-width pieces for hundreds of prompt tokens
-            pieces.append(self._prefill_chunks(token_ids[:n - want + 1], seq))
+            pieces.append(self._prefill_chunks(token_ids[: n - want + 1], seq))
             start = n - want + 1
         for start in range(start, n, self.exact_width):
-            chunk = token_ids[start:start + self.exact_width]
+            chunk = token_ids[start : start + self.exact_width]
             self.forward_widths[len(chunk)] = self.forward_widths.get(len(chunk), 0) + 1
             keep = max(0, len(chunk) - max(0, (n - want) - start))
             pieces.append(self._decode(chunk, outputs=keep, seq=seq))
         pieces = [p for p in pieces if len(p)]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)     # one piece (every decode step): no copy
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one piece (every decode step): no copy
 
     def keep_path(self, prefix_len: int, slots: list[int], seq: int = 0) -> None:
         raise ValueError("token trees are not supported by the llamacpp backend; use backend='native'")
@@ -546,14 +594,18 @@ class _FastPrefill:
         mparams.n_gpu_layers = 0
         self.model = _lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
-            raise ValueError(f"llama.cpp could not load {path} a second time for the fast prefill; set "
-                             f"PARASPEC_LLAMACPP_FAST_PREFILL=0 to decode prompts on the exact context alone")
+            raise ValueError(
+                f"llama.cpp could not load {path} a second time for the fast prefill; set "
+                f"PARASPEC_LLAMACPP_FAST_PREFILL=0 to decode prompts on the exact context alone"
+            )
         self.ctx = _lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             _lib.llama_model_free(self.model)
             self.model = None
-            raise ValueError(f"llama.cpp could not create the fast-prefill context for {path}; lower max_context or "
-                             f"set PARASPEC_LLAMACPP_FAST_PREFILL=0")
+            raise ValueError(
+                f"llama.cpp could not create the fast-prefill context for {path}; lower max_context or "
+                f"set PARASPEC_LLAMACPP_FAST_PREFILL=0"
+            )
         self.mem = _lib.llama_get_memory(self.ctx)
         self.batch = _lib.llama_batch_init(cparams.n_batch, 0, 1)
 
@@ -562,15 +614,17 @@ class _FastPrefill:
         cache for it it replaces)."""
         _lib.llama_memory_clear(self.mem, True)
         for start in range(0, len(token_ids), n_batch):
-            _llama_decode_many(self.ctx, self.batch, [(0, token_ids[start:start + n_batch], start, 0)])
+            _llama_decode_many(self.ctx, self.batch, [(0, token_ids[start : start + n_batch], start, 0)])
         size = _lib.llama_state_seq_get_size(self.ctx, 0)
         state = (ctypes.c_uint8 * size)()
         written = _lib.llama_state_seq_get_data(self.ctx, state, size, 0)
         into._clear(seq)
         if written == 0 or _lib.llama_state_seq_set_data(into._ctx, state, written, seq) != written:
-            raise RuntimeError("llama.cpp could not copy the prompt's KV cache from the fast-prefill context; set "
-                               "PARASPEC_LLAMACPP_FAST_PREFILL=0")
-        _lib.llama_memory_clear(self.mem, True)        # its cache is not used again until the next prompt
+            raise RuntimeError(
+                "llama.cpp could not copy the prompt's KV cache from the fast-prefill context; set "
+                "PARASPEC_LLAMACPP_FAST_PREFILL=0"
+            )
+        _lib.llama_memory_clear(self.mem, True)  # its cache is not used again until the next prompt
 
     def close(self) -> None:
         if self.ctx:
@@ -585,6 +639,7 @@ class _FastPrefill:
 def _architecture(path: Path) -> str:
     try:
         from paraspec.models.gguf import read_gguf
+
         return str(read_gguf(path).architecture)
     except Exception:
         return "unreadable"
@@ -593,15 +648,26 @@ def _architecture(path: Path) -> str:
 # -- batch invariance, measured ---------------------------------------------------------------------------
 def _probe_cache(model: LlamaCppModel) -> Path:
     from paraspec.models.cache import cache_dir, sha256_prefix
-    key = hashlib.sha256("\n".join([build_fingerprint(model.kernels, model.flash_attention, model._asked["kv_f32"]),
-                                    sha256_prefix(model.path), str(model.n_threads),
-                                    str(PROBE_WIDTH), str(PROBE_CONTEXTS), str(model.max_context)]
-                                   + ([f"seqs={model.n_seqs}"] if model.n_seqs > 1 else [])).encode())
+
+    key = hashlib.sha256(
+        "\n".join(
+            [
+                build_fingerprint(model.kernels, model.flash_attention, model._asked["kv_f32"]),
+                sha256_prefix(model.path),
+                str(model.n_threads),
+                str(PROBE_WIDTH),
+                str(PROBE_CONTEXTS),
+                str(model.max_context),
+            ]
+            + ([f"seqs={model.n_seqs}"] if model.n_seqs > 1 else [])
+        ).encode()
+    )
     return cache_dir() / "llamacpp" / "exactness" / f"{key.hexdigest()[:24]}.json"
 
 
-def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
-                        contexts: tuple[int, ...] = PROBE_CONTEXTS) -> tuple[int, list[dict]]:
+def measure_exact_width(
+    model: LlamaCppModel, widths: int = PROBE_WIDTH, contexts: tuple[int, ...] = PROBE_CONTEXTS
+) -> tuple[int, list[dict]]:
     """The largest W such that for every w <= W, at every context length P, one forward of w tokens gives
     logits bitwise equal to the same tokens decoded one at a time (llama.cpp's own `ar`)."""
     rng = np.random.default_rng(0)
@@ -616,7 +682,7 @@ def measure_exact_width(model: LlamaCppModel, widths: int = PROBE_WIDTH,
         reference = torch.cat([model._decode([t], outputs=1) for t in ids[p:]])
         for w in range(2, widths + 1):
             model.rollback(p)
-            got = model._decode(ids[p:p + w], outputs=w)
+            got = model._decode(ids[p : p + w], outputs=w)
             diff = float((got - reference[:w]).abs().max())
             rows.append({"context": p, "width": w, "max_abs_diff": diff})
             if diff != 0.0:
@@ -645,9 +711,9 @@ def measure_batch_exact(model: LlamaCppModel, width: int) -> tuple[bool, list[di
             widths = [1 if kind == "decode" else min(width, 1 + i % 4) for i in range(group)]
             alone = []
             for seq in range(group):
-                alone.append(model._decode(steps[seq][:widths[seq]], widths[seq], seq))
+                alone.append(model._decode(steps[seq][: widths[seq]], widths[seq], seq))
                 model.rollback(lengths[seq], seq)
-            got = model.forward_batch([(seq, steps[seq][:widths[seq]], widths[seq]) for seq in range(group)])
+            got = model.forward_batch([(seq, steps[seq][: widths[seq]], widths[seq]) for seq in range(group)])
             for seq in range(group):
                 model.rollback(lengths[seq], seq)
             diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))
@@ -660,15 +726,23 @@ def measure_batch_exact(model: LlamaCppModel, width: int) -> tuple[bool, list[di
 
 def run_probe(model: LlamaCppModel) -> tuple[int, list[dict]]:
     """measure_exact_width (and, with several sequences, measure_batch_exact: its rows carry "sequences") for
-    `model`'s file, kernels, threads and context, in a child process (models/llamacpp_child.py `probe`): the first
+    `model`'s file, kernels, threads and context, in a child process (models/llamacpp/child_tasks.py `probe`): the first
     probe of a build on a CPU is the first time its kernels run there, and a kernel that kills its process (SIGILL)
     must not kill the caller. The child loads its own copy of the model."""
-    from paraspec.models.crashes import run_child
-    spec = {"path": str(model.path), "max_context": model._asked["max_context"], "n_threads": model.n_threads,
-            "kv_f32": model._asked["kv_f32"], "kernels": model.kernels, "n_seqs": model.n_seqs}
-    answer = run_child(["probe", json.dumps(spec)],
-                       f"llama.cpp's exactness probe of {model.path.name} ({model.kernels} kernels, "
-                       f"{model.n_threads} thread(s))")
+    from paraspec.models.llamacpp.child import run_child
+
+    spec = {
+        "path": str(model.path),
+        "max_context": model._asked["max_context"],
+        "n_threads": model.n_threads,
+        "kv_f32": model._asked["kv_f32"],
+        "kernels": model.kernels,
+        "n_seqs": model.n_seqs,
+    }
+    answer = run_child(
+        ["probe", json.dumps(spec)],
+        f"llama.cpp's exactness probe of {model.path.name} ({model.kernels} kernels, {model.n_threads} thread(s))",
+    )
     return int(answer["exact_width"]), answer["rows"]
 
 
@@ -685,27 +759,47 @@ def probe_exact_width(model: LlamaCppModel) -> tuple[int, bool]:
             pass
     big = model.path.stat().st_size > 50 << 20
     if big:
-        print(f"paraspec: checking llama.cpp batch invariance for {model.path.name} at {model.n_threads} "
-              f"thread(s), {model.kernels} kernels (once, in a child process; cached)", file=sys.stderr, flush=True)
+        print(
+            f"paraspec: checking llama.cpp batch invariance for {model.path.name} at {model.n_threads} "
+            f"thread(s), {model.kernels} kernels (once, in a child process; cached)",
+            file=sys.stderr,
+            flush=True,
+        )
     start = time.perf_counter()
     width, rows = run_probe(model)
     batch_exact = model.n_seqs == 1 or all(r["max_abs_diff"] == 0.0 for r in rows if "sequences" in r)
-    record = {"exact_width": width, "batch_exact": batch_exact, "kernels": model.kernels,
-              "tiled_matmul": tiled_matmul(), "model": str(model.path),
-              "threads": model.n_threads, "seconds": round(time.perf_counter() - start, 2), "rows": rows}
+    record = {
+        "exact_width": width,
+        "batch_exact": batch_exact,
+        "kernels": model.kernels,
+        "tiled_matmul": tiled_matmul(),
+        "model": str(model.path),
+        "threads": model.n_threads,
+        "seconds": round(time.perf_counter() - start, 2),
+        "rows": rows,
+    }
     from paraspec.models.cache import write_json
+
     write_json(path, record)
     return width, batch_exact
 
 
-def load_llamacpp(gguf_path: Path, folder: Path | None, max_context: int | None = None,
-                  device: str = "cpu", n_seqs: int = 1, draft: bool = False) -> LlamaCppModel:
+def load_llamacpp(
+    gguf_path: Path,
+    folder: Path | None,
+    max_context: int | None = None,
+    device: str = "cpu",
+    n_seqs: int = 1,
+    draft: bool = False,
+) -> LlamaCppModel:
     """A LlamaCppModel with torch's thread count: the Engine (or a worker) has set it to its device group's cores
     and pinned the process there before loading. A draft runs llama.cpp's fastest configuration (exact=False)."""
     from paraspec.models.base import generation_eos_ids
+
     if str(device) != "cpu" and not str(device).startswith("cpu"):
-        raise ValueError(f"the llamacpp backend runs on CPU cores only, got device {device!r}; use backend='native' "
-                         f"for {device}")
+        raise ValueError(
+            f"the llamacpp backend runs on CPU cores only, got device {device!r}; use backend='native' for {device}"
+        )
     gguf_path = Path(gguf_path)
     if not gguf_path.exists():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")

@@ -1,14 +1,14 @@
 """`make gpu-check`: everything a borrowed GPU should tell us, in one prepared run of under 8 minutes.
 
-    python -m paraspec.bench.gpu_check --device cuda:0 --out DIR [--quick] [--budget-s S] [--sections a,b]
+    python -m benchmarks.gpu_check --device cuda:0 --out DIR [--quick] [--budget-s S] [--sections a,b]
 
 Sections, in the order they run; each is written to DIR/gpu_check.json (and the summary DIR/gpu_check.md) the
 moment it ends, so a run killed at its time limit still leaves what it finished; each runs in its own try (a
 failing one records its traceback and the next still runs) and under its own time cap within the budget:
 
     environment    the device, torch / CUDA / transformers versions, the date, the git commit
-    forward_cost   one forward of random-weight decoders of real shapes (models/shapes.py) at widths 1..32, with a
-                   2048-slot cache holding 512 tokens: the static forward eager and CUDA-graphed (models/static.py),
+    forward_cost   one forward of random-weight decoders of real shapes (models/native/shapes.py) at widths 1..32, with a
+                   2048-slot cache holding 512 tokens: the static forward eager and CUDA-graphed (models/native/padded.py),
                    and the dynamic (unpadded) eager forward; the width `choose_width` picks for each shape
     strategies     ar, sd at acceptance 0.6 / 0.8 / 0.95, amusd and dsi through the real Engine on the one device:
                    simulated models (fixed, known acceptance) whose every forward also pays a real forward of the
@@ -33,6 +33,7 @@ On a CPU (or with --quick) every shape is a tiny stand-in and the runs are short
 runs it that way, so the command cannot rot between GPU sessions. It needs only torch, transformers (for the
 versions) and pytest (for the suite): nothing of Ray, FastAPI or llama.cpp.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,23 +56,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 SECTIONS = ("environment", "forward_cost", "strategies", "planner", "profile", "compiled", "suite")
-CAP_S = {"environment": 30, "forward_cost": 120, "strategies": 180, "planner": 60, "profile": 90, "compiled": 240,
-         "suite": 240}
+CAP_S = {
+    "environment": 30,
+    "forward_cost": 120,
+    "strategies": 180,
+    "planner": 60,
+    "profile": 90,
+    "compiled": 240,
+    "suite": 240,
+}
 PROFILE_WIDTH = 8
 PROFILE_STEPS = 5
 COMPILED_WIDTHS = (1, 8)
-MIN_START_S = 10                       # a section needs at least this much of the budget left to start
-SUITE_FILES = ("tests/test_sampling.py", "tests/test_verify.py", "tests/test_devices.py",
-               "tests/drafters/test_token_tree.py", "tests/models/test_llama.py", "tests/models/test_static.py",
-               "tests/strategies/test_lossless.py")
+MIN_START_S = 10  # a section needs at least this much of the budget left to start
+SUITE_FILES = (
+    "tests/test_sampling.py",
+    "tests/test_verify.py",
+    "tests/test_devices.py",
+    "tests/drafters/test_token_tree.py",
+    "tests/models/test_llama.py",
+    "tests/models/test_static.py",
+    "tests/strategies/test_lossless.py",
+)
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b")
 QUICK_SHAPES = ("tiny-draft", "tiny-target")
-PAIRS = (("qwen2.5-1.5b", "qwen2.5-0.5b"), ("llama-3.1-8b", "llama-3.2-1b"))    # (target, draft)
+PAIRS = (("qwen2.5-1.5b", "qwen2.5-0.5b"), ("llama-3.1-8b", "llama-3.2-1b"))  # (target, draft)
 QUICK_PAIRS = (("tiny-target", "tiny-draft"),)
-CONTEXT_SLOTS = 2048                   # the static forward attends over every slot: this fixes its context length
-CACHED_TOKENS = 512                    # what the dynamic forward attends over
+CONTEXT_SLOTS = 2048  # the static forward attends over every slot: this fixes its context length
+CACHED_TOKENS = 512  # what the dynamic forward attends over
 ACCEPTANCE = (0.6, 0.8, 0.95)
-SD_LOOKAHEAD = {0.6: 3, 0.8: 4, 0.95: 8}    # near the best sd lookahead for a cheap draft at each rate
+SD_LOOKAHEAD = {0.6: 3, 0.8: 4, 0.95: 8}  # near the best sd lookahead for a cheap draft at each rate
 PROMPT = list(range(1, 17))
 PLANNER_DEVICES = (1, 2, 4, 8)
 
@@ -84,9 +98,9 @@ class Check:
     budget_s: float
     sections: tuple[str, ...]
     started: float = 0.0
-    suite_k: str | None = None             # the suite's pytest -k selection (None: every test of SUITE_FILES)
-    suite_workers: int = 0                 # pytest-xdist processes for the suite (0: one pytest process)
-    suite_cap_s: float = CAP_S["suite"]    # the suite's own time cap (within the budget)
+    suite_k: str | None = None  # the suite's pytest -k selection (None: every test of SUITE_FILES)
+    suite_workers: int = 0  # pytest-xdist processes for the suite (0: one pytest process)
+    suite_cap_s: float = CAP_S["suite"]  # the suite's own time cap (within the budget)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -108,6 +122,7 @@ class Check:
         if self.cuda:
             return self.device
         from paraspec.runtime.devices import available_cores
+
         return f"cpu:{available_cores()[0]}"
 
     @property
@@ -133,16 +148,16 @@ class Report:
         self.out.mkdir(parents=True, exist_ok=True)
         try:
             summary = render_markdown(self.data)
-        except Exception:        # a summary bug must not lose the measurements: the JSON has them all
+        except Exception:  # a summary bug must not lose the measurements: the JSON has them all
             summary = f"# gpu-check\n\nthe summary failed (see gpu_check.json):\n\n```\n{traceback.format_exc()}```\n"
-        for name, text in (("gpu_check.json", json.dumps(self.data, indent=2, default=str)),
-                           ("gpu_check.md", summary)):
+        for name, text in (("gpu_check.json", json.dumps(self.data, indent=2, default=str)), ("gpu_check.md", summary)):
             tmp = self.out / f".{name}.tmp"
             tmp.write_text(text)
             os.replace(tmp, self.out / name)
 
 
 # -- running the sections ----------------------------------------------------------------------------------------
+
 
 def run_section(check: Check, report: Report, name: str, body) -> None:
     record = report.section(name)
@@ -166,14 +181,17 @@ def run_section(check: Check, report: Report, name: str, body) -> None:
         free_device(check.device)
     record["seconds"] = round(time.perf_counter() - start, 2)
     report.save()
-    check.say(f"{name}: {record['status']} in {record['seconds']:.1f} s"
-              + (f" -- {last_line(record['error'])}" if "error" in record else ""))
+    check.say(
+        f"{name}: {record['status']} in {record['seconds']:.1f} s"
+        + (f" -- {last_line(record['error'])}" if "error" in record else "")
+    )
 
 
 def free_device(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         import torch
+
         torch.cuda.empty_cache()
 
 
@@ -184,21 +202,35 @@ def last_line(text: str) -> str:
 
 # -- 1. environment ----------------------------------------------------------------------------------------------
 
+
 def environment(check: Check, record: dict, deadline: float, save) -> None:
     import torch
-    record.update(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), python=platform.python_version(),
-                  torch=torch.__version__, cuda=torch.version.cuda, host=platform.node(), cpus=os.cpu_count(),
-                  git_commit=git("rev-parse", "HEAD"), git_changed_files=git_changed_files())
+
+    record.update(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        host=platform.node(),
+        cpus=os.cpu_count(),
+        git_commit=git("rev-parse", "HEAD"),
+        git_changed_files=git_changed_files(),
+    )
     try:
         import transformers
+
         record["transformers"] = transformers.__version__
     except ImportError:
         record["transformers"] = None
     if check.cuda:
         props = torch.cuda.get_device_properties(torch.device(check.device))
-        record.update(device=props.name, device_memory_gib=round(props.total_memory / 2**30, 1),
-                      capability=f"{props.major}.{props.minor}", gpus=torch.cuda.device_count(),
-                      cudnn=torch.backends.cudnn.version())
+        record.update(
+            device=props.name,
+            device_memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+            gpus=torch.cuda.device_count(),
+            cudnn=torch.backends.cudnn.version(),
+        )
     else:
         record["device"] = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
@@ -219,8 +251,10 @@ def git_changed_files() -> int | None:
 
 # -- 2. forward cost by width ------------------------------------------------------------------------------------
 
+
 def forward_cost(check: Check, record: dict, deadline: float, save) -> None:
-    from paraspec.models.static import WIDTHS
+    from paraspec.models.native.padded import WIDTHS
+
     record.update(widths=list(WIDTHS), context_slots=CONTEXT_SLOTS, cached_tokens=CACHED_TOKENS, models={})
     for shape in check.shapes:
         if time.perf_counter() > deadline:
@@ -240,16 +274,19 @@ def forward_cost(check: Check, record: dict, deadline: float, save) -> None:
 def measure_shape(shape: str, check: Check, entry: dict) -> None:
     """Milliseconds of one forward at each width: dynamic (after CACHED_TOKENS cached), static eager, static graph
     (CUDA only), then the width choose_width picks from the graph costs (eager on a CPU)."""
-    from paraspec.models.llama import NativeModel
-    from paraspec.models.shapes import random_decoder
-    from paraspec.models.static import WIDTHS, choose_width, forward_cost_ms
+    from paraspec.models.native.decoder import NativeModel
+    from paraspec.models.native.padded import WIDTHS, choose_width, forward_cost_ms
+    from paraspec.models.native.shapes import random_decoder
+
     repeats = 5 if check.quick else 20
     start = time.perf_counter()
     decoder = random_decoder(shape, check.device)
     model = NativeModel(decoder, CONTEXT_SLOTS, static_width=None)
-    entry.update(dtype=str(model.dtype).removeprefix("torch."),
-                 weights_gb=round(sum(p.numel() * p.element_size() for p in decoder.parameters()) / 1e9, 3),
-                 build_s=round(time.perf_counter() - start, 2))
+    entry.update(
+        dtype=str(model.dtype).removeprefix("torch."),
+        weights_gb=round(sum(p.numel() * p.element_size() for p in decoder.parameters()) / 1e9, 3),
+        build_s=round(time.perf_counter() - start, 2),
+    )
     model.prefill([(7 * i) % model.vocab_size for i in range(CACHED_TOKENS)])
     entry["dynamic_ms"] = {w: time_dynamic(model, w, repeats) for w in WIDTHS}
     entry["static_eager_ms"] = {w: forward_cost_ms(model, w, graph=False, repeats=repeats) for w in WIDTHS}
@@ -264,6 +301,7 @@ def measure_shape(shape: str, check: Check, entry: dict) -> None:
 def time_dynamic(model, width: int, repeats: int) -> float:
     """Median ms of one unpadded forward of `width` tokens after the cached prefix (rolled back after each)."""
     import torch
+
     base = model.length
     tokens = [(3 * i + 1) % model.vocab_size for i in range(width)]
     times = []
@@ -287,6 +325,7 @@ def time_dynamic(model, width: int, repeats: int) -> float:
 
 # -- 3. strategies through the Engine ----------------------------------------------------------------------------
 
+
 def strategy_runs() -> list[tuple[str, float | None, dict]]:
     """(strategy, the draft's acceptance rate, options) of each run; ar first (the others are compared with it)."""
     runs = [("ar", None, {})]
@@ -299,12 +338,21 @@ def strategy_runs() -> list[tuple[str, float | None, dict]]:
 def strategies(check: Check, record: dict, deadline: float, save) -> None:
     from paraspec import Engine, SamplingParams
     from paraspec.models.simulated import SimulatedModel, SimulatedSpec
+
     target_shape, draft_shape = check.pairs[0]
     tokens = 24 if check.quick else 128
     target = SimulatedSpec(role="target", shape=target_shape, seed=0)
-    truth = SimulatedModel(replace(target, shape=None)).predicted[len(PROMPT):len(PROMPT) + tokens].tolist()
-    record.update(target=target_shape, draft=draft_shape, device=check.engine_device, new_tokens=tokens,
-                  prompt_tokens=len(PROMPT), max_context=CONTEXT_SLOTS, runtime="process", runs=[])
+    truth = SimulatedModel(replace(target, shape=None)).predicted[len(PROMPT) : len(PROMPT) + tokens].tolist()
+    record.update(
+        target=target_shape,
+        draft=draft_shape,
+        device=check.engine_device,
+        new_tokens=tokens,
+        prompt_tokens=len(PROMPT),
+        max_context=CONTEXT_SLOTS,
+        runtime="process",
+        runs=[],
+    )
     ar_tokens = None
     for strategy, rate, options in strategy_runs():
         if time.perf_counter() > deadline:
@@ -315,22 +363,37 @@ def strategies(check: Check, record: dict, deadline: float, save) -> None:
         entry = dict(strategy=strategy, acceptance_rate=rate, options=options)
         record["runs"].append(entry)
         try:
-            draft = None if rate is None else SimulatedSpec(role="draft", shape=draft_shape, seed=0,
-                                                            acceptance_rate=rate)
+            draft = (
+                None if rate is None else SimulatedSpec(role="draft", shape=draft_shape, seed=0, acceptance_rate=rate)
+            )
             start = time.perf_counter()
-            with Engine(target, draft, strategy=strategy, target_devices=[check.engine_device],
-                        draft_devices=[check.engine_device], runtime="process", max_context=CONTEXT_SLOTS,
-                        **options) as engine:
+            with Engine(
+                target,
+                draft,
+                strategy=strategy,
+                target_devices=[check.engine_device],
+                draft_devices=[check.engine_device],
+                runtime="process",
+                max_context=CONTEXT_SLOTS,
+                **options,
+            ) as engine:
                 entry["startup_s"] = round(time.perf_counter() - start, 2)
-                real = getattr(engine.target, "real", None)            # in this process (ar, sd), not in workers
+                real = getattr(engine.target, "real", None)  # in this process (ar, sd), not in workers
                 entry["static_width"] = real.static_width if real is not None else "auto (in the workers)"
-                engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))    # warm-up
+                engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))  # warm-up
                 result = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=tokens))
             s = result.stats
-            entry.update(tpot_ms=s.tpot_ms, ms_per_token=s.ms_per_token, ttft_ms=s.ttft_s * 1000,
-                         measured_acceptance=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
-                         new_tokens=s.new_tokens, rounds=s.rounds, rollbacks=s.rollbacks,
-                         tokens_match_truth=result.token_ids == truth)
+            entry.update(
+                tpot_ms=s.tpot_ms,
+                ms_per_token=s.ms_per_token,
+                ttft_ms=s.ttft_s * 1000,
+                measured_acceptance=s.acceptance_rate,
+                mean_accepted_length=s.mean_accepted_length,
+                new_tokens=s.new_tokens,
+                rounds=s.rounds,
+                rollbacks=s.rollbacks,
+                tokens_match_truth=result.token_ids == truth,
+            )
             if strategy == "ar":
                 ar_tokens = result.token_ids
             entry["tokens_match_ar"] = None if ar_tokens is None else result.token_ids == ar_tokens
@@ -344,6 +407,7 @@ def strategies(check: Check, record: dict, deadline: float, save) -> None:
 
 # -- 4. planner ---------------------------------------------------------------------------------------------------
 
+
 def padded_forward_ms(model: dict) -> tuple[int, dict[str, float]]:
     """(W, ms of a forward of n tokens for n = 1..4W): the engine pads every forward to W rows, so n tokens take
     ceil(n / W) steps of the W-row cost."""
@@ -355,53 +419,80 @@ def padded_forward_ms(model: dict) -> tuple[int, dict[str, float]]:
 def planner(check: Check, record: dict, deadline: float, save, measured: dict | None = None) -> None:
     from paraspec.sim.costs import Profile
     from paraspec.sim.planner import plan
+
     models = (measured or {}).get("models", {})
     kind = "cuda" if check.cuda else "cpu"
-    record.update(cost_model="every forward padded to the shape's chosen width W: ceil(n / W) x cost(W) "
-                             "(graph costs on CUDA, eager on CPU); prefill of the 16-token prompt the same way",
-                  plans=[])
+    record.update(
+        cost_model="every forward padded to the shape's chosen width W: ceil(n / W) x cost(W) "
+        "(graph costs on CUDA, eager on CPU); prefill of the 16-token prompt the same way",
+        plans=[],
+    )
     for target, draft in check.pairs:
         missing = [s for s in (target, draft) if "chosen_width" not in models.get(s, {})]
         if missing:
-            record["plans"].append(dict(target=target, draft=draft,
-                                        error=f"no forward_cost measurement of {', '.join(missing)}"))
+            record["plans"].append(
+                dict(target=target, draft=draft, error=f"no forward_cost measurement of {', '.join(missing)}")
+            )
             continue
         profiles = {}
         for role, shape in (("target", target), ("draft", draft)):
             width, forward = padded_forward_ms(models[shape])
-            profiles[role] = dict(model=shape, tpot_ms=forward["1"], forward_ms=forward,
-                                  ttft_ms=math.ceil(len(PROMPT) / width) * forward[str(width)])
+            profiles[role] = dict(
+                model=shape,
+                tpot_ms=forward["1"],
+                forward_ms=forward,
+                ttft_ms=math.ceil(len(PROMPT) / width) * forward[str(width)],
+            )
         for rate in ACCEPTANCE:
             for n in PLANNER_DEVICES:
                 if time.perf_counter() > deadline:
                     record["stopped"] = f"time cap reached before {target}/{draft} a={rate} on {n} devices"
                     return
                 devices = [f"{kind}:{i}" for i in range(n)]
-                profile = Profile.from_dict(dict(
-                    target={**profiles["target"], "device": devices[-1]},
-                    draft={**profiles["draft"], "device": devices[0]}, acceptance_rate=rate, devices=devices))
-                p = plan(profile, tokens=64 if check.quick else 128, repeats=1 if check.quick else 3,
-                         lookaheads=range(1, 9 if check.quick else 11))
+                profile = Profile.from_dict(
+                    dict(
+                        target={**profiles["target"], "device": devices[-1]},
+                        draft={**profiles["draft"], "device": devices[0]},
+                        acceptance_rate=rate,
+                        devices=devices,
+                    )
+                )
+                p = plan(
+                    profile,
+                    tokens=64 if check.quick else 128,
+                    repeats=1 if check.quick else 3,
+                    lookaheads=range(1, 9 if check.quick else 11),
+                )
                 r = p.recommended
-                record["plans"].append(dict(
-                    target=target, draft=draft, acceptance_rate=rate, devices=n, recommended=r.strategy,
-                    settings=r.settings(), placement=r.placement(), tpot_ms=r.tpot_ms,
-                    ar_tpot_ms=p.choices["ar"].tpot_ms,
-                    best_tpot_ms={k: (c.tpot_ms if c else None) for k, c in p.choices.items()}))
+                record["plans"].append(
+                    dict(
+                        target=target,
+                        draft=draft,
+                        acceptance_rate=rate,
+                        devices=n,
+                        recommended=r.strategy,
+                        settings=r.settings(),
+                        placement=r.placement(),
+                        tpot_ms=r.tpot_ms,
+                        ar_tpot_ms=p.choices["ar"].tpot_ms,
+                        best_tpot_ms={k: (c.tpot_ms if c else None) for k, c in p.choices.items()},
+                    )
+                )
         save()
         check.say(f"planner: {target} / {draft} done")
 
 
 # -- 5. where a step's time goes -----------------------------------------------------------------------------------
 
+
 def profile(check: Check, record: dict, deadline: float, save) -> None:
     """torch.profiler over PROFILE_STEPS padded steps of the first pair's shapes, eager and (CUDA) graph-replayed.
     Eager: self device time (CPU time on a CPU) by aten op and input shape, and by kernel category. Graph: the
     kernels one replay launches and their summed time, against the replay's wall time (CUDA events)."""
-    import torch
-    from paraspec.models.llama import NativeModel
-    from paraspec.models.shapes import random_decoder
-    from paraspec.models.static import StaticForward, step_cost_ms
+    from paraspec.models.native.decoder import NativeModel
+    from paraspec.models.native.padded import StaticForward, step_cost_ms
+    from paraspec.models.native.shapes import random_decoder
+
     target_shape, draft_shape = check.pairs[0]
     record.update(width=PROFILE_WIDTH, steps=PROFILE_STEPS, context_slots=CONTEXT_SLOTS, models={})
     modes = ("eager", "graph") if check.cuda else ("eager",)
@@ -416,8 +507,10 @@ def profile(check: Check, record: dict, deadline: float, save) -> None:
                 static = StaticForward(model, PROFILE_WIDTH, graph=mode == "graph")
                 entry[mode] = profile_step(static, check.cuda)
                 entry[mode]["wall_ms"] = step_cost_ms(static, repeats=5 if check.quick else 20)
-                check.say(f"profile: {shape} {mode}: {entry[mode]['wall_ms']:.2f} ms a step, "
-                          f"{entry[mode]['kernels_per_step']:.0f} kernels summing {entry[mode]['kernel_ms']:.2f} ms")
+                check.say(
+                    f"profile: {shape} {mode}: {entry[mode]['wall_ms']:.2f} ms a step, "
+                    f"{entry[mode]['kernels_per_step']:.0f} kernels summing {entry[mode]['kernel_ms']:.2f} ms"
+                )
                 save()
             del model
         except Exception:
@@ -427,15 +520,21 @@ def profile(check: Check, record: dict, deadline: float, save) -> None:
         save()
 
 
-KERNEL_KINDS = (("attention", ("attention", "fmha", "flash", "softmax")),     # first: fmha kernels are cutlass's
-                ("matmul", ("gemm", "gemv", "cutlass", "xmma", "cublas", "matmul", "splitk", "nvjet")),
-                ("reduction", ("reduce",)),
-                ("copy/index", ("copy", "index", "gather", "scatter", "cat", "fill")),
-                ("elementwise", ("elementwise", "vectorized", "unrolled")))
-OP_KINDS = (("matmul", ("mm", "addmm", "bmm", "matmul", "linear")),
-            ("attention", ("scaled_dot_product", "attention", "softmax")),
-            ("copy/index", ("copy_", "index", "embedding", "gather", "scatter", "cat", "fill_", "masked_fill",
-                            "zeros", "to", "_to_copy")))
+KERNEL_KINDS = (
+    ("attention", ("attention", "fmha", "flash", "softmax")),  # first: fmha kernels are cutlass's
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "cublas", "matmul", "splitk", "nvjet")),
+    ("reduction", ("reduce",)),
+    ("copy/index", ("copy", "index", "gather", "scatter", "cat", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+OP_KINDS = (
+    ("matmul", ("mm", "addmm", "bmm", "matmul", "linear")),
+    ("attention", ("scaled_dot_product", "attention", "softmax")),
+    (
+        "copy/index",
+        ("copy_", "index", "embedding", "gather", "scatter", "cat", "fill_", "masked_fill", "zeros", "to", "_to_copy"),
+    ),
+)
 
 
 def kind_of(name: str, kinds) -> str:
@@ -457,7 +556,9 @@ def op_kind(name: str) -> str:
 def profile_step(static, cuda: bool) -> dict:
     """One profile of PROFILE_STEPS runs of `static` (after 3 warm-ups); times per step, ms."""
     import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.inference_mode():
         for _ in range(3):
@@ -470,9 +571,9 @@ def profile_step(static, cuda: bool) -> dict:
             if cuda:
                 torch.cuda.synchronize()
     static.model.cache.length = 0
-    per_step = 1000.0 * PROFILE_STEPS            # profiler times are microseconds
+    per_step = 1000.0 * PROFILE_STEPS  # profiler times are microseconds
     kernels = [e for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list] = {}                 # kernel name -> [launches, ms a step]
+    by_name: dict[str, list] = {}  # kernel name -> [launches, ms a step]
     for e in kernels:
         tally = by_name.setdefault(e.name, [0, 0.0])
         tally[0] += 1
@@ -481,35 +582,49 @@ def profile_step(static, cuda: bool) -> dict:
     for name, (_, ms) in by_name.items():
         kind = kind_of(name, KERNEL_KINDS)
         kernel_kinds[kind] = kernel_kinds.get(kind, 0.0) + ms
-    top_kernels = [dict(name=name[:160], kind=kind_of(name, KERNEL_KINDS), calls=n / PROFILE_STEPS, ms=round(ms, 4))
-                   for name, (n, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]]
+    top_kernels = [
+        dict(name=name[:160], kind=kind_of(name, KERNEL_KINDS), calls=n / PROFILE_STEPS, ms=round(ms, 4))
+        for name, (n, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    ]
     time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     ops = []
     for e in prof.key_averages(group_by_input_shape=True):
-        if "::" not in e.key or not time_of(e):           # torch's ops (aten::, mkl::, mkldnn::), not ranges
+        if "::" not in e.key or not time_of(e):  # torch's ops (aten::, mkl::, mkldnn::), not ranges
             continue
-        ops.append(dict(op=e.key, shapes=str(e.input_shapes)[:160], calls=e.count / PROFILE_STEPS,
-                        ms=time_of(e) / per_step, kind=op_kind(e.key)))
+        ops.append(
+            dict(
+                op=e.key,
+                shapes=str(e.input_shapes)[:160],
+                calls=e.count / PROFILE_STEPS,
+                ms=time_of(e) / per_step,
+                kind=op_kind(e.key),
+            )
+        )
     ops.sort(key=lambda o: -o["ms"])
     op_kinds: dict[str, float] = {}
     for o in ops:
         op_kinds[o["kind"]] = op_kinds.get(o["kind"], 0.0) + o["ms"]
-    return dict(kernels_per_step=len(kernels) / PROFILE_STEPS,
-                kernel_ms=sum(kernel_kinds.values()),
-                kernel_kinds={k: round(v, 4) for k, v in sorted(kernel_kinds.items(), key=lambda kv: -kv[1])},
-                op_kinds={k: round(v, 4) for k, v in sorted(op_kinds.items(), key=lambda kv: -kv[1])},
-                top_ops=[{**o, "ms": round(o["ms"], 4)} for o in ops[:12]], top_kernels=top_kernels,
-                op_ms=round(sum(o["ms"] for o in ops), 4))
+    return dict(
+        kernels_per_step=len(kernels) / PROFILE_STEPS,
+        kernel_ms=sum(kernel_kinds.values()),
+        kernel_kinds={k: round(v, 4) for k, v in sorted(kernel_kinds.items(), key=lambda kv: -kv[1])},
+        op_kinds={k: round(v, 4) for k, v in sorted(op_kinds.items(), key=lambda kv: -kv[1])},
+        top_ops=[{**o, "ms": round(o["ms"], 4)} for o in ops[:12]],
+        top_kernels=top_kernels,
+        op_ms=round(sum(o["ms"] for o in ops), 4),
+    )
 
 
 # -- 6. the step through torch.compile ---------------------------------------------------------------------------
 
+
 def compiled(check: Check, record: dict, deadline: float, save) -> None:
     """Does fusing the step's small kernels pay? The graph forwards are far from the memory bound (docs/GPU.md):
     ~40 kernels a layer. Costs by width, then ar and sd through the Engine, compiled and not, one after the other."""
-    from paraspec.models.llama import NativeModel
-    from paraspec.models.shapes import random_decoder
-    from paraspec.models.static import forward_cost_ms
+    from paraspec.models.native.decoder import NativeModel
+    from paraspec.models.native.padded import forward_cost_ms
+    from paraspec.models.native.shapes import random_decoder
+
     repeats = 5 if check.quick else 20
     target_shape, draft_shape = check.pairs[0]
     widths = COMPILED_WIDTHS[-1:] if check.quick else COMPILED_WIDTHS
@@ -530,11 +645,14 @@ def compiled(check: Check, record: dict, deadline: float, save) -> None:
                 return
             entry["graph_ms"][width] = forward_cost_ms(model, width, graph=graph, repeats=repeats)
             start = time.perf_counter()
-            entry["compiled_graph_ms"][width] = forward_cost_ms(model, width, graph=graph, repeats=repeats,
-                                                                compiled=True)
+            entry["compiled_graph_ms"][width] = forward_cost_ms(
+                model, width, graph=graph, repeats=repeats, compiled=True
+            )
             entry["compile_s"][width] = round(time.perf_counter() - start, 1)
-            check.say(f"compiled: {shape} W={width}: {entry['graph_ms'][width]:.2f} -> "
-                      f"{entry['compiled_graph_ms'][width]:.2f} ms (compile {entry['compile_s'][width]} s)")
+            check.say(
+                f"compiled: {shape} W={width}: {entry['graph_ms'][width]:.2f} -> "
+                f"{entry['compiled_graph_ms'][width]:.2f} ms (compile {entry['compile_s'][width]} s)"
+            )
             save()
         del model
         free_device(check.device)
@@ -544,6 +662,7 @@ def engine_runs(check: Check, record: dict, deadline: float, save, target_shape:
     """ar, sd a=0.8 and sd a=0.95 through the Engine (in this process) with the step compiled and not."""
     from paraspec import Engine, SamplingParams
     from paraspec.models.simulated import SimulatedSpec
+
     tokens = 24 if check.quick else 128
     width = 8
     ar_tokens = {}
@@ -557,14 +676,26 @@ def engine_runs(check: Check, record: dict, deadline: float, save, target_shape:
             record["runs"].append(entry)
             try:
                 target = SimulatedSpec(role="target", shape=target_shape, seed=0, compile_step=compile_step)
-                draft = None if rate is None else SimulatedSpec(role="draft", shape=draft_shape, seed=0,
-                                                                acceptance_rate=rate, compile_step=compile_step)
+                draft = (
+                    None
+                    if rate is None
+                    else SimulatedSpec(
+                        role="draft", shape=draft_shape, seed=0, acceptance_rate=rate, compile_step=compile_step
+                    )
+                )
                 options = {} if rate is None else {"lookahead": SD_LOOKAHEAD[rate], "adaptive": False}
                 start = time.perf_counter()
-                with Engine(target, draft, strategy=strategy, target_devices=[check.engine_device],
-                            draft_devices=[check.engine_device], max_context=CONTEXT_SLOTS, static_width=width,
-                            **options) as engine:
-                    engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))     # warm-up
+                with Engine(
+                    target,
+                    draft,
+                    strategy=strategy,
+                    target_devices=[check.engine_device],
+                    draft_devices=[check.engine_device],
+                    max_context=CONTEXT_SLOTS,
+                    static_width=width,
+                    **options,
+                ) as engine:
+                    engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))  # warm-up
                     entry["startup_s"] = round(time.perf_counter() - start, 2)
                     result = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=tokens))
                 s = result.stats
@@ -572,12 +703,15 @@ def engine_runs(check: Check, record: dict, deadline: float, save, target_shape:
                 if strategy == "ar":
                     ar_tokens[compile_step] = result.token_ids
                 entry["tokens_match_ar"] = result.token_ids == ar_tokens.get(False)
-                check.say(f"compiled: {strategy} a={rate} compiled={compile_step}: TPOT {s.tpot_ms:.2f} ms, "
-                          f"= ar: {entry['tokens_match_ar']}")
+                check.say(
+                    f"compiled: {strategy} a={rate} compiled={compile_step}: TPOT {s.tpot_ms:.2f} ms, "
+                    f"= ar: {entry['tokens_match_ar']}"
+                )
             except Exception:
                 entry["error"] = traceback.format_exc()
-                check.say(f"compiled: {strategy} a={rate} compiled={compile_step} failed -- "
-                          f"{last_line(entry['error'])}")
+                check.say(
+                    f"compiled: {strategy} a={rate} compiled={compile_step} failed -- {last_line(entry['error'])}"
+                )
             free_device(check.device)
             save()
 
@@ -626,15 +760,22 @@ def suite(check: Check, record: dict, deadline: float, save) -> None:
         cmd += ["-k", check.suite_k]
     if check.suite_workers:
         cmd += ["-n", str(check.suite_workers)]
-    record.update(files=files, missing=[f for f in SUITE_FILES if f not in files], command=" ".join(cmd[2:]),
-                  test_device=check.device, workers=check.suite_workers)
-    env = dict(os.environ, PARASPEC_TEST_DEVICE=check.device,
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    record.update(
+        files=files,
+        missing=[f for f in SUITE_FILES if f not in files],
+        command=" ".join(cmd[2:]),
+        test_device=check.device,
+        workers=check.suite_workers,
+    )
+    env = dict(
+        os.environ,
+        PARASPEC_TEST_DEVICE=check.device,
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    )
     log = check.out / "suite.log"
     with open(log, "w") as sink:
         # its own session: on a timeout the whole group goes (pytest and the workers its tests spawned)
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             record["returncode"] = proc.wait(timeout=cap)
             timed_out = False
@@ -659,16 +800,22 @@ def suite(check: Check, record: dict, deadline: float, save) -> None:
 
 # -- the summary --------------------------------------------------------------------------------------------------
 
+
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
 def render_markdown(data: dict) -> str:
     settings, sections = data["settings"], data["sections"]
-    lines = [f"# gpu-check on {settings['device']}", "",
-             f"quick: {settings['quick']}, budget {settings['budget_s']:.0f} s, "
-             f"elapsed {settings.get('elapsed_s', 0):.0f} s", "", "| section | status | seconds | note |",
-             "|---|---|---|---|"]
+    lines = [
+        f"# gpu-check on {settings['device']}",
+        "",
+        f"quick: {settings['quick']}, budget {settings['budget_s']:.0f} s, "
+        f"elapsed {settings.get('elapsed_s', 0):.0f} s",
+        "",
+        "| section | status | seconds | note |",
+        "|---|---|---|---|",
+    ]
     for name in SECTIONS:
         s = sections.get(name)
         if s is None:
@@ -678,9 +825,22 @@ def render_markdown(data: dict) -> str:
     env = sections.get("environment", {})
     if env.get("status") in ("ok", "failed") and "torch" in env:
         lines += ["", "## Environment", ""]
-        lines += [f"- {k}: {env.get(k)}" for k in ("device", "device_memory_gib", "capability", "torch", "cuda",
-                                                   "transformers", "python", "date", "git_commit",
-                                                   "git_changed_files") if k in env]
+        lines += [
+            f"- {k}: {env.get(k)}"
+            for k in (
+                "device",
+                "device_memory_gib",
+                "capability",
+                "torch",
+                "cuda",
+                "transformers",
+                "python",
+                "date",
+                "git_commit",
+                "git_changed_files",
+            )
+            if k in env
+        ]
     lines += _forward_cost_md(sections.get("forward_cost", {}))
     lines += _strategies_md(sections.get("strategies", {}))
     lines += _planner_md(sections.get("planner", {}), sections.get("strategies", {}))
@@ -689,9 +849,14 @@ def render_markdown(data: dict) -> str:
     suite_record = sections.get("suite", {})
     if "outcome" in suite_record:
         counts = suite_record.get("counts") or {}
-        lines += ["", "## Lossless suite on the device", "",
-                  f"**{suite_record['outcome']}** -- " + ", ".join(f"{v} {k}" for k, v in counts.items()),
-                  "", f"`{suite_record['command']}` with PARASPEC_TEST_DEVICE={suite_record['test_device']}"]
+        lines += [
+            "",
+            "## Lossless suite on the device",
+            "",
+            f"**{suite_record['outcome']}** -- " + ", ".join(f"{v} {k}" for k, v in counts.items()),
+            "",
+            f"`{suite_record['command']}` with PARASPEC_TEST_DEVICE={suite_record['test_device']}",
+        ]
         if suite_record.get("failed_tests"):
             lines += ["", "Failed:", ""] + [f"- `{node}`" for node in suite_record["failed_tests"]]
         if suite_record.get("missing"):
@@ -705,9 +870,14 @@ def _forward_cost_md(record: dict) -> list[str]:
     if not models:
         return []
     widths = record["widths"]
-    lines = ["", "## Forward cost by width (ms per forward)", "",
-             f"Random weights; a {record['context_slots']}-slot cache (the static forward attends over every slot; "
-             f"the dynamic one over {record['cached_tokens']} cached tokens). W: the width choose_width picks.", ""]
+    lines = [
+        "",
+        "## Forward cost by width (ms per forward)",
+        "",
+        f"Random weights; a {record['context_slots']}-slot cache (the static forward attends over every slot; "
+        f"the dynamic one over {record['cached_tokens']} cached tokens). W: the width choose_width picks.",
+        "",
+    ]
     for shape, m in models.items():
         if "error" in m:
             lines += [f"**{shape}**: failed -- {last_line(m['error'])}", ""]
@@ -716,15 +886,18 @@ def _forward_cost_md(record: dict) -> list[str]:
             continue
         head = f"**{shape}** ({m['weights_gb']} GB {m['dtype']}, W = {m['chosen_width']})"
         graph = m.get("static_graph_ms")
-        if graph:      # a 1-row forward reads every weight once: how close to the memory bandwidth it runs
+        if graph:  # a 1-row forward reads every weight once: how close to the memory bandwidth it runs
             head += f"; 1-row graph forward reads the weights at {m['weights_gb'] / graph[1] * 1000:.0f} GB/s"
-        lines += [head, "", "| forward | " + " | ".join(f"{w}" for w in widths) + " |",
-                  "|---|" + "---|" * len(widths)]
-        for key, label in (("dynamic_ms", "dynamic eager"), ("static_eager_ms", "static eager"),
-                           ("static_graph_ms", "static graph")):
+        lines += [head, "", "| forward | " + " | ".join(f"{w}" for w in widths) + " |", "|---|" + "---|" * len(widths)]
+        for key, label in (
+            ("dynamic_ms", "dynamic eager"),
+            ("static_eager_ms", "static eager"),
+            ("static_graph_ms", "static graph"),
+        ):
             if key in m:
-                lines.append(f"| {label} | " + " | ".join(_ms(m[key].get(w, m[key].get(str(w)))) for w in widths)
-                             + " |")
+                lines.append(
+                    f"| {label} | " + " | ".join(_ms(m[key].get(w, m[key].get(str(w)))) for w in widths) + " |"
+                )
         lines.append("")
     return lines
 
@@ -733,23 +906,33 @@ def _strategies_md(record: dict) -> list[str]:
     runs = record.get("runs") or []
     if not runs:
         return []
-    lines = ["", "## Strategies through the Engine (oracle acceptance, real forwards)", "",
-             f"target {record['target']}, draft {record['draft']}, both on {record['device']}; "
-             f"{record['new_tokens']} new tokens, greedy; amusd and dsi workers are processes sharing it.", "",
-             "| strategy | acceptance | options | TPOT ms | ms/token | measured acceptance | mean accepted | "
-             "= ar | startup s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Strategies through the Engine (oracle acceptance, real forwards)",
+        "",
+        f"target {record['target']}, draft {record['draft']}, both on {record['device']}; "
+        f"{record['new_tokens']} new tokens, greedy; amusd and dsi workers are processes sharing it.",
+        "",
+        "| strategy | acceptance | options | TPOT ms | ms/token | measured acceptance | mean accepted | "
+        "= ar | startup s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         options = ", ".join(f"{k} {v}" for k, v in r["options"].items()) or "-"
         if "error" in r:
-            lines.append(f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {options} | failed: "
-                         f"{last_line(r['error']).replace('|', '/')} | | | | | |")
+            lines.append(
+                f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {options} | failed: "
+                f"{last_line(r['error']).replace('|', '/')} | | | | | |"
+            )
             continue
         if "tpot_ms" not in r:
             continue
         measured = "-" if r["measured_acceptance"] is None else f"{r['measured_acceptance']:.2f}"
         mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        lines.append(f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {options} | {_ms(r['tpot_ms'])} | "
-                     f"{_ms(r['ms_per_token'])} | {measured} | {mal} | {r['tokens_match_ar']} | {r['startup_s']} |")
+        lines.append(
+            f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {options} | {_ms(r['tpot_ms'])} | "
+            f"{_ms(r['ms_per_token'])} | {measured} | {mal} | {r['tokens_match_ar']} | {r['startup_s']} |"
+        )
     return lines
 
 
@@ -757,25 +940,42 @@ def _planner_md(record: dict, strategies_record: dict) -> list[str]:
     plans = record.get("plans") or []
     if not plans:
         return []
-    lines = ["", "## Planner predictions from the measured costs", "", f"Cost model: {record['cost_model']}.", "",
-             "| target / draft | acceptance | devices | recommended | settings | TPOT ms | ar TPOT ms | vs ar | "
-             "best sd | best amusd | best dsi |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Planner predictions from the measured costs",
+        "",
+        f"Cost model: {record['cost_model']}.",
+        "",
+        "| target / draft | acceptance | devices | recommended | settings | TPOT ms | ar TPOT ms | vs ar | "
+        "best sd | best amusd | best dsi |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in plans:
         if "error" in p:
             lines.append(f"| {p['target']} / {p['draft']} | | | {p['error']} | | | | | | | |")
             continue
         best = p["best_tpot_ms"]
-        lines.append(f"| {p['target']} / {p['draft']} | {p['acceptance_rate']} | {p['devices']} | {p['recommended']} "
-                     f"| {p['settings']} | {_ms(p['tpot_ms'])} | {_ms(p['ar_tpot_ms'])} | "
-                     f"{p['ar_tpot_ms'] / p['tpot_ms']:.2f}x | {_ms(best.get('sd'))} | {_ms(best.get('amusd'))} | "
-                     f"{_ms(best.get('dsi'))} |")
+        lines.append(
+            f"| {p['target']} / {p['draft']} | {p['acceptance_rate']} | {p['devices']} | {p['recommended']} "
+            f"| {p['settings']} | {_ms(p['tpot_ms'])} | {_ms(p['ar_tpot_ms'])} | "
+            f"{p['ar_tpot_ms'] / p['tpot_ms']:.2f}x | {_ms(best.get('sd'))} | {_ms(best.get('amusd'))} | "
+            f"{_ms(best.get('dsi'))} |"
+        )
     # one device: the planner's ar / sd against what the Engine measured (same pair, same rates)
     runs = [r for r in strategies_record.get("runs") or [] if "tpot_ms" in r and r["strategy"] in ("ar", "sd")]
-    one = {p["acceptance_rate"]: p for p in plans if p.get("devices") == 1 and p["target"] == strategies_record.get(
-        "target")}
+    one = {
+        p["acceptance_rate"]: p
+        for p in plans
+        if p.get("devices") == 1 and p["target"] == strategies_record.get("target")
+    }
     if runs and one:
-        lines += ["", "One device, predicted vs measured TPOT (ms):", "", "| run | predicted | measured |",
-                  "|---|---|---|"]
+        lines += [
+            "",
+            "One device, predicted vs measured TPOT (ms):",
+            "",
+            "| run | predicted | measured |",
+            "|---|---|---|",
+        ]
         for r in runs:
             rate = r["acceptance_rate"]
             plan_row = one.get(rate) or next(iter(one.values()))
@@ -792,9 +992,14 @@ def _profile_md(record: dict) -> list[str]:
     models = record.get("models") or {}
     if not models:
         return []
-    lines = ["", f"## Where a step's time goes (width {record['width']}, {record['context_slots']} slots, "
-             f"{record['steps']} profiled steps)", "",
-             "| model | forward | wall ms | kernels | kernel ms | by kind (ms) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"## Where a step's time goes (width {record['width']}, {record['context_slots']} slots, "
+        f"{record['steps']} profiled steps)",
+        "",
+        "| model | forward | wall ms | kernels | kernel ms | by kind (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
     for shape, m in models.items():
         if "error" in m:
             lines.append(f"| {shape} | failed: {last_line(m['error']).replace('|', '/')} | | | | |")
@@ -803,14 +1008,22 @@ def _profile_md(record: dict) -> list[str]:
             if mode in m:
                 r = m[mode]
                 kinds = r["kernel_kinds"] or r["op_kinds"]
-                lines.append(f"| {shape} | {mode} | {_ms(r['wall_ms'])} | {r['kernels_per_step']:.0f} | "
-                             f"{_ms(r['kernel_ms'])} | " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) + " |")
+                lines.append(
+                    f"| {shape} | {mode} | {_ms(r['wall_ms'])} | {r['kernels_per_step']:.0f} | "
+                    f"{_ms(r['kernel_ms'])} | " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) + " |"
+                )
     for shape, m in models.items():
         if "eager" in m:
-            lines += ["", f"{shape}, eager: the costliest ops (ms a step)", "", "| op | input shapes | calls | ms |",
-                      "|---|---|---|---|"]
-            lines += [f"| {o['op']} | `{o['shapes']}` | {o['calls']:.0f} | {o['ms']:.3f} |"
-                      for o in m["eager"]["top_ops"][:8]]
+            lines += [
+                "",
+                f"{shape}, eager: the costliest ops (ms a step)",
+                "",
+                "| op | input shapes | calls | ms |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| {o['op']} | `{o['shapes']}` | {o['calls']:.0f} | {o['ms']:.3f} |" for o in m["eager"]["top_ops"][:8]
+            ]
     return lines
 
 
@@ -818,46 +1031,78 @@ def _compiled_md(record: dict) -> list[str]:
     models, runs = record.get("models") or {}, record.get("runs") or []
     if not models and not runs:
         return []
-    lines = ["", "## The step through torch.compile", "", "| model | width | graph ms | compiled graph ms | "
-             "compile s |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## The step through torch.compile",
+        "",
+        "| model | width | graph ms | compiled graph ms | compile s |",
+        "|---|---|---|---|---|",
+    ]
     for shape, m in models.items():
         for w in m.get("compiled_graph_ms", {}):
-            lines.append(f"| {shape} | {w} | {_ms(m['graph_ms'].get(w))} | {_ms(m['compiled_graph_ms'][w])} | "
-                         f"{m['compile_s'].get(w)} |")
+            lines.append(
+                f"| {shape} | {w} | {_ms(m['graph_ms'].get(w))} | {_ms(m['compiled_graph_ms'][w])} | "
+                f"{m['compile_s'].get(w)} |"
+            )
     if runs:
-        lines += ["", "| strategy | acceptance | compiled | TPOT ms | ms/token | = ar | startup s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| strategy | acceptance | compiled | TPOT ms | ms/token | = ar | startup s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in runs:
             if "error" in r:
-                lines.append(f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {r['compiled']} | failed: "
-                             f"{last_line(r['error']).replace('|', '/')} | | | |")
+                lines.append(
+                    f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {r['compiled']} | failed: "
+                    f"{last_line(r['error']).replace('|', '/')} | | | |"
+                )
             elif "tpot_ms" in r:
-                lines.append(f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {r['compiled']} | "
-                             f"{_ms(r['tpot_ms'])} | {_ms(r['ms_per_token'])} | {r['tokens_match_ar']} | "
-                             f"{r['startup_s']} |")
+                lines.append(
+                    f"| {r['strategy']} | {r['acceptance_rate'] or '-'} | {r['compiled']} | "
+                    f"{_ms(r['tpot_ms'])} | {_ms(r['ms_per_token'])} | {r['tokens_match_ar']} | "
+                    f"{r['startup_s']} |"
+                )
     return lines
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m paraspec.bench.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (implies --quick)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "out/gpu-check",
-                        help="output folder (default: $OUT, else out/gpu-check)")
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or "out/gpu-check",
+        help="output folder (default: $OUT, else out/gpu-check)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes and short runs (always on a CPU)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="no section starts after this many seconds (default 420)")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
-    parser.add_argument("--suite-k", default=None, metavar="EXPR",
-                        help="the suite section runs only the tests pytest -k EXPR selects (default: all of them)")
-    parser.add_argument("--suite-cap-s", type=float, default=CAP_S["suite"],
-                        help=f"the suite's time cap within the budget (default {CAP_S['suite']})")
-    parser.add_argument("--suite-workers", default="auto", metavar="N",
-                        help="pytest-xdist processes sharing the device for the suite: an integer (0: one pytest "
-                             "process) or 'auto' (default: half the CPUs, at most 8, on CUDA where pytest-xdist "
-                             "is installed; else 0)")
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="no section starts after this many seconds (default 420)"
+    )
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)"
+    )
+    parser.add_argument(
+        "--suite-k",
+        default=None,
+        metavar="EXPR",
+        help="the suite section runs only the tests pytest -k EXPR selects (default: all of them)",
+    )
+    parser.add_argument(
+        "--suite-cap-s",
+        type=float,
+        default=CAP_S["suite"],
+        help=f"the suite's time cap within the budget (default {CAP_S['suite']})",
+    )
+    parser.add_argument(
+        "--suite-workers",
+        default="auto",
+        metavar="N",
+        help="pytest-xdist processes sharing the device for the suite: an integer (0: one pytest "
+        "process) or 'auto' (default: half the CPUs, at most 8, on CUDA where pytest-xdist "
+        "is installed; else 0)",
+    )
     args = parser.parse_args(argv)
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = [s for s in sections if s not in SECTIONS]
@@ -867,9 +1112,11 @@ def parse_args(argv) -> argparse.Namespace:
     args.suite_workers = suite_workers(parser, args.suite_workers, args.device)
     if args.device.startswith("cuda"):
         import torch
+
         if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: torch sees no CUDA device here; pass --device cpu for the "
-                         f"tiny CPU run")
+            parser.error(
+                f"--device {args.device}: torch sees no CUDA device here; pass --device cpu for the tiny CPU run"
+            )
     elif args.device != "cpu":
         parser.error(f"--device {args.device!r}: use cuda:N or cpu")
     return args
@@ -880,6 +1127,7 @@ def suite_workers(parser, value: str, device: str) -> int:
     names and ports), so on a GPU machine's many cores several pytest processes can share the one device: the
     suite then fits a borrowed GPU's minutes."""
     import importlib.util
+
     has_xdist = importlib.util.find_spec("xdist") is not None
     if value == "auto":
         return min(8, (os.cpu_count() or 2) // 2) if device.startswith("cuda") and has_xdist else 0
@@ -896,20 +1144,35 @@ def suite_workers(parser, value: str, device: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    check = Check(device=args.device, out=Path(args.out), quick=args.quick or not args.device.startswith("cuda"),
-                  budget_s=args.budget_s, sections=args.sections, started=time.perf_counter(),
-                  suite_k=args.suite_k, suite_workers=args.suite_workers,
-                  suite_cap_s=args.suite_cap_s)
-    report = Report(check.out, dict(device=check.device, quick=check.quick, budget_s=check.budget_s,
-                                    sections=list(check.sections)))
+    check = Check(
+        device=args.device,
+        out=Path(args.out),
+        quick=args.quick or not args.device.startswith("cuda"),
+        budget_s=args.budget_s,
+        sections=args.sections,
+        started=time.perf_counter(),
+        suite_k=args.suite_k,
+        suite_workers=args.suite_workers,
+        suite_cap_s=args.suite_cap_s,
+    )
+    report = Report(
+        check.out, dict(device=check.device, quick=check.quick, budget_s=check.budget_s, sections=list(check.sections))
+    )
     check.say(f"device {check.device}, quick {check.quick}, budget {check.budget_s:.0f} s, out {check.out}")
-    bodies = dict(environment=environment, forward_cost=forward_cost, strategies=strategies,
-                  planner=lambda c, r, d, s: planner(c, r, d, s, report.data["sections"].get("forward_cost")),
-                  profile=profile, compiled=compiled, suite=suite)
+    bodies = dict(
+        environment=environment,
+        forward_cost=forward_cost,
+        strategies=strategies,
+        planner=lambda c, r, d, s: planner(c, r, d, s, report.data["sections"].get("forward_cost")),
+        profile=profile,
+        compiled=compiled,
+        suite=suite,
+    )
     import torch
+
     threads = torch.get_num_threads()
     if not check.cuda:
-        torch.set_num_threads(1)      # a CPU run is a smoke test: one thread times steadily on a shared machine
+        torch.set_num_threads(1)  # a CPU run is a smoke test: one thread times steadily on a shared machine
     try:
         for name in SECTIONS:
             if name in check.sections:

@@ -17,6 +17,7 @@ On CPU the same code runs eagerly (no graph): the lossless suite proves it there
 tests/strategies/test_lossless.py). Padding costs more on a compute-bound CPU (docs/BENCHMARKS.md), so the CPU
 default stays the dynamic forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,8 @@ import torch
 
 from paraspec.models.cache import cache_dir, write_json
 
-WIDTHS = (1, 2, 4, 8, 16, 32)        # the widths "auto" measures
-AUTO_TOLERANCE = 1.15                # "auto": the widest W whose forward costs at most this times the cheapest's
+WIDTHS = (1, 2, 4, 8, 16, 32)  # the widths "auto" measures
+AUTO_TOLERANCE = 1.15  # "auto": the widest W whose forward costs at most this times the cheapest's
 
 
 def check_width(width) -> int | str | None:
@@ -37,8 +38,10 @@ def check_width(width) -> int | str | None:
     if width is None or width == "auto":
         return width
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"static_width must be an integer >= 1, 'auto' (measured on the device) or None "
-                         f"(dynamic shapes), got {width!r}")
+        raise ValueError(
+            f"static_width must be an integer >= 1, 'auto' (measured on the device) or None "
+            f"(dynamic shapes), got {width!r}"
+        )
     return width
 
 
@@ -71,18 +74,20 @@ class StaticForward:
         slots = model.cache.k.shape[2]
         self.key_slots = torch.arange(slots, device=device)
         self.host_key_slots = torch.arange(slots)
-        self.inputs = torch.zeros(3, width, dtype=torch.long, device=device)    # ids, positions, slots
+        self.inputs = torch.zeros(3, width, dtype=torch.long, device=device)  # ids, positions, slots
         self.visible = torch.zeros(width, slots, dtype=torch.bool, device=device)
-        self.inputs[1:] = torch.arange(width, device=device)         # until the first forward: a causal chain at
-        self._causal_visibility(self.inputs[2], model.cfg.sliding_window)   # slot 0 (no all-masked row: no NaN)
+        self.inputs[1:] = torch.arange(width, device=device)  # until the first forward: a causal chain at
+        self._causal_visibility(self.inputs[2], model.cfg.sliding_window)  # slot 0 (no all-masked row: no NaN)
         self.out: torch.Tensor | None = None
         self.graph = None
         # compiled: torch.compile fuses the step's small kernels (norms, RoPE, SiLU, residuals, the mask) at one
         # fixed shape, so a row's result still depends on that row alone; captured in the graph below on CUDA
         self._step = torch.compile(self.step, fullgraph=True, dynamic=False) if compiled else self.step
         if graph and device.type != "cuda":
-            raise ValueError(f"graph=True captures a CUDA graph: the model is on {device}; pass graph=None "
-                             f"(graphs where the device is CUDA) or False")
+            raise ValueError(
+                f"graph=True captures a CUDA graph: the model is on {device}; pass graph=None "
+                f"(graphs where the device is CUDA) or False"
+            )
         if graph if graph is not None else device.type == "cuda":
             self._capture()
 
@@ -98,7 +103,8 @@ class StaticForward:
         ids, positions, slots = self.inputs
         cos, sin = m._cos[positions], m._sin[positions]
         bias = torch.zeros(self.visible.shape, dtype=m.dtype, device=m.device).masked_fill_(
-            ~self.visible, float("-inf"))
+            ~self.visible, float("-inf")
+        )
         h = m.decoder.model.embed_tokens(ids)
         for i, layer in enumerate(m.decoder.model.layers):
             h = h + layer.self_attn.over_whole_cache(layer.input_layernorm(h), cos, sin, m.cache, i, slots, bias)
@@ -123,8 +129,12 @@ class StaticForward:
                 with torch.inference_mode(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self.out = self._step()
             except RuntimeError as e:
-                warnings.warn(f"CUDA graph capture of the {self.width}-row forward failed on {device} ({e}); "
-                              f"running it eagerly (exact, slower)", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"CUDA graph capture of the {self.width}-row forward failed on {device} ({e}); "
+                    f"running it eagerly (exact, slower)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 self.out = None
                 return
             self.graph = graph
@@ -137,37 +147,43 @@ class StaticForward:
 
     # -- a forward of any length, in steps of W -----------------------------------------------------------------
 
-    def forward(self, token_ids: list[int], positions: list[int] | None, tree_mask: torch.Tensor | None,
-                last_n: int | None) -> torch.Tensor:
+    def forward(
+        self, token_ids: list[int], positions: list[int] | None, tree_mask: torch.Tensor | None, last_n: int | None
+    ) -> torch.Tensor:
         m, W = self.model, self.width
         n, start = len(token_ids), m.cache.length
         keep_from = 0 if last_n is None else n - min(last_n, n)
         window = m.cfg.sliding_window
-        new_visible = None if tree_mask is None and positions is None else \
-            torch.ones(n, n, dtype=torch.bool).tril() if tree_mask is None else tree_mask.to("cpu", torch.bool)
+        new_visible = (
+            None
+            if tree_mask is None and positions is None
+            else torch.ones(n, n, dtype=torch.bool).tril()
+            if tree_mask is None
+            else tree_mask.to("cpu", torch.bool)
+        )
         key_positions = None
         if new_visible is not None:
             pos = torch.arange(start, start + n) if positions is None else torch.tensor(positions)
             key_positions = self.host_key_slots.clone()
-            key_positions[start:start + n] = pos
+            key_positions[start : start + n] = pos
         rows = []
         for first in range(0, n, W):
             real = min(W, n - first)
             base = start + first
             slot = torch.arange(base, base + W)
             ids = torch.zeros(W, dtype=torch.long)
-            ids[:real] = torch.tensor(token_ids[first:first + real])
+            ids[:real] = torch.tensor(token_ids[first : first + real])
             pos = slot.clone()
             if key_positions is not None:
-                pos[:real] = key_positions[base:base + real]
+                pos[:real] = key_positions[base : base + real]
             self.inputs.copy_(torch.stack((ids, pos, slot)))
             if new_visible is None:
-                self._causal_visibility(self.inputs[2], window)     # the slots, already on the device
+                self._causal_visibility(self.inputs[2], window)  # the slots, already on the device
             else:
                 self.visible.copy_(self._visibility(start, first, real, slot, pos, new_visible, key_positions, window))
             logits = self.run()
             if first + real > keep_from:
-                rows.append(logits[max(0, keep_from - first):real].clone())
+                rows.append(logits[max(0, keep_from - first) : real].clone())
         m.cache.length = start + n
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
@@ -179,21 +195,31 @@ class StaticForward:
         if window is not None:
             self.visible &= (own - self.key_slots[None, :]) < window
 
-    def _visibility(self, start: int, first: int, real: int, slot: torch.Tensor, pos: torch.Tensor,
-                    new_visible: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    def _visibility(
+        self,
+        start: int,
+        first: int,
+        real: int,
+        slot: torch.Tensor,
+        pos: torch.Tensor,
+        new_visible: torch.Tensor,
+        key_positions: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
         """Rows of a tree (or explicit positions): the cached prefix, then the new tokens `new_visible` allows
         (those of earlier steps are in the cache by now); padding rows see every slot up to their own."""
         n = new_visible.shape[0]
-        visible = self.host_key_slots[None, :] <= slot[:, None]            # padding rows: causal
+        visible = self.host_key_slots[None, :] <= slot[:, None]  # padding rows: causal
         visible[:real] = False
         visible[:real, :start] = True
-        visible[:real, start:start + n] = new_visible[first:first + real]
+        visible[:real, start : start + n] = new_visible[first : first + real]
         if window is not None:
             visible &= (pos[:, None] - key_positions[None, :]) < window
         return visible
 
 
 # -- "auto": the width measured on the device, once per (device, model shape, dtype) -----------------------------
+
 
 def measured_width(model, widths=WIDTHS) -> int:
     """The W for this model on its device, measured once (graphs of each width, CUDA events) and remembered in
@@ -206,9 +232,10 @@ def measured_width(model, widths=WIDTHS) -> int:
     except (OSError, ValueError, KeyError):
         pass
     import fcntl
+
     path.parent.mkdir(parents=True, exist_ok=True)
     with cuda_setup(model.device), open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)           # one process measures; the others read its answer
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the others read its answer
         try:
             return int(json.loads(path.read_text())["width"])
         except (OSError, ValueError, KeyError):
@@ -221,10 +248,22 @@ def measured_width(model, widths=WIDTHS) -> int:
 
 def _width_key(model) -> str:
     import hashlib
+
     cfg = model.cfg
     name = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
-    shape = (name, str(model.dtype), cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
-             cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, model.cache.k.shape[2], torch.__version__)
+    shape = (
+        name,
+        str(model.dtype),
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        model.cache.k.shape[2],
+        torch.__version__,
+    )
     return hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
 
 
@@ -238,6 +277,7 @@ def step_cost_ms(static: StaticForward, repeats: int = 20) -> float:
     """Median milliseconds of one run of `static` after 3 warm-ups (see forward_cost_ms). The cache is left empty."""
     import statistics
     import time
+
     model = static.model
     times = []
     with torch.inference_mode():

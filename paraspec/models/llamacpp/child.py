@@ -6,6 +6,7 @@ Native kernels (llama.cpp, oneDNN) can kill the process that runs them: an instr
 expose), a bad memory access (SIGSEGV, SIGBUS). Such a death must reach the caller as an error that says what
 happened and what rebuilds the library, never as a bare exit code.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,10 @@ from pathlib import Path
 # what each signal means for a process running paraspec's kernels
 MEANINGS = {
     "SIGILL": "an instruction this CPU or VM refuses (a kernel compiled for instructions it lacks, or a CPU "
-              "feature used in a state the CPU does not allow, such as AMX tiles that were not configured)",
+    "feature used in a state the CPU does not allow, such as AMX tiles that were not configured)",
     "SIGSEGV": "a bad memory access in native code",
     "SIGBUS": "a bad memory access in native code (a memory-mapped model file truncated on disk, or a misaligned "
-              "access)",
+    "access)",
     "SIGFPE": "an arithmetic fault in native code",
     "SIGABRT": "native code aborted (an assertion in llama.cpp/ggml or torch; the process's stderr has the line)",
     "SIGKILL": "killed from outside: most often the kernel's out-of-memory killer (`dmesg` says so), or a user",
@@ -74,18 +75,20 @@ def describe_death(exitcode: int | None) -> str:
         text += f" ({MEANINGS[name]})"
     if name in NATIVE:
         build = llamacpp_build()
-        text += (f"; if it ran llama.cpp's kernels, the build{f' {build}' if build else ''} does not suit this "
-                 f"CPU: rebuild it with `{rebuild_command()}` (the build is checked in a child process and made "
-                 f"again without the instructions that crash), or use backend='native'")
+        text += (
+            f"; if it ran llama.cpp's kernels, the build{f' {build}' if build else ''} does not suit this "
+            f"CPU: rebuild it with `{rebuild_command()}` (the build is checked in a child process and made "
+            f"again without the instructions that crash), or use backend='native'"
+        )
     return text
 
 
 # the child that runs llama.cpp work which may crash (tests replace it with a child that crashes on purpose)
-CHILD_COMMAND = [sys.executable, "-m", "paraspec.models.llamacpp_child"]
+CHILD_COMMAND = [sys.executable, "-m", "paraspec.models.llamacpp.child_tasks"]
 
 
 def run_child(args: list[str], what: str, timeout: float | None = None) -> dict:
-    """Run `CHILD_COMMAND + args` (models/llamacpp_child.py) and return its JSON answer; a child killed by a
+    """Run `CHILD_COMMAND + args` (models/llamacpp/child_tasks.py) and return its JSON answer; a child killed by a
     signal raises NativeCrash naming the signal and what it means, any other failure a RuntimeError with the
     child's last lines of stderr."""
     try:
@@ -96,8 +99,9 @@ def run_child(args: list[str], what: str, timeout: float | None = None) -> dict:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         death = describe_death(proc.returncode)
         if proc.returncode < 0:
-            raise NativeCrash(f"{what} died{death}" + (f"\n--- its stderr ---\n{tail}" if tail else ""),
-                              proc.returncode)
+            raise NativeCrash(
+                f"{what} died{death}" + (f"\n--- its stderr ---\n{tail}" if tail else ""), proc.returncode
+            )
         raise RuntimeError(f"{what} failed{death}:\n{tail}")
     lines = proc.stdout.strip().splitlines()
     try:

@@ -7,11 +7,12 @@ MLP products, the LM head -- and attention per sequence over its own cache, exac
 alone computes it. So a row's logits equal its logits alone wherever the products of this CPU (or GPU) give a row
 the same bits whatever the number of rows beside it; the load-time probe (`measure_batch_exact`) checks that for
 this model on this machine, and where it does not hold the requests take turns (one forward each), as on
-llama.cpp (models/llamacpp.py).
+llama.cpp (models/llamacpp/model.py).
 
-Dynamic shapes only: the static-shape forward (models/static.py) captures one cache in its CUDA graph, so an Engine
+Dynamic shapes only: the static-shape forward (models/native/padded.py) captures one cache in its CUDA graph, so an Engine
 padding forwards runs one request at a time.
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,27 +21,30 @@ import numpy as np
 import torch
 
 from paraspec.models.base import SequenceChecks, check_batch
-from paraspec.models.llama import KVCache, NativeModel
+from paraspec.models.native.decoder import KVCache, NativeModel
 
-PROBE_WIDTH = 8                    # the widest forward of one sequence that may share a step (the probe covers it)
-PROBE_PROMPTS = (9, 5, 17, 12, 3, 14, 7, 11)     # the probe's context lengths, one per sequence (cycled)
+PROBE_WIDTH = 8  # the widest forward of one sequence that may share a step (the probe covers it)
+PROBE_PROMPTS = (9, 5, 17, 12, 3, 14, 7, 11)  # the probe's context lengths, one per sequence (cycled)
 
 
 class NativeSequences(SequenceChecks, NativeModel):
-    exact = True       # one configuration for targets and drafts (llama.cpp's drafts run others: LlamaCppModel.exact)
+    exact = True  # one configuration for targets and drafts (llama.cpp's drafts run others: LlamaCppModel.exact)
 
     def __init__(self, decoder, max_context: int, eos_token_ids: tuple[int, ...] = (), n_seqs: int = 2):
         if n_seqs < 2:
             raise ValueError(f"n_seqs={n_seqs}: NativeSequences holds two or more sequences; use NativeModel")
         super().__init__(decoder, max_context, eos_token_ids, static_width=None)
         self.n_seqs = n_seqs
-        self.caches = [self.cache] + [KVCache(self.cfg, max_context, self.dtype, self.device)
-                                      for _ in range(n_seqs - 1)]
+        self.caches = [self.cache] + [
+            KVCache(self.cfg, max_context, self.dtype, self.device) for _ in range(n_seqs - 1)
+        ]
         self.n_batch = min(512, max_context)
         self.exact_width = min(PROBE_WIDTH, max_context)
         self.batch_probe = measure_batch_exact(self, self.exact_width)
-        exact = {kind: all(r["max_abs_diff"] == 0.0 for r in self.batch_probe if r["kind"] == kind)
-                 for kind in ("decode", "verify")}
+        exact = {
+            kind: all(r["max_abs_diff"] == 0.0 for r in self.batch_probe if r["kind"] == kind)
+            for kind in ("decode", "verify")
+        }
         # a CPU's one-row product is often another kernel (a GEMV) than its product of several rows: then one-token
         # steps stay alone and verifications (2..exact_width tokens) share, each as exact as alone
         self.batch_exact = exact["decode"] or exact["verify"]
@@ -48,11 +52,17 @@ class NativeSequences(SequenceChecks, NativeModel):
         if not exact["verify"]:
             self.exact_width = 1
         if not (exact["decode"] and exact["verify"]):
-            what = {(False, True): "one-token steps run alone, verifications of several sequences share forwards",
-                    (True, False): "verifications run alone, one-token steps of several sequences share forwards",
-                    (False, False): "every forward runs alone"}[exact["decode"], exact["verify"]]
-            print(f"paraspec: on {self.device} ({self.dtype}) some rows of the native decoder differ when other "
-                  f"sequences' rows share their forward (the load-time probe): {what}", file=sys.stderr, flush=True)
+            what = {
+                (False, True): "one-token steps run alone, verifications of several sequences share forwards",
+                (True, False): "verifications run alone, one-token steps of several sequences share forwards",
+                (False, False): "every forward runs alone",
+            }[exact["decode"], exact["verify"]]
+            print(
+                f"paraspec: on {self.device} ({self.dtype}) some rows of the native decoder differ when other "
+                f"sequences' rows share their forward (the load-time probe): {what}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # -- one sequence at a time: the NativeModel methods on that sequence's cache ------------------------------
     @property
@@ -72,9 +82,15 @@ class NativeSequences(SequenceChecks, NativeModel):
         self.rollback(0, seq)
         return self.forward(token_ids, last_n=1, seq=seq)[-1]
 
-    def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None, last_n: int | None = None, seq: int = 0) -> torch.Tensor:
-        self._use(seq)          # the Batcher checked room and vocabulary when the forward was asked
+    def forward(
+        self,
+        token_ids: list[int],
+        positions: list[int] | None = None,
+        tree_mask: torch.Tensor | None = None,
+        last_n: int | None = None,
+        seq: int = 0,
+    ) -> torch.Tensor:
+        self._use(seq)  # the Batcher checked room and vocabulary when the forward was asked
         return super().forward(token_ids, positions, tree_mask, last_n)
 
     def keep_path(self, prefix_len: int, slots: list[int], seq: int = 0) -> None:
@@ -111,18 +127,24 @@ class NativeSequences(SequenceChecks, NativeModel):
         for i, layer in enumerate(self.decoder.model.layers):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
-            rows = [attn.attend(q[:, span], k[:, span], v[:, span], cache, i, start, mask)
-                    for span, cache, start, mask in zip(spans, caches, starts, masks)]
+            rows = [
+                attn.attend(q[:, span], k[:, span], v[:, span], cache, i, start, mask)
+                for span, cache, start, mask in zip(spans, caches, starts, masks)
+            ]
             h = h + attn.o_proj(torch.cat(rows))
             h = h + layer.mlp_block(h)
         for cache, start, (_, tokens, _) in zip(caches, starts, items):
             cache.length = start + len(tokens)
-        keep = torch.cat([torch.arange(span.stop - outputs, span.stop, device=self.device)
-                          for span, (_, _, outputs) in zip(spans, items)])
+        keep = torch.cat(
+            [
+                torch.arange(span.stop - outputs, span.stop, device=self.device)
+                for span, (_, _, outputs) in zip(spans, items)
+            ]
+        )
         logits = self.logits(h[keep])
         out, at = [], 0
         for _, _, outputs in items:
-            out.append(logits[at:at + outputs])
+            out.append(logits[at : at + outputs])
             at += outputs
         return out
 
@@ -144,9 +166,9 @@ def measure_batch_exact(model: NativeSequences, width: int) -> list[dict]:
             widths = [1 if kind == "decode" else 2 + (i + group) % max(1, width - 1) for i in range(group)]
             alone = []
             for seq in range(group):
-                alone.append(model.forward(steps[seq][:widths[seq]], seq=seq))
+                alone.append(model.forward(steps[seq][: widths[seq]], seq=seq))
                 model.rollback(lengths[seq], seq)
-            got = model.forward_batch([(seq, steps[seq][:widths[seq]], widths[seq]) for seq in range(group)])
+            got = model.forward_batch([(seq, steps[seq][: widths[seq]], widths[seq]) for seq in range(group)])
             for seq in range(group):
                 model.rollback(lengths[seq], seq)
             diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))

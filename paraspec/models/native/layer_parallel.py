@@ -9,8 +9,9 @@
                     the outputs are all-gathered; every device runs the (replicated) MLPs itself.
     layer groups    "0,1-3,4-7,...,31" (the paper's Appendix B), or generated from an LP size
 
-Works on `NativeModel` (models/llama.py), whose layers expose attention_block and mlp_block separately.
+Works on `NativeModel` (models/native/decoder.py), whose layers expose attention_block and mlp_block separately.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -30,8 +31,9 @@ def parse_layer_groups(spec: str, num_layers: int) -> list[list[int]]:
         groups.append(list(range(lo_i, hi_i + 1)))
     flat = [layer for g in groups for layer in g]
     if flat != list(range(num_layers)):
-        raise ValueError(f"layer groups {spec!r} must list every layer 0..{num_layers - 1} once, in order, "
-                         f"as consecutive ranges")
+        raise ValueError(
+            f"layer groups {spec!r} must list every layer 0..{num_layers - 1} once, in order, as consecutive ranges"
+        )
     return groups
 
 
@@ -42,7 +44,7 @@ def lp_groups(lp_size: int, num_layers: int) -> list[list[int]]:
     if num_layers <= 2 or lp_size == 1:
         return [[i] for i in range(num_layers)]
     middle = list(range(1, num_layers - 1))
-    return [[0]] + [middle[i:i + lp_size] for i in range(0, len(middle), lp_size)] + [[num_layers - 1]]
+    return [[0]] + [middle[i : i + lp_size] for i in range(0, len(middle), lp_size)] + [[num_layers - 1]]
 
 
 def format_groups(groups: list[list[int]]) -> str:
@@ -53,6 +55,7 @@ class Exchange(Protocol):
     """How the devices of one draft share attention outputs: rank r of `world` computes the attention of the
     layers group[r::world]; all_gather takes a CPU tensor and returns every rank's, indexed by rank, on the CPU
     (ShmExchange moves shared memory)."""
+
     rank: int
     world: int
 
@@ -71,8 +74,10 @@ def _prepare(model, token_ids, positions, mask):
         mask = model.attention_mask(pos, start, None)
     else:
         if model.cfg.sliding_window is not None:
-            raise ValueError("an explicit cache mask with a sliding-window draft is not supported; "
-                             "use a draft without sliding-window attention")
+            raise ValueError(
+                "an explicit cache mask with a sliding-window draft is not supported; "
+                "use a draft without sliding-window attention"
+            )
         mask = mask.to(device=model.device, dtype=torch.bool)
         if mask.shape != (n, start + n):
             raise ValueError(f"mask must be [{n}, {start + n}] (new tokens x cached + new), got {tuple(mask.shape)}")
@@ -81,8 +86,14 @@ def _prepare(model, token_ids, positions, mask):
 
 
 @torch.inference_mode()
-def exact_forward(model, token_ids: list[int], positions=None, mask: torch.Tensor | None = None,
-                  last_n: int | None = None, head: bool = True) -> torch.Tensor | None:
+def exact_forward(
+    model,
+    token_ids: list[int],
+    positions=None,
+    mask: torch.Tensor | None = None,
+    last_n: int | None = None,
+    head: bool = True,
+) -> torch.Tensor | None:
     """The ordinary layer-by-layer forward; `mask` (bool [n, start + n]) replaces the causal mask.
     head=False skips the LM head (a replica that only needs its KV cache filled) and returns None."""
     n, start, cos, sin, mask = _prepare(model, token_ids, positions, mask)
@@ -96,9 +107,17 @@ def exact_forward(model, token_ids: list[int], positions=None, mask: torch.Tenso
 
 
 @torch.inference_mode()
-def fuzzy_forward(model, token_ids: list[int], groups: list[list[int]], positions=None,
-                  mask: torch.Tensor | None = None, last_n: int | None = None, exchange: Exchange | None = None,
-                  record: dict | None = None, head: bool = True) -> torch.Tensor | None:
+def fuzzy_forward(
+    model,
+    token_ids: list[int],
+    groups: list[list[int]],
+    positions=None,
+    mask: torch.Tensor | None = None,
+    last_n: int | None = None,
+    exchange: Exchange | None = None,
+    record: dict | None = None,
+    head: bool = True,
+) -> torch.Tensor | None:
     """Layer-parallel ("fuzzy") forward. Writes the KV of every layer this rank computes; with an exchange,
     layers computed by other ranks get no KV here (they are recomputed exactly by calibration anyway).
 
@@ -109,7 +128,7 @@ def fuzzy_forward(model, token_ids: list[int], groups: list[list[int]], position
     layers = model.decoder.model.layers
     h = model.embed(token_ids)
     for group in groups:
-        mine = group if exchange is None or len(group) == 1 else group[exchange.rank::exchange.world]
+        mine = group if exchange is None or len(group) == 1 else group[exchange.rank :: exchange.world]
         outputs = {}
         for i in mine:
             if record is not None:
@@ -120,7 +139,7 @@ def fuzzy_forward(model, token_ids: list[int], groups: list[list[int]], position
         if record is not None:
             for i in group:
                 record.setdefault(i, {}).update(h_in=h.clone(), attn=outputs[i].clone())
-        for i in group:                       # summed in layer order: every rank gets the same bits
+        for i in group:  # summed in layer order: every rank gets the same bits
             h = h + outputs[i]
         for i in group:
             h = h + layers[i].mlp_block(h)
@@ -134,7 +153,7 @@ def fuzzy_forward(model, token_ids: list[int], groups: list[list[int]], position
 
 def _gather(exchange: Exchange, group: list[int], outputs: dict, n: int, h: torch.Tensor) -> dict:
     """All-gather one group's attention outputs: each rank sends its layers' outputs stacked in layer order."""
-    per_rank = [group[r::exchange.world] for r in range(exchange.world)]
+    per_rank = [group[r :: exchange.world] for r in range(exchange.world)]
     width = max(len(layers) for layers in per_rank)
     send = h.new_zeros(width, n, h.shape[-1])
     for j, i in enumerate(per_rank[exchange.rank]):
@@ -145,12 +164,15 @@ def _gather(exchange: Exchange, group: list[int], outputs: dict, n: int, h: torc
 
 
 def _record_qkv(record: dict, i: int, layer, h, cos, sin) -> None:
-    from paraspec.models.llama import rotate_half
+    from paraspec.models.native.decoder import rotate_half
+
     attn, cfg = layer.self_attn, layer.self_attn.cfg
     x = layer.input_layernorm(h)
     q = attn.q_proj(x).view(x.shape[0], cfg.num_heads, cfg.head_dim).transpose(0, 1)
     k = attn.k_proj(x).view(x.shape[0], cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
     v = attn.v_proj(x)
-    record.setdefault(i, {}).update(q=(q * cos + rotate_half(q) * sin).transpose(0, 1).reshape(x.shape[0], -1),
-                                    k=(k * cos + rotate_half(k) * sin).transpose(0, 1).reshape(x.shape[0], -1),
-                                    v=v.clone())
+    record.setdefault(i, {}).update(
+        q=(q * cos + rotate_half(q) * sin).transpose(0, 1).reshape(x.shape[0], -1),
+        k=(k * cos + rotate_half(k) * sin).transpose(0, 1).reshape(x.shape[0], -1),
+        v=v.clone(),
+    )

@@ -6,6 +6,7 @@ called on their own (EasySpec runs several attention blocks from one input; hidd
 
 Module names match Hugging Face checkpoints, so a safetensors state dict loads without renaming.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraspec.models.base import check_rollback, eos_ids
-from paraspec.models.kernels import Linear
-from paraspec.models.static import WIDTHS, StaticForward, check_width, measured_width
+from paraspec.models.native.kernels import Linear
+from paraspec.models.native.padded import WIDTHS, StaticForward, check_width, measured_width
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                           "MistralForCausalLM": "mistral"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
 class UnsupportedModelError(ValueError):
@@ -49,7 +49,7 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DecoderConfig":
+    def from_hf(cls, cfg: dict) -> DecoderConfig:
         archs = cfg.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None and cfg.get("model_type") in ("llama", "qwen2", "mistral"):
@@ -58,10 +58,12 @@ class DecoderConfig:
             raise UnsupportedModelError(
                 f"architecture {archs or cfg.get('model_type')!r} is not implemented by the native backend "
                 f"(it supports {', '.join(SUPPORTED_ARCHITECTURES)}); pass --backend hf (backend='hf') "
-                f"to run it through transformers")
+                f"to run it through transformers"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported natively; "
-                                        f"pass --backend hf")
+            raise UnsupportedModelError(
+                f"activation {cfg['hidden_act']!r} is not supported natively; pass --backend hf"
+            )
         rope = dict(cfg.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -74,16 +76,25 @@ class DecoderConfig:
         heads = cfg["num_attention_heads"]
         window = cfg.get("sliding_window") if (family == "mistral" or cfg.get("use_sliding_window")) else None
         return cls(
-            family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=window, eos_token_ids=eos_ids(cfg.get("eos_token_id")))
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=window,
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+        )
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -129,8 +140,9 @@ class KVCache:
     which is why rollback is O(1).
     """
 
-    def __init__(self, cfg: DecoderConfig, max_context: int, dtype: torch.dtype, device: torch.device,
-                 slots: int | None = None):
+    def __init__(
+        self, cfg: DecoderConfig, max_context: int, dtype: torch.dtype, device: torch.device, slots: int | None = None
+    ):
         shape = (cfg.num_layers, cfg.num_kv_heads, slots or max_context, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -148,8 +160,16 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                start: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """x: [n, hidden] (already normed). Writes k, v into cache slots start..start+n-1 of `layer`."""
         return self.o_proj(self.attend(*self.project(x, cos, sin), cache, layer, start, mask))
 
@@ -161,8 +181,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """One sequence's rows: k, v written at slots start.., attention over its cache; [n, heads * head_dim]
         before o_proj."""
         cfg, n = self.cfg, q.shape[1]
@@ -170,13 +198,25 @@ class Attention(nn.Module):
         cache.k[layer, :, start:end] = k
         cache.v[layer, :, start:end] = v
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), cache.k[layer, :, :end].unsqueeze(0), cache.v[layer, :, :end].unsqueeze(0),
-            attn_mask=mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+            q.unsqueeze(0),
+            cache.k[layer, :, :end].unsqueeze(0),
+            cache.v[layer, :, :end].unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=cfg.num_kv_heads != cfg.num_heads,
+        )
         return out.squeeze(0).transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
 
-    def over_whole_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                         slots: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """The static-shape forward's attention (models/static.py): x [W, hidden] (normed), keys and values
+    def over_whole_cache(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        slots: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """The static-shape forward's attention (models/native/padded.py): x [W, hidden] (normed), keys and values
         written at `slots` (a tensor), attention over every cache slot under the additive `bias` [W, slots].
 
         Grouped-query attention as plain attention per KV head: the query heads that share a KV head are stacked
@@ -193,8 +233,12 @@ class Attention(nn.Module):
         cache.k[layer].index_copy_(1, slots, k)
         cache.v[layer].index_copy_(1, slots, v)
         G = H // KV
-        out = F.scaled_dot_product_attention(q.reshape(1, KV, G * W, D), cache.k[layer].unsqueeze(0),
-                                             cache.v[layer].unsqueeze(0), attn_mask=bias.repeat(G, 1)[None, None])
+        out = F.scaled_dot_product_attention(
+            q.reshape(1, KV, G * W, D),
+            cache.k[layer].unsqueeze(0),
+            cache.v[layer].unsqueeze(0),
+            attn_mask=bias.repeat(G, 1)[None, None],
+        )
         # reshape, not view: a fused kernel may return its output strided
         return self.o_proj(out.reshape(H, W, D).transpose(0, 1).reshape(W, H * D))
 
@@ -256,14 +300,21 @@ class Decoder(nn.Module):
 class NativeModel:
     """Implements the Model protocol (`models/base.py`) over a Decoder and its static KV cache.
 
-    static_width: an int W pads every forward to W rows (models/static.py: one shape, so a row's logits do not
+    static_width: an int W pads every forward to W rows (models/native/padded.py: one shape, so a row's logits do not
     depend on the others; graph-captured on CUDA); None runs each forward at its own width; "auto" is W measured
     once on a CUDA device and None on a CPU, where padding costs compute. `graph` (None: on CUDA) captures the
     W-row step in a CUDA graph; `compile_step` runs the step through torch.compile first (fewer, fused kernels:
     docs/GPU.md; off by default)."""
 
-    def __init__(self, decoder: Decoder, max_context: int, eos_token_ids: tuple[int, ...] = (),
-                 static_width: int | str | None = None, graph: bool | None = None, compile_step: bool = False):
+    def __init__(
+        self,
+        decoder: Decoder,
+        max_context: int,
+        eos_token_ids: tuple[int, ...] = (),
+        static_width: int | str | None = None,
+        graph: bool | None = None,
+        compile_step: bool = False,
+    ):
         cfg = decoder.cfg
         self.decoder, self.cfg = decoder, cfg
         param = decoder.lm_head.weight
@@ -276,7 +327,7 @@ class NativeModel:
             width = None
         # a padded forward writes up to W - 1 rows past the last real one; "auto" picks one of WIDTHS
         spare = 0 if width is None else max(WIDTHS) if width == "auto" else width
-        slots = -(-(max_context + spare) // 64) * 64 if spare else max_context   # aligned rows for fused kernels
+        slots = -(-(max_context + spare) // 64) * 64 if spare else max_context  # aligned rows for fused kernels
         self.cache = KVCache(cfg, max_context, self.dtype, self.device, slots)
         inv_freq = rope_inv_freq(cfg).to(self.device)
         angles = torch.outer(torch.arange(slots, dtype=torch.float32, device=self.device), inv_freq)
@@ -284,8 +335,9 @@ class NativeModel:
         self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         self.static = None
         if compile_step and width is None:
-            raise ValueError("compile_step compiles the static-shape step: pass static_width=W (an int; 'auto' "
-                             "is off on a CPU)")
+            raise ValueError(
+                "compile_step compiles the static-shape step: pass static_width=W (an int; 'auto' is off on a CPU)"
+            )
         if width is not None:
             if width == "auto":
                 width = measured_width(self)
@@ -311,7 +363,7 @@ class NativeModel:
             src = torch.tensor(slots, device=cache.k.device)
             dst = torch.arange(prefix_len, prefix_len + len(slots), device=cache.k.device)
             if not torch.equal(src, dst):
-                cache.k[:, :, dst] = cache.k[:, :, src]       # the right side is gathered first: overlap is safe
+                cache.k[:, :, dst] = cache.k[:, :, src]  # the right side is gathered first: overlap is safe
                 cache.v[:, :, dst] = cache.v[:, :, src]
         cache.length = prefix_len + len(slots)
 
@@ -332,8 +384,11 @@ class NativeModel:
         window = self.cfg.sliding_window
         if n == 1 and tree_mask is None and (window is None or start < window):
             return None
-        new = torch.ones(n, n, dtype=torch.bool, device=self.device).tril() if tree_mask is None \
+        new = (
+            torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            if tree_mask is None
             else tree_mask.to(device=self.device, dtype=torch.bool)
+        )
         mask = torch.cat((torch.ones(n, start, dtype=torch.bool, device=self.device), new), dim=1)
         if window is not None:
             key_pos = torch.cat((torch.arange(start, device=self.device), positions))
@@ -350,18 +405,28 @@ class NativeModel:
         return self.decoder.lm_head(self.decoder.model.norm(h)).float()
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None, last_n: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: list[int],
+        positions: list[int] | None = None,
+        tree_mask: torch.Tensor | None = None,
+        last_n: int | None = None,
+    ) -> torch.Tensor:
         n, start = len(token_ids), self.cache.length
         if n == 0:
             raise ValueError("forward needs at least one token")
         if start + n > self.max_context:
-            raise ValueError(f"context full: {start} cached + {n} new tokens exceed max_context "
-                             f"{self.max_context}; create the engine with a larger max_context")
+            raise ValueError(
+                f"context full: {start} cached + {n} new tokens exceed max_context "
+                f"{self.max_context}; create the engine with a larger max_context"
+            )
         if self.static is not None:
             return self.static.forward(token_ids, positions, tree_mask, last_n)
-        pos = torch.arange(start, start + n, device=self.device) if positions is None \
+        pos = (
+            torch.arange(start, start + n, device=self.device)
+            if positions is None
             else torch.tensor(positions, device=self.device)
+        )
         cos, sin = self.rope(pos)
         mask = self.attention_mask(pos, start, tree_mask)
         h = self.embed(token_ids)

@@ -1,0 +1,109 @@
+"""A generation as the Engine's callers see it: the `Request`, its `Stream` (read from any thread, `.cancel()`),
+and its `GenerationResult`."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from paraspec.errors import StreamCancelled
+from paraspec.stats import GenerationStats
+from paraspec.trace import Trace
+
+_numbers = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """A generation: who opened it and when, whether it was asked to stop, and its result once it has ended."""
+
+    kind: str  # "generate()" | "stream" | "restart_workers()" | "set_options()"
+    exclusive: bool = False  # runs alone on the Engine (restart_workers, set_options)
+    number: int = field(default_factory=lambda: next(_numbers))
+    thread: int = field(default_factory=threading.get_ident)
+    thread_name: str = field(default_factory=lambda: threading.current_thread().name)
+    opened: float = field(default_factory=time.time)
+    stream: weakref.ref | None = None  # the Stream (weak: dropping it cancels the generation)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    ended_by: str | None = None  # why another thread ended it, if not by cancel()
+    result: GenerationResult | None = None
+
+    def __str__(self) -> str:
+        opened = time.strftime("%H:%M:%S", time.localtime(self.opened))
+        return (
+            f"{self.kind} #{self.number} (opened by thread {self.thread_name!r} at {opened}, "
+            f"{time.time() - self.opened:.1f} s ago)"
+        )
+
+    def how_to_end(self) -> str:
+        if self.kind == "stream":
+            return (
+                "read that stream to its end or close it (stream.close(), in its thread), or cancel it from any "
+                "thread (engine.cancel())"
+            )
+        return "wait for it, or cancel it from any thread (engine.cancel())"
+
+    def open_stream(self) -> Stream | None:
+        return self.stream() if self.stream is not None else None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    trace: Trace = field(repr=False)
+    finish_reason: str = "length"  # "stop" (a stop token or string) | "length" | "context" | "cancelled"
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+    margins: dict[int, float] | None = field(default=None, repr=False)  # see generate(record_margins=...)
+    worker_reports: dict = field(default_factory=dict, repr=False)  # raw counters of worker loops
+
+
+class Stream:
+    """A generation streamed as text deltas (Engine.stream): iterate it; `result` is its GenerationResult once it
+    has ended; close() (also `with engine.stream(...) as s:`) cancels it. The request starts at the first next()."""
+
+    def __init__(self, deltas: Iterator[str], request: Request, wake=None):
+        self._deltas, self._request, self._wake = deltas, request, wake
+        self._ended_by: str | None = None  # why it was ended by its own thread, not by its reader
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> str:
+        if self._ended_by is not None:
+            raise StreamCancelled(f"{self._request} was cancelled: {self._ended_by}")
+        return next(self._deltas)
+
+    @property
+    def result(self) -> GenerationResult | None:
+        """The GenerationResult once the stream has ended (read to its end, closed or cancelled), else None."""
+        return self._request.result
+
+    def close(self) -> None:
+        """Cancel the generation (in the thread that reads the stream); the stream ends, its result says
+        "cancelled". Closing a stream that has ended does nothing."""
+        self._request.cancelled.set()
+        self._deltas.close()
+
+    def cancel(self) -> None:
+        """Cancel the generation from any thread (a server's disconnect or timeout): it ends within one round,
+        its result says "cancelled"; the other requests on the Engine go on."""
+        self._request.cancelled.set()
+        if self._wake is not None:
+            self._wake()
+
+    def end(self, why: str) -> None:
+        """Its thread ends it, not its reader: its next iteration raises StreamCancelled saying `why`."""
+        self._ended_by = why
+        self.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
