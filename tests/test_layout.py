@@ -125,3 +125,44 @@ def test_the_checks_can_fail():
     assert "paraspec.models.cache" in graph["paraspec.models.loader"]  # a module-level import
     assert "paraspec.models.llamacpp.model" in graph["paraspec.models.loader"]  # one inside a function
     assert layer("paraspec.sim.costs") == 0 and layer("paraspec.sim.events") == 6
+
+
+# models/ by backend: the native decoder and llama.cpp each in a package of their own; beside them only what every
+# backend shares (the protocol, the cache folder, loading, GGUF conversion, the CPU's flags, HF and simulated models)
+MODELS_TOP = {"__init__", "base", "cache", "cpu_features", "gguf", "hf", "loader", "simulated"}
+MODELS_PACKAGES = {
+    "native": {"__init__", "decoder", "sequences", "padded", "layer_parallel", "kernels", "shapes"},
+    "llamacpp": {"__init__", "model", "child", "child_tasks", "widen"},
+}
+
+
+def test_models_are_split_by_backend():
+    models = PACKAGE / "models"
+    assert {p.stem for p in models.glob("*.py")} == MODELS_TOP
+    assert {p.name for p in models.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(MODELS_PACKAGES)
+    for name, expected in MODELS_PACKAGES.items():
+        assert {p.stem for p in (models / name).glob("*.py")} == expected, name
+
+
+def test_tooling_for_lent_gpus_is_not_in_the_library():
+    """`make gpu-check` is a benchmark (benchmarks/gpu_check.py): nothing in the package imports or holds it."""
+    assert not list(PACKAGE.rglob("gpu_check*.py"))
+    assert (PACKAGE.parent / "benchmarks" / "gpu_check.py").exists()
+    assert not [name for name, path in modules().items() if "benchmarks" in imported_roots(path)]
+
+
+def imported_roots(path: Path) -> set[str]:
+    """The top-level names a module imports (`benchmarks` for `from benchmarks.gpu_check import ...`)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+    return roots
+
+
+def test_imported_roots_sees_what_a_module_imports(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import os.path\ndef f():\n    from benchmarks.gpu_check import main\n")
+    assert imported_roots(module) == {"os", "benchmarks"}
