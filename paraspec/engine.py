@@ -5,11 +5,12 @@ EngineConfig (config.py) before anything loads; checkpoints are resolved (once e
 loader (models/loader.py); prompts, stop strings and output text are prompts.py's, streamed text text_stream.py's;
 the strategy (strategies/base.py) owns the models, its workers and channels, and says whether they are healthy.
 
-Requests (what the server relies on; the request, Stream, errors and the gate are requests.py's):
+Requests (what the server relies on; the request and its Stream are streams.py's, the errors errors.py's, the gate
+gate.py's):
 - Up to `max_num_seqs` generations at once where the strategy batches requests (`ar` and `sd` on llama.cpp's
   kernels or the native decoder's dynamic forward: batching.py; each answer bit-identical to the request run
-  alone), else one at a time. A request beyond that waits its turn (`on_busy="wait"`, the default; at most `wait_timeout` seconds, 600 by default) or
-  raises EngineBusy (`on_busy="error"`). EngineBusy names the requests holding the Engine (a stream left open:
+  alone), else one at a time. A request beyond that waits its turn (`on_busy="wait"`, the default; at most
+  `wait_timeout` seconds, 600 by default) or raises EngineBusy (`on_busy="error"`). EngineBusy names the requests holding the Engine (a stream left open:
   which thread opened it, when) and how to end them: read to the end, stream.close() in its thread, or
   engine.cancel() from any thread.
 - engine.stream() returns a Stream: iterate it for text deltas; `stream.result` is its GenerationResult once it
@@ -107,8 +108,8 @@ class Engine:
         `static_width` (native backend): pad every forward to W rows, so that a token's logits do not depend on
         how many tokens its forward carried (one kernel shape; a CUDA graph on GPUs; models/native/padded.py): an int,
         "auto" (a width measured on CUDA devices, off on CPUs) or None (off). `compile_step` runs that padded
-        step through torch.compile (fused kernels; 1.5x on an H100, docs/GPU.md; tens of seconds per model at
-        load)."""
+        step through torch.compile (fused kernels, a faster step on GPUs; a compile per model at load; measured by
+        benchmarks/gpu_check.py --sections compiled, docs/GPU.md)."""
         self._start(
             EngineConfig(
                 target,
