@@ -50,7 +50,8 @@ def ngram_simple(sequence: list[int], n: int, m: int) -> list[int]:
 
 def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propose, settle) -> dict:
     """Rounds over one answer; propose(sequence, k, pending) -> at most k drafts (k: the answer's tokens left after
-    the round's own), settle(sequence, width, drafts, accepted, committed) after each round. Seconds exclude the prompt round (its prefill is the same for everyone)."""
+    the round's own), settle(sequence, width, drafts, accepted, committed) after each round. Seconds exclude the
+    prompt round (its prefill is the same for everyone)."""
     pos, seconds, rounds, drafted, accepted_total, cached = 0, 0.0, 0, 0, 0, 0
     while pos < len(answer):
         sequence = prompt + answer[:pos]
@@ -84,8 +85,10 @@ def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead
     for prompt, answer in answers:
         policy.reset()
         spent = [0.0]
+        end = len(prompt) + len(answer)
 
-        def propose(sequence, k, pending):
+        # replay_answer calls both within this iteration; the defaults only make that binding explicit
+        def propose(sequence, k, pending, end=end, spent=spent):
             start = time.perf_counter()
             tokens = (
                 policy.propose(
@@ -94,7 +97,7 @@ def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead
                     params,
                     generator,
                     pending=pending,
-                    remaining=len(prompt) + len(answer) - len(sequence),
+                    remaining=end - len(sequence),
                 ).tokens
                 if k > 0
                 else []

@@ -72,10 +72,10 @@ def main():
     for i, rows in enumerate(args.rows):
         ex = ShmExchange.create(2, rows * HIDDEN * 4)
         try:
-            shm = run(shm_rank, lambda r: (r, ex.segment.name, rows, args.iters))
+            shm = run(shm_rank, lambda r, name=ex.segment.name, rows=rows: (r, name, rows, args.iters))
         finally:
             ex.close()
-        gloo = run(gloo_rank, lambda r: (r, 29600 + i, rows, args.iters))
+        gloo = run(gloo_rank, lambda r, port=29600 + i, rows=rows: (r, port, rows, args.iters))
         print(f"| {rows} | {shm * 1e6:.1f} | {gloo * 1e6:.1f} |", flush=True)
 
 

@@ -7,9 +7,10 @@ moment it ends, so a run killed at its time limit still leaves what it finished;
 failing one records its traceback and the next still runs) and under its own time cap within the budget:
 
     environment    the device, torch / CUDA / transformers versions, the date, the git commit
-    forward_cost   one forward of random-weight decoders of real shapes (models/native/shapes.py) at widths 1..32, with a
-                   2048-slot cache holding 512 tokens: the static forward eager and CUDA-graphed (models/native/padded.py),
-                   and the dynamic (unpadded) eager forward; the width `choose_width` picks for each shape
+    forward_cost   one forward of random-weight decoders of real shapes (models/native/shapes.py) at widths 1..32,
+                   with a 2048-slot cache holding 512 tokens: the static forward eager and CUDA-graphed
+                   (models/native/padded.py), and the dynamic (unpadded) eager forward; the width `choose_width`
+                   picks for each shape
     strategies     ar, sd at acceptance 0.6 / 0.8 / 0.95, amusd and dsi through the real Engine on the one device:
                    simulated models (fixed, known acceptance) whose every forward also pays a real forward of the
                    Qwen2.5-1.5B (target) and 0.5B (draft) shapes; every run's tokens must equal ar's

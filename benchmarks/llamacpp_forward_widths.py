@@ -204,7 +204,9 @@ def main() -> None:
             wait_quiet(args.wait_quiet, args.max_others)
             done = []
             others = others_share(
-                lambda: done.append(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True))
+                lambda done=done, cmd=cmd, env=env: done.append(
+                    subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                )
             )
             runs[c].append(dict(json.loads(done[0].stdout.strip().splitlines()[-1]), others=others))
             print(

@@ -18,7 +18,8 @@ Quote timings only from a quiet machine (the load average is printed).
 
 instead times the draft's and the target's prompts, and a one-token forward after them, on paraspec's own contexts
 (LlamaCppModel, repacking on), interleaved, with the draft as given and with its Q5_0 matrices as Q8_0 (what the
-Engine runs where its measured verdict says so, models/llamacpp/widen.py): sd's TTFT is the sum of the draft's and the target's.
+Engine runs where its measured verdict says so, models/llamacpp/widen.py): sd's TTFT is the sum of the draft's and
+the target's.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def main() -> None:
     for p in args.prompt_tokens:
         ids = rng.integers(0, vocab, size=p).tolist()
         times = {name: [] for name in contexts}
-        for name, ctx in contexts.items():
+        for ctx in contexts.values():
             ctx.prefill(ids)  # warm-up
         for r in range(args.rounds):
             order = list(contexts)[r % len(contexts) :] + list(contexts)[: r % len(contexts)]

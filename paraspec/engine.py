@@ -10,9 +10,9 @@ gate.py's):
 - Up to `max_num_seqs` generations at once where the strategy batches requests (`ar` and `sd` on llama.cpp's
   kernels or the native decoder's dynamic forward: batching.py; each answer bit-identical to the request run
   alone), else one at a time. A request beyond that waits its turn (`on_busy="wait"`, the default; at most
-  `wait_timeout` seconds, 600 by default) or raises EngineBusy (`on_busy="error"`). EngineBusy names the requests holding the Engine (a stream left open:
-  which thread opened it, when) and how to end them: read to the end, stream.close() in its thread, or
-  engine.cancel() from any thread.
+  `wait_timeout` seconds, 600 by default) or raises EngineBusy (`on_busy="error"`). EngineBusy names the requests
+  holding the Engine (a stream left open: which thread opened it, when) and how to end them: read to the end,
+  stream.close() in its thread, or engine.cancel() from any thread.
 - engine.stream() returns a Stream: iterate it for text deltas; `stream.result` is its GenerationResult once it
   has ended. The request starts at the first next(), so a stream never iterated holds nothing.
 - How a stream ends early, and what its reader sees:

@@ -53,7 +53,8 @@ class RequestGate:
                     ends = (
                         self.active[0].how_to_end()
                         if len(self.active) == 1
-                        else "end one of them (read a stream to its end or close it, or engine.cancel() from any thread)"
+                        else "end one of them (read a stream to its end or close it, "
+                        "or engine.cancel() from any thread)"
                     )
                     if self.on_busy == "error":
                         raise EngineBusy(

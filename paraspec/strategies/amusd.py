@@ -15,8 +15,8 @@
 Two corrections to the published code: after a rollback the draft never re-feeds a token it has already cached
 (draft_loop's cache length always equals the tokens it really processed), and the verifier's bonus token is kept
 rather than dropped. A draft judged at once from a distribution in hand counts toward drafted/accepted (and a
-rollback when rejected), not as a round: no forward verified it. Every drafted token is judged against exactly the prefix it was
-drafted from: a token is published only under the version it was drafted at, and any change to an earlier
+rollback when rejected), not as a round: no forward verified it. Every drafted token is judged against exactly the
+prefix it was drafted from: a token is published only under the version it was drafted at, and any change to an earlier
 position bumps the version and drops it.
 """
 

@@ -126,7 +126,7 @@ class Strategy(abc.ABC):
     # registry.option_default reads both
     option_defaults: ClassVar[dict[str, Any]] = {}
 
-    @classmethod
+    @classmethod  # noqa: B027  (optional hook: most strategies check nothing more)
     def check_config(cls, config) -> None:
         """Checks across options, devices and backend (EngineConfig calls it); raise ValueError naming the fix."""
 

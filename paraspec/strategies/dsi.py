@@ -240,7 +240,7 @@ def _watch_channel(channel, events: queue.SimpleQueue) -> None:
     seen = None
     try:
         while True:
-            state = channel.wait_until(lambda s: (s.version, s.committed, s.length) != seen)
+            state = channel.wait_until(lambda s, seen=seen: (s.version, s.committed, s.length) != seen)
             seen = (state.version, state.committed, state.length)
             events.put(("channel",))
     except ChannelStopped:

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from paraspec.drafters import Drafter, DraftPolicy, Proposal, TokenTree
 from paraspec.request_state import Run
 
-# draft(policy, sequence, pending): the round's proposal (a chain or a tree); `pending` = committed tokens the target has not cached
+# draft(policy, sequence, pending): the round's proposal (a chain or a tree); `pending` = committed tokens the target
+# has not cached
 DraftStep = Callable[[DraftPolicy, list[int], int], "Proposal | TokenTree"]
 # verify(sequence, pending tokens, proposal): (accepted path as indices into proposal.tokens, the next token)
 VerifyStep = Callable[[list[int], list[int], "Proposal | TokenTree"], tuple[list[int], int]]

@@ -142,7 +142,7 @@ def test_the_profile_says_where_a_step_goes(cpu_run):
     record = cpu_run[1]["sections"]["profile"]
     assert record["width"] == gpu_check.PROFILE_WIDTH
     assert set(record["models"]) == set(gpu_check.QUICK_PAIRS[0])
-    for shape, m in record["models"].items():
+    for m in record["models"].values():
         assert "error" not in m, m["error"]
         assert set(m) == {"eager"}  # no graph replay on a CPU
         eager = m["eager"]

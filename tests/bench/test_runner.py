@@ -242,7 +242,7 @@ def test_run_interleaves_and_feeds_the_first_answer_to_turn_two(bench_tokenizer)
         encode_prompt(bench_tokenizer, prompts[1].as_input(True, {prompts[0].id: "ANSWER"})),
     ]
     assert [name for name, _ in calls] == [v.name for _, v in interleave(3, variants)]
-    for k, (name, ids) in enumerate(calls[:6]):  # every variant got the very same prompt ids
+    for k, (_, ids) in enumerate(calls[:6]):  # every variant got the very same prompt ids
         assert ids == expected_ids[k // 3]
     assert "ANSWER<|im_end|>" in bench_tokenizer.decode(expected_ids[1])  # ar's answer, not sd's "other"
     assert [r.prompt_id for r in result.records][:3] == ["q1/turn1"] * 3

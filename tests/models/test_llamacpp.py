@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.models.llamacpp.model import LlamaCppModel, measure_exact_width
 from paraspec.models.llamacpp import model as llamacpp
+from paraspec.models.llamacpp.model import LlamaCppModel, measure_exact_width
 from paraspec.models.loader import load_model
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from paraspec.models.llamacpp.model import LlamaCppModel, measure_batch_exact
 from paraspec.models.llamacpp import model as llamacpp
+from paraspec.models.llamacpp.model import LlamaCppModel, measure_batch_exact
 
 pytest.importorskip("llama_cpp")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.models.llamacpp.model import LlamaCppModel
 from paraspec.models.llamacpp import model as llamacpp
+from paraspec.models.llamacpp.model import LlamaCppModel
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards
 
 pytest.importorskip("llama_cpp")

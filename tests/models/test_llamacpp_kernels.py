@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from paraspec.models.llamacpp.model import PROBE_WIDTH, LlamaCppModel
 from paraspec.models.llamacpp import model as llamacpp
+from paraspec.models.llamacpp.model import PROBE_WIDTH, LlamaCppModel
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import quantize_gguf, tiny_hf_model, tiny_vocab, write_gguf
 

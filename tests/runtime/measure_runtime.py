@@ -34,15 +34,12 @@ def main():
             f"(per worker: {', '.join(f'{i.startup_s:.2f}' for i in infos.values())} s)"
         )
         w = rt["w1"]
-        print("call round trip (length): median %.3f ms, min %.3f ms" % median_ms(lambda: w.call("length"), 500))
-        print(
-            "call round trip (echo of a small list): median %.3f ms, min %.3f ms"
-            % median_ms(lambda: w.call("echo", [1], [5], None), 500)
-        )
-        print(
-            "logits [8, 151936] float32 back through the socket: median %.2f ms, min %.2f ms"
-            % median_ms(lambda: w.call("big_logits", 8, 151_936), 30)
-        )
+        med, low = median_ms(lambda: w.call("length"), 500)
+        print(f"call round trip (length): median {med:.3f} ms, min {low:.3f} ms")
+        med, low = median_ms(lambda: w.call("echo", [1], [5], None), 500)
+        print(f"call round trip (echo of a small list): median {med:.3f} ms, min {low:.3f} ms")
+        med, low = median_ms(lambda: w.call("big_logits", 8, 151_936), 30)
+        print(f"logits [8, 151936] float32 back through the socket: median {med:.2f} ms, min {low:.2f} ms")
         channel = rt.channel("q", capacity=4096, vocab_size=151_936, q_window=64)
         v = channel.reset([1])
         q = np.random.rand(8, 151_936).astype(np.float32)
@@ -53,18 +50,14 @@ def main():
             state["pos"] += 8
             channel.commit(list(range(8)))
 
-        print(
-            "channel publish_draft of 8 tokens + q [8, 151936] (+ commit): median %.2f ms, min %.2f ms"
-            % median_ms(publish, 30)
-        )
+        med, low = median_ms(publish, 30)
+        print(f"channel publish_draft of 8 tokens + q [8, 151936] (+ commit): median {med:.2f} ms, min {low:.2f} ms")
         channel.publish_draft(state["pos"], list(range(8)), q, version=v)
-        print(
-            "channel read_q [8, 151936]: median %.2f ms, min %.2f ms"
-            % median_ms(lambda: channel.read_q(state["pos"], state["pos"] + 8), 30)
-        )
+        med, low = median_ms(lambda: channel.read_q(state["pos"], state["pos"] + 8), 30)
+        print(f"channel read_q [8, 151936]: median {med:.2f} ms, min {low:.2f} ms")
         wake = rt.channel("wake", capacity=64)
         latencies = []
-        for i in range(20):
+        for _ in range(20):
             wake.reset([1])
             handle = w.start_loop(loops.timed_commit_wait, channel=wake, min_committed=2)
             time.sleep(0.05)

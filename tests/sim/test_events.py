@@ -48,7 +48,8 @@ def test_sd_agrees_with_the_papers_si(c, a, k):
 
 @pytest.mark.parametrize("c,k", [(0.05, 5), (0.3, 2), (0.9, 1)])
 def test_dsi_agrees_with_the_paper_at_the_edges(c, k):
-    """a = 0: every draft is wrong and DSI runs at the target's pace; a = 1: the drafter's pace plus one verification."""
+    """a = 0: every draft is wrong and DSI runs at the target's pace; a = 1: the drafter's pace plus one
+    verification."""
     servers = paper.servers_required(c, k) + 1
     for a in (0.0, 1.0):
         model = paper.simulate(c, a, k, tokens=300, repeats=1).dsi

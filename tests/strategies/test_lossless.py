@@ -142,7 +142,7 @@ def test_streams_equal_generate_over_several_requests(ar_engine, qwen2_target, q
             assert text == streamed.text == e.generate(prompt, params).text
 
 
-# -- the static-shape forward (models/native/padded.py): every forward padded to W rows, as on GPUs ----------------------
+# -- the static-shape forward (models/native/padded.py): every forward padded to W rows, as on GPUs -------------------
 
 STATIC_WIDTH = 4  # narrower than most verifications here: they run in several padded steps
 

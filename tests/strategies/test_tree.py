@@ -219,7 +219,7 @@ SAMPLING = dict(temperature=0.9, top_k=5)  # top-k: q has zeros, as real sampler
 
 
 def tree_joint_counts(engine, prompt, sampling):
-    counts, accepted, nodes = np.zeros((VOCAB, VOCAB)), 0, 0
+    counts, accepted = np.zeros((VOCAB, VOCAB)), 0
     for seed in range(N_SAMPLES):
         result = engine.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed, **sampling))
         x1, x2 = result.token_ids[:2]

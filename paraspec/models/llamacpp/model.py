@@ -491,14 +491,14 @@ class LlamaCppModel(SequenceChecks):
         self._check_room(n, seq)
         self._check_vocabulary(token_ids)
         want = n if last_n is None else min(last_n, n)
-        pieces, start = [], 0
+        pieces, first = [], 0
         if length == 0 and n - want + 1 > 1:
             # into an empty cache: the tokens up to the first wanted row are a prompt, decoded in n_batch chunks
             # exactly as prefill() decodes one (same chunks, same output row), so every strategy's prompt KV and
             # first logits are ar's, without paying exact-width pieces for hundreds of prompt tokens
             pieces.append(self._prefill_chunks(token_ids[: n - want + 1], seq))
-            start = n - want + 1
-        for start in range(start, n, self.exact_width):
+            first = n - want + 1
+        for start in range(first, n, self.exact_width):
             chunk = token_ids[start : start + self.exact_width]
             self.forward_widths[len(chunk)] = self.forward_widths.get(len(chunk), 0) + 1
             keep = max(0, len(chunk) - max(0, (n - want) - start))

@@ -9,8 +9,8 @@ the same bits whatever the number of rows beside it; the load-time probe (`measu
 this model on this machine, and where it does not hold the requests take turns (one forward each), as on
 llama.cpp (models/llamacpp/model.py).
 
-Dynamic shapes only: the static-shape forward (models/native/padded.py) captures one cache in its CUDA graph, so an Engine
-padding forwards runs one request at a time.
+Dynamic shapes only: the static-shape forward (models/native/padded.py) captures one cache in its CUDA graph, so an
+Engine padding forwards runs one request at a time.
 """
 
 from __future__ import annotations
