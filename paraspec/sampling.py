@@ -91,8 +91,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
 
     Inverse CDF: the first token whose running sum (float64) exceeds u x the total, u uniform in [0, 1) from
     `generator`; a token of probability 0 is never drawn (its running sum equals its predecessor's). Exact as
-    torch.multinomial is, and cheaper on a real vocabulary (151,936 tokens, Zen 5, in a loop: 0.9-1.1 ms against
-    2.4-2.5 ms, which was 8% of a sampled decode step on the llamacpp backend).
+    torch.multinomial is, and cheaper on a real vocabulary (timed in docs/BENCHMARKS.md, "Costs around the
+    kernels").
 
     `generator` is a CPU generator (make_generator) wherever `probs` are: u is drawn on the CPU and searched for
     as a number, so one seed gives the same token on every device. On a GPU this reads back twice (the total

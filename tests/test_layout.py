@@ -5,6 +5,7 @@ Every `import` statement counts, including those inside functions (a lazy import
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "paraspec"
@@ -166,3 +167,20 @@ def test_imported_roots_sees_what_a_module_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os.path\ndef f():\n    from benchmarks.gpu_check import main\n")
     assert imported_roots(module) == {"os", "benchmarks"}
+
+
+MACHINE_NAMES = re.compile(r"Zen ?[345]|Xeon|H100|H200|EPYC")
+
+
+def test_the_package_names_no_machine_a_figure_was_measured_on():
+    """A measured figure belongs in docs/ (BENCHMARKS.md, results/); the code says the rule it follows and the
+    benchmark or test that shows it."""
+    assert MACHINE_NAMES.search("1.5x on an H100") and MACHINE_NAMES.search("on a Zen 5")
+    hits = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if MACHINE_NAMES.search(line)
+    ]
+    assert not hits, "\n".join(hits)

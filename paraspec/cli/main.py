@@ -82,8 +82,7 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
         "--compile-step",
         action="store_true",
         help="native backend with a static width: run the padded step through torch.compile (fused "
-        "kernels, then a CUDA graph; 1.5x on an H100, docs/GPU.md; tens of seconds per model to "
-        "compile at load)",
+        "kernels, then a CUDA graph: a faster step on GPUs, docs/GPU.md; a compile per model at load)",
     )
     p.add_argument(
         "--runtime",

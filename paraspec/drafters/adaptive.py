@@ -201,11 +201,10 @@ class ForwardCost:
         each forward asks for its last row's logits only, as a draft model's catch-ups and drafts do (a verification
         reads every row's, and on a 150k vocabulary the output matrix is a large share of a wide forward). A forward
         that took under REPEAT_UNDER_S seconds is timed again, up to `repeats` times, and the fastest kept (a short
-        forward is the one a stray interruption distorts most); a longer one once (it is start-up time: on two
-        cores a 33-token forward of the 1.5B target takes ~1 s, and the rule rescales every width by what the
-        rounds measure, `observe`). A GPU is waited for before each clock read (a forward
-        returns once queued). In a small context (max_context 24) the prefix is shorter and widths that would not
-        fit are left out (the rule extrapolates; no round can verify more than the context holds)."""
+        forward is the one a stray interruption distorts most); a longer one once (it is start-up time, and the
+        rule rescales every width by what the rounds measure, `observe`). A GPU is waited for before each clock read (a
+        forward returns once queued). In a small context (max_context 24) the prefix is shorter and widths that would
+        not fit are left out (the rule extrapolates; no round can verify more than the context holds)."""
         room = getattr(model, "max_context", None) or context + max(widths)
         widths = [w for w in widths if w < room] or [1]
         context = max(1, min(context, room - max(widths)))
@@ -236,8 +235,8 @@ CALIBRATE_EVERY_WIDTH = 20  # widths measured one by one at start-up; beyond, ev
 def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
     """Widths measured at start-up: every width up to CALIBRATE_EVERY_WIDTH, then every 4th up to pending + max_k.
     A CPU's cost by width need not be smooth: llama.cpp's AVX-512 kernels take activations in 16-row blocks, so
-    on a Zen 5 a 16-token forward costs less than a 15-token one, which an interpolation between every third
-    width would miss."""
+    a 16-token forward can cost less than a 15-token one, which an interpolation between every third width would
+    miss (benchmarks/llamacpp_forward_widths.py prints the cost of every width)."""
     top = pending + max_k
     return sorted(
         set(range(1, min(top, CALIBRATE_EVERY_WIDTH) + 1)) | set(range(CALIBRATE_EVERY_WIDTH + 4, top + 1, 4)) | {top}

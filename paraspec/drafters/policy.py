@@ -279,7 +279,8 @@ class DraftPolicy(Drafter):
                     look = "probe"
             # a look only where drafting could pay were every draft right: on a CPU where the draft model's step
             # costs most of the target's and verification grows with its width, no acceptance pays, and the look
-            # would only buy the prompt's catch-up (2.2 s of TTFT, Zen 3)
+            # would only buy the prompt's catch-up (docs/DRAFTERS.md;
+            # test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried)
             if look and self._could_pay(draft_s, verify(1), max_k, catch_up, remaining):
                 if look == "trial":
                     k, self._trial = max(k, min(max_k, state.trial_k)), True

@@ -21,14 +21,15 @@ frequency. How long a proposal is comes from the evidence, as in SuffixDecoding:
                  `suffix_decoding_max_spec_factor`, 1.0 there): a 2-token match says little about 10 tokens on.
                  paraspec's default is 0, no cap: the adaptive rule keeps an acceptance per match length and cuts
                  each proposal where its tokens stop paying, and the cap only threw away the tokens it would have
-                 kept (replayed over 16 ar answers each, Zen 5 costs: +8% code-edit, +6% HumanEval, summarize and
-                 MT-Bench unchanged; `benchmarks/draft_replay.py --variant suffix_factor=1`);
+                 kept (`benchmarks/draft_replay.py --variant suffix_factor=1` replays `ar` answers with and
+                 without it; docs/DRAFTERS.md);
     memory       a pattern whose last proposal went wrong after r tokens proposes r; one whose last proposal was
                  right as far as it was checked is not held to the factor (drafters/memory.py; chains only);
     copy         a chain that followed the request's trie to the depth the trie holds continues, past it, as the
                  text continued after the latest earlier occurrence of its last COPY_KEY tokens (prompt lookup,
                  llama.cpp's ngram-simple): a copied span is longer than any trie depth, and the adaptive rule
-                 verifies as much of it as pays (on a Zen 5, 32 tokens cost 1.5x 16). A match as long as the trie
+                 verifies as much of it as pays (a forward's cost grows slower than its width:
+                 benchmarks/llamacpp_forward_widths.py). A match as long as the trie
                  can see (depth // 2) is not held to the factor either.
 
 q: proposals are deterministic functions of the sequence and the cache, so each token's q is the point mass on
@@ -54,9 +55,9 @@ from paraspec.sampling import SamplingParams
 MIN_PROB = 0.1  # vLLM's default suffix_decoding_min_token_prob
 SPEC_FACTOR = 0.0  # no cap by the match length (vLLM's suffix_decoding_max_spec_factor is 1.0): see above
 COPY_KEY = 8  # tokens whose latest earlier occurrence continues a chain past the trie's depth
-# the tries' depth: indexing a prompt costs O(depth) per token (a 1,100-token summarize prompt: 36 ms at 32, 20 at
-# 16, paid in the first round), and past the depth the copy takes over; replayed over 16 ar answers each, depth 16
-# drafts as well as 32 (code-edit 2.17x vs 2.19x, HumanEval 2.00x vs 1.99x: benchmarks/draft_replay.py)
+# the tries' depth: indexing a prompt costs O(depth) per token (paid in the first round), and past the depth the
+# copy takes over, so the depth is the shallowest that drafts as well as a deeper one (benchmarks/draft_replay.py
+# --variant suffix_depth=32 replays `ar` answers at both)
 DEPTH = 16
 
 
@@ -146,8 +147,9 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     free = True
     # the adaptive rule keeps an acceptance for proposals from the output cache apart from the request's own: other
-    # requests' outputs are right less often at the same match length (replayed over 16 HumanEval answers: 2.00x
-    # with one acceptance for both, 2.05x with one each, 2.08x without the cache; benchmarks/draft_replay.py)
+    # requests' outputs are right less often at the same match length, and one acceptance for both sources cuts the
+    # request's own proposals short (compared by replaying HumanEval answers, benchmarks/draft_replay.py;
+    # docs/DRAFTERS.md)
     sources = ("", "cache")
 
     def __init__(

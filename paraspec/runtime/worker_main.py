@@ -250,8 +250,8 @@ def process_main(sock: socket.socket, name: str, device: str, spec: bytes, heart
 
         threading.Thread(target=exit_with_parent, name="paraspec-parent-watch", daemon=True).start()
     serve(sock, name, parse_device(device), spec, in_process=False, heartbeat_s=heartbeat_s)
-    # Everything this process shared is released by now; skip the interpreter's teardown (with torch loaded
-    # it takes ~0.5 s), which is most of a close().
+    # Everything this process shared is released by now; skip the interpreter's teardown, which with torch loaded
+    # is most of a close().
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

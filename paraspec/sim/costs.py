@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Extra cost of each additional token in a forward, as a fraction of a 1-token forward, when only the
-# 1-token time is known. Measured on the reference machine (docs/BENCHMARKS.md): the 0.5B draft in bf16 on one
-# core takes 133 ms for 1 token and 152 ms for 8, i.e. (152/133 - 1) / 7 = 2% per token.
+# 1-token time is known: (c(8) / c(1) - 1) / 7 of a small draft model's forward on one core
+# (`benchmarks/bench_forward_widths.py --widths 1,8 --dtype bfloat16` prints c(n)).
 DEFAULT_PER_TOKEN_FRACTION = 0.02
 
 

@@ -13,7 +13,7 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    round like the tiled K-quant matmul llama.cpp uses from 8 rows on: `GGML_CPU_TILED_MM` is left on there, and set
    to 0 on other builds and CPUs, before the first matrix product), flash attention on where the build carries the
    patch that stops it splitting a one-token row's KV across threads (`flash_attention`; off in other builds:
-   llama-server's default; 400/1000-token prompts 15/37% faster on the AMX Xeon), and weight repacking
+   llama-server's default; shorter prefills: benchmarks/llamacpp_prefill.py, docs/LLAMACPP.md), and weight repacking
    (`use_extra_bufts`, llama.cpp's default and its fast kernels) **on where it is measured exact**, else off
    (`kernels`: "repacked" or "plain");
 2. **measures** at load which forward widths are bitwise equal to one-token forwards on this CPU, build, kernels
@@ -30,10 +30,9 @@ The prompt's prefill is one forward (chunked by n_batch) in every strategy alike
 `_prefill_chunks`).
 On the repacked kernels it runs on the model's own context. On the plain ones it does not have to be
 batch-invariant, only the same everywhere, so all but its last token run on a second copy of the weights with
-repacking on (`fast_prefill`, default; `PARASPEC_LLAMACPP_FAST_PREFILL=0` turns it off):
-1.65x faster at 1 thread and 1.9x at 2 for 400 tokens of the 1.5B model on a Zen 4 (AVX-512) machine;
-llama.cpp's own default for prompts. That KV cache is copied into the exact
-context (`llama_state_seq_get/set_data`, ~30 ms for 400 tokens of the 1.5B model), which decodes the prompt's last
+repacking on (`fast_prefill`, default; `PARASPEC_LLAMACPP_FAST_PREFILL=0` turns it off): llama.cpp's own
+default for prompts, and faster than the plain kernels (TTFT in docs/LLAMACPP.md, "Fast prefill"). That KV cache
+is copied into the exact context (`llama_state_seq_get/set_data`), which decodes the prompt's last
 token and everything after it: no strategy rolls back into the prompt further than its last token, which it may
 re-feed (dsi's servers do), so every position a strategy recomputes is computed with the exact kernels.
 A draft model (`exact=False`) needs none of this: acceptance judges its tokens against the target's own logits,
@@ -42,9 +41,9 @@ tinyBLAS for the products of several rows (its Q5_0/Q8_0 matrices have no other 
 flash attention, no probe, forwards unsplit. Those kernels are not batch-invariant, so a seeded sampled request's
 draft forwards run alone when requests are batched (its answer must repeat); others share them.
 Tree attention is refused. llama.cpp takes a token tree through sequence ids, and it is exact for the one branch
-whose KV cells are contiguous, but a branch laid out with other nodes between its cells gets other logits (0.32
-apart on the reference target) and so do the tokens decoded after it (0.60): the attention reductions run over
-cell indices (`benchmarks/llamacpp_tree_exactness.py`). Only one root-to-leaf path of a tree can be contiguous.
+whose KV cells are contiguous, but a branch laid out with other nodes between its cells gets other logits, and
+so do the tokens decoded after it: the attention reductions run over cell indices
+(`benchmarks/llamacpp_tree_exactness.py`; docs/LLAMACPP.md). Only one root-to-leaf path of a tree can be contiguous.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 A Q5_0 block is 32 weights q·d with q in -16..15 (5 bits) and one f16 scale d; a Q8_0 block is 32 weights q·d with
 q in -127..127 and one f16 scale. Every Q5_0 block is therefore a Q8_0 block with the same d and the same q: the
 weights are unchanged, bit for bit (tests/models/test_gguf_widen.py dequantizes both). What changes is the kernel:
-llama.cpp has no AMX or repacked kernel for Q5_0, and on the AMX Xeon the reference draft (Qwen2.5-Coder-0.5B
-Q4_K_M: 133 of its matrices are Q5_0, because its 896 columns are not a multiple of 256) decoded its prompt slower
-than the 1.5B target. The file is 1.4x larger.
+llama.cpp has no AMX or repacked kernel for Q5_0, so on a CPU with AMX a draft made mostly of Q5_0 matrices (the
+reference draft, Qwen2.5-Coder-0.5B Q4_K_M: 133 of them, because its 896 columns are not a multiple of 256) can
+decode its prompt slower than its target (`benchmarks/llamacpp_prefill.py --compare-models`; docs/LLAMACPP.md).
+The file is larger (Q8_0 blocks hold 34 bytes per 32 weights, Q5_0 blocks 22).
 
 Only drafts are widened (the Engine, for the llamacpp backend): a draft's numbers do not enter the output, which
 stays the target's; the target runs the user's file as llama.cpp would. Whether to widen is measured, not guessed
@@ -38,7 +39,7 @@ RACE = {"prompt_tokens": 64, "steps": 16, "rounds": 3}
 # new tokens drafted 5 at a time is ~0.7; longer answers, or amusd's draft decoding all along, are several)
 DECODE_PER_PROMPT_TOKEN = 2
 # the widened file must be this much faster at that work to be used: a verdict is kept for good, and a 3%
-# difference is within one run's noise on these VMs
+# difference is within the noise of one race
 WIDEN_MARGIN = 0.97
 
 
@@ -178,9 +179,8 @@ def tensor_types(path: str | os.PathLike) -> set[str]:
 
 
 def widened(path: str | os.PathLike) -> Path:
-    """`path`, or its widened copy if it holds Q5_0 tensors: made once (13 s for the reference draft on the AMX
-    Xeon), cached by the source's content, like the verdict that a file has none (reading a GGUF's vocabulary takes
-    seconds)."""
+    """`path`, or its widened copy if it holds Q5_0 tensors: made once (seconds; docs/LLAMACPP.md), cached by the
+    source's content, like the verdict that a file has none (reading a GGUF's vocabulary takes seconds)."""
     path = Path(path)
     folder = cache_dir() / "widened"
     key = f"{path.stem}-{sha256_prefix(path)}"

@@ -1,9 +1,9 @@
 """Which CPU kernel the native decoder's linear layers use.
 
-`F.linear` on CPU calls MKL's sgemm. On the AVX2 machine of this project a product with a few rows -- a
-verification chunk of k+1 tokens -- costs 2-3.5x a one-row product there, and two threads barely help;
-oneDNN's inner product on the very same weight tensor (plain layout, no copy) is 1.0-1.4x faster for 2-24
-rows on one thread and 1.5-2.5x on two (`python benchmarks/linear_kernels.py`, one layer's four projections).
+`F.linear` on CPU calls MKL's sgemm. On an AVX2 CPU a product with a few rows -- a verification chunk of k+1
+tokens -- can cost several times a one-row product there, and two threads barely help, while oneDNN's inner
+product on the very same weight tensor (plain layout, no copy) is faster for a few rows, more so on two threads
+(`python benchmarks/linear_kernels.py` times one layer's four projections both ways; docs/BENCHMARKS.md).
 Speculative decoding lives on that ratio, so `Linear` sends fp32 CPU products to oneDNN where it wins and to
 `F.linear` elsewhere:
 
