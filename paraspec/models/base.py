@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -105,6 +106,37 @@ def check_batch(model, items: list[tuple[int, list[int], int]]) -> None:
             raise ValueError(f"forward_batch: {outputs} outputs of {len(tokens)} tokens")
         model._check_room(len(tokens), seq)
         model._check_vocabulary(tokens)
+
+
+def measure_batch_exact(model, width: int, prompts: tuple[int, ...], shortest: int = 2) -> list[dict]:
+    """The load-time probe of a model of several sequences (llama.cpp's, models/native/sequences.py): rows of several
+    sequences in one forward_batch against the rows each sequence gets alone (max |diff|, 0.0 where bitwise equal).
+    Every sequence at its own context length (`prompts`, cycled), 2..n_seqs of them, decode steps (one token each)
+    and verify-like steps (`shortest`..`width` tokens each). The sequences are left empty."""
+    rng = np.random.default_rng(1)
+    n = model.n_seqs
+    lengths = [max(1, min(p, model.max_context - width)) for p in prompts]
+    lengths = (lengths * (n // len(lengths) + 1))[:n]
+    steps = [rng.integers(0, model.vocab_size, size=width).tolist() for _ in range(n)]
+    for seq, p in enumerate(lengths):
+        model.prefill(rng.integers(0, model.vocab_size, size=p).tolist(), seq)
+    span = max(1, width - shortest + 1)
+    rows = []
+    for group in range(2, n + 1):
+        for kind in ("decode", "verify"):
+            widths = [1 if kind == "decode" else min(width, shortest + (i + group) % span) for i in range(group)]
+            alone = []
+            for seq in range(group):
+                alone.append(model.forward(steps[seq][: widths[seq]], seq=seq))
+                model.rollback(lengths[seq], seq)
+            got = model.forward_batch([(seq, steps[seq][: widths[seq]], widths[seq]) for seq in range(group)])
+            for seq in range(group):
+                model.rollback(lengths[seq], seq)
+            diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))
+            rows.append({"sequences": group, "kind": kind, "widths": widths, "max_abs_diff": diff})
+    for seq in range(n):
+        model.rollback(0, seq)
+    return rows
 
 
 def check_rollback(length: int, cached: int) -> None:

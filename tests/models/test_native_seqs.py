@@ -88,7 +88,7 @@ def test_the_verdict_sets_what_shares_and_says_so(qwen2_target, monkeypatch, cap
         {"kind": "decode", "max_abs_diff": 0.0 if decode_exact else 1e-6},
         {"kind": "verify", "max_abs_diff": 0.0 if verify_exact else 1e-6},
     ]
-    monkeypatch.setattr(native_seqs, "measure_batch_exact", lambda m, width: rows)
+    monkeypatch.setattr(native_seqs, "measure_batch_exact", lambda m, width, prompts: rows)
     m = model(qwen2_target, n_seqs=2)
     assert m.batch_exact == (decode_exact or verify_exact)
     assert m.min_shared_width == (1 if decode_exact else 2)

@@ -4,7 +4,7 @@
     python -m paraspec.models.llamacpp.child_tasks race '{"files": [...], "n_threads": ..., "prompt_tokens": ..., ...}'
     python -m paraspec.models.llamacpp.child_tasks smoke [--threads 1,2]
 
-- `probe`: the exactness probe (`measure_exact_width`, and `measure_batch_exact` for a context of several
+- `probe`: the exactness probe (`measure_exact_width`, and `probe_batch` for a context of several
   sequences) of one (model, kernels, threads, context). The first
   probe of a (build, CPU, model) is the first time those kernels run on this CPU, so it runs here, where a native
   crash (SIGILL from an instruction the CPU or VM refuses) cannot take down the caller: a pytest run, a server,
@@ -31,7 +31,7 @@ from pathlib import Path
 
 # -- probe ------------------------------------------------------------------------------------------------
 def probe(spec: dict) -> dict:
-    from paraspec.models.llamacpp.model import LlamaCppModel, measure_batch_exact, measure_exact_width
+    from paraspec.models.llamacpp.model import LlamaCppModel, measure_exact_width, probe_batch
 
     model = LlamaCppModel(
         Path(spec["path"]),
@@ -48,7 +48,7 @@ def probe(spec: dict) -> dict:
         width, rows = measure_exact_width(model)
         if model.n_seqs > 1:
             model.exact_width = width
-            rows += measure_batch_exact(model, width)[1]
+            rows += probe_batch(model, width)
     finally:
         model.close()
     return {"exact_width": width, "rows": rows}

@@ -60,11 +60,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paraspec.models.base import SequenceChecks, check_batch, check_rollback
+from paraspec.models.base import SequenceChecks, check_batch, check_rollback, measure_batch_exact
 from paraspec.models.cpu_features import cpu_flags
 
 PROBE_WIDTH = 32  # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
+BATCH_PROBE_WIDTH = 4  # several sequences' verify-like steps in the batch probe: 1..4 tokens each
+BATCH_PROBE_PROMPTS = (37, 5, 150, 90, 12, 64, 21, 120)  # the batch probe's context lengths, one per sequence
 TILED_MIN_ROWS = 8  # llama.cpp's tiled K-quant matmul takes products of this many activation rows and more
 FLASH_TILE_ROWS = 64  # llama.cpp's flash attention takes forwards of this many rows through its tiled pass
 # weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build
@@ -692,39 +694,15 @@ def measure_exact_width(
     return exact, rows
 
 
-def measure_batch_exact(model: LlamaCppModel, width: int) -> tuple[bool, list[dict]]:
-    """Whether rows of several sequences decoded in one forward are bitwise the rows each sequence gets alone:
-    every sequence at its own context length, 2..n_seqs of them, decode steps (one token each) and verify-like
-    steps (1..4 tokens each, at most `width`), each compared with the same tokens of that sequence decoded with no
-    other sequence in the forward."""
-    rng = np.random.default_rng(1)
-    n = model.n_seqs
-    lengths = [max(1, min(p, model.max_context - 8)) for p in (37, 5, 150, 90, 12, 64, 21, 120)]
-    lengths = (lengths * (n // len(lengths) + 1))[:n]
-    steps = [rng.integers(0, model.vocab_size, size=4).tolist() for _ in range(n)]
-    for seq, p in enumerate(lengths):
-        model.prefill(rng.integers(0, model.vocab_size, size=p).tolist(), seq)
-    rows, exact = [], True
-    for group in range(2, n + 1):
-        for kind in ("decode", "verify"):
-            widths = [1 if kind == "decode" else min(width, 1 + i % 4) for i in range(group)]
-            alone = []
-            for seq in range(group):
-                alone.append(model._decode(steps[seq][: widths[seq]], widths[seq], seq))
-                model.rollback(lengths[seq], seq)
-            got = model.forward_batch([(seq, steps[seq][: widths[seq]], widths[seq]) for seq in range(group)])
-            for seq in range(group):
-                model.rollback(lengths[seq], seq)
-            diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))
-            rows.append({"sequences": group, "kind": kind, "max_abs_diff": diff})
-            exact &= diff == 0.0
-    for seq in range(n):
-        model._clear(seq)
-    return exact, rows
+def probe_batch(model: LlamaCppModel, width: int) -> list[dict]:
+    """measure_batch_exact (models/base.py) on a llama.cpp context of several sequences: verify-like steps of
+    1..BATCH_PROBE_WIDTH tokens each, one-token steps among them (the Batcher shares asks of 1..exact_width tokens
+    here: min_shared_width 1)."""
+    return measure_batch_exact(model, min(width, BATCH_PROBE_WIDTH), BATCH_PROBE_PROMPTS, shortest=1)
 
 
 def run_probe(model: LlamaCppModel) -> tuple[int, list[dict]]:
-    """measure_exact_width (and, with several sequences, measure_batch_exact: its rows carry "sequences") for
+    """measure_exact_width (and, with several sequences, probe_batch: its rows carry "sequences") for
     `model`'s file, kernels, threads and context, in a child process (models/llamacpp/child_tasks.py `probe`): the first
     probe of a build on a CPU is the first time its kernels run there, and a kernel that kills its process (SIGILL)
     must not kill the caller. The child loads its own copy of the model."""

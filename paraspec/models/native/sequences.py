@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 
-from paraspec.models.base import SequenceChecks, check_batch
+from paraspec.models.base import SequenceChecks, check_batch, measure_batch_exact
 from paraspec.models.native.decoder import KVCache, NativeModel
 
 PROBE_WIDTH = 8  # the widest forward of one sequence that may share a step (the probe covers it)
@@ -40,7 +39,7 @@ class NativeSequences(SequenceChecks, NativeModel):
         ]
         self.n_batch = min(512, max_context)
         self.exact_width = min(PROBE_WIDTH, max_context)
-        self.batch_probe = measure_batch_exact(self, self.exact_width)
+        self.batch_probe = measure_batch_exact(self, self.exact_width, PROBE_PROMPTS)
         exact = {
             kind: all(r["max_abs_diff"] == 0.0 for r in self.batch_probe if r["kind"] == kind)
             for kind in ("decode", "verify")
@@ -147,32 +146,3 @@ class NativeSequences(SequenceChecks, NativeModel):
             out.append(logits[at : at + outputs])
             at += outputs
         return out
-
-
-def measure_batch_exact(model: NativeSequences, width: int) -> list[dict]:
-    """Rows of several sequences in one forward_batch against the rows each sequence gets alone (max |diff|, 0.0
-    where bitwise equal): every sequence at its own context length, 2..n_seqs of them, decode steps (one token
-    each) and verify-like steps (2..width tokens each)."""
-    rng = np.random.default_rng(1)
-    n = model.n_seqs
-    lengths = [max(1, min(p, model.max_context - width)) for p in PROBE_PROMPTS]
-    lengths = (lengths * (n // len(lengths) + 1))[:n]
-    steps = [rng.integers(0, model.vocab_size, size=width).tolist() for _ in range(n)]
-    for seq, p in enumerate(lengths):
-        model.prefill(rng.integers(0, model.vocab_size, size=p).tolist(), seq)
-    rows = []
-    for group in range(2, n + 1):
-        for kind in ("decode", "verify"):
-            widths = [1 if kind == "decode" else 2 + (i + group) % max(1, width - 1) for i in range(group)]
-            alone = []
-            for seq in range(group):
-                alone.append(model.forward(steps[seq][: widths[seq]], seq=seq))
-                model.rollback(lengths[seq], seq)
-            got = model.forward_batch([(seq, steps[seq][: widths[seq]], widths[seq]) for seq in range(group)])
-            for seq in range(group):
-                model.rollback(lengths[seq], seq)
-            diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))
-            rows.append({"sequences": group, "kind": kind, "widths": widths, "max_abs_diff": diff})
-    for seq in range(n):
-        model.rollback(0, seq)
-    return rows
