@@ -196,7 +196,6 @@ def _load_futex():
 
 
 _FUTEX = _load_futex()
-HAVE_FUTEX = _FUTEX is not None
 
 
 def futex_wait(address: int, expected: int, timeout: float | None) -> None:

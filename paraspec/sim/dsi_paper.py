@@ -343,27 +343,23 @@ PAPER_TABLE1 = (
     PairRow("Phi3-14B", "Phi3-4B", "CNN-DM", 52.4, 34.6, 66.0, 0.93, 1.39),
     PairRow("Phi3-14B", "Phi3-4B", "Alpaca", 49.6, 33.4, 67.4, 0.87, 1.60),
 )
-PAPER_TABLE1_SPEEDUP_RANGE = (1.29, 1.92)
 TABLE1_LOOKAHEADS = (1, 5, 10)
 
 
 @dataclass(frozen=True)
-class Table1Result:
-    row: PairRow
-    c: float
-    si_cost: float
+class Choice:
+    """One model's result on one row of Table 1 (this offline model's, or sim/table1.py's others): mean SI and DSI
+    times (the model's own unit) and what each used."""
+
+    si: float
     si_k: int
-    dsi_cost: float
+    dsi: float
     dsi_k: int
     dsi_servers: int
 
     @property
     def speedup(self) -> float:
-        return self.si_cost / self.dsi_cost
-
-    @property
-    def dsi_vs_nonsi(self) -> float:
-        return PAPER_TOKENS / self.dsi_cost
+        return self.si / self.dsi
 
 
 def table1(
@@ -373,9 +369,9 @@ def table1(
     tokens: int = PAPER_TOKENS,
     repeats: int = PAPER_REPEATS,
     seed: int = PAPER_SEED,
-) -> list[Table1Result]:
-    """DSI vs SI on measured pairs: SI runs on one target server with its best lookahead; DSI on up to
-    `max_servers` target servers with its best lookahead among those that fit."""
+) -> list[Choice]:
+    """DSI vs SI on measured pairs, one Choice per row: SI runs on one target server with its best lookahead; DSI on
+    up to `max_servers` target servers with its best lookahead among those that fit."""
     results = []
     for row in rows:
         c = row.drafter_ms / row.target_ms
@@ -390,7 +386,5 @@ def table1(
                 f"{row.target}/{row.drafter}: no lookahead in {lookaheads} fits {max_servers} target "
                 f"servers (needs {servers_required(c, max(lookaheads))}); allow more servers"
             )
-        results.append(
-            Table1Result(row, c, si_best[0], si_best[1], dsi_best[0], dsi_best[1], servers_required(c, dsi_best[1]))
-        )
+        results.append(Choice(si_best[0], si_best[1], dsi_best[0], dsi_best[1], servers_required(c, dsi_best[1])))
     return results

@@ -19,22 +19,8 @@ import numpy as np
 from paraspec.sim import dsi_online as online
 from paraspec.sim import dsi_paper as paper
 from paraspec.sim.costs import ForwardCost
+from paraspec.sim.dsi_paper import Choice
 from paraspec.sim.events import Setup, simulate
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One model's result on one row: mean SI and DSI times (its own unit) and what each used."""
-
-    si: float
-    si_k: int
-    dsi: float
-    dsi_k: int
-    dsi_servers: int
-
-    @property
-    def speedup(self) -> float:
-        return self.si / self.dsi
 
 
 @dataclass(frozen=True)
@@ -51,8 +37,7 @@ class Row:
 
 
 def offline_choice(pair: paper.PairRow) -> Choice:
-    r = paper.table1(rows=(pair,))[0]
-    return Choice(r.si_cost, r.si_k, r.dsi_cost, r.dsi_k, r.dsi_servers)
+    return paper.table1(rows=(pair,))[0]
 
 
 def online_choice(
