@@ -65,9 +65,6 @@ class Trace:
     def commit(self, total_tokens: int, at_s: float | None = None) -> None:
         self.progress.append((self.now() if at_s is None else at_s, total_tokens))
 
-    def busy_s(self, kind: str) -> float:
-        return sum(e.duration_s for e in self.events if e.kind == kind)
-
     def event_tuples(self) -> list[tuple]:
         """The events as plain tuples (what a worker sends back; TraceEvent(*t) rebuilds each)."""
         return [astuple(e) for e in self.events]

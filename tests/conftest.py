@@ -142,6 +142,11 @@ def ray_cluster():
         cluster.shutdown()
 
 
+def busy_s(trace, kind: str) -> float:
+    """Seconds a trace's events of `kind` (draft, verify, ...) took, summed over devices."""
+    return sum(e.duration_s for e in trace.events if e.kind == kind)
+
+
 # -- the sampling checks: a small vocabulary, the target's exact joint of the first two tokens ---------------
 
 VOCAB = 6

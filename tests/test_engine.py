@@ -10,6 +10,7 @@ from paraspec import Engine, SamplingParams
 from paraspec.engine import IncompatibleModelsError
 from paraspec.models.loader import CheckpointError
 from paraspec.runtime.devices import DeviceError
+from tests.conftest import busy_s
 from tests.tiny import make_checkpoint
 
 PROMPT_IDS = [5, 17, 33, 90]
@@ -54,7 +55,7 @@ def test_stats_and_trace(engine):
     kinds = {e.kind for e in result.trace.events}
     assert {"draft", "verify"} <= kinds
     assert result.trace.progress[-1][1] == 20
-    assert s.draft_s == pytest.approx(result.trace.busy_s("draft"))
+    assert s.draft_s == pytest.approx(busy_s(result.trace, "draft"))
 
 
 def test_sd_without_draft(qwen2_target):

@@ -11,6 +11,7 @@ from paraspec.sim import dsi_paper as paper
 from paraspec.sim.costs import ForwardCost
 from paraspec.sim.events import AMUSD_VERIFY_MESSAGES, CHUNK_MESSAGES, DRAFT_MESSAGES, Setup, simulate
 from paraspec.trace import Trace
+from tests.conftest import busy_s
 
 
 def unit_setup(strategy, c, a, **kw):
@@ -94,7 +95,7 @@ def test_amusd_with_an_instant_drafter_gains_the_mean_accepted_length_per_verifi
 def test_amusd_verifier_is_busy_when_the_drafter_is_fast():
     setup = Setup("amusd", ForwardCost.constant(1.0), ForwardCost.constant(0.01), 0.7, max_ahead=8)
     r = simulate(setup, 500)
-    busy = r.trace.busy_s("verify")
+    busy = busy_s(r.trace, "verify")
     assert busy == pytest.approx(r.verifications * 1.0)
     assert busy / r.total_s > 0.95
     assert r.tokens / r.verifications > 1.5  # and each verification gains several tokens

@@ -15,7 +15,6 @@ from paraspec.models.loader import load_native
 from paraspec.models.native.decoder import NativeModel
 from paraspec.models.native.layer_parallel import (
     exact_forward,
-    format_groups,
     fuzzy_forward,
     lp_groups,
     parse_layer_groups,
@@ -25,6 +24,11 @@ from tests.conftest import PROMPT, VOCAB, assert_matches, exact_joint
 from tests.tiny import make_checkpoint
 
 DEVICES = ["cpu:0", "cpu:1"]
+
+
+def format_groups(groups: list[list[int]]) -> str:
+    """parse_layer_groups's notation: `0,1-2,3-4,5`."""
+    return ",".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
 
 
 def test_layer_groups():

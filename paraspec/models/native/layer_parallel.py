@@ -47,10 +47,6 @@ def lp_groups(lp_size: int, num_layers: int) -> list[list[int]]:
     return [[0]] + [middle[i : i + lp_size] for i in range(0, len(middle), lp_size)] + [[num_layers - 1]]
 
 
-def format_groups(groups: list[list[int]]) -> str:
-    return ",".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
-
-
 class Exchange(Protocol):
     """How the devices of one draft share attention outputs: rank r of `world` computes the attention of the
     layers group[r::world]; all_gather takes a CPU tensor and returns every rank's, indexed by rank, on the CPU
