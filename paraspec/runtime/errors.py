@@ -30,7 +30,7 @@ class RemoteError(WorkerError):
             f"{exc_type} in worker {worker!r}: {message}\n\n--- traceback in worker {worker!r} ---\n{remote_traceback}",
             worker,
         )
-        self.exc_type, self.remote_message, self.remote_traceback = exc_type, message, remote_traceback
+        self.exc_type, self.remote_traceback = exc_type, remote_traceback
         self.original = original
 
 
