@@ -53,7 +53,8 @@ LLAMACPP_STRATEGIES = {
 # (draft max, p-min): llama.cpp's drafting stops at draft max tokens or at a draft probability below p-min
 DEFAULT_SPEC_GRID = tuple((n, p) for n in (4, 8, 16) for p in (0.0, 0.5, 0.8))
 # (spec type, n, m): llama.cpp's own defaults for each type first (ngram-simple 12/48, --spec-default's ngram-mod
-# 24/64), then shorter lookups and drafts, which suit CPUs, where verifying 48 tokens costs ~8 decoding steps
+# 24/64), then shorter lookups and drafts, which suit CPUs, where verification is compute-bound (a forward of many
+# tokens costs several decoding steps: benchmarks/llamacpp_forward_widths.py)
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
 DEFAULT_NGRAM_GRID = (("ngram-simple", 12, 48), ("ngram-mod", 24, 64), ("ngram-simple", 4, 16), ("ngram-simple", 3, 8))
 TUNE_TOKENS = 64  # new tokens per tuning prompt (fewer if --max-new-tokens is lower)
