@@ -91,7 +91,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
 
     Inverse CDF: the first token whose running sum (float64) exceeds u x the total, u uniform in [0, 1) from
     `generator`; a token of probability 0 is never drawn (its running sum equals its predecessor's). Exact as
-    torch.multinomial is, and cheaper on a real vocabulary (timed in docs/BENCHMARKS.md, "Costs around the
+    torch.multinomial is, and cheaper on a real vocabulary (timed in docs/results/, "Costs around the
     kernels").
 
     `generator` is a CPU generator (make_generator) wherever `probs` are: u is drawn on the CPU and searched for

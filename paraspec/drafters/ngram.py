@@ -33,7 +33,7 @@ def gc_paused(enabled: bool = True):
     """Python's cyclic garbage collector off for a bulk build of an index (restored after, if it was on).
 
     Indexing a prompt allocates many small containers (a suffix trie: up to `depth` nodes per token); the
-    allocations trigger collections that scan every node built so far, most of the build's time (docs/BENCHMARKS.md,
+    allocations trigger collections that scan every node built so far, most of the build's time (docs/results/,
     "Costs around the kernels"). None of them is garbage: pausing loses nothing."""
     if not enabled or not gc.isenabled():
         yield

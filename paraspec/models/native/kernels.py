@@ -3,7 +3,8 @@
 `F.linear` on CPU calls MKL's sgemm. On an AVX2 CPU a product with a few rows -- a verification chunk of k+1
 tokens -- can cost several times a one-row product there, and two threads barely help, while oneDNN's inner
 product on the very same weight tensor (plain layout, no copy) is faster for a few rows, more so on two threads
-(`python benchmarks/linear_kernels.py` times one layer's four projections both ways; docs/BENCHMARKS.md).
+(`python benchmarks/linear_kernels.py` times one layer's four projections both ways; the end-to-end
+gain is in docs/results/).
 Speculative decoding lives on that ratio, so `Linear` sends fp32 CPU products to oneDNN where it wins and to
 `F.linear` elsewhere:
 
