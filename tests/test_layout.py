@@ -184,3 +184,25 @@ def test_the_package_names_no_machine_a_figure_was_measured_on():
         if MACHINE_NAMES.search(line)
     ]
     assert not hits, "\n".join(hits)
+
+
+ROOT = PACKAGE.parent
+
+
+def test_readme_and_docs_stay_short():
+    """README <= 150 lines; each doc <= 300 (dated runs live in docs/results/, which has no limit)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    long_docs = {p.name: n for p in (ROOT / "docs").glob("*.md") if (n := len(p.read_text().splitlines())) > 300}
+    assert long_docs == {}
+
+
+def test_doc_links_resolve():
+    """Every relative markdown link in the README and docs/ names a file that exists."""
+    broken, checked = [], 0
+    for doc in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" not in target:
+                checked += 1
+                if not (doc.parent / target).exists():
+                    broken.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert broken == [] and checked > 50
