@@ -27,13 +27,14 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
 @dataclass(eq=False)
 class _Ask:
-    model: object  # a LlamaCppModel or NativeSequences with several sequences
+    model: Any  # a LlamaCppModel or NativeSequences with several sequences
     seq: int
     tokens: list[int]
     outputs: int  # rows wanted: the last `outputs` tokens'
@@ -135,6 +136,7 @@ class Batcher:
     def forward(self, proxy: BatchedSequence, tokens: list[int], outputs: int, prefill: bool = False) -> torch.Tensor:
         """The rows a forward of `tokens` on the proxy's sequence gives (the last `outputs`), run in this step."""
         member, model = proxy.member, proxy.model
+        assert member is not None  # the Engine sets it before the request decodes
         with self._cv:
             seq = proxy.seq
             if not prefill:  # this request's own errors, raised here, not in the step
@@ -169,6 +171,7 @@ class Batcher:
         member.ask = None
         if ask.error is not None:
             raise ask.error
+        assert ask.result is not None  # a step sets one of error and result
         return ask.result
 
     def shared_load(self, proxy: BatchedSequence) -> list[int]:

@@ -7,7 +7,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from paraspec.errors import StreamCancelled
@@ -67,7 +67,7 @@ class Stream:
     """A generation streamed as text deltas (Engine.stream): iterate it; `result` is its GenerationResult once it
     has ended; close() (also `with engine.stream(...) as s:`) cancels it. The request starts at the first next()."""
 
-    def __init__(self, deltas: Iterator[str], request: Request, wake=None):
+    def __init__(self, deltas: Generator[str, None, None], request: Request, wake=None):
         self._deltas, self._request, self._wake = deltas, request, wake
         self._ended_by: str | None = None  # why it was ended by its own thread, not by its reader
 

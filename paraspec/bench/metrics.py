@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 from paraspec.stats import GenerationStats
 from paraspec.trace import Trace
@@ -114,7 +115,7 @@ def reference_variant(
     budget = (lambda v: cores.get(v, v.threads)) if cores else (lambda v: v.threads)
     same = [v for v in variants if v.strategy == strategy and budget(v) == budget(variant)]
     any_ = [v for v in variants if v.strategy == strategy]
-    return (same or any_ or [None])[0]
+    return (same or any_)[0] if same or any_ else None
 
 
 def paired_speedup(reference: list[Record], records: list[Record]) -> float | None:
@@ -137,7 +138,7 @@ def pooled_acceptance(stats: list[GenerationStats]) -> tuple[float | None, float
         return None, None
     drafted = sum(s.drafted for s in speculative)
     rounds = sum(s.rounds for s in speculative)
-    verified = sum(s.mean_accepted_length * s.rounds for s in speculative)
+    verified = sum((s.mean_accepted_length or 0.0) * s.rounds for s in speculative)  # set where speculative
     return (sum(s.accepted for s in speculative) / drafted if drafted else None, verified / rounds if rounds else 0.0)
 
 
@@ -178,7 +179,7 @@ def summarize(
         ar = reference_variant(v, variants, "ar", cores)
         hf_assisted = reference_variant(v, variants, "hf-assisted", cores)
         ms_per_token = statistics.median(s.ms_per_token for s in stats)
-        row = {
+        row: dict[str, Any] = {
             "variant": v.name,
             "strategy": v.strategy,
             "threads": v.threads,

@@ -76,6 +76,10 @@ class SequenceChecks:
     """The checks a model of several sequences (llama.cpp's, models/native/sequences.py) runs before a forward of one
     of them; it has `_lengths` (cached tokens per sequence), `max_context` and `vocab_size`."""
 
+    _lengths: list[int]
+    max_context: int
+    vocab_size: int
+
     def _check_room(self, n: int, seq: int = 0) -> None:
         if self._lengths[seq] + n > self.max_context:
             raise ValueError(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -440,6 +440,10 @@ class TokenChannel(_SharedBlock):
         published = self.publish_draft(position, tokens, q, version=version)
         return published, self.read_since(position, version)
 
+    @overload
+    def commit(self, tokens: Sequence[int], *, start: int | None = None, version: None = None) -> CommitResult: ...
+    @overload
+    def commit(self, tokens: Sequence[int], *, start: int | None = None, version: int) -> CommitResult | None: ...
     def commit(
         self, tokens: Sequence[int], *, start: int | None = None, version: int | None = None
     ) -> CommitResult | None:

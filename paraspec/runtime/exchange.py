@@ -75,5 +75,5 @@ class ShmExchange:
         return out
 
     def close(self) -> None:
-        self.steps = self.addresses = None
+        self.steps, self.addresses = [], []  # views of the segment: dropped before it is closed
         self.segment.close()

@@ -44,7 +44,7 @@ _reaped = False
 
 def reap_stale() -> list[str]:
     """Unlink this user's paraspec segments whose owner process no longer exists; the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir("/dev/shm"))
     except OSError:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -139,10 +139,7 @@ class _Run:
     """State that outlives a window: tokens so far and the thread indices that already paid their TTFT."""
 
     gained: int = 0
-    visited: set = None
-
-    def __post_init__(self):
-        self.visited = set()
+    visited: set[int] = field(default_factory=set)
 
     def call_ms(self, setup: OnlineSetup, thread) -> float:
         if thread in self.visited:
@@ -186,6 +183,7 @@ def dsi_window(setup: OnlineSetup, run: _Run, correct: int) -> tuple[float, bool
     thread if there is one, else starts a new thread (indices 0, 1, ... in order of creation) while fewer than
     N exist, else waits in the queue; a thread that finishes takes the newest waiting call."""
     n = setup.servers
+    assert n is not None  # run() takes dsi_window only for DSI (servers set)
     k = setup.lookahead
     drafts = _draft_times(setup, run.gained == 0)
     done: list[tuple[float, int, int, int]] = []  # heap of (end, order, drafts of the call, thread index)

@@ -20,6 +20,7 @@ for a whole vector of drafter latencies with numpy: that is what makes the 21 x 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -291,7 +292,7 @@ def heatmap(
     shape = (len(c_values), len(a_values), len(lookaheads))
     si = np.full(shape, np.nan)
     dsi = np.full(shape, np.nan)
-    pairs = [(ia, ik) for ia in range(len(a_values)) for ik in range(len(lookaheads))]
+    pairs: Iterable[tuple[int, int]] = [(ia, ik) for ia in range(len(a_values)) for ik in range(len(lookaheads))]
     if progress:
         from tqdm import tqdm
 
@@ -378,9 +379,9 @@ def table1(
         si_best = dsi_best = (math.inf, 0)
         for k in lookaheads:
             costs = simulate(c, row.acceptance, k, tokens, repeats, seed)
-            si_best = min(si_best, (costs.si, k))
+            si_best = min(si_best, (float(costs.si), k))  # one drafter latency c: one cost
             if servers_required(c, k) <= max_servers:
-                dsi_best = min(dsi_best, (costs.dsi, k))
+                dsi_best = min(dsi_best, (float(costs.dsi), k))
         if dsi_best[1] == 0:
             raise ValueError(
                 f"{row.target}/{row.drafter}: no lookahead in {lookaheads} fits {max_servers} target "

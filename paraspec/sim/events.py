@@ -224,12 +224,14 @@ def _sd(setup: Setup, tokens: int, rng: np.random.Generator) -> Result:
     ttft = t_target if known == 2 else None
     end = tokens + 1
     draft_cache = target_cache = known - 1
+    draft = setup.draft
+    assert draft is not None  # Setup requires one for every strategy but ar
     res = Result(tokens, 0.0, 0.0, trace)
     while known < end:
         n = min(setup.lookahead, end - known - 1)  # never draft the last token (the paper's curr_k)
         for i in range(n):  # the first forward also feeds tokens the drafter lacks
             width = known - draft_cache if i == 0 else 1
-            dt = setup.draft(width)
+            dt = draft(width)
             trace.add("draft", "draft", t, t + dt, width)
             t += dt
         if n:
@@ -253,7 +255,7 @@ def _sd(setup: Setup, tokens: int, rng: np.random.Generator) -> Result:
         if ttft is None:
             ttft = t
         trace.commit(known - 1, at_s=t)
-    res.total_s, res.ttft_s = t, ttft
+    res.total_s, res.ttft_s = t, ttft if ttft is not None else t  # set at the first commit at the latest
     return res
 
 
@@ -345,6 +347,7 @@ class _Concurrent:
         if pos >= self.end - 1 or pos - self.known >= self.setup.ahead_limit:
             return  # nothing left worth drafting, or far enough ahead
         width = pos - self.draft_cache
+        assert self.setup.draft is not None  # Setup requires one for every strategy but ar
         dt = self.setup.draft(width) + self.setup.draft_link_s
         self.draft_busy = True
         self.draft_event = (self.t, self.t + dt, width)
@@ -353,6 +356,7 @@ class _Concurrent:
     def _draft_done(self, gen: int, pos: int) -> None:
         if gen != self.draft_gen:
             return  # preempted by a rollback
+        assert self.draft_event is not None  # set by _start_draft, which scheduled this
         start, end, width = self.draft_event
         self.trace.add("draft", "draft", start, end, width)
         self.draft_event = None

@@ -19,10 +19,14 @@ a remote target server still pays (`remote_break_even_ms`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from paraspec.sim.costs import Profile
 from paraspec.sim.events import Setup, mean_result
+
+# run(strategy, **setup) -> (TPOT ms, ms per token incl. prefill): _simulator's
+Simulate = Callable[..., tuple[float, float]]
 
 DEFAULT_COMM_MS = 0.5  # one message between local worker processes (shared memory + a pipe wake-up)
 DEFAULT_MIN_GAIN = 0.03  # speculation must predict >= 3% lower TPOT than ar: below that, model error dominates
@@ -82,7 +86,9 @@ class Plan:
 
     def render(self) -> str:
         p = self.profile
-        ar = self.choices["ar"].tpot_ms
+        ar_choice = self.choices["ar"]
+        assert ar_choice is not None  # ar and sd are always simulated; only amusd and dsi may be None
+        ar = ar_choice.tpot_ms
         lines = [
             f"target {p.target.model} on {p.target.device or '?'}: {p.target.tpot_ms:.1f} ms/token; "
             f"draft {p.draft.model} on {p.draft.device or '?'}: {p.draft.tpot_ms:.1f} ms/token "
@@ -126,7 +132,7 @@ def _checked_lookaheads(tokens: int, comm_ms: float, link_ms: float, lookaheads)
     return lookaheads
 
 
-def _simulator(profile: Profile, tokens: int, repeats: int, seed: int, link_ms: float):
+def _simulator(profile: Profile, tokens: int, repeats: int, seed: int, link_ms: float) -> Simulate:
     """run(strategy, **setup) -> (TPOT ms, ms per token incl. prefill): one simulated setting, the profile's
     costs filled in, so every strategy is predicted under the same assumptions."""
     target, draft = profile.target.cost(), profile.draft.cost()
@@ -148,7 +154,7 @@ def _simulator(profile: Profile, tokens: int, repeats: int, seed: int, link_ms: 
     return run
 
 
-def _best_sd(run, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float, link_ms: float) -> Choice:
+def _best_sd(run: Simulate, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float, link_ms: float) -> Choice:
     """sd alternates draft and target, so it gains nothing from two devices; co-located it pays no messages."""
     sd_comm = 0.0 if draft_dev == target_dev else comm_ms / 1000 + (link_ms / 1000 if is_remote(target_dev) else 0)
     return _fastest(
@@ -156,7 +162,7 @@ def _best_sd(run, lookaheads: list[int], draft_dev: str, target_dev: str, comm_m
     )
 
 
-def _best_amusd(run, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float) -> Choice:
+def _best_amusd(run: Simulate, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float) -> Choice:
     """AMUSD's drafter may run `max_ahead` tokens ahead; verifying from 1 or only at max_ahead bracket the choice."""
     return _fastest(
         Choice(
@@ -172,7 +178,7 @@ def _best_amusd(run, lookaheads: list[int], draft_dev: str, target_dev: str, com
     )
 
 
-def _dsi_simulator(run, servers_order: list[str], draft_dev: str, comm_ms: float):
+def _dsi_simulator(run: Simulate, servers_order: list[str], draft_dev: str, comm_ms: float):
     """dsi(k, n, **setup) -> Choice for lookahead k on the first n servers; the remote servers are the last ones,
     as in the simulator, so n counts the caller's node's servers first."""
 
@@ -193,11 +199,12 @@ def _dsi_simulator(run, servers_order: list[str], draft_dev: str, comm_ms: float
 def _recommendation(choices: dict[str, Choice | None], min_gain: float) -> tuple[Choice, list[str]]:
     """The fastest choice, but ar unless speculation beats it by `min_gain` (below that the simulator's model error
     is larger than the gain), and the notes that say why."""
-    ar = choices["ar"]
+    ar, sd = choices["ar"], choices["sd"]
+    assert ar is not None and sd is not None  # always simulated; only amusd and dsi may be None
     notes = []
-    if choices["sd"].tpot_ms > ar.tpot_ms:
+    if sd.tpot_ms > ar.tpot_ms:
         notes.append(
-            f"sd is slower than ar ({choices['sd'].tpot_ms:.1f} vs {ar.tpot_ms:.1f} ms/token): the draft is "
+            f"sd is slower than ar ({sd.tpot_ms:.1f} vs {ar.tpot_ms:.1f} ms/token): the draft is "
             f"too slow or too inaccurate for synchronous speculation to pay"
         )
     fastest = _fastest(c for c in choices.values() if c is not None)

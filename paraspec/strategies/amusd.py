@@ -54,7 +54,7 @@ class AMUSD(WorkerStrategy):
     )
 
     def setup(self, placement: Placement) -> None:
-        self.start_workers(
+        runtime = self.start_workers(
             placement,
             [
                 ("target", placement.target, placement.target_devices[0]),
@@ -63,7 +63,7 @@ class AMUSD(WorkerStrategy):
             drafts=("draft",),
         )
         self.target, self.draft_models = self.remote("target"), [self.remote("draft")]
-        self.channel = self.runtime.channel(
+        self.channel = runtime.channel(
             CHANNEL,
             capacity=min(self.target.max_context, self.draft_models[0].max_context),
             vocab_size=self.target.vocab_size,

@@ -26,10 +26,13 @@ import abc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from paraspec.request_state import Run
 from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
+
+if TYPE_CHECKING:
+    from paraspec.runtime import Runtime
 
 # -- what a strategy accepts -------------------------------------------------------------------------------------
 
@@ -132,10 +135,12 @@ class Strategy(abc.ABC):
 
     def __init__(self, options: dict):
         self.options = options  # the strategy's options, read at each decode()
-        self.target = None  # Model protocol (a RemoteModel when it runs in a worker)
+        # Model protocol (a RemoteModel when it runs in a worker), set by setup(); backends add attributes of their
+        # own (exact_width, n_seqs, ...) that strategies read where present
+        self.target: Any = None
         self.draft_models: list = []  # the draft models (model-free drafters are not models)
         self.draft_specs: list = []  # every draft as given (DraftSpecs): checkpoints and model-free names, in order
-        self.runtime = None  # the Runtime of its workers, if it has any
+        self.runtime: Runtime | None = None  # the Runtime of its workers, if it has any
 
     def set_options(self, options: dict) -> None:
         """New options between requests (Engine.set_options, checked by EngineConfig), read from the next decode()
@@ -161,7 +166,7 @@ class Strategy(abc.ABC):
             for d in self.draft_specs
         ]
 
-    def open_runtime(self, placement: Placement):
+    def open_runtime(self, placement: Placement) -> Runtime:
         """The Runtime for this strategy's workers (`self.runtime`): of the placement's kind, with its
         worker_timeout watchdog. Every worker a strategy starts goes in it, so Engine.health() sees them,
         cancel() reaches their channels and close() stops them."""
@@ -290,22 +295,25 @@ class WorkerStrategy(Strategy):
     # its workers exchange tokens only through channels: any node will do
     caps = Capabilities(runtimes=WITH_RAY, in_workers=True, across_nodes=True, why_not_across_nodes="")
 
-    def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]], drafts=()) -> None:
+    def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]], drafts=()) -> Runtime:
         """Start one worker per (name, checkpoint, device) and wait until every model is built; the workers named in
-        `drafts` hold draft models (load_here's `draft`)."""
+        `drafts` hold draft models (load_here's `draft`). Returns the Runtime (`self.runtime`)."""
         from paraspec.runtime import RemoteError
 
-        self.open_runtime(placement)
+        runtime = self.open_runtime(placement)
         for name, spec, device in workers:
-            self.runtime.add_worker(
+            runtime.add_worker(
                 name, device, placement.loader(spec), placement.worker_args(spec, device, draft=name in drafts)
             )
         try:
-            self.runtime.wait_ready()
+            runtime.wait_ready()
         except RemoteError as e:  # a bad checkpoint found while loading: raise its own clear error
             raise (e.original if isinstance(e.original, ValueError) else e) from None
+        return runtime
 
     def remote(self, name: str):
         from paraspec.runtime.remote import RemoteModel
 
+        if self.runtime is None:
+            raise RuntimeError(f"{self.name}: remote({name!r}) before start_workers()")
         return RemoteModel(self.runtime[name])

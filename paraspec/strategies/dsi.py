@@ -53,18 +53,24 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
 from paraspec.request_state import Run, common_prefix, top2_margins
-from paraspec.runtime.channels import ChannelStopped
+from paraspec.runtime.channels import ChannelStopped, TokenChannel
 from paraspec.runtime.devices import sync
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import greedy_match, verify_chain
+
+if TYPE_CHECKING:
+    from paraspec.drafters.base import Drafter
+    from paraspec.runtime.workers import Handle, Worker
+    from paraspec.sampling import SamplingParams
 
 
 @register
@@ -89,7 +95,7 @@ class DSI(WorkerStrategy):
         devices, models = placement.draft_devices, placement.draft_checkpoints
         self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
         self.drafter_names = [drafter_name(i) for i in range(len(models))]
-        self.start_workers(
+        runtime = self.start_workers(
             placement,
             [(name, placement.target, d) for name, d in zip(self.server_names, placement.target_devices)]
             + [
@@ -103,7 +109,7 @@ class DSI(WorkerStrategy):
         capacity = min(m.max_context for m in [self.target, *self.draft_models])
         self.channel_names = [CHANNEL if i == 0 else f"{CHANNEL}{i}" for i in range(len(self.draft_models))]
         for name in self.channel_names:
-            self.runtime.channel(name, capacity=capacity, vocab_size=self.target.vocab_size, q_window=64)
+            runtime.channel(name, capacity=capacity, vocab_size=self.target.vocab_size, q_window=64)
         # every drafter in the given order: a model's channel index, or a model-free Drafter (run in the caller)
         self.draft_specs = list(placement.draft_specs)
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
@@ -156,7 +162,7 @@ def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, greedy: bo
 
 @dataclass
 class _Server:
-    worker: object
+    worker: Worker
     cached: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # its cache after every request sent
     busy: bool = False
 
@@ -165,7 +171,7 @@ class _Server:
 class _Drafter:
     """A draft model's worker, seen through its channel."""
 
-    channel: object
+    channel: TokenChannel
     version: int  # the channel's version after the last commit
     name: str = "draft"
     chunks: int = 0  # chunks cut from its drafts
@@ -186,9 +192,9 @@ class _Drafter:
 class _LocalDrafter:
     """A model-free drafter, asked in the caller for the tokens continuing the speculated sequence."""
 
-    drafter: object  # a drafters.Drafter (NGramDrafter, SuffixDrafter)
-    params: object
-    generator: object
+    drafter: Drafter  # a model-free one (NGramDrafter, SuffixDrafter)
+    params: SamplingParams
+    generator: torch.Generator
     chunks: int = 0
     judged_at_once: int = 0
     local = True
@@ -217,9 +223,9 @@ class _Chunk:
     tokens: list[int]
     q: torch.Tensor | None  # [len(tokens), vocab] when sampling, from the drafter that sampled them
     server: int
-    handle: object
+    handle: Handle
     prefill: bool = False  # the prompt's forward: it yields the first token, it verifies nothing
-    drafter: _Drafter | None = None
+    drafter: _Drafter | _LocalDrafter | None = None
 
 
 @dataclass
@@ -315,7 +321,7 @@ class _Orchestrator:
         self.chunks.append(_Chunk(start, [], None, 0, self.send(0, start, start, prompt), prefill=True))
         for i in range(1, len(self.servers)):
             self.send(i, start, start, prompt)
-        for i, drafter in enumerate(d for d in self.drafters if not d.local):
+        for i, drafter in enumerate(d for d in self.drafters if isinstance(d, _Drafter)):
             threading.Thread(
                 target=_watch_channel, args=(drafter.channel, self.events), daemon=True, name=f"paraspec-dsi-watch{i}"
             ).start()
@@ -326,7 +332,7 @@ class _Orchestrator:
         run = self.run
         while not run.done:
             if self.next_row is not None:
-                kept = self.settle_next_position()
+                kept = self.settle_next_position(self.next_row)
             elif self.chunks and id(self.chunks[0].handle) in self.settled:
                 kept = self.resolve(self.chunks.popleft())
             elif self.assign_chunks():
@@ -372,13 +378,17 @@ class _Orchestrator:
                 if self.chunks or self.next_row is not None or start > position:
                     return sent
                 size = 0  # one token left and nothing in flight: a chunk without drafts yields it
-            drafter, sequence = self.ready_drafter(start, start + size)
-            if drafter is None:
+            drafter: _Drafter | _LocalDrafter | None
+            found = self.ready_drafter(start, start + size)
+            if found is None:
                 if not (self.all_local and not self.chunks and self.next_row is None and start == position):
                     return sent  # no drafter has got that far yet (on the sequence in flight)
-                sequence = np.array(run.sequence, np.int64)  # model-free drafters only, none has a draft here:
-            size = len(sequence) - start  # a chunk without drafts decodes the position
-            q = drafter.q(start, start + size, sequence) if self.sampling and size else None
+                # model-free drafters only, none has a draft here: a chunk without drafts decodes the position
+                drafter, sequence = None, np.array(run.sequence, np.int64)
+            else:
+                drafter, sequence = found
+            size = len(sequence) - start
+            q = drafter.q(start, start + size, sequence) if drafter is not None and self.sampling and size else None
             # the free server whose cache already holds most of the sequence has the least to catch up on
             i = max(free, key=lambda j: common_prefix(self.servers[j].cached, sequence))
             handle = self.send(i, start, start + size, sequence)
@@ -397,11 +407,12 @@ class _Orchestrator:
         position = len(run.sequence)
         skip = position - chunk.start
         drafts = chunk.tokens[skip:]
-        if reply["margins"] is not None:
+        if reply["margins"] is not None and run.margins is not None:  # asked for where run.margins is a dict
             for r, gap in enumerate(reply["margins"][skip:]):
                 run.margins.setdefault(position - len(run.prompt_ids) + r, gap)
         if self.sampling:
             logits = reply["logits"][skip:]
+            correction: int | None
             accepted, correction = (
                 verify_chain(drafts, None if chunk.q is None else chunk.q[skip:], logits, run.params, run.generator)
                 if drafts
@@ -416,40 +427,44 @@ class _Orchestrator:
                 reply["argmax"][skip + accepted], reply["logits"][skip + accepted] if self.sampling else None
             )
             return self.commit(drafts)
+        assert correction is not None  # a rejected draft always comes with the target's token
         return self.commit(drafts[:accepted] + [correction])
 
-    def settle_next_position(self) -> list[int]:
-        """p for the next position is in hand: judge the draft there at once, or take the target's token."""
-        run, row = self.run, self.next_row
+    def settle_next_position(self, row: _Row) -> list[int]:
+        """p for the next position is in hand (`row`, taken from next_row): judge the draft there at once, or take
+        the target's token."""
+        run = self.run
         self.next_row = None
         draft, q, drafter = self.draft_at(len(run.sequence))
         token, judged = run.settle_in_hand(draft, q, row.logits if self.sampling else row.argmax)
         self.bonus += not judged
         if judged:
             self.judged_at_once += 1
-            drafter.judged_at_once += 1
+            if drafter is not None:  # always, when judged: a draft was in hand, from this drafter
+                drafter.judged_at_once += 1
         return self.commit([token])
 
-    def draft_at(self, position: int) -> tuple[int | None, torch.Tensor | None, _Drafter | None]:
+    def draft_at(self, position: int) -> tuple[int | None, torch.Tensor | None, _Drafter | _LocalDrafter | None]:
         """The draft to judge at `position` with its q: the head chunk's, if a chunk in flight starts there,
         else the first drafter's that has one (on the current sequence); (None, None, None) if none has."""
         if self.chunks and self.chunks[0].start == position and self.chunks[0].tokens:
             chunk = self.chunks[0]
             return chunk.tokens[0], None if chunk.q is None else chunk.q[0], chunk.drafter
-        drafter, sequence = self.ready_drafter(position, position + 1)
-        if drafter is None:
+        found = self.ready_drafter(position, position + 1)
+        if found is None:
             return None, None, None
+        drafter, sequence = found
         q = drafter.q(position, position + 1, sequence) if self.sampling else None
         return int(sequence[position]), None if q is None else q[0], drafter
 
-    def ready_drafter(self, start: int, end: int) -> tuple[_Drafter | _LocalDrafter | None, np.ndarray | None]:
+    def ready_drafter(self, start: int, end: int) -> tuple[_Drafter | _LocalDrafter, np.ndarray] | None:
         """The first drafter, in order, with drafts for [start, end) on the speculated sequence, and its sequence:
-        a model drafter's reaches `end` (first_agreeing), a model-free drafter's may stop earlier."""
+        a model drafter's reaches `end` (first_agreeing), a model-free drafter's may stop earlier; None if none has."""
         for drafter in self.drafters:
             sequence = drafter.proposed(self.speculated, start, end)
             if sequence is not None:
                 return drafter, sequence
-        return None, None
+        return None
 
     def commit(self, tokens: list[int]) -> list[int]:
         """Commit to the run and every drafter's channel. A commit that differs from the speculated sequence
@@ -461,7 +476,7 @@ class _Orchestrator:
         if not kept:
             return kept
         for drafter in self.drafters:
-            if not drafter.local:
+            if isinstance(drafter, _Drafter):
                 drafter.version = drafter.channel.commit(kept, start=start).version
         assumed = self.speculated[start : start + len(kept)].tolist()
         if assumed != kept[: len(assumed)]:

@@ -56,6 +56,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +73,7 @@ FLASH_TILE_ROWS = 64  # llama.cpp's flash attention takes forwards of this many 
 # weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build
 # without llamafile): LlamaCppModel's `kernels`, chosen by measurement unless asked for (PARASPEC_LLAMACPP_KERNELS)
 KERNELS = ("repacked", "plain")
-_lib = None
+_lib: Any = None  # the llama_cpp module (its ctypes bindings), imported by _llama_cpp()
 
 
 class LlamaCppUnavailable(ImportError):
@@ -250,7 +251,7 @@ class LlamaCppModel(SequenceChecks):
         self.n_threads = n_threads or torch.get_num_threads()
         self.path = Path(path)
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
-        self._asked = {
+        self._asked: dict[str, Any] = {
             "max_context": max_context,
             "kv_f32": kv_f32,
             "kernels": _kernels_asked(kernels) if exact else "repacked",
@@ -259,7 +260,9 @@ class LlamaCppModel(SequenceChecks):
                 os.environ.get("PARASPEC_LLAMACPP_FAST_PREFILL", "1") != "0" if fast_prefill is None else fast_prefill
             ),
         }
-        self._model = self._ctx = self._fast = None
+        self._model: Any = None  # llama.cpp's model and context pointers (ctypes)
+        self._ctx: Any = None
+        self._fast: _FastPrefill | None = None
         self.fast_prefills = 0  # prompts decoded on the repacked copy (tests, reports)
         self.n_seqs = n_seqs
         self._lengths = [0] * n_seqs
@@ -449,13 +452,13 @@ class LlamaCppModel(SequenceChecks):
         rows = np.ctypeslib.as_array(
             _lib.llama_get_logits(self._ctx), shape=(sum(o for _, _, o in items), self.vocab_size)
         )
-        out, at = [None] * len(items), 0
+        out, at = {}, 0
         for i in order:
             seq, tokens, outputs = items[i]
             self._lengths[seq] += len(tokens)
             out[i] = torch.from_numpy(rows[at : at + outputs].copy())
             at += outputs
-        return out
+        return [out[i] for i in range(len(items))]
 
     def move_sequence(self, src: int, dst: int) -> None:
         """Sequence `src`'s cache becomes sequence `dst`'s (whose own is dropped) and `src` is empty: a byte copy of
@@ -522,8 +525,9 @@ class LlamaCppModel(SequenceChecks):
         return torch.from_numpy(rows.copy())
 
     def close(self) -> None:
-        if getattr(self, "_fast", None) is not None:
-            self._fast.close()
+        fast = getattr(self, "_fast", None)  # close() also runs for an __init__ that raised early
+        if fast is not None:
+            fast.close()
             self._fast = None
         if getattr(self, "_ctx", None):
             _lib.llama_batch_free(self._batch)
