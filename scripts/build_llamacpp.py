@@ -9,7 +9,7 @@ it vendors.
 
 * `wheel` builds llama-cpp-python natively for this CPU with the options paraspec's exact verification needs
   (llamafile's tinyBLAS off: it computes f16 attention products with other kernels for several tokens than for
-  one, see docs/BENCHMARKS.md "llama.cpp exactness"), from the sdist with the patches in scripts/patches/
+  one, see docs/LLAMACPP.md, "The exact configuration"), from the sdist with the patches in scripts/patches/
   applied (they make llama.cpp's repacked weight kernels batch-invariant; each file's header says why), and
   installs it into the given Python. A patch that does not apply stops the build. The installed build is then
   run on tiny GGUF files in a child process (its "smoke run"); a build the CPU kills (SIGILL) is built again

@@ -19,7 +19,7 @@ prompts, keeps the fastest and records the whole grid. llamacpp-ngram does the s
 drafters (`--spec-type`, docs/speculative.md of the vendored llama.cpp): ngram-simple (the last n tokens
 matched in the context, the m tokens after the match proposed: prompt lookup), and ngram-mod (a hash of every
 n-gram to its next token, shared across requests; `--spec-default` turns it on with n 24, m 48-64). llama.cpp's
-default kernels are not batch-invariant (docs/BENCHMARKS.md), so llamacpp-spec may return other tokens than
+default kernels are not batch-invariant (docs/LLAMACPP.md), so llamacpp-spec may return other tokens than
 llamacpp-ar: the report shows it, nothing hides it.
 """
 

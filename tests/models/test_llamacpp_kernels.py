@@ -1,4 +1,5 @@
-"""llama.cpp's repacked weight kernels, made batch-invariant by scripts/patches/ (docs/BENCHMARKS.md).
+"""llama.cpp's repacked weight kernels, made batch-invariant by scripts/patches/ (docs/LLAMACPP.md,
+"The exact configuration").
 
 - AMX CPUs: tests/llamacpp_kernels/amx_invariance.c, the same for the weights llama.cpp puts in its AMX buffer
   (one row on AVX512-VNNI, more on AMX tiles), skipped with its reason elsewhere;

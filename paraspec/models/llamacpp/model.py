@@ -6,7 +6,7 @@ attention's KV split), so by default the logits of a token computed in a forward
 same token's logits computed one token at a time, by up to ~0.5 — enough to flip a greedy choice. A speculative
 strategy on such a backend would not return `ar`'s tokens. So this backend:
 
-1. runs a configuration made batch-invariant (docs/BENCHMARKS.md "llama.cpp exactness"): llamafile's tinyBLAS off
+1. runs a configuration made batch-invariant (docs/LLAMACPP.md, "The exact configuration"): llamafile's tinyBLAS off
    (paraspec's build compiles it in behind a per-context switch that only drafts turn on; a build that runs it in
    every context is refused) and paraspec's patches (`scripts/build_llamacpp.py wheel`) to the
    repacked Q4_K one-row kernel and, on AVX512-VNNI builds, to the one-row Q6_K and Q4_K kernels (so that they

@@ -14,8 +14,8 @@ cut into ceil(n / W) steps; the rows after the last real one are padding (token 
 into cache slots past the end, which the next write replaces. The cache has W spare slots for that.
 
 On CPU the same code runs eagerly (no graph): the lossless suite proves it there (tests/models/test_static.py,
-tests/strategies/test_lossless.py). Padding costs more on a compute-bound CPU (docs/BENCHMARKS.md), so the CPU
-default stays the dynamic forward.
+tests/strategies/test_lossless.py). Padding costs more on a compute-bound CPU (docs/GPU.md, "The padded,
+graph-captured step"), so the CPU default stays the dynamic forward.
 """
 
 from __future__ import annotations
