@@ -187,7 +187,7 @@ class EngineConfig:
             self,
             strategy=strategy,
             draft=draft if cls.caps.needs_draft else None,
-            options={name: value for name, value in options.items() if name in cls.options},
+            options={name: value for name, value in options.items() if name in cls.option_names},
         )
 
     @property
@@ -209,7 +209,7 @@ class EngineConfig:
     def strategy_options(self) -> dict:
         """The strategy's own options: given values, defaults for the rest."""
         cls = self.strategy_class
-        return {name: self.options.get(name, option_default(cls, name)) for name in cls.options}
+        return {name: self.options.get(name, option_default(cls, name)) for name in cls.option_names}
 
     @property
     def used_draft_devices(self) -> list:
@@ -225,13 +225,13 @@ def _check_seconds(name: str, value, none_means: str) -> None:
 def check_strategy_takes(strategy: str, options: dict) -> None:
     """Reject options that `strategy` does not take (they would be ignored), naming the strategies that take them."""
     cls = get_strategy(strategy)
-    foreign = [name for name in options if name in OPTIONS and name not in cls.options]
+    foreign = [name for name in options if name in OPTIONS and name not in cls.option_names]
     if foreign:
-        takers = {name: [n for n, s in STRATEGIES.items() if name in s.options] for name in foreign}
+        takers = {name: [n for n, s in STRATEGIES.items() if name in s.option_names] for name in foreign}
         taken = "; ".join(f"{name} is taken by {', '.join(t) or 'no strategy'}" for name, t in takers.items())
         raise ValueError(
             f"strategy {strategy!r} does not take option(s) {', '.join(foreign)} ({taken}); its options "
-            f"are {', '.join(cls.options) or 'none'}"
+            f"are {', '.join(cls.option_names) or 'none'}"
         )
 
 

@@ -79,7 +79,7 @@ def parse_options(strategy: str, text: str, item: str) -> tuple[tuple[str, objec
     """The options in `sd{adaptive,lookahead=16}` (a bare name is True), checked against the strategy's options."""
     from paraspec.strategies.registry import OPTIONS
 
-    takes = STRATEGIES[strategy].options if strategy in STRATEGIES else ()
+    takes = STRATEGIES[strategy].option_names if strategy in STRATEGIES else ()
     out = []
     for piece in (p.strip() for p in text.split(",")):
         name, _, value = piece.partition("=")

@@ -202,7 +202,7 @@ def cmd_bench(args) -> int:
     if args.warmup_tokens < 1:
         raise ValueError(f"--warmup-tokens must be >= 1, got {args.warmup_tokens}")
     given = given_options(args)
-    takers = {option for v in variants if v.strategy in STRATEGIES for option in STRATEGIES[v.strategy].options}
+    takers = {option for v in variants if v.strategy in STRATEGIES for option in STRATEGIES[v.strategy].option_names}
     unused = [name for name in given if name not in takers]
     if unused:
         raise ValueError(

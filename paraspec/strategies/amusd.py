@@ -41,7 +41,7 @@ from paraspec.verify import judge_in_hand, verify_chain
 class AMUSD(WorkerStrategy):
     name = "amusd"
     summary = "draft and verify at the same time on separate devices (AMUSD)"
-    options = ("max_ahead", "verify_chunk")
+    option_names = ("max_ahead", "verify_chunk")
     caps = Capabilities(
         runtimes=WITH_RAY,
         in_workers=True,

@@ -17,7 +17,7 @@ paraspec registers it); the Engine, the config, the CLI and the lossless suite t
 What a strategy accepts -- no draft, one or several, model-free drafters, runtimes, model backends, workers, nodes --
 is one declaration, `caps = Capabilities(...)`; EngineConfig checks every configuration against it generically
 (config.py, `capability_asks`) and names the strategies that accept what this one refuses. Its option names,
-`options`, sit beside it (registry.register checks them against OPTIONS).
+`option_names`, sit beside it (registry.register checks them against OPTIONS).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Strategy(abc.ABC):
     name: ClassVar[str]
     summary: ClassVar[str] = ""
     caps: ClassVar[Capabilities] = Capabilities()  # what it accepts (above); EngineConfig checks it
-    options: ClassVar[tuple[str, ...]] = ()  # names in strategies.OPTIONS (composed by subclasses)
+    option_names: ClassVar[tuple[str, ...]] = ()  # names in strategies.OPTIONS (composed by subclasses)
     # this strategy's defaults where they differ from the option's own (sd: adaptive=None, auto);
     # registry.option_default reads both
     option_defaults: ClassVar[dict[str, Any]] = {}

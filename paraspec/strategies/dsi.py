@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 class DSI(WorkerStrategy):
     name = "dsi"
     summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
-    options = ("lookahead", "max_ahead") + DRAFTER_OPTIONS
+    option_names = ("lookahead", "max_ahead") + DRAFTER_OPTIONS
     caps = Capabilities(drafts="several", model_free=True, runtimes=WITH_RAY, in_workers=True, across_nodes=True)
 
     @classmethod

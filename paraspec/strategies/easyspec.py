@@ -34,7 +34,7 @@ from paraspec.strategies.tree import TREE_BACKENDS, TreeStrategy
 class EasySpec(TreeStrategy):
     name = "easyspec"
     summary = "layer-parallel fuzzy drafting with bonus calibration (EasySpec)"
-    options = TreeStrategy.options + ("lp_size", "layer_groups", "calibration")
+    option_names = TreeStrategy.option_names + ("lp_size", "layer_groups", "calibration")
     caps = Capabilities(
         backends=TREE_BACKENDS,
         runtimes=WITH_RAY,  # the runtime of its draft ranks 1..

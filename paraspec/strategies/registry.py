@@ -143,7 +143,7 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 
 def register(cls: type[Strategy]) -> type[Strategy]:
     """Add a Strategy class under its `name` (a class decorator). Its options must be in OPTIONS."""
-    unknown = [o for o in cls.options if o not in OPTIONS]
+    unknown = [o for o in cls.option_names if o not in OPTIONS]
     if unknown:
         raise ValueError(f"strategy {cls.name!r} takes unknown options {unknown}; add them to OPTIONS")
     STRATEGIES[cls.name] = cls

@@ -26,7 +26,7 @@ from paraspec.verify import verify_chain
 class SD(LocalStrategy):
     name = "sd"
     summary = "synchronous speculative decoding (draft k, verify in one forward)"
-    options = ("lookahead", "draft_confidence", "adaptive") + ROUND_DRAFTER_OPTIONS
+    option_names = ("lookahead", "draft_confidence", "adaptive") + ROUND_DRAFTER_OPTIONS
     # auto: the adaptive rule decides each round's length (up to lookahead) for greedy and unseeded requests,
     # measured to decide better than a fixed lookahead on every CPU tried (docs/DRAFTERS.md, "sd's default");
     # a seeded sampled request drafts `lookahead` every round, so its seed reproduces it

@@ -100,7 +100,7 @@ TREE_BACKENDS = ("native",)
 class TreeStrategy(LocalStrategy):
     """What `tree` and `easyspec` share: the options, the native backend only, the round loop."""
 
-    options = ("tree_width", "tree_depth", "tree_budget")
+    option_names = ("tree_width", "tree_depth", "tree_budget")
     caps = Capabilities(backends=TREE_BACKENDS)
 
     def drafter(self) -> Drafter:
@@ -118,7 +118,7 @@ class Tree(TreeStrategy):
 
     name = "tree"
     summary = "token-tree speculative decoding, one tree-masked target forward (SpecInfer)"
-    options = TreeStrategy.options + ("adaptive",) + ROUND_DRAFTER_OPTIONS
+    option_names = TreeStrategy.option_names + ("adaptive",) + ROUND_DRAFTER_OPTIONS
     caps = Capabilities(drafts="several", model_free=True, backends=TREE_BACKENDS)
 
     def setup(self, placement) -> None:

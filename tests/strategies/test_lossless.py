@@ -26,14 +26,14 @@ SPECULATIVE = [name for name, cls in STRATEGIES.items() if cls.caps.needs_draft]
 def shapes(name: str) -> list[dict]:
     """Option sets that move where chunks end: the strategy's own lookahead-like options, at small and large; fixed
     lengths (sd's default, the adaptive rule, may draft nothing on these tiny models: its cases are below)."""
-    options = STRATEGIES[name].options
+    options = STRATEGIES[name].option_names
     if "adaptive" in options:
         return [dict(shape, adaptive=False) for shape in _shapes(name)]
     return _shapes(name)
 
 
 def _shapes(name: str) -> list[dict]:
-    options = STRATEGIES[name].options
+    options = STRATEGIES[name].option_names
     if "lookahead" in options:
         return [
             dict(lookahead=k, max_ahead=max(OPTIONS["max_ahead"].default, 2 * k))
@@ -310,13 +310,13 @@ FREE_CASES = [
     (name, kind, adaptive, "defaults")
     for name in FREE_TAKERS
     for kind in FREE_DRAFTS
-    for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))
+    for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].option_names else (False,))
 ]
 FREE_CASES += [
     (name, kind, adaptive, rules)
     for name in FREE_TAKERS
     for kind in ("ngram", "suffix")
-    for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].options else (False,))
+    for adaptive in ((False, True) if "adaptive" in STRATEGIES[name].option_names else (False,))
     for rules in ("uncapped", "strict")
 ]
 SMALL_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]  # repeats: the n-gram and suffix drafters find matches
@@ -326,7 +326,7 @@ FREE_OPTIONS = dict(ngram_min=1)
 
 def free_engine(name, target, draft_model, kind, adaptive, rules="defaults"):
     options = dict(long_chunks(name), **FREE_OPTIONS)
-    options.update({k: v for k, v in FREE_RULES[rules].items() if k in STRATEGIES[name].options})
+    options.update({k: v for k, v in FREE_RULES[rules].items() if k in STRATEGIES[name].option_names})
     if adaptive:
         options["adaptive"] = True
     e = engine(name, target, FREE_DRAFTS[kind](draft_model), **options)
