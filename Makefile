@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TARGET := Qwen/Qwen2.5-Coder-1.5B-Instruct
 DRAFT := Qwen/Qwen2.5-Coder-0.5B-Instruct
 
-.PHONY: setup llamacpp peer models test test-fast demo bench bench-model-free gpu-check clean
+.PHONY: setup llamacpp peer models lint test test-fast demo bench bench-model-free gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,8 +34,14 @@ models: setup
 peer: setup
 	$(PYTHON) scripts/build_llamacpp.py peer
 
+# The lint gate: ruff (rules and formatting) on the code and its tests, mypy on the package (pyproject.toml).
+lint: setup
+	$(PYTHON) -m ruff check paraspec tests benchmarks scripts
+	$(PYTHON) -m ruff format --check paraspec tests benchmarks scripts
+	$(PYTHON) -m mypy
+
 # Unit tests on tiny random models (tiny GGUF files on llama.cpp included), then the real-pair tests.
-test: setup models peer
+test: setup models peer lint
 	$(PYTHON) -m pytest -q
 
 # Tiny-model tests only (no download).

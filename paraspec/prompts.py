@@ -91,5 +91,5 @@ def output_text(tokenizer, run: Run, decoder=None) -> str:
     decode = decoder.of if decoder is not None else lambda tokens: decode_text(tokenizer, tokens)
     if run.stop_string is not None:
         text = decode(run.tokens)
-        return text[: min((i for s in run.params.stop if (i := text.find(s)) >= 0), default=len(text))]
+        return text[: min((i for s in run.params.stop or () if (i := text.find(s)) >= 0), default=len(text))]
     return decode(run.tokens[:-1] if run.finish_reason == "stop" else run.tokens)

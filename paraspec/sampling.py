@@ -1,12 +1,17 @@
 """Sampling parameters and the pure functions that turn logits into the distribution we sample from.
 
-Every strategy samples the target through `logits_to_probs`; speculative strategies sample the draft through the
-same function, and the probabilities it returns are exactly the q that acceptance divides by.
+One processor chain, in this order (vLLM's): `adjust_logits` (logit bias, then the repetition, frequency and
+presence penalties: functions of the tokens before each row), then `logits_to_probs` (temperature, min-p, top-k,
+top-p). Every strategy samples the target through it; speculative strategies sample the draft through the same
+chain on the draft's own context, and the probabilities it returns are exactly the q that acceptance divides by.
+Greedy decoding takes the argmax of the adjusted logits, so a penalty or a bias changes greedy output alike for
+every strategy.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,11 @@ class SamplingParams:
     seed: int | None = None  # 0 .. 2**64 - 1 (torch.Generator's range); None: a fresh seed per request
     stop_token_ids: tuple[int, ...] | None = None  # in addition to the model's EOS ids (a list is taken too)
     stop: tuple[str, ...] | None = None  # stop strings: the text ends before the first one (a str is taken too)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: times the number of times a token is already in the output
+    repetition_penalty: float = 1.0  # HF's and vLLM's: a token in the prompt or output: logit / r if > 0, else * r
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely token's (0 = off)
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias) pairs, sorted (a dict is taken too)
 
     def __post_init__(self):
         if not (
@@ -57,14 +67,103 @@ class SamplingParams:
             if stop is None or not all(isinstance(s, str) and s for s in stop):
                 raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
             object.__setattr__(self, "stop", stop or None)
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            pairs = bias.items() if isinstance(bias, dict) else bias if isinstance(bias, (list, tuple)) else None
+            try:
+                checked = tuple(sorted((int(token), float(value)) for token, value in pairs or ()))
+                ok = pairs is not None and all(
+                    isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token, _ in pairs
+                )
+            except (TypeError, ValueError):
+                ok = False
+            if not ok or not all(-100 <= value <= 100 for _, value in checked):
+                raise ValueError(
+                    f"logit_bias must map token ids (integers >= 0) to biases in [-100, 100], got {self.logit_bias!r}"
+                )
+            if len({token for token, _ in checked}) != len(checked):
+                raise ValueError(f"logit_bias names a token twice: {self.logit_bias!r}")
+            object.__setattr__(self, "logit_bias", checked or None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether a row's distribution depends on the tokens before it (a penalty is on)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes anything (a penalty or a logit bias)."""
+        return self.uses_history or self.logit_bias is not None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+    row_tokens: Sequence[int] = (),
+) -> torch.Tensor:
+    """The logits of each row after the logit bias and the penalties ([rows, vocab] or [vocab]).
+
+    Row i is the distribution after `prompt`, `output` and `row_tokens[:i]` (a verification's rows: the drafts
+    before each position; one row: nothing more). Frequency and presence penalties count the output (the
+    generated tokens, as OpenAI and vLLM count them), the repetition penalty the prompt and the output. Returns
+    `logits` itself when nothing applies, so requests without processors compute what they always did."""
+    if not params.adjusts_logits:
+        return logits
+    one_row = logits.dim() == 1
+    rows = logits.float().reshape(-1, logits.shape[-1]).clone()
+    n, vocab = rows.shape
+    if params.logit_bias is not None:
+        tokens = [token for token, _ in params.logit_bias]
+        if max(tokens) >= vocab:
+            raise ValueError(f"logit_bias names token {max(tokens)}, but the vocabulary has {vocab} tokens")
+        rows[:, tokens] += torch.tensor([bias for _, bias in params.logit_bias], device=rows.device)
+    if params.uses_history:
+        counts = _output_counts(output, row_tokens[: n - 1], n, vocab, rows.device)
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            if len(prompt):
+                seen[:, torch.as_tensor(list(prompt), device=rows.device)] = True
+            penalised = torch.where(rows > 0, rows / params.repetition_penalty, rows * params.repetition_penalty)
+            rows = torch.where(seen, penalised, rows)
+        rows -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return rows[0] if one_row else rows
+
+
+def _output_counts(output: Sequence[int], row_tokens: Sequence[int], rows: int, vocab: int, device) -> torch.Tensor:
+    """[rows, vocab]: how often each token occurs in the output before each row."""
+    counts = torch.zeros(vocab, device=device)
+    if len(output):
+        counts += torch.bincount(torch.as_tensor(list(output)), minlength=vocab)[:vocab].to(device)
+    counts = counts.expand(rows, vocab).clone()
+    for i, token in enumerate(row_tokens):
+        counts[i + 1 :, token] += 1
+    return counts
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Processed distribution for each row of `logits` ([..., vocab]): temperature, then top-k, then top-p.
+    """Processed distribution for each row of `logits` ([..., vocab]; adjusted first where the request has a
+    bias or a penalty: `adjust_logits`): temperature, then min-p, then top-k, then top-p.
 
     Greedy (temperature 0) returns the one-hot of the argmax, so greedy decoding is the limit of sampling and
     the acceptance code needs no special case to stay exact.
@@ -73,6 +172,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -3,7 +3,7 @@ lookup decoding (hf-prompt-lookup, transformers' model-free drafter).
 
 They run in this process on the very tensors paraspec's models hold (same weights, same dtype), with the same
 prompt ids, thread count, token budget and EOS ids, and they return a `GenerationResult` like the Engine's:
-- TTFT and the token-progress curve come from a streamer (transformers hands it each batch of new tokens);
+- TTFT and the token-progress curve come from a streamer (transformers hands it the new tokens of each step);
 - the trace's draft/verify events come from forward hooks on the two models;
 - for hf-assisted, a round is the draft forwards (one candidate each) before a target forward; the tokens the
   streamer receives after it are the accepted candidates plus one target token (fewer where EOS or the
@@ -15,6 +15,7 @@ prompt ids, thread count, token budget and EOS ids, and they return a `Generatio
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -78,7 +79,8 @@ class _Progress:
     """A transformers streamer: the first put is the prompt, every later one a batch of committed tokens."""
 
     def __init__(self, trace: Trace):
-        self.trace, self.tokens, self.first_token_s, self._prompt_seen = trace, 0, None, False
+        self.trace, self.tokens, self._prompt_seen = trace, 0, False
+        self.first_token_s: float | None = None
 
     def put(self, value) -> None:
         if not self._prompt_seen:
@@ -99,7 +101,10 @@ class _ForwardTimer:
     Each hook waits for the model's device first, so a GPU forward is timed whole."""
 
     def __init__(self, trace: Trace):
-        self.trace, self.calls, self._handles, self._start = trace, {}, [], {}
+        self.trace = trace
+        self.calls: dict[str, int] = {}  # forwards by device
+        self._handles: list = []  # the hooks, removed by close()
+        self._start: dict[str, float] = {}  # by device: when its forward in flight started
         self.seconds: dict[str, float] = {}  # by kind of call: prefill, decode, draft, verify
 
     def watch(self, module, device: str, first_kind: str, kind: str) -> None:
@@ -194,7 +199,7 @@ class HFBaseline:
 
     def settings(self) -> dict:
         """What the baseline ran with (written to results.json)."""
-        out = {"dtype": str(self.dtype).removeprefix("torch."), "eos_token_ids": self.eos_ids}
+        out: dict[str, Any] = {"dtype": str(self.dtype).removeprefix("torch."), "eos_token_ids": self.eos_ids}
         if self.draft is not None:
             from transformers import GenerationConfig
 

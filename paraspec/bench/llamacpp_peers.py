@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from paraspec.engine import GenerationResult
 from paraspec.request_state import Run
@@ -169,11 +170,11 @@ def gguf_summary(path: Path) -> dict:
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
         read("I")
         n_tensors, n_kv = read("Q"), read("Q")
-        meta = {}
+        meta: dict[str, Any] = {}
         for _ in range(n_kv):
             key = string()
             meta[key] = value(read("I"))
-        types = Counter()
+        types: Counter[int] = Counter()  # ggml tensor type -> matrices of it
         for _ in range(n_tensors):
             string()
             dims = read("I")
@@ -184,7 +185,8 @@ def gguf_summary(path: Path) -> dict:
                 types[kind] += 1
     arch = meta.get("general.architecture")
     try:
-        quant = gguf.LlamaFileType(meta.get("general.file_type")).name.removeprefix("MOSTLY_")
+        # absent: -1, no file type (ValueError), as an unknown one
+        quant = gguf.LlamaFileType(meta.get("general.file_type", -1)).name.removeprefix("MOSTLY_")
     except ValueError:
         quant = gguf.GGMLQuantizationType(types.most_common(1)[0][0]).name if types else "gguf"
     return {"context_length": meta.get(f"{arch}.context_length"), "quantization": quant}
@@ -283,7 +285,7 @@ class LlamaServer:
             stderr=subprocess.STDOUT,
             preexec_fn=_child_setup(self.cores),
         )
-        self.port = None
+        self.port: int | None = None
         try:
             self._wait_ready(start_timeout_s)
         except BaseException:
@@ -428,7 +430,7 @@ def result_from_answer(
     )
     run.tokens = tokens
     run.first_token_s = prompt_s if tokens else None
-    run.finish_reason = {"eos": "stop", "word": "stop"}.get(answer.get("stop_type"), "length")
+    run.finish_reason = {"eos": "stop", "word": "stop"}.get(answer.get("stop_type") or "", "length")
     if "draft_n" in timings or name in ("llamacpp-spec", "llamacpp-ngram"):
         run.drafted, run.accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
         run.rounds = max(len(tokens) - 1 - run.accepted, 0)
@@ -549,7 +551,9 @@ class LlamaCppPeer:
         if self.server is not None:
             self.server.close()
             self.server = None
-        grid, best, best_ms = [], None, None
+        grid: list[dict] = []
+        best: tuple[tuple, LlamaServer] | None = None
+        best_ms: float | None = None
         try:
             for setting in self.grid:
                 server = self._start(setting)
@@ -589,6 +593,7 @@ class LlamaCppPeer:
             if best is not None:
                 best[1].close()
             raise
+        assert best is not None  # the grid has a setting (checked above), and each one was timed
         self.setting, self.server = best
         self.settings.update(
             **self._describe(self.setting),

@@ -144,15 +144,17 @@ def parse_variants(spec: str, threads: list[int] | None = None) -> list[Variant]
                 f"{strategy} runs in worker processes on --target-devices/--draft-devices; it takes "
                 f"no @Nt thread count (give it devices instead)"
             )
+        counts: list[int | None]
         if suffix is not None:
             try:
-                counts = [int(suffix.removesuffix("t"))]
+                count = int(suffix.removesuffix("t"))
             except ValueError:
                 raise ValueError(f"bad thread count in {name!r}; write it like {strategy}@2t") from None
-            if counts[0] < 1:
+            if count < 1:
                 raise ValueError(f"bad thread count in {name!r}: it must be >= 1")
+            counts = [count]
         else:
-            counts = [None] if runs_in_workers(strategy) else threads or [None]
+            counts = [None] if runs_in_workers(strategy) or not threads else [*threads]
         for n in counts:
             if Variant(strategy, n, drafts, options) not in variants:
                 variants.append(Variant(strategy, n, drafts, options))
@@ -312,7 +314,9 @@ def build_contenders(config: BenchConfig) -> tuple[list[Contender], list, int]:
         engine_key(v): variant_engine_config(config, v) for v in config.variants if v.strategy in STRATEGIES
     }
     start_affinity, start_threads = current_pinning()
-    engines, built, limits = [], {}, [config.engine.max_context]
+    engines: list = []  # what close() must close
+    built: dict[tuple | Variant, dict] = {}  # by engine_key, or by variant (hf and llama.cpp contenders)
+    limits = [config.engine.max_context]
     try:
         # worker strategies load their models in their own processes: build them outside the shared loads
         for key in [k for k in engine_configs if runs_in_workers(k[0])]:

@@ -215,6 +215,7 @@ def cmd_generate(args) -> int:
             finally:
                 sys.stdout.write("\n")  # also when interrupted: "interrupted" gets a line of its own
                 sys.stdout.flush()
+            assert stream.result is not None  # read to its end
             print(stream.result.stats.summary(), file=sys.stderr)
     return 0
 
@@ -324,11 +325,11 @@ def _exit_interrupted(signum, frame):
     os._exit(130)
 
 
-def _caused_by(error: BaseException, kind: type) -> bool:
+def _caused_by(error: BaseException | None, kind: type) -> bool:
     """Whether an exception of `kind` (KeyboardInterrupt, Terminated) is in `error`'s chain: Python wraps one raised
     where it calls back into an object while building a class (3.11: "RuntimeError: Error calling __set_name__"), as
     modules do while they import, and a library may wrap it."""
-    seen = set()
+    seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, kind):
             return True

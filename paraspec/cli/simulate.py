@@ -204,7 +204,7 @@ def summarize_heatmap(hm: paper.Heatmap, speedups: dict) -> str:
             lines.append(f"  c = {c:.2f}: a <= {hm.a[slow[i]].max():.2f}")
     for name, label in (("dsi_vs_si", "SI"), ("dsi_vs_nonsi", "non-SI"), ("dsi_vs_baseline", "min(SI, non-SI)")):
         v = speedups[name]
-        i, j = np.unravel_index(np.nanargmax(v), v.shape)
+        i, j = (int(x) for x in np.unravel_index(np.nanargmax(v), v.shape))
         lines.append(
             f"DSI over {label}: max {v[i, j]:.2f}x at c = {hm.c[i]:.2f}, a = {hm.a[j]:.2f}; min {np.nanmin(v):.3f}x"
         )

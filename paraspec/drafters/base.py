@@ -13,12 +13,17 @@ and the target supplies its own next token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from paraspec.drafters.memory import PatternMemory
 
 
 @dataclass
@@ -48,8 +53,8 @@ class Drafter:
     # other requests is right less often than the request's own text at the same match length)
     last_source = 0
     sources: tuple[str, ...] = ("",)
-    memory = None  # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
-    timings: tuple = ()  # a draft model: (width, seconds) of the forwards of its last proposal
+    memory: PatternMemory | None = None  # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
+    timings: Sequence[tuple[int, float]] = ()  # a draft model: (width, seconds) of the forwards of its last proposal
 
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""

@@ -58,7 +58,8 @@ class ModelDrafter(Drafter):
         cached (e.g. the last round's bonus token)."""
         self._tree = None
         self.timings = []
-        tokens, probs = [], []
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
         if k <= 0:
             return Proposal(tokens)
         logits = self.logits(sequence[self.model.length :])
@@ -118,6 +119,7 @@ class ModelDrafter(Drafter):
         sync(self.device)
         start = time.perf_counter()
         logits = exact_forward(self.model, token_ids, positions, mask)
+        assert logits is not None  # with its LM head
         sync(self.device)
         self.timings.append((len(token_ids), time.perf_counter() - start))
         return logits

@@ -42,6 +42,8 @@ from paraspec.sampling import SamplingParams
 
 
 class DraftPolicy(Drafter):
+    _asked: int | None
+
     def __init__(
         self,
         drafters: list[Drafter],
@@ -71,6 +73,12 @@ class DraftPolicy(Drafter):
     def adaptive(self) -> bool:
         """The rule decides this request's rounds."""
         return self.cost is not None and not self._fixed
+
+    @property
+    def _cost(self) -> ForwardCost:
+        """The target's cost by width, read only where the rule is adaptive (so it is set)."""
+        assert self.cost is not None
+        return self.cost
 
     def begin(self, params: SamplingParams) -> None:
         """A request starts. With `auto`, a sampled request with a seed drafts fixed lengths: the rule's choices
@@ -177,7 +185,7 @@ class DraftPolicy(Drafter):
         # model-free proposal that the rule cut off
         self._probing = False
         self._trial = False  # the round is part of a model drafter's trial
-        self._asked: int | None = None  # the tokens a model drafter was asked for (a chain)
+        self._asked = None  # the tokens a model drafter was asked for (a chain)
 
     def _use(self, i: int, drafted: int) -> None:
         self._used, self._buckets = i, self.buckets(i, drafted)
@@ -250,7 +258,7 @@ class DraftPolicy(Drafter):
         nodes = (lambda k: k) if width == 1 else (lambda k: min(budget, k * width))
 
         def verify(waiting: int):
-            return lambda n: self.cost(waiting + nodes(n - waiting))
+            return lambda n: self._cost(waiting + nodes(n - waiting))
 
         buckets = self.buckets(i, max_k)
         by_bucket = self.alphas(i, max(buckets, default=0))
@@ -264,7 +272,7 @@ class DraftPolicy(Drafter):
             catch_up = self._catch_up_s(i, sequence, width)
             if k > 0 and catch_up > 0:
                 steady = rate if pending == 1 else best_length(alphas, draft_s, verify(1), 1, max_k)[1]
-                if not catch_up_pays(catch_up, steady, self.cost(1), remaining):
+                if not catch_up_pays(catch_up, steady, self._cost(1), remaining):
                     k = 0
             look = None  # a look at the drafter: its trial (never judged), or a probe
             if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0:
@@ -273,8 +281,9 @@ class DraftPolicy(Drafter):
                 state.plain_rounds += 1
                 # probe a model drafter that has not drafted lately, if its catch-up is a small share of the
                 # plain rounds since (a probe that has to feed it the whole prompt is not worth the look)
-                if state.plain_rounds >= state.probe_after and catch_up <= PROBE_SHARE * state.plain_rounds * self.cost(
-                    1
+                if (
+                    state.plain_rounds >= state.probe_after
+                    and catch_up <= PROBE_SHARE * state.plain_rounds * self._cost(1)
                 ):
                     look = "probe"
             # a look only where drafting could pay were every draft right: on a CPU where the draft model's step
@@ -305,7 +314,7 @@ class DraftPolicy(Drafter):
         paid within the request's remaining tokens: where even that loses, learning the drafter's acceptance is
         worth nothing."""
         k, rate = best_length(1.0, draft_s, verify_s, 1, max_k)
-        return k > 0 and catch_up_pays(catch_up, rate, self.cost(1), remaining)
+        return k > 0 and catch_up_pays(catch_up, rate, self._cost(1), remaining)
 
     def _catch_up_s(self, i: int, sequence: list[int], width: int) -> float:
         """Seconds drafter i spends feeding the tokens it has not seen, beyond a round's usual one-token feed."""
@@ -332,7 +341,7 @@ class DraftPolicy(Drafter):
                 d.committed(self._prefix_len, committed)
         if not self.adaptive:
             return
-        self.cost.observe(verify_width, verify_s)
+        self._cost.observe(verify_width, verify_s)
         if self._used is not None:
             judged = self._buckets[: self._accepted + 1]  # the accepted drafts and the first rejected one
             # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next
@@ -366,7 +375,7 @@ class DraftPolicy(Drafter):
             "rule": "k* = argmax_k (1 + a1 + a1 a2 + ... + a1..ak) / (k d + c(w + k)), catch-up priced",
             "alpha": {self._label(i, b): round(self.alpha(i, b), 3) for (i, b) in sorted(self.acceptance)},
             "rounds_by_k": by_k,
-            "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self.cost.seconds.items())},
+            "verify_cost_ms": {w: round(s * 1e3, 2) for w, s in sorted(self._cost.seconds.items())},
             "draft_cost_ms": {
                 self.drafters[i].name: {w: round(s * 1e3, 2) for w, s in sorted(c.seconds.items())}
                 for i, c in self.draft_costs.items()
@@ -393,7 +402,8 @@ def prune(tree: TokenTree, depth: int) -> TokenTree:
     """The nodes of `tree` at most `depth` deep (parents come first, so every kept node's parent is kept)."""
     if depth >= tree.depth:
         return tree
-    kept, index = TokenTree(), {}
+    kept = TokenTree()
+    index: dict[int, int] = {}  # node of `tree` -> node of `kept`
     for node, (token, parent, d) in enumerate(zip(tree.tokens, tree.parents, tree.depths)):
         if d <= depth:
             index[node] = kept.add(token, index[parent] if parent >= 0 else -1)

@@ -105,9 +105,10 @@ class SuffixTrie:
         for m in range(min(longest, len(sequence), self.depth - 1), 0, -1):
             node = self.root
             for token in sequence[len(sequence) - m :]:
-                node = node.children.get(token)
-                if node is None:
+                child = node.children.get(token)
+                if child is None:
                     break
+                node = child
             else:
                 if node.children:
                     return node, m
@@ -220,7 +221,8 @@ class SuffixDrafter(Drafter):
         if k <= 0:
             return Proposal([])
         node, n, from_request = self._match(sequence)
-        tokens, prob = [], 1.0
+        tokens: list[int] = []
+        prob = 1.0
         while node is not None and node.children and len(tokens) < min(k, self.depth - n):
             token, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
             prob *= child.count / max(node.count, 1)

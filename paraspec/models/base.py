@@ -72,22 +72,27 @@ def keep_chain(model, prefix_len: int, slots: list[int]) -> None:
     model.rollback(prefix_len + len(slots))
 
 
+class _Sequences(Protocol):
+    @property
+    def _lengths(self) -> list[int]: ...  # cached tokens per sequence
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+
 class SequenceChecks:
     """The checks a model of several sequences (llama.cpp's, models/native/sequences.py) runs before a forward of one
     of them; it has `_lengths` (cached tokens per sequence), `max_context` and `vocab_size`."""
 
-    _lengths: list[int]
-    max_context: int
-    vocab_size: int
-
-    def _check_room(self, n: int, seq: int = 0) -> None:
+    def _check_room(self: _Sequences, n: int, seq: int = 0) -> None:
         if self._lengths[seq] + n > self.max_context:
             raise ValueError(
                 f"context full: {self._lengths[seq]} cached + {n} new tokens exceed max_context "
                 f"{self.max_context}; create the engine with a larger max_context"
             )
 
-    def _check_vocabulary(self, token_ids: list[int]) -> None:
+    def _check_vocabulary(self: _Sequences, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {self.vocab_size})")

@@ -214,7 +214,7 @@ def read_gguf(path: str | os.PathLike, *, with_vocab: bool = False) -> GGUFFile:
             f"cannot read GGUF file {path} ({type(e).__name__}: {e}); it is probably "
             f"truncated or corrupt: download it again"
         ) from None
-    metadata = {}
+    metadata: dict[str, Any] = {}
     for key, f in reader.fields.items():
         if key in _BIG_ARRAYS and not (with_vocab and key == "tokenizer.ggml.tokens"):
             metadata[key] = None  # present, not decoded
@@ -370,7 +370,7 @@ def _family_config_class(
     has = lambda suffix: any(n.endswith(suffix) for n in tensors)  # noqa: E731
     if has(".attn_q.bias") != has(".attn_output.bias"):
         raise _unsupported(gf, "llama-family attention with biases on only some projections is not supported")
-    extra = dict(head_dim=head_dim, attention_bias=has(".attn_q.bias"), mlp_bias=has(".ffn_up.bias"))
+    extra: dict[str, Any] = dict(head_dim=head_dim, attention_bias=has(".attn_q.bias"), mlp_bias=has(".ffn_up.bias"))
     if family == "mistral":
         window = gf.arch("attention.sliding_window")
         extra["sliding_window"] = int(window) if window else None
@@ -752,7 +752,7 @@ def convert_gguf(
     config = gguf_to_hf_config(gf, tensors={t.name: t for t in gf.tensors}, dtype=dtype) if weights else None
     plan = _plan_tensors(gf, config) if weights else []
     eos_ids = _eos_ids(gf, gf.get("tokenizer.ggml.tokens"), _token_types(gf))
-    context = config.max_position_embeddings if weights else int(gf.arch("context_length", 4096) or 4096)
+    context = config.max_position_embeddings if config is not None else int(gf.arch("context_length", 4096) or 4096)
 
     tmp = make_partial_dir(out_dir)
     try:

@@ -31,7 +31,8 @@ class HFModel:
 
         from paraspec.models.base import eos_ids, generation_eos_ids
 
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        # transformers annotates PreTrainedModel.to's wrapper as taking the model, not a device
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         cfg = model.config
         limit = getattr(cfg, "max_position_embeddings", None) or 4096
         return cls(model, min(max_context or 4096, limit), generation_eos_ids(folder, eos_ids(cfg.eos_token_id)))

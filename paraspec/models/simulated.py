@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ import torch
 from paraspec.models.base import check_rollback
 from paraspec.models.native.shapes import check_shape
 from paraspec.sim.costs import ForwardCost
+
+if TYPE_CHECKING:
+    from paraspec.models.native.decoder import NativeModel
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ class SimulatedModel:
         if self.spec.cost is not None:
             time.sleep(self.spec.cost(n))
         if self.real is not None:
-            self._pay_real_forward(token_ids, last_n)
+            self._pay_real_forward(self.real, token_ids, last_n)
         rows = n if last_n is None else min(last_n, n)
         # the row of the input token at position p predicts position p + 1
         end = self._length + n
@@ -143,8 +147,7 @@ class SimulatedModel:
         self.forwards += 1
         return logits
 
-    def _pay_real_forward(self, token_ids, last_n: int | None) -> None:
-        real = self.real
+    def _pay_real_forward(self, real: NativeModel, token_ids, last_n: int | None) -> None:
         real.rollback(self._length)  # a prefill starts over
         real.forward([int(t) % real.vocab_size for t in token_ids], last_n=last_n)
         if real.device.type == "cuda":

@@ -354,7 +354,7 @@ class TokenChannel(_SharedBlock):
         if self._header[_STOPPED]:
             raise ChannelStopped(self._read_reason())
 
-    def reset(self, prompt: Sequence[int]) -> int:
+    def reset(self, prompt: Sequence[int] | np.ndarray) -> int:
         """Start a request: the prompt becomes the committed prefix, drafts and the stop flag are cleared,
         and the version is bumped (so nothing from the previous request can pass as current)."""
         prompt = _as_array(prompt, np.int64).ravel()
@@ -373,7 +373,7 @@ class TokenChannel(_SharedBlock):
         self._wake()
         return version
 
-    def publish_draft(self, position: int, tokens: Sequence[int], q=None, *, version: int) -> bool:
+    def publish_draft(self, position: int, tokens: Sequence[int] | np.ndarray, q=None, *, version: int) -> bool:
         """Append drafted tokens at `position` (<= length), with q [len(tokens), vocab] if sampling.
 
         Returns False, changing nothing, when `version` is stale or the tokens contradict what the channel
@@ -441,11 +441,15 @@ class TokenChannel(_SharedBlock):
         return published, self.read_since(position, version)
 
     @overload
-    def commit(self, tokens: Sequence[int], *, start: int | None = None, version: None = None) -> CommitResult: ...
-    @overload
-    def commit(self, tokens: Sequence[int], *, start: int | None = None, version: int) -> CommitResult | None: ...
     def commit(
-        self, tokens: Sequence[int], *, start: int | None = None, version: int | None = None
+        self, tokens: Sequence[int] | np.ndarray, *, start: int | None = None, version: None = None
+    ) -> CommitResult: ...
+    @overload
+    def commit(
+        self, tokens: Sequence[int] | np.ndarray, *, start: int | None = None, version: int
+    ) -> CommitResult | None: ...
+    def commit(
+        self, tokens: Sequence[int] | np.ndarray, *, start: int | None = None, version: int | None = None
     ) -> CommitResult | None:
         """Record verified tokens at positions [committed, committed + len(tokens)).
 

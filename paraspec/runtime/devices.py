@@ -73,7 +73,7 @@ def _parse_core_list(spec: str, text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(cores))
 
 
-def parse_device(text: str) -> Device:
+def parse_device(text: str | Device) -> Device:
     """Parse a device string and check it against this machine (a device on a named node: against that node,
     when its worker starts there); raise DeviceError naming the fix."""
     if isinstance(text, Device):

@@ -196,7 +196,7 @@ class _Proxy:
     calls: frozenset[str] = frozenset()  # the methods the server answers for this kind of proxy
 
     def __init__(self, address: tuple[str, int], name: str, latency_s: float = 0.0):
-        self.address, self.name, self.latency_s = tuple(address), name, float(latency_s)
+        self.address, self.name, self.latency_s = (address[0], address[1]), name, float(latency_s)
         self._local = threading.local()
         self._links: list[_Link] = []
 

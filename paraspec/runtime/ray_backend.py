@@ -32,6 +32,7 @@ import select
 import socket
 import threading
 import time
+from typing import Any
 
 from paraspec.runtime.devices import Device, DeviceError
 from paraspec.runtime.errors import WorkerError
@@ -143,7 +144,7 @@ def actor_options(device: Device, node_id: str | None = None) -> dict:
 
     A GPU device reserves one of Ray's GPUs, and tells Ray not to set CUDA_VISIBLE_DEVICES to the GPU it
     reserved: that would hide GPU N from a worker the user put on cuda:N."""
-    options = dict(name=None, max_concurrency=1, num_cpus=0)
+    options: dict[str, Any] = dict(name=None, max_concurrency=1, num_cpus=0)
     if device.kind == "cuda":
         options.update(num_gpus=1, runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}})
     if node_id is not None:
@@ -173,6 +174,8 @@ class RayWorker(Worker):
     options_taken = ("address",)
     places_on_nodes = True
     connect_timeout = 120.0
+    _pidfd: int | None = None  # the actor's process, where it runs on this host (a pidfd)
+    _watch_fd: int | None = None  # else the read end of the pipe its watch thread closes
 
     def _start(self) -> None:
         acquire_ray(self.options.get("address"))
@@ -290,7 +293,7 @@ class RayWorker(Worker):
             self._sentinel = None
             os.close(self._pidfd)
             self._pidfd = None
-        if getattr(self, "_watch_fd", None) is not None:
+        if self._watch_fd is not None:
             self._sentinel = None
             os.close(self._watch_fd)
             self._watch_fd = None

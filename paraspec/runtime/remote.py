@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from paraspec.runtime.workers import Handle, Worker
@@ -11,15 +13,16 @@ from paraspec.runtime.workers import Handle, Worker
 class RemoteModel:
     def __init__(self, worker: Worker, timeout: float | None = None):
         info = worker.wait_ready(timeout)
-        missing = [k for k in ("vocab_size", "eos_token_ids", "max_context") if getattr(info, k) is None]
-        if missing:
+        vocab_size, eos_token_ids, max_context = info.vocab_size, info.eos_token_ids, info.max_context
+        if vocab_size is None or eos_token_ids is None or max_context is None:
+            missing = [k for k in ("vocab_size", "eos_token_ids", "max_context") if getattr(info, k) is None]
             raise TypeError(
                 f"worker {worker.name!r} serves a {info.model_type}, which lacks {missing}: not a paraspec Model"
             )
         self.worker = worker
-        self.vocab_size: int = info.vocab_size
-        self.eos_token_ids: tuple[int, ...] = info.eos_token_ids
-        self.max_context: int = info.max_context
+        self.vocab_size: int = vocab_size
+        self.eos_token_ids: tuple[int, ...] = eos_token_ids
+        self.max_context: int = max_context
         self.exact: bool | None = info.exact  # llama.cpp: exact kernels (a target) or the fastest (a draft)
 
     @property
@@ -34,7 +37,7 @@ class RemoteModel:
 
     def submit_forward(self, token_ids, positions=None, tree_mask=None, last_n: int | None = None) -> Handle:
         """forward() as a Handle: the caller may work while the worker computes."""
-        extra = {} if last_n is None else {"last_n": last_n}  # a model may serve forward without last_n
+        extra: dict[str, Any] = {} if last_n is None else {"last_n": last_n}  # a model may serve forward without last_n
         return self.worker.submit("forward", token_ids, positions, tree_mask, **extra)
 
     def rollback(self, length: int) -> None:

@@ -75,14 +75,14 @@ def _monitor(state: _RuntimeState) -> None:
             except OSError:
                 return
         for sentinel in ready:
-            worker = watched.get(sentinel)
+            worker = watched.get(sentinel) if isinstance(sentinel, int) else None  # else the wake pipe
             if worker is None:
                 continue
             noted.add(worker.name)
             if not state.closing and not worker.closed:
                 code = worker.exit_code()
                 state.stop_all(f"worker {worker.name!r} ({worker.device}) died{describe_death(code)}")
-        if tick is not None and not state.closing:
+        if state.worker_timeout is not None and not state.closing:  # (tick is set then)
             for worker in workers:
                 if worker.name not in noted and worker.check_heartbeat(state.worker_timeout):
                     noted.add(worker.name)

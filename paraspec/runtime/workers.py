@@ -216,6 +216,7 @@ class Worker(abc.ABC):
                 raise TimeoutError(f"worker {self.name!r} not ready after {timeout} s")
         if self._ready_error is not None:
             raise self._ready_error
+        assert self._info is not None  # ready: its info arrived
         return self._info
 
     def submit(self, method: str, *args, trace: Trace | None = None, **kwargs) -> Handle:
@@ -254,7 +255,7 @@ class Worker(abc.ABC):
     def use_network(self, address: tuple[str, int], latency_s: float = 0.0) -> None:
         """Its loops reach the channels through the Runtime's ChannelServer at `address` (a worker on another
         host, or the network transport forced), each message delayed by `latency_s` (tests, benchmarks)."""
-        self._link = (tuple(address), float(latency_s))
+        self._link = ((address[0], address[1]), float(latency_s))
         if latency_s > 0:  # requests and their replies cross the same link
             self._request("link", None, float(latency_s), abandon=True)
 

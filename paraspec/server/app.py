@@ -32,6 +32,7 @@ from paraspec.sampling import SamplingParams
 from paraspec.server.metrics import ServerMetrics
 from paraspec.server.queue import GenerationQueue, Job, QueueFull, ShuttingDown
 from paraspec.server.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedParameter, error_body
+from paraspec.streams import GenerationResult
 
 log = logging.getLogger("paraspec.server")
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
@@ -205,7 +206,7 @@ class ServedModel:
         if failure is not None:
             yield sse(failure.body())
         else:
-            result = job.result
+            result = result_of(job)
             last = self.chunk(ids, {} if chat else "", finish_reason(result), chat)
             last["paraspec"] = extension(job)
             if body.return_token_ids:
@@ -236,7 +237,7 @@ class ServedModel:
         }
 
     def whole_response(self, job: Job, body, ids, chat: bool) -> dict:
-        result = job.result
+        result = result_of(job)
         if chat:
             choice = {
                 "index": 0,
@@ -332,7 +333,8 @@ def job_failure(job: Job) -> APIError | None:
         return APIError(
             504,
             f"the generation ran longer than the server's --request-timeout and was stopped "
-            f"after {len(job.result.token_ids)} tokens; ask for fewer tokens (max_tokens)",
+            f"after {len(job.result.token_ids) if job.result is not None else 0} tokens; ask for fewer tokens "
+            f"(max_tokens)",
             type="timeout_error",
             code=504,
         )
@@ -343,13 +345,19 @@ def job_failure(job: Job) -> APIError | None:
     return None
 
 
+def result_of(job: Job) -> GenerationResult:
+    """The result of a job that job_failure() passed: it has one."""
+    assert job.result is not None
+    return job.result
+
+
 def usage(job: Job) -> dict:
-    prompt, completion = len(job.prompt_ids), len(job.result.token_ids)
+    prompt, completion = len(job.prompt_ids), len(result_of(job).token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def extension(job: Job) -> dict:
-    stats = job.result.stats.to_dict()
+    stats = result_of(job).stats.to_dict()
     return {**{name: stats[name] for name in STATS}, "queue_s": job.queue_s}
 
 

@@ -16,9 +16,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from paraspec.runtime.errors import WorkerError
 from paraspec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from paraspec.streams import GenerationResult, Stream
 
 log = logging.getLogger("paraspec.server")
 
@@ -40,11 +44,11 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     reason: str | None = None  # why it was cancelled: "disconnect" | "timeout" | "shutdown"
-    result: object = None  # the GenerationResult (also for a cancelled generation)
+    result: GenerationResult | None = None  # also for a cancelled generation
     error: BaseException | None = None
     queue_s: float = 0.0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    stream_handle: object = None  # the Engine's Stream once the request thread has opened it
+    stream_handle: Stream | None = None  # the Engine's Stream once the request thread has opened it
 
     def cancel(self, reason: str) -> None:
         """(event loop) Stop this job's generation, and no other: it ends with what it has, `reason` says why."""
@@ -96,6 +100,7 @@ class GenerationQueue:
 
     def _emit(self, job: Job, kind: str, value=None) -> None:
         try:
+            assert self._loop is not None  # set by start(), before any job runs
             self._loop.call_soon_threadsafe(job.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is gone (the server stopped): nobody is listening
             pass
@@ -127,6 +132,7 @@ class GenerationQueue:
             finally:
                 self.restarting = False
         try:
+            assert self._loop is not None  # set by start(), before any job runs
             self._loop.call_soon_threadsafe(self._finished, job, timer)
         except RuntimeError:
             pass

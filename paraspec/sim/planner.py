@@ -154,7 +154,9 @@ def _simulator(profile: Profile, tokens: int, repeats: int, seed: int, link_ms: 
     return run
 
 
-def _best_sd(run: Simulate, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float, link_ms: float) -> Choice:
+def _best_sd(
+    run: Simulate, lookaheads: list[int], draft_dev: str, target_dev: str, comm_ms: float, link_ms: float
+) -> Choice:
     """sd alternates draft and target, so it gains nothing from two devices; co-located it pays no messages."""
     sd_comm = 0.0 if draft_dev == target_dev else comm_ms / 1000 + (link_ms / 1000 if is_remote(target_dev) else 0)
     return _fastest(

@@ -17,21 +17,23 @@ HF assisted generation does), so every round looks alike; its forward is traced 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
+from typing import TypeVar
 
 from paraspec.drafters import Drafter, DraftPolicy, Proposal, TokenTree
 from paraspec.request_state import Run
 
 # draft(policy, sequence, pending): the round's proposal (a chain or a tree); `pending` = committed tokens the target
 # has not cached
-DraftStep = Callable[[DraftPolicy, list[int], int], "Proposal | TokenTree"]
+P = TypeVar("P", Proposal, TokenTree)  # the proposal's kind: a chain (sd) or a tree (tree, easyspec)
+DraftStep = Callable[[DraftPolicy, list[int], int], P]
 # verify(sequence, pending tokens, proposal): (accepted path as indices into proposal.tokens, the next token)
-VerifyStep = Callable[[list[int], list[int], "Proposal | TokenTree"], tuple[list[int], int]]
+VerifyStep = Callable[[list[int], list[int], P], tuple[list[int], int]]
 
 
 def speculative_rounds(
-    run: Run, target, policy: DraftPolicy | Drafter, draft: DraftStep, verify: VerifyStep
-) -> Iterator[list[int]]:
+    run: Run, target, policy: DraftPolicy | Drafter, draft: DraftStep[P], verify: VerifyStep[P]
+) -> Generator[list[int], None, None]:
     """Yield each round's committed tokens until the run is done. `policy` picks who proposal each round and how
     much (a lone Drafter proposal every round at the fixed length)."""
     policy = policy if isinstance(policy, DraftPolicy) else DraftPolicy([policy])

@@ -33,11 +33,11 @@ def similarity(draft, prompts: list[list[int]], lp_sizes=(2, 3, 4), tokens_per_p
         draft.prefill(ids[: len(ids) - measured])
         for token in ids[len(ids) - measured :]:
             length = draft.length
-            exact = {}
+            exact: dict[int, dict[str, torch.Tensor]] = {}  # layer -> its recorded activations
             fuzzy_forward(draft, [token], exact_groups, record=exact, head=False)
             for lp in lp_sizes:
                 draft.rollback(length)
-                fuzzy = {}
+                fuzzy: dict[int, dict[str, torch.Tensor]] = {}
                 fuzzy_forward(draft, [token], lp_groups(lp, n_layers), record=fuzzy, head=False)
                 for quantity in QUANTITIES:
                     key = _RECORD_KEY[quantity]

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     elif argv[:1] == ["race"] and len(argv) == 2:
         answer = race(json.loads(argv[1]))
     elif argv[:1] == ["smoke"]:
-        threads = (1, 2)
+        threads: tuple[int, ...] = (1, 2)
         if argv[1:2] == ["--threads"]:
             threads = tuple(int(t) for t in argv[2].split(","))
         answer = smoke(threads)

@@ -155,11 +155,11 @@ def widen_q5_0(src: str | os.PathLike, dst: str | os.PathLike) -> int:
         )
     widened = 0
     for t in reader.tensors:
-        data, kind = t.data, t.tensor_type
-        if kind == GGMLQuantizationType.Q5_0:
-            data, kind = q5_0_to_q8_0(np.asarray(data)), GGMLQuantizationType.Q8_0
+        data, quant = t.data, t.tensor_type
+        if quant == GGMLQuantizationType.Q5_0:
+            data, quant = q5_0_to_q8_0(np.asarray(data)), GGMLQuantizationType.Q8_0
             widened += 1
-        writer.add_tensor(t.name, data, raw_dtype=kind)
+        writer.add_tensor(t.name, data, raw_dtype=quant)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -173,7 +173,9 @@ class Attention(nn.Module):
         """x: [n, hidden] (already normed). Writes k, v into cache slots start..start+n-1 of `layer`."""
         return self.o_proj(self.attend(*self.project(x, cos, sin), cache, layer, start, mask))
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [heads, n, head_dim], k and v [kv_heads, n, head_dim] of n rows, RoPE applied (row by row)."""
         cfg, n = self.cfg, x.shape[0]
         q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
@@ -326,7 +328,7 @@ class NativeModel:
         if width == "auto" and self.device.type != "cuda":
             width = None
         # a padded forward writes up to W - 1 rows past the last real one; "auto" picks one of WIDTHS
-        spare = 0 if width is None else max(WIDTHS) if width == "auto" else width
+        spare = width if isinstance(width, int) else max(WIDTHS) if width == "auto" else 0
         slots = -(-(max_context + spare) // 64) * 64 if spare else max_context  # aligned rows for fused kernels
         self.cache = KVCache(cfg, max_context, self.dtype, self.device, slots)
         inv_freq = rope_inv_freq(cfg).to(self.device)
@@ -339,7 +341,7 @@ class NativeModel:
                 "compile_step compiles the static-shape step: pass static_width=W (an int; 'auto' is off on a CPU)"
             )
         if width is not None:
-            if width == "auto":
+            if not isinstance(width, int):  # "auto"
                 width = measured_width(self)
             self.static = StaticForward(self, width, graph, compile_step)
 

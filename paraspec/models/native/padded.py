@@ -79,7 +79,7 @@ class StaticForward:
         self.inputs[1:] = torch.arange(width, device=device)  # until the first forward: a causal chain at
         self._causal_visibility(self.inputs[2], model.cfg.sliding_window)  # slot 0 (no all-masked row: no NaN)
         self.out: torch.Tensor | None = None
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
         # compiled: torch.compile fuses the step's small kernels (norms, RoPE, SiLU, residuals, the mask) at one
         # fixed shape, so a row's result still depends on that row alone; captured in the graph below on CUDA
         self._step = torch.compile(self.step, fullgraph=True, dynamic=False) if compiled else self.step
@@ -143,6 +143,7 @@ class StaticForward:
         if self.graph is None:
             return self._step()
         self.graph.replay()
+        assert self.out is not None  # the graph's output, captured with it
         return self.out
 
     # -- a forward of any length, in steps of W -----------------------------------------------------------------
@@ -177,7 +178,7 @@ class StaticForward:
             if key_positions is not None:
                 pos[:real] = key_positions[base : base + real]
             self.inputs.copy_(torch.stack((ids, pos, slot)))
-            if new_visible is None:
+            if new_visible is None or key_positions is None:  # both None or neither
                 self._causal_visibility(self.inputs[2], window)  # the slots, already on the device
             else:
                 self.visible.copy_(self._visibility(start, first, real, slot, pos, new_visible, key_positions, window))

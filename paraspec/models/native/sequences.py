@@ -16,11 +16,12 @@ Engine padding forwards runs one request at a time.
 from __future__ import annotations
 
 import sys
+from typing import cast
 
 import torch
 
 from paraspec.models.base import SequenceChecks, check_batch, measure_batch_exact
-from paraspec.models.native.decoder import KVCache, NativeModel
+from paraspec.models.native.decoder import DecoderLayer, KVCache, NativeModel
 
 PROBE_WIDTH = 8  # the widest forward of one sequence that may share a step (the probe covers it)
 PROBE_PROMPTS = (9, 5, 17, 12, 3, 14, 7, 11)  # the probe's context lengths, one per sequence (cycled)
@@ -123,7 +124,8 @@ class NativeSequences(SequenceChecks, NativeModel):
         masks = [self.attention_mask(positions[span], start, None) for span, start in zip(spans, starts)]
         cos, sin = self.rope(positions)
         h = self.embed([t for _, tokens, _ in items for t in tokens])
-        for i, layer in enumerate(self.decoder.model.layers):
+        for i, module in enumerate(self.decoder.model.layers):
+            layer = cast(DecoderLayer, module)  # nn.ModuleList yields Modules
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
             rows = [
