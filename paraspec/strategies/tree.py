@@ -18,6 +18,8 @@ tree attention mask).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from paraspec.drafters import Drafter, DraftPolicy, ModelDrafter, TokenTree
@@ -100,7 +102,7 @@ TREE_BACKENDS = ("native",)
 class TreeStrategy(LocalStrategy):
     """What `tree` and `easyspec` share: the options, the native backend only, the round loop."""
 
-    option_names = ("tree_width", "tree_depth", "tree_budget")
+    option_names: ClassVar[tuple[str, ...]] = ("tree_width", "tree_depth", "tree_budget")  # extended below
     caps = Capabilities(backends=TREE_BACKENDS)
 
     def drafter(self) -> Drafter:
