@@ -41,7 +41,7 @@ def main() -> None:
         metavar=("A", "MS"),
         help="the fast drafter: acceptance rate, ms per token",
     )
-    p.add_argument("--runtime", default="process", choices=["process", "inprocess"])
+    p.add_argument("--runtime-kind", default="process", choices=["process", "inprocess"])
     args = p.parse_args()
 
     target = SimulatedSpec(seed=5, cost=ForwardCost.constant(args.target_ms / 1000))
@@ -70,7 +70,7 @@ def main() -> None:
                 lookahead=args.lookahead,
                 max_ahead=args.lookahead * (args.servers + 1),
                 target_devices=["cpu"] * args.servers,
-                runtime=args.runtime,
+                runtime_kind=args.runtime_kind,
             )
         for engine in engines.values():  # warm-up
             engine.generate(prompt, SamplingParams(max_new_tokens=8))
@@ -87,7 +87,7 @@ def main() -> None:
     print(
         f"target {args.target_ms:g} ms/forward, {args.servers} servers, lookahead {args.lookahead}; accurate "
         f"drafter a={args.accurate[0]:g} {args.accurate[1]:g} ms/token, fast drafter a={args.fast[0]:g} "
-        f"{args.fast[1]:g} ms/token; {args.tokens} tokens x {args.repeats} repeats, runtime {args.runtime}\n"
+        f"{args.fast[1]:g} ms/token; {args.tokens} tokens x {args.repeats} repeats, runtime {args.runtime_kind}\n"
     )
     print("| drafters (in order) | ms/token (median) | acceptance | chunks per drafter | same as truth |")
     print("|---|---|---|---|---|")

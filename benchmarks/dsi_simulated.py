@@ -8,9 +8,9 @@ Three parts (select with --part):
             authors' thread-pool model's (paraspec/sim/dsi_online.py) and the paper's
   overhead  orchestration overhead per generated token with zero-latency simulated models, sd / amusd / dsi
 
-    .venv/bin/python benchmarks/dsi_simulated.py --part sim --runtime process
-    .venv/bin/python benchmarks/dsi_simulated.py --part table1 --runtime process --tokens 50 --repeats 3
-    .venv/bin/python benchmarks/dsi_simulated.py --part overhead --runtime process
+    .venv/bin/python benchmarks/dsi_simulated.py --part sim --runtime-kind process
+    .venv/bin/python benchmarks/dsi_simulated.py --part table1 --runtime-kind process --tokens 50 --repeats 3
+    .venv/bin/python benchmarks/dsi_simulated.py --part overhead --runtime-kind process
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Case:
         return 2 * self.lookahead if self.strategy == "amusd" else (self.servers + 1) * self.lookahead
 
 
-def open_engine(case: Case, runtime: str = "inprocess", seed: int = 0) -> Engine:
+def open_engine(case: Case, runtime_kind: str = "inprocess", seed: int = 0) -> Engine:
     target = SimulatedSpec(cost=case.target, seed=seed)
     draft = SimulatedSpec(
         role="draft", cost=case.draft, seed=seed, draft_seed=seed + 1, acceptance_rate=case.acceptance_rate
@@ -58,15 +58,15 @@ def open_engine(case: Case, runtime: str = "inprocess", seed: int = 0) -> Engine
     }[case.strategy]
     if case.strategy == "ar":
         return Engine(target, strategy="ar")
-    return Engine(target, draft, strategy=case.strategy, runtime=runtime, **options)
+    return Engine(target, draft, strategy=case.strategy, runtime_kind=runtime_kind, **options)
 
 
-def measure(case: Case, tokens: int, repeats: int, runtime: str = "inprocess", warmup: bool = True) -> list[float]:
+def measure(case: Case, tokens: int, repeats: int, runtime_kind: str = "inprocess", warmup: bool = True) -> list[float]:
     """Wall seconds of `repeats` requests of `tokens` tokens (after one warm-up), each on a fresh engine with
     its own truth and draft seeds; raises if a run does not return the target's tokens."""
     times = []
     for r in range(1 - warmup, repeats + 1):
-        with open_engine(case, runtime, seed=r) as engine:
+        with open_engine(case, runtime_kind, seed=r) as engine:
             result = engine.generate(PROMPT, SamplingParams(max_new_tokens=tokens))
             expected = SimulatedModel(SimulatedSpec(seed=r)).predicted[len(PROMPT) : len(PROMPT) + tokens]
             if result.token_ids != expected.tolist():
@@ -109,20 +109,20 @@ def sim_cases(target_s: float = 0.02, draft_s: float = 0.004, a: float = 0.7) ->
     ]
 
 
-def part_sim(tokens: int, repeats: int, runtime: str) -> None:
+def part_sim(tokens: int, repeats: int, runtime_kind: str) -> None:
     print(
         f"measured vs event simulator: target 20 ms, draft 4 ms (+2%/token), a = 0.7, {tokens} tokens, "
-        f"runtime={runtime}, median of {repeats}"
+        f"runtime_kind={runtime_kind}, median of {repeats}"
     )
     print(f"{'strategy':<18} {'measured s':>10} {'simulated s':>11} {'ratio':>7}")
     for case in sim_cases():
-        measured = statistics.median(measure(case, tokens, repeats, runtime))
+        measured = statistics.median(measure(case, tokens, repeats, runtime_kind))
         predicted = predict(case, tokens)
         label = case.strategy + (f" N={case.servers} k={case.lookahead}" if case.strategy == "dsi" else "")
         print(f"{label:<18} {measured:>10.3f} {predicted:>11.3f} {measured / predicted:>7.3f}", flush=True)
 
 
-def part_table1(tokens: int, repeats: int, runtime: str, scale: float, measured: bool = True) -> None:
+def part_table1(tokens: int, repeats: int, runtime_kind: str, scale: float, measured: bool = True) -> None:
     """The ten rows of the paper's Table 1 with the configuration the event simulator picks for each (the online
     protocol: SI at its best lookahead of 1, 5, 10; DSI at its best lookahead and 1 or 7 target servers): measured
     DSI / SI wall-time speedup through the real runtime, beside the event simulator's as paraspec runs it ("as
@@ -133,8 +133,8 @@ def part_table1(tokens: int, repeats: int, runtime: str, scale: float, measured:
     from paraspec.sim.table1 import events_choice, online_choice
 
     print(
-        f"DSI paper Table 1 with simulated devices (latencies x {scale}), {tokens} tokens, runtime={runtime}, "
-        f"median of {repeats}"
+        f"DSI paper Table 1 with simulated devices (latencies x {scale}), {tokens} tokens, "
+        f"runtime_kind={runtime_kind}, median of {repeats}"
     )
     print(
         f"{'pair':<42} {'SI k':>4} {'DSI k':>5} {'N':>2} {'measured':>8} {'as run':>7} {'events':>7} {'online':>7} "
@@ -147,8 +147,8 @@ def part_table1(tokens: int, repeats: int, runtime: str, scale: float, measured:
         d = ForwardCost.constant(row.drafter_ms / 1000 * scale)
         si = Case("sd", t, d, row.acceptance, lookahead=ev.si_k)
         dsi = Case("dsi", t, d, row.acceptance, lookahead=ev.dsi_k, servers=ev.dsi_servers)
-        m_si = statistics.median(measure(si, tokens, repeats, runtime)) if measured else float("nan")
-        m_dsi = statistics.median(measure(dsi, tokens, repeats, runtime)) if measured else float("nan")
+        m_si = statistics.median(measure(si, tokens, repeats, runtime_kind)) if measured else float("nan")
+        m_dsi = statistics.median(measure(dsi, tokens, repeats, runtime_kind)) if measured else float("nan")
         as_run = predict(si, tokens, repeats=100) / predict(dsi, tokens, repeats=100)
         name = f"{row.target} / {row.drafter}, {row.dataset}"
         print(
@@ -159,8 +159,10 @@ def part_table1(tokens: int, repeats: int, runtime: str, scale: float, measured:
         )
 
 
-def part_overhead(tokens: int, repeats: int, runtime: str) -> None:
-    print(f"orchestration overhead, zero-latency simulated models, {tokens} tokens, a = 0.8, runtime={runtime}")
+def part_overhead(tokens: int, repeats: int, runtime_kind: str) -> None:
+    print(
+        f"orchestration overhead, zero-latency simulated models, {tokens} tokens, a = 0.8, runtime_kind={runtime_kind}"
+    )
     print(f"{'strategy':<18} {'ms/token (median)':>17} {'min':>7}")
     zero = ForwardCost.constant(1e-9)
     for case in (
@@ -178,7 +180,7 @@ def part_overhead(tokens: int, repeats: int, runtime: str) -> None:
             "dsi": dict(lookahead=case.lookahead, max_ahead=case.ahead, target_devices=["cpu"] * case.servers),
         }[case.strategy]
         per_token = []
-        with Engine(target, draft, strategy=case.strategy, runtime=runtime, **options) as engine:
+        with Engine(target, draft, strategy=case.strategy, runtime_kind=runtime_kind, **options) as engine:
             engine.generate(PROMPT, SamplingParams(max_new_tokens=tokens))
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -193,16 +195,16 @@ def main() -> None:
     p.add_argument("--part", choices=["sim", "table1", "overhead"], required=True)
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--runtime", choices=["inprocess", "process"], default="inprocess")
+    p.add_argument("--runtime-kind", choices=["inprocess", "process"], default="inprocess")
     p.add_argument("--scale", type=float, default=1.0, help="table1: multiply the paper's latencies")
     p.add_argument("--no-measure", action="store_true", help="table1: only the models' columns (no runtime)")
     args = p.parse_args()
     if args.part == "sim":
-        part_sim(args.tokens, args.repeats, args.runtime)
+        part_sim(args.tokens, args.repeats, args.runtime_kind)
     elif args.part == "table1":
-        part_table1(args.tokens, args.repeats, args.runtime, args.scale, measured=not args.no_measure)
+        part_table1(args.tokens, args.repeats, args.runtime_kind, args.scale, measured=not args.no_measure)
     else:
-        part_overhead(args.tokens, args.repeats, args.runtime)
+        part_overhead(args.tokens, args.repeats, args.runtime_kind)
 
 
 if __name__ == "__main__":

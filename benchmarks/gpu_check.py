@@ -351,7 +351,7 @@ def strategies(check: Check, record: dict, deadline: float, save) -> None:
         new_tokens=tokens,
         prompt_tokens=len(PROMPT),
         max_context=CONTEXT_SLOTS,
-        runtime="process",
+        runtime_kind="process",
         runs=[],
     )
     ar_tokens = None
@@ -374,7 +374,7 @@ def strategies(check: Check, record: dict, deadline: float, save) -> None:
                 strategy=strategy,
                 target_devices=[check.engine_device],
                 draft_devices=[check.engine_device],
-                runtime="process",
+                runtime_kind="process",
                 max_context=CONTEXT_SLOTS,
                 **options,
             ) as engine:

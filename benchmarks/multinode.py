@@ -63,14 +63,14 @@ def engine_for(
     n = servers if strategy == "dsi" else 1
     if network:
         placement = dict(
-            runtime="ray",
+            runtime_kind="ray",
             transport="tcp",
             link_latency_ms=link_ms,
             draft_devices=["node0/cpu"],
             target_devices=[f"node{i + 1}/cpu" for i in range(n)],
         )
     else:
-        placement = dict(runtime="process", draft_devices=["cpu"], target_devices=["cpu"] * n)
+        placement = dict(runtime_kind="process", draft_devices=["cpu"], target_devices=["cpu"] * n)
     options = (
         dict(lookahead=lookahead, max_ahead=(n + 1) * lookahead)
         if strategy == "dsi"

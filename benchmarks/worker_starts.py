@@ -2,7 +2,7 @@
 
     PYTHONPATH=benchmarks .venv/bin/python -m pytest -q -p worker_starts tests/strategies/test_sd.py
 
-At the end it prints how many process workers started in the pytest process (the Engine's `runtime="process"`,
+At the end it prints how many process workers started in the pytest process (the Engine's `runtime_kind="process"`,
 the default: each a fresh `spawn` interpreter that imports torch and paraspec, then loads its model) and the sum
 of their start-ups (spawn to "ready", the `startup_s` each worker reports), with `--worker-starts-json PATH` to keep
 them. Workers started by other processes (the CLI and server tests' subprocesses) are not counted. Two workers of one

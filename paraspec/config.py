@@ -32,14 +32,14 @@ class EngineConfig:
     backend: str = "auto"  # models.loader.BACKENDS, or "auto" (resolved here)
     max_context: int = 4096
     allow_vocab_mismatch: bool = False
-    runtime: str = "process"  # runtime.workers.RUNTIMES: where workers run
+    runtime_kind: str = "process"  # runtime.workers.RUNTIME_KINDS: where workers run
     options: dict = field(default_factory=dict)  # strategy options by OPTIONS name (only the strategy's own)
     on_busy: str = "wait"  # a request while another runs: "wait" its turn or "error"
     worker_timeout: float | None = 60.0  # seconds without a worker's heartbeat -> WorkerTimeout; None: off
     wait_timeout: float | None = 600.0  # on_busy="wait": seconds a request waits, then EngineBusy; None: no limit
     transport: str = "auto"  # workers' channels: "auto" (shared memory on this host, TCP to
     # another), "shm", or "tcp" (tests, benchmarks)
-    ray_address: str | None = None  # runtime="ray": the cluster to join (else RAY_ADDRESS, else local)
+    ray_address: str | None = None  # runtime_kind="ray": the cluster to join (else RAY_ADDRESS, else local)
     link_latency_ms: float = 0.0  # tests and benchmarks: delay per message on the network transport
     static_width: Any = "auto"  # native models: pad every forward to this many rows (models/native/padded.py);
     # "auto": measured on CUDA, off on CPU; None: off
@@ -52,14 +52,14 @@ class EngineConfig:
     def __post_init__(self):
         from paraspec.models.loader import BACKENDS as MODEL_BACKENDS
         from paraspec.models.loader import parse_dtype
-        from paraspec.runtime.workers import RUNTIMES
+        from paraspec.runtime.workers import RUNTIME_KINDS
 
         cls = get_strategy(self.strategy)
         self.draft_specs = tuple(DraftSpec.of(d) for d in as_list(self.draft))
         if self.backend not in MODEL_BACKENDS + ("auto",):
             raise ValueError(f"unknown backend {self.backend!r}; use one of auto, {', '.join(MODEL_BACKENDS)}")
-        if self.runtime not in RUNTIMES:
-            raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
+        if self.runtime_kind not in RUNTIME_KINDS:
+            raise ValueError(f"unknown runtime kind {self.runtime_kind!r}; choose one of {', '.join(RUNTIME_KINDS)}")
         self.target_devices = tuple(parse_devices(self.target_devices))
         if cls.caps.needs_draft:
             self.draft_devices = tuple(parse_devices(self.draft_devices))
@@ -106,12 +106,16 @@ class EngineConfig:
         from paraspec.runtime.runtime import check_transport
 
         check_transport(self.transport, self.link_latency_ms)
-        if self.ray_address is not None and self.runtime != "ray":
-            raise ValueError(f"ray_address applies to runtime='ray' (--runtime ray), not runtime={self.runtime!r}")
-        on_nodes = self.devices_on_nodes
-        if on_nodes and self.runtime != "ray":
+        if self.ray_address is not None and self.runtime_kind != "ray":
             raise ValueError(
-                f"device {on_nodes[0]} names a node: place workers on nodes with runtime='ray' (--runtime ray)"
+                f"ray_address applies to runtime_kind='ray' (--runtime-kind ray), "
+                f"not runtime_kind={self.runtime_kind!r}"
+            )
+        on_nodes = self.devices_on_nodes
+        if on_nodes and self.runtime_kind != "ray":
+            raise ValueError(
+                f"device {on_nodes[0]} names a node: place workers on nodes with runtime_kind='ray' "
+                "(--runtime-kind ray)"
             )
         if self.transport == "shm" and on_nodes:
             raise ValueError(f"transport='shm' cannot reach workers on other nodes ({on_nodes[0]}); use 'auto'")
@@ -250,7 +254,7 @@ class Ask(NamedTuple):
 def capability_asks(config: EngineConfig) -> list[Ask]:
     """What `config` asks of its strategy, in the order it is checked."""
     drafts, free = [d.spec for d in config.draft_specs], [d.spec for d in config.draft_specs if d.model_free]
-    runtime, backend, on_nodes = config.runtime, config.backend, config.devices_on_nodes
+    runtime_kind, backend, on_nodes = config.runtime_kind, config.backend, config.devices_on_nodes
     return [
         Ask(
             not drafts,
@@ -285,11 +289,11 @@ def capability_asks(config: EngineConfig) -> list[Ask]:
         ),
         Ask(
             True,
-            lambda caps: runtime in caps.runtimes,
+            lambda caps: runtime_kind in caps.runtime_kinds,
             lambda caps, takers: (
-                f"runs on runtime {' or '.join(map(repr, caps.runtimes))}, so runtime={runtime!r} "
-                f"does not apply to it; pass runtime={caps.runtimes[0]!r}, or pick a strategy "
-                f"that runs on {runtime!r} ({takers})"
+                f"runs on runtime kind {' or '.join(map(repr, caps.runtime_kinds))}, so runtime_kind={runtime_kind!r} "
+                f"does not apply to it; pass runtime_kind={caps.runtime_kinds[0]!r}, or pick a strategy "
+                f"that runs on {runtime_kind!r} ({takers})"
             ),
         ),
         Ask(

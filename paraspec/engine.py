@@ -34,8 +34,8 @@ import copy
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 
 from paraspec.batching import BatchedSequence, Batcher
@@ -49,6 +49,7 @@ from paraspec.runtime.errors import RemoteError, WorkerError
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
 from paraspec.strategies.base import Placement
+from paraspec.strategies.registry import STRATEGIES
 from paraspec.streams import GenerationResult, Request, Stream
 from paraspec.text_stream import IncrementalText, TextDeltas
 
@@ -76,7 +77,7 @@ class Engine:
         backend: str = "auto",
         max_context: int = 4096,
         allow_vocab_mismatch: bool = False,
-        runtime: str = "process",
+        runtime_kind: str = "process",
         on_busy: str = "wait",
         worker_timeout: float | None = 60.0,
         wait_timeout: float | None = 600.0,
@@ -89,9 +90,9 @@ class Engine:
         **options,
     ):
         """Strategy options (e.g. lookahead=5, max_ahead=16) are keyword arguments named like their CLI
-        flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime` places the
+        flags; every option of every strategy is listed in `paraspec.strategies.OPTIONS`. `runtime_kind` places the
         workers of a strategy that starts some: "process" (one process per device group), "inprocess"
-        (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `caps.runtimes`).
+        (threads, for tests), "ray" (Ray actors); a strategy that starts none rejects "ray" (its `caps.runtime_kinds`).
         `backend`: "auto" (llama.cpp's quantized kernels for GGUF-backed models on CPU where the strategy allows
         them, else the native decoder), "native", "hf" or "llamacpp" (docs/LLAMACPP.md).
         `max_num_seqs`: requests decoded at once, their forwards shared, where the strategy batches requests
@@ -101,7 +102,7 @@ class Engine:
         `wait_timeout`: with on_busy="wait", seconds a request waits before EngineBusy (None: no limit).
         `worker_timeout`: seconds a worker may go without a sign of life (heartbeats, also while it loads)
         before WorkerTimeout is raised and the worker killed; None disables the watchdog.
-        Across machines (runtime="ray"; docs/SERVING.md): a device `NODE/cpu:0-3` runs its worker on that
+        Across machines (runtime_kind="ray"; docs/SERVING.md): a device `NODE/cpu:0-3` runs its worker on that
         Ray node; `ray_address` joins a cluster (else RAY_ADDRESS, else a local Ray); `transport` is how workers'
         loops reach the token channels: "auto" (shared memory on this host, TCP to another), "shm" or "tcp";
         `link_latency_ms` (tests, benchmarks) delays every network message by that much.
@@ -121,7 +122,7 @@ class Engine:
                 backend,
                 max_context,
                 allow_vocab_mismatch,
-                runtime,
+                runtime_kind,
                 options,
                 on_busy=on_busy,
                 worker_timeout=worker_timeout,
@@ -148,7 +149,8 @@ class Engine:
         # nothing loads and no worker starts before every checkpoint is resolved and the vocabularies agree
         self._placement = self._resolve(config)
         self._gate = RequestGate(self.max_num_seqs, config.on_busy, config.wait_timeout)
-        self._batcher, self._slots = None, []
+        self._batcher: Batcher | None = None
+        self._sequence_strategies: list = []  # with several sequences: a strategy per sequence
         self.tokenizer = load_tokenizer_if_any(self._placement.target)
         late = [] if config.allow_vocab_mismatch else self._check_vocabularies()
         self.strategy = config.strategy_class(config.strategy_options)
@@ -160,7 +162,7 @@ class Engine:
                 check_compatible(
                     self.target.vocab_size, self.draft_models[i].vocab_size, self.tokenizer, draft_tokenizer
                 )
-            self._open_slots()
+            self._open_sequence_strategies()
         except BaseException:
             self.close()
             raise
@@ -201,7 +203,7 @@ class Engine:
                 compile_step=config.compile_step,
                 **seqs,
             ),
-            config.runtime,
+            config.runtime_kind,
             config.worker_timeout,
             config.runtime_options,
         )
@@ -228,21 +230,21 @@ class Engine:
                 late.append((i, draft_tokenizer))
         return late
 
-    def _open_slots(self) -> None:
+    def _open_sequence_strategies(self) -> None:
         """With max_num_seqs > 1: the Batcher, and per sequence a copy of the strategy whose models are that
         sequence of each model (BatchedSequence) and whose drafters are its own (kept across its requests)."""
         if self.max_num_seqs == 1:
             return
         self._batcher = Batcher()
-        self._slots = []
-        self._slot_lock = threading.Lock()
+        self._sequence_strategies = []
+        self._sequence_strategies_lock = threading.Lock()
         for seq in range(self.max_num_seqs):
-            slot = copy.copy(self.strategy)
-            slot.target = BatchedSequence(self._batcher, self.strategy.target, seq)
-            slot.draft_models = [BatchedSequence(self._batcher, m, seq) for m in self.strategy.draft_models]
-            slot.policy, slot._pinning = None, None  # its own drafters; the Engine's strategy unpins
-            slot.in_use = False
-            self._slots.append(slot)
+            strategy = copy.copy(self.strategy)
+            strategy.target = BatchedSequence(self._batcher, self.strategy.target, seq)
+            strategy.draft_models = [BatchedSequence(self._batcher, m, seq) for m in self.strategy.draft_models]
+            strategy.policy, strategy._pinning = None, None  # its own drafters; the Engine's strategy unpins
+            strategy.in_use = False
+            self._sequence_strategies.append(strategy)
 
     def restart_workers(self) -> None:
         """Stop the strategy's workers and start new ones (models reloaded), e.g. after WorkerDied or
@@ -254,7 +256,7 @@ class Engine:
             self.strategy = self.config.strategy_class(self.config.strategy_options)
             self._finalizer = weakref.finalize(self, _close_strategy, self.strategy)
             self.strategy.setup(self._placement)
-            self._open_slots()
+            self._open_sequence_strategies()
             self._gate.failure = None
         finally:
             self._gate.release(request)
@@ -269,8 +271,8 @@ class Engine:
         self.config = config
         try:
             self.strategy.set_options(config.strategy_options)
-            for slot in self._slots:  # the sequences' drafters are built again with the new options
-                slot.options, slot.policy = self.strategy.options, None
+            for strategy in self._sequence_strategies:  # the sequences' drafters are built again with the new options
+                strategy.options, strategy.policy = self.strategy.options, None
         finally:
             self._gate.release(request)
 
@@ -314,6 +316,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
+        self._check_processors(params)
         stop = set(self.target.eos_token_ids) | set(params.stop_token_ids or ())
         return Run(
             prompt_ids=self.encode(prompt),
@@ -325,6 +328,20 @@ class Engine:
             stop_check=stop_string_check(self.tokenizer, params.stop) if params.stop else None,
         )
 
+    def _check_processors(self, params: SamplingParams) -> None:
+        """A logit bias or a penalty only where the strategy applies it, and a bias only on the target's ids."""
+        if params.adjusts_logits and not self.strategy.caps.processors:
+            accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.processors)
+            raise ValueError(
+                f"strategy {self.strategy.name!r} does not apply logit_bias or penalties; drop them or use one of "
+                f"{accepting}"
+            )
+        vocab = self.target.vocab_size
+        if params.logit_bias is not None and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(
+                f"logit_bias names token {params.logit_bias[-1][0]}, but the target's vocabulary has {vocab} ids"
+            )
+
     def stream(self, prompt, params: SamplingParams | None = None) -> Stream:
         """A Stream of text deltas as tokens are committed; its `result` once it has ended. The request starts at
         the first next(); close() (or dropping the stream) cancels it. See the module docstring for the ways a
@@ -333,23 +350,25 @@ class Engine:
         request = Request("stream")
         # one request at a time: its strategy's workers are woken to stop (their channels); with several, the flag
         # alone ends it within one round (batching.py: its loop runs in its reader's thread)
-        stream = Stream(self._stream(run, request), request, wake=self.strategy.cancel if not self._slots else None)
+        stream = Stream(
+            self._stream(run, request), request, wake=self.strategy.cancel if not self._sequence_strategies else None
+        )
         request.stream = weakref.ref(stream)
         return stream
 
-    def _stream(self, run: Run, request: Request) -> Iterator[str]:
+    def _stream(self, run: Run, request: Request) -> Generator[str, None, None]:
         self._gate.acquire(request)
-        batches = self._decode(run, request)
-        text, decoder = TextDeltas(run.params.stop), IncrementalText(self.tokenizer)
+        decoding = self._decode(run, request)
+        text, decoder = TextDeltas(run.params.stop or ()), IncrementalText(self.tokenizer)
         start = run.trace.t0 = time.perf_counter()
         try:
-            for _ in batches:
-                # the last batch's text decoded whole: a held-back half character may complete a stop string
+            for _ in decoding:
+                # the last commit's text decoded whole: a held-back half character may complete a stop string
                 delta = text.update(output_text(self.tokenizer, run, None if run.done else decoder), final=run.done)
                 if delta:
                     yield delta
         finally:
-            batches.close()
+            decoding.close()
             try:
                 request.result = self._finish(run, start)  # closed or cancelled too: the text it had
             finally:
@@ -365,36 +384,37 @@ class Engine:
         logit as this strategy computed it: where two strategies differ in bf16, it shows a near-tie."""
         run = self._new_run(prompt, params, record_margins)
         request = self._gate.acquire(Request("generate()"))
-        batches = self._decode(run, request)
+        decoding = self._decode(run, request)
         try:
             start = run.trace.t0 = time.perf_counter()
-            for _ in batches:
+            for _ in decoding:
                 pass
             request.result = self._finish(run, start)
             return request.result
         finally:
-            batches.close()
+            decoding.close()
             self._gate.release(request)
 
-    def _decode(self, run: Run, request: Request) -> Iterator[list[int]]:
-        """The strategy's batches until the run is done or the request is cancelled (checked after every
-        batch; Engine.cancel() also wakes a strategy blocked on its workers). A dead or stuck worker marks the
-        Engine failed until restart_workers(). With several sequences the request decodes on a free one, its
-        forwards shared with the other requests' (batching.py); while its reader holds a batch it is idle."""
-        strategy, member, idle = self.strategy, None, nullcontext
-        if self._slots:
-            strategy = self._take_slot()
-            member = self._batcher.join(repeatable=not run.params.greedy and run.params.seed is not None)
+    def _decode(self, run: Run, request: Request) -> Generator[list[int], None, None]:
+        """The tokens the strategy commits, a list per commit, until the run is done or the request is cancelled
+        (checked after every commit; Engine.cancel() also wakes a strategy blocked on its workers). A dead or stuck
+        worker marks the Engine failed until restart_workers(). With several sequences the request decodes on a free
+        one, its forwards shared with the other requests' (batching.py); while its reader holds a commit it is idle."""
+        strategy, member, batcher = self.strategy, None, self._batcher
+        idle: Callable[[], AbstractContextManager] = nullcontext
+        if self._sequence_strategies and batcher is not None:  # (a batcher comes with the sequence strategies)
+            strategy = self._take_sequence_strategy()
+            joined = member = batcher.join(repeatable=not run.params.greedy and run.params.seed is not None)
             for model in (strategy.target, *strategy.draft_models):
                 model.member = member
-            idle = lambda: self._batcher.idle(member)  # noqa: E731
-        batches = strategy.decode(run)
+            idle = lambda: batcher.idle(joined)  # noqa: E731
+        decoding = strategy.decode(run)
         try:
-            for batch in batches:
+            for committed in decoding:
                 if request.cancelled.is_set():
                     break
                 with idle():
-                    yield batch
+                    yield committed
                 if request.cancelled.is_set():
                     break
         except WorkerError as e:
@@ -407,29 +427,30 @@ class Engine:
             raise
         finally:
             try:
-                batches.close()  # a strategy's own cleanup: stop its loops, collect its workers' reports
+                decoding.close()  # a strategy's own cleanup: stop its loops, collect its workers' reports
             finally:
-                if member is not None:
-                    self._batcher.leave(member)
-                    self._give_back_slot(strategy)
+                if member is not None and batcher is not None:
+                    batcher.leave(member)
+                    self._give_back_sequence_strategy(strategy)
             if request.cancelled.is_set() and not run.done:
                 run.finish_reason = "cancelled"
 
-    def _take_slot(self):
-        """The free sequence with the lowest number: the running ones stay 0, 1, 2, ... (see _give_back_slot)."""
-        with self._slot_lock:
-            slot = min((s for s in self._slots if not s.in_use), key=lambda s: s.target.seq)
-            slot.in_use = True
-            return slot
+    def _take_sequence_strategy(self):
+        """The strategy of the free sequence with the lowest number: the running ones stay 0, 1, 2, ... (see
+        _give_back_sequence_strategy)."""
+        with self._sequence_strategies_lock:
+            strategy = min((s for s in self._sequence_strategies if not s.in_use), key=lambda s: s.target.seq)
+            strategy.in_use = True
+            return strategy
 
-    def _give_back_slot(self, slot) -> None:
+    def _give_back_sequence_strategy(self, strategy) -> None:
         """A request left: the running request on the highest sequence moves into its sequence (caches copied, its
         drafters with it), so that the running sequences stay 0, 1, 2, ... and decode in one micro-batch."""
-        with self._slot_lock:
-            slot.in_use = False
-            top = max((s for s in self._slots if s.in_use), key=lambda s: s.target.seq, default=None)
-            if top is not None and top.target.seq > slot.target.seq:
-                self._batcher.move([top.target, *top.draft_models], [slot.target, *slot.draft_models])
+        with self._sequence_strategies_lock:
+            strategy.in_use = False
+            top = max((s for s in self._sequence_strategies if s.in_use), key=lambda s: s.target.seq, default=None)
+            if top is not None and top.target.seq > strategy.target.seq and self._batcher is not None:
+                self._batcher.move([top.target, *top.draft_models], [strategy.target, *strategy.draft_models])
 
     def cancel(self) -> bool:
         """Stop every generation in progress (from any thread) within one round; each ends with finish_reason

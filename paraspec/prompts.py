@@ -24,15 +24,16 @@ def require_tokenizer(tokenizer, what: str):
     return tokenizer
 
 
-def encode_prompt(prompt, tokenizer, vocab_size: int, max_context: int) -> list[int]:
-    """A str (raw text, no template), a list of token ids, or chat messages (chat template applied), as token ids
-    that fit the vocabulary and leave room in the context for at least one new token."""
+def encode_prompt(prompt, tokenizer, vocab_size: int, max_context: int, tools: list[dict] | None = None) -> list[int]:
+    """A str (raw text, no template), a list of token ids, or chat messages (chat template applied, with `tools`:
+    OpenAI-style function definitions the template renders), as token ids that fit the vocabulary and leave room in
+    the context for at least one new token."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
         ids = require_tokenizer(tokenizer, "a text prompt").encode(prompt, add_special_tokens=False)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = _apply_chat_template(require_tokenizer(tokenizer, "chat messages"), prompt)
+        ids = _apply_chat_template(require_tokenizer(tokenizer, "chat messages"), prompt, tools)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -53,13 +54,13 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, max_context: int) -> list[
     return ids
 
 
-def _apply_chat_template(tokenizer, messages) -> list[int]:
+def _apply_chat_template(tokenizer, messages, tools: list[dict] | None = None) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this tokenizer has no chat template; pass a plain string prompt (no --chat)")
     for m in messages:
-        if "role" not in m or "content" not in m:
+        if "role" not in m or ("content" not in m and "tool_calls" not in m):
             raise ValueError(f"chat message {m!r} needs 'role' and 'content'")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
@@ -87,7 +88,7 @@ def stop_string_check(tokenizer, stop: tuple[str, ...]) -> Callable[[list[int]],
 
 def output_text(tokenizer, run: Run, decoder=None) -> str:
     """The output text of a run: without a final stop token, and cut before a stop string. `decoder` (a
-    text_stream.IncrementalText) decodes only what is new since its last call: a stream asks after every batch."""
+    text_stream.IncrementalText) decodes only what is new since its last call: a stream asks after every commit."""
     decode = decoder.of if decoder is not None else lambda tokens: decode_text(tokenizer, tokens)
     if run.stop_string is not None:
         text = decode(run.tokens)

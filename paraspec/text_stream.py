@@ -30,7 +30,7 @@ class IncrementalText:
     """The text of a growing token list, decoding only the tokens since the last settled piece plus the piece
     before them (the window keeps a sentencepiece word's leading space and a multi-byte character whole), as
     vLLM's and TGI's detokenizers do. Streaming n tokens decodes O(n) tokens in all, where decoding the whole
-    list at every batch is O(n^2). `decoded` counts the tokens handed to the tokenizer (tests read it)."""
+    list at every commit is O(n^2). `decoded` counts the tokens handed to the tokenizer (tests read it)."""
 
     INITIAL_CONTEXT = 5  # after a full decode: tokens before the end kept as the next window's context
 

@@ -59,10 +59,10 @@ def test_a_new_strategy_is_checked_by_its_declaration_alone(registered):
         EngineConfig(TARGET, strategy=Plain.name, backend="hf")
     with pytest.raises(
         ValueError,
-        match="runtime='ray' does not apply to it; pass runtime='process'.*"
+        match="runtime_kind='ray' does not apply to it; pass runtime_kind='process'.*"
         r"\(amusd, dsi, easyspec\)",
     ):
-        EngineConfig(TARGET, strategy=Plain.name, runtime="ray")
+        EngineConfig(TARGET, strategy=Plain.name, runtime_kind="ray")
     with pytest.raises(ValueError, match=r"cannot run across nodes \(it is a test\).*use amusd, dsi to place"):
         EngineConfig(TARGET, strategy=Plain.name, target_devices=["box-a/cpu:0"])
     assert EngineConfig(TARGET, strategy=Plain.name).model_backend == "native"

@@ -54,7 +54,12 @@ def amusd(qwen2_target, qwen2_partial):
 @pytest.fixture(scope="module")
 def dsi(qwen2_target, qwen2_partial):
     with Engine(
-        qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", runtime="inprocess", target_devices=["cpu"] * 2
+        qwen2_target,
+        qwen2_partial,
+        strategy="dsi",
+        dtype="float32",
+        runtime_kind="inprocess",
+        target_devices=["cpu"] * 2,
     ) as engine:
         yield engine
 
@@ -168,7 +173,7 @@ def test_a_caller_waits_for_an_open_stream_until_it_is_closed(request, name, exp
     assert not waiter.is_alive() and results == [expected]
 
 
-@pytest.mark.parametrize("strategy,kwargs", [("sd", dict(max_num_seqs=1)), ("amusd", dict(runtime="inprocess"))])
+@pytest.mark.parametrize("strategy,kwargs", [("sd", dict(max_num_seqs=1)), ("amusd", dict(runtime_kind="inprocess"))])
 def test_wait_timeout_names_the_open_stream(qwen2_target, qwen2_partial, expected, strategy, kwargs):
     with Engine(qwen2_target, qwen2_partial, strategy=strategy, dtype="float32", wait_timeout=1.5, **kwargs) as engine:
         stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
@@ -296,11 +301,11 @@ def test_options_the_strategy_does_not_take_are_refused(qwen2_target, qwen2_part
         Engine(qwen2_target, draft, strategy=strategy, **option)
 
 
-def test_runtime_is_checked_for_every_strategy(qwen2_target, qwen2_partial):
+def test_runtime_kind_is_checked_for_every_strategy(qwen2_target, qwen2_partial):
     for strategy in ("ar", "sd", "amusd"):
         draft = None if strategy == "ar" else qwen2_partial
-        with pytest.raises(ValueError, match="unknown runtime 'threads'"):
-            Engine(qwen2_target, draft, strategy=strategy, runtime="threads")
+        with pytest.raises(ValueError, match="unknown runtime kind 'threads'"):
+            Engine(qwen2_target, draft, strategy=strategy, runtime_kind="threads")
 
 
 @pytest.mark.parametrize("draft", ["exists", "missing"])
@@ -627,7 +632,11 @@ def narrow_draft(tmp_path_factory, qwen2_target):
 
 @pytest.mark.parametrize(
     "strategy,kwargs",
-    [("sd", {}), ("amusd", dict(runtime="inprocess")), ("dsi", dict(runtime="inprocess", target_devices=["cpu"] * 2))],
+    [
+        ("sd", {}),
+        ("amusd", dict(runtime_kind="inprocess")),
+        ("dsi", dict(runtime_kind="inprocess", target_devices=["cpu"] * 2)),
+    ],
 )
 def test_a_draft_with_fewer_embedding_rows_decodes_exactly(qwen2_target, narrow_draft, strategy, kwargs):
     params = SamplingParams(max_new_tokens=200)

@@ -47,7 +47,7 @@ def dsi_across(request, ray_cluster, qwen2_target, qwen2_partial):
         qwen2_partial,
         strategy="dsi",
         dtype="float32",
-        runtime="ray",
+        runtime_kind="ray",
         transport="tcp",
         target_devices=["box-a/cpu:0", "box-b/cpu:1"],
         draft_devices=["head-box/cpu:0"],
@@ -64,7 +64,7 @@ def amusd_across(ray_cluster, qwen2_target, qwen2_partial):
         qwen2_partial,
         strategy="amusd",
         dtype="float32",
-        runtime="ray",
+        runtime_kind="ray",
         transport="tcp",
         target_devices=["box-a/cpu:1"],
         draft_devices=["box-b/cpu:0"],
@@ -118,7 +118,9 @@ def test_sampling_across_nodes_follows_the_target(ray_cluster, small_vocab_pair,
         target_devices=["box-a/cpu:0", "box-b/cpu:0"] if strategy == "dsi" else ["box-a/cpu:0"],
         draft_devices=["head-box/cpu:1"],
     )
-    with Engine(target, draft, strategy=strategy, dtype="float32", runtime="ray", transport="tcp", **devices) as engine:
+    with Engine(
+        target, draft, strategy=strategy, dtype="float32", runtime_kind="ray", transport="tcp", **devices
+    ) as engine:
         joint = exact_joint(engine, prompt, SamplingParams(**params))
         counts, drafted = np.zeros((VOCAB, VOCAB)), 0
         for seed in range(500 if strategy == "dsi" else 1000):
@@ -140,7 +142,7 @@ def test_a_removed_node_is_named_within_seconds_then_restart(ray_cluster, qwen2_
         qwen2_partial,
         strategy="dsi",
         dtype="float32",
-        runtime="ray",
+        runtime_kind="ray",
         transport="tcp",
         target_devices=["box-a/cpu:0", "box-c/cpu:1"],
         draft_devices=["head-box/cpu:0"],
@@ -169,7 +171,7 @@ def test_restart_places_workers_again(ray_cluster, qwen2_target, qwen2_partial, 
         qwen2_partial,
         strategy="amusd",
         dtype="float32",
-        runtime="ray",
+        runtime_kind="ray",
         transport="tcp",
         target_devices=["box-a/cpu:0"],
         draft_devices=["box-b/cpu:1"],
@@ -191,7 +193,7 @@ def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, q
             qwen2_partial,
             strategy="amusd",
             dtype="float32",
-            runtime="ray",
+            runtime_kind="ray",
             target_devices=["nowhere/cpu:0"],
             draft_devices=["box-a/cpu:0"],
         )
@@ -201,17 +203,17 @@ def test_bad_placements_are_named_before_generation(ray_cluster, qwen2_target, q
             qwen2_partial,
             strategy="amusd",
             dtype="float32",
-            runtime="ray",
+            runtime_kind="ray",
             target_devices=["box-a/cpu:64"],
             draft_devices=["box-b/cpu:0"],
         )
-    with pytest.raises(ValueError, match="runtime='ray'|--runtime ray"):
+    with pytest.raises(ValueError, match="runtime_kind='ray'|--runtime-kind ray"):
         Engine(
             qwen2_target,
             qwen2_partial,
             strategy="amusd",
             dtype="float32",
-            runtime="process",
+            runtime_kind="process",
             target_devices=["box-a/cpu:0"],
             draft_devices=["box-b/cpu:0"],
         )
@@ -244,7 +246,7 @@ def test_a_checkpoint_missing_on_a_node_is_named(ray_cluster, qwen2_target, qwen
             str(copy),
             strategy="amusd",
             dtype="float32",
-            runtime="ray",
+            runtime_kind="ray",
             transport="tcp",
             target_devices=["box-a/cpu:1"],
             draft_devices=["box-b/cpu:0"],

@@ -11,7 +11,7 @@ STRATEGIES = {
     "ar": dict(strategy="ar"),
     "sd": dict(strategy="sd", adaptive=False, draft="qwen2_partial"),
     "amusd": dict(strategy="amusd", draft="qwen2_partial", target_devices=["cpu:1"], draft_devices=["cpu:0"]),
-    "dsi": dict(strategy="dsi", draft="qwen2_partial", target_devices=["cpu", "cpu"], runtime="inprocess"),
+    "dsi": dict(strategy="dsi", draft="qwen2_partial", target_devices=["cpu", "cpu"], runtime_kind="inprocess"),
 }
 
 

@@ -76,7 +76,7 @@ def _no_init_weights():
 
 
 class _Progress:
-    """A transformers streamer: the first put is the prompt, every later one a batch of committed tokens."""
+    """A transformers streamer: the first put is the prompt, every later one the tokens a step committed."""
 
     def __init__(self, trace: Trace):
         self.trace, self.tokens, self._prompt_seen = trace, 0, False

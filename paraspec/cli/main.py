@@ -56,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
         default=["cpu"],
         metavar="D",
         help="devices of the target: cpu, cpu:N, cpu:A-B, cuda:N; NODE/cpu:0-3 or NODE/cuda:N on a Ray "
-        "node (--runtime ray: NODE is a node name, id prefix, custom resource, or head)",
+        "node (--runtime-kind ray: NODE is a node name, id prefix, custom resource, or head)",
     )
     p.add_argument("--draft-devices", nargs="+", default=["cpu"], metavar="D", help="devices of the draft")
     p.add_argument(
@@ -85,7 +85,7 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
         "kernels, then a CUDA graph: a faster step on GPUs, docs/GPU.md; a compile per model at load)",
     )
     p.add_argument(
-        "--runtime",
+        "--runtime-kind",
         default="process",
         choices=["process", "inprocess", "ray"],
         help="where the workers of amusd, dsi and easyspec (its extra --draft-devices) run: one process "
@@ -95,7 +95,7 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
     p.add_argument(
         "--ray-address",
         default=None,
-        help="--runtime ray: the cluster to join (`ray start --head` "
+        help="--runtime-kind ray: the cluster to join (`ray start --head` "
         "prints it; default: RAY_ADDRESS, else a local Ray)",
     )
     p.add_argument(
@@ -152,7 +152,7 @@ def engine_config(args, strategy: str | None = None, options: dict | None = None
         backend=args.backend,
         max_context=args.max_context,
         allow_vocab_mismatch=args.allow_vocab_mismatch,
-        runtime=getattr(args, "runtime", "process"),
+        runtime_kind=getattr(args, "runtime_kind", "process"),
         options=given_options(args) if options is None else options,
         transport=getattr(args, "transport", "auto"),
         ray_address=getattr(args, "ray_address", None),

@@ -3,7 +3,7 @@
 devices.py   device strings (cpu, cpu:N, cpu:A-B, cuda:N); pinning a process to one, and undoing it
 errors.py    WorkerError and its kinds (RemoteError, WorkerDied, WorkerTimeout, WorkerClosed); errors over the wire
 worker_main.py  the worker side: serve() (every kind of worker's entry point), WorkerInfo, LoopContext
-workers.py   the caller side: Worker, Handle; the kinds of runtime (process, inprocess) and their registry RUNTIMES
+workers.py   the caller side: Worker, Handle; the kinds of runtime (process, inprocess) and their registry RUNTIME_KINDS
 ray_backend.py  the Ray runtime's workers (optional extra), registered by name
 runtime.py   Runtime: owns workers and channels, stops every channel when a worker dies, closes it all
 channels.py  TokenChannel (versioned token exchange, optional q ring) and StopSignal
@@ -28,7 +28,7 @@ from paraspec.runtime.devices import Device, DeviceError, parse_device, parse_de
 from paraspec.runtime.errors import RemoteError, WorkerClosed, WorkerDied, WorkerError, WorkerTimeout
 from paraspec.runtime.runtime import Runtime
 from paraspec.runtime.worker_main import LoopContext, WorkerInfo
-from paraspec.runtime.workers import RUNTIMES, Handle, ProcessWorker, ThreadWorker, Worker
+from paraspec.runtime.workers import RUNTIME_KINDS, Handle, ProcessWorker, ThreadWorker, Worker
 
 __all__ = [
     "ChannelFull",
@@ -42,7 +42,7 @@ __all__ = [
     "LoopContext",
     "ProcessWorker",
     "RemoteError",
-    "RUNTIMES",
+    "RUNTIME_KINDS",
     "Runtime",
     "StaleVersion",
     "StopSignal",

@@ -1,5 +1,5 @@
 """Device strings: `cpu` (all cores), `cpu:N`, `cpu:A-B`, `cpu:A,B` (a pinned core set), `cuda:N`, each optionally
-on a named node of a Ray cluster: `NODE/cpu:0-3`, `NODE/cuda:1` (runtime="ray"; NODE is a Ray node's name, id
+on a named node of a Ray cluster: `NODE/cpu:0-3`, `NODE/cuda:1` (runtime_kind="ray"; NODE is a Ray node's name, id
 prefix or custom resource, or `head`: runtime/ray_backend.py resolves it).
 
 On a CPU-only machine each core set is one "device"; on a GPU node each GPU is. Parsing happens at the
@@ -23,7 +23,7 @@ class Device:
     kind: str  # "cpu" or "cuda"
     cores: tuple[int, ...] = ()  # cpu: the pinned core set (empty = all cores, unpinned)
     index: int = 0  # cuda: the GPU index
-    node: str | None = None  # a Ray node (runtime="ray"); None: wherever the runtime puts the worker
+    node: str | None = None  # a Ray node (runtime_kind="ray"); None: wherever the runtime puts the worker
 
     @property
     def torch_device(self) -> str:

@@ -1,5 +1,5 @@
 """The Ray runtime: the same workers, each served from a Ray actor, on this host or on any node of a Ray cluster
-(`Runtime("ray")`, `Engine(..., runtime="ray")`; install `paraspec[ray]`).
+(`Runtime("ray")`, `Engine(..., runtime_kind="ray")`; install `paraspec[ray]`).
 
 Only where the worker runs changes. The actor connects back to the caller over TCP and runs the very request
 loop the process runtime runs (`worker_main.serve`), so requests, loops, traces, errors and the token protocol

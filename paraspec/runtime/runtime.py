@@ -152,7 +152,7 @@ class Runtime:
     garbage-collected unclosed, and at interpreter exit (including after Ctrl-C); a close() that was interrupted
     is finished by the next one.
 
-    kind: where its workers run, a key of workers.RUNTIMES: "process" (default: a pinned process per worker),
+    kind: where its workers run, a key of workers.RUNTIME_KINDS: "process" (default: a pinned process per worker),
     "inprocess" (threads of this process), "ray" (Ray actors, on any node of a cluster).
 
     worker_timeout (seconds, or None): the watchdog. Workers send heartbeats (also while their model loads); one

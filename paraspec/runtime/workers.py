@@ -6,7 +6,7 @@ kinds of runtime by name (where workers run).
 
 Each kind of runtime subclasses Worker and only changes where `worker_main.serve` runs: "process" (default; spawn,
 one process per device group, pinned), "inprocess" (a thread of the caller's process, no pinning: tests and
-single-device runs), "ray" (a Ray actor; ray_backend.py, an optional extra). Register another in `RUNTIMES`.
+single-device runs), "ray" (a Ray actor; ray_backend.py, an optional extra). Register another in `RUNTIME_KINDS`.
 
 Requests to one worker run one at a time, in submission order (a call submitted while a loop runs waits for
 the loop). Control messages and results travel over a socket pair (wire.py); logits come back as arrays
@@ -99,7 +99,7 @@ class Worker(abc.ABC):
     """The caller's end of one worker. Each kind of runtime subclasses it and provides _start(), _sentinel,
     _is_alive(), exit_code() and _stop_worker()."""
 
-    kind = ""  # the kind of runtime it belongs to: a key of RUNTIMES
+    kind = ""  # the kind of runtime it belongs to: a key of RUNTIME_KINDS
     options_taken: tuple[str, ...] = ()
     places_on_nodes = False  # it can run a worker on the node a device names (NODE/cpu:0)
 
@@ -128,8 +128,8 @@ class Worker(abc.ABC):
         self.device = parse_device(device)
         if self.device.node and not self.places_on_nodes:
             raise DeviceError(
-                f"device {self.device} names a node: only runtime='ray' places workers on nodes "
-                f"(--runtime ray), the {self.kind} runtime runs them on this host"
+                f"device {self.device} names a node: only runtime_kind='ray' places workers on nodes "
+                f"(--runtime-kind ray), the {self.kind} runtime runs them on this host"
             )
         try:
             self._spec = pickle.dumps((factory, dict(factory_args or {})))
@@ -566,10 +566,10 @@ class ThreadWorker(Worker):
         self._thread.join(remaining(deadline))  # a thread cannot be killed; a stuck one stays (daemon)
 
 
-# The kinds of runtime (where workers run) by name: `Runtime(kind)`, the Engine's `runtime=`. A kind whose module
+# The kinds of runtime (where workers run) by name: `Runtime(kind)`, the Engine's `runtime_kind=`. A kind whose module
 # needs an optional package is named as "module:Class" and imported on first use (Ray is an optional extra), so
 # importing the runtime never imports it.
-RUNTIMES: dict[str, type[Worker] | str] = {
+RUNTIME_KINDS: dict[str, type[Worker] | str] = {
     "process": ProcessWorker,
     "inprocess": ThreadWorker,
     "ray": "paraspec.runtime.ray_backend:RayWorker",
@@ -579,9 +579,9 @@ RUNTIMES: dict[str, type[Worker] | str] = {
 def worker_class(kind: str) -> type[Worker]:
     """The Worker subclass of a kind of runtime; ValueError names the choices."""
     try:
-        entry = RUNTIMES[kind]
+        entry = RUNTIME_KINDS[kind]
     except KeyError:
-        raise ValueError(f"unknown runtime {kind!r}; choose one of {', '.join(RUNTIMES)}") from None
+        raise ValueError(f"unknown runtime kind {kind!r}; choose one of {', '.join(RUNTIME_KINDS)}") from None
     if isinstance(entry, str):
         import importlib
 

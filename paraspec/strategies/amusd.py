@@ -30,7 +30,7 @@ from paraspec.drafters.draft_worker import CHANNEL, draft_loop
 from paraspec.request_state import Run, top2_margins
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.runtime.devices import sync
-from paraspec.sampling import SamplingParams, make_generator
+from paraspec.sampling import SamplingParams, adjust_logits, make_generator
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.strategies.registry import register
 from paraspec.trace import Trace
@@ -43,7 +43,7 @@ class AMUSD(WorkerStrategy):
     summary = "draft and verify at the same time on separate devices (AMUSD)"
     option_names = ("max_ahead", "verify_chunk")
     caps = Capabilities(
-        runtimes=WITH_RAY,
+        runtime_kinds=WITH_RAY,
         in_workers=True,
         across_nodes=True,
         why_not_model_free=(
@@ -113,7 +113,7 @@ class Verifier:
     own. It keeps what verifying needs and no Run: the verified sequence V (prompt included), where it ends (a
     stop token, or `end`: the token budget or the context), the generator that rejection sampling draws from, and
     its verdicts, which the caller's Run counts (`count_verdicts`). The caller's Run.commit applies the stop rules
-    to the stream, so tokens committed here after a stop token in the same batch are cut there."""
+    to the stream, so tokens committed here after a stop token in the same commit are cut there."""
 
     def __init__(
         self,
@@ -172,7 +172,7 @@ class Verifier:
             if self.sampling and draft is not None
             else None
         )
-        token, verdict = judge_in_hand(draft, q, logits, self.params, self.generator)
+        token, verdict = judge_in_hand(draft, q, self.adjust(logits), self.params, self.generator)
         if verdict is not None:
             self.verdicts.append((1, verdict, False))  # judged, but no forward of its own verified it
         self.judged_at_once += verdict is not None
@@ -189,7 +189,7 @@ class Verifier:
             logits = self.target.forward(pending + drafts, last_n=len(drafts) + 1)
         if self.margins is not None:
             self.margins.update(enumerate(top2_margins(logits), start=position - self.prompt_length))
-        accepted, correction = verify_chain(drafts, q, logits, self.params, self.generator)
+        accepted, correction = verify_chain(drafts, q, self.adjust(logits, drafts), self.params, self.generator)
         self.target.rollback(position + accepted)
         self.verdicts.append((len(drafts), accepted, True))
         if accepted == len(drafts):
@@ -197,6 +197,12 @@ class Verifier:
             return logits[-1]
         self.commit(drafts[:accepted] + [correction])
         return None
+
+    def adjust(self, logits: torch.Tensor, drafts: list[int] = ()) -> torch.Tensor:
+        """The request's logit bias and penalties on the target's rows (row i after V and drafts[:i]), as
+        Run.adjust does in the caller; the raw rows stay in hand for the next position."""
+        prompt, output = self.sequence[: self.prompt_length], self.sequence[self.prompt_length :]
+        return adjust_logits(logits, self.params, prompt, output, drafts)
 
     def take_drafts(self, position: int, room: int) -> tuple[list[int], torch.Tensor | None]:
         """T_d = D[p_v:p_d], at most `room` tokens (waiting for the first), and their q when sampling."""
@@ -241,6 +247,7 @@ def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: i
     drafting = draft.start_loop(
         draft_loop,
         params=run.params,
+        prompt_length=len(run.prompt_ids),
         max_ahead=max_ahead,
         vocab_size=target.info.vocab_size,
         seed=run.params.seed,

@@ -2,20 +2,20 @@
 request in flight (`Run`) and the rules for committing tokens are in paraspec/request_state.py.
 
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
-    Strategy.decode(run)       a generator yielding each batch of newly committed token ids
+    Strategy.decode(run)       a generator yielding the token ids of each commit
     Strategy.set_options(o)    new options between requests: stored, and what was built from the old ones rebuilt
     Strategy.cancel()          (any thread) wake a decode() blocked on its workers so it ends soon
     Strategy.health()          why a request would fail now because of its workers, or None
     Strategy.close()           stop its workers, unlink its segments, undo its pinning (idempotent, retryable)
 
-The Engine turns the batches into streamed text and, at the end, into stats. Committing goes through
+The Engine turns the committed tokens into streamed text and, at the end, into stats. Committing goes through
 `Run.commit`, the one place that enforces stop tokens and `max_new_tokens`, so no strategy can overshoot.
 A new strategy subclasses LocalStrategy (models in the caller's process) or Strategy and registers itself with
 `paraspec.strategies.register` (a built-in one is also imported by strategies/__init__.py, so that importing
 paraspec registers it); the Engine, the config, the CLI and the lossless suite then take it with no other edit.
 
-What a strategy accepts -- no draft, one or several, model-free drafters, runtimes, model backends, workers, nodes --
-is one declaration, `caps = Capabilities(...)`; EngineConfig checks every configuration against it generically
+What a strategy accepts -- no draft, one or several, model-free drafters, runtime kinds, model backends, workers,
+nodes -- is one declaration, `caps = Capabilities(...)`; EngineConfig checks every configuration against it generically
 (config.py, `capability_asks`) and names the strategies that accept what this one refuses. Its option names,
 `option_names`, sit beside it (registry.register checks them against OPTIONS).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # -- what a strategy accepts -------------------------------------------------------------------------------------
 
 DRAFT_COUNTS = ("none", "one", "several")
-IN_PROCESS = ("process", "inprocess")  # runtimes of a strategy that starts no workers: nothing for Ray to place
+IN_PROCESS = ("process", "inprocess")  # runtime kinds of a strategy that starts no workers: nothing for Ray to place
 WITH_RAY = IN_PROCESS + ("ray",)  # and of one that starts workers Ray can place
 
 
@@ -49,12 +49,13 @@ class Capabilities:
     drafts: str = "one"  # "none" (decodes the target alone), "one" draft, "several" (a list)
     model_free: bool = False  # takes "ngram" / "suffix" (drafters.MODEL_FREE) as drafts
     why_not_model_free: str = ""  # why not, when it does not (the error says it)
-    runtimes: tuple[str, ...] = IN_PROCESS  # the runtime= values it honours
+    runtime_kinds: tuple[str, ...] = IN_PROCESS  # the runtime_kind= values it honours
     backends: tuple[str, ...] = ("native", "hf", "llamacpp")  # model backends its forwards run on
     in_workers: bool = False  # its models run in pinned workers: the caller's thread count does
     # not apply (the bench's @Nt)
     across_nodes: bool = False  # its workers may sit on other nodes (devices NODE/...)
     why_not_across_nodes: str = "its models run in the caller's process"  # why not, when it may not
+    processors: bool = True  # applies a request's logit bias and penalties (SamplingParams.adjusts_logits)
     batches: bool = False  # its loop runs in the caller on the models alone: requests may
     # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
 
@@ -82,7 +83,7 @@ class Placement:
     target_devices: list[Device]
     draft_devices: list[Device]
     load: dict  # load_model's keyword arguments: dtype, backend, max_context
-    runtime: str  # the kind of Runtime: where workers run (runtime/workers.RUNTIMES)
+    runtime_kind: str  # the kind of Runtime: where workers run (runtime/workers.RUNTIME_KINDS)
     worker_timeout: float | None = None  # the workers' watchdog (Runtime's worker_timeout)
     runtime_options: dict = field(default_factory=dict)  # the Runtime's transport, link latency, Ray address
 
@@ -152,8 +153,8 @@ class Strategy(abc.ABC):
         """Load the models (set target and drafts) and start whatever workers and channels it needs."""
 
     @abc.abstractmethod
-    def decode(self, run: Run) -> Iterator[list[int]]:
-        """Decode one request; yield each batch of committed tokens (Run.commit's return value)."""
+    def decode(self, run: Run) -> Generator[list[int], None, None]:
+        """Decode one request; yield the tokens of each commit (Run.commit's return value)."""
 
     def make_drafters(self, for_model, models=None) -> list:
         """One entry per draft spec, in order: `for_model(model)` for the next draft model (of `models`, default
@@ -173,12 +174,12 @@ class Strategy(abc.ABC):
         from paraspec.runtime import Runtime
 
         self.runtime = Runtime(
-            kind=placement.runtime, worker_timeout=placement.worker_timeout, **placement.runtime_options
+            kind=placement.runtime_kind, worker_timeout=placement.worker_timeout, **placement.runtime_options
         )
         return self.runtime
 
     def cancel(self) -> None:
-        """Called from another thread to stop the decode() in progress: the Engine stops pulling its batches
+        """Called from another thread to stop the decode() in progress: the Engine stops pulling its commits
         after the current one; every channel of the strategy's Runtime stops, so the loops in its workers and
         a caller waiting on them end at once."""
         if self.runtime is not None and not self.runtime.closed:
@@ -290,10 +291,10 @@ class LocalStrategy(Strategy):
 
 
 class WorkerStrategy(Strategy):
-    """Models in workers (one per device group), started on `placement.runtime`."""
+    """Models in workers (one per device group), started on `placement.runtime_kind`."""
 
     # its workers exchange tokens only through channels: any node will do
-    caps = Capabilities(runtimes=WITH_RAY, in_workers=True, across_nodes=True, why_not_across_nodes="")
+    caps = Capabilities(runtime_kinds=WITH_RAY, in_workers=True, across_nodes=True, why_not_across_nodes="")
 
     def start_workers(self, placement: Placement, workers: list[tuple[str, Any, Device]], drafts=()) -> Runtime:
         """Start one worker per (name, checkpoint, device) and wait until every model is built; the workers named in

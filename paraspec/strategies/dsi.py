@@ -78,7 +78,15 @@ class DSI(WorkerStrategy):
     name = "dsi"
     summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
     option_names = ("lookahead", "max_ahead") + DRAFTER_OPTIONS
-    caps = Capabilities(drafts="several", model_free=True, runtimes=WITH_RAY, in_workers=True, across_nodes=True)
+    # its servers judge greedy chunks by their own argmax, before any request's bias or penalties could apply
+    caps = Capabilities(
+        drafts="several",
+        model_free=True,
+        runtime_kinds=WITH_RAY,
+        in_workers=True,
+        across_nodes=True,
+        processors=False,
+    )
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -328,7 +336,7 @@ class _Orchestrator:
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def steps(self):
-        """Yield each batch of committed tokens until the request is done (or cancelled)."""
+        """Yield the tokens of each commit until the request is done (or cancelled)."""
         run = self.run
         while not run.done:
             if self.next_row is not None:

@@ -37,7 +37,7 @@ class EasySpec(TreeStrategy):
     option_names = TreeStrategy.option_names + ("lp_size", "layer_groups", "calibration")
     caps = Capabilities(
         backends=TREE_BACKENDS,
-        runtimes=WITH_RAY,  # the runtime of its draft ranks 1..
+        runtime_kinds=WITH_RAY,  # the runtime of its draft ranks 1..
         why_not_across_nodes="its draft ranks all-gather hidden states through one shared-memory segment",
     )
     device_group = None  # DeviceGroupDrafter (several draft devices), kept across requests

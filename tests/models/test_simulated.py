@@ -56,8 +56,8 @@ def test_bad_spec_names_the_fix():
 def test_runs_through_the_engine_with_many_servers(strategy):
     target, draft = SimulatedSpec(seed=4), SimulatedSpec(role="draft", seed=4, acceptance_rate=0.6)
     extra = dict(target_devices=["cpu"] * 8, lookahead=2, max_ahead=18) if strategy == "dsi" else {}
-    runtime = {} if strategy == "sd" else dict(runtime="inprocess")
-    with Engine(target, draft, strategy=strategy, **runtime, **extra) as engine:
+    workers = {} if strategy == "sd" else dict(runtime_kind="inprocess")
+    with Engine(target, draft, strategy=strategy, **workers, **extra) as engine:
         result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=100))
     assert result.token_ids == SimulatedModel(target).predicted[3:103].tolist()
     if strategy == "dsi":

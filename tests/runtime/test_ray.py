@@ -87,7 +87,7 @@ def test_dsi_with_simulated_models_and_a_killed_actor():
     target = SimulatedSpec(seed=7, cost=ForwardCost.constant(0.002))
     draft = SimulatedSpec(role="draft", seed=7, acceptance_rate=0.6)
     engine = Engine(
-        target, draft, strategy="dsi", runtime="ray", target_devices=["cpu", "cpu"], lookahead=2, max_ahead=6
+        target, draft, strategy="dsi", runtime_kind="ray", target_devices=["cpu", "cpu"], lookahead=2, max_ahead=6
     )
     try:
         workers = engine.runtime.workers
@@ -120,7 +120,7 @@ def test_dsi_with_tiny_real_models_equals_ar(qwen2_target, qwen2_partial):
         qwen2_partial,
         strategy="dsi",
         dtype="float32",
-        runtime="ray",
+        runtime_kind="ray",
         target_devices=["cpu:1"],
         draft_devices=["cpu:0"],
         lookahead=3,

@@ -176,7 +176,7 @@ def test_unpicklable_factory_is_refused_early():
 
 
 def test_unknown_kind_and_duplicate_names(pair):
-    with pytest.raises(ValueError, match="unknown runtime 'ray-someday'; choose one of process, inprocess, ray"):
+    with pytest.raises(ValueError, match="unknown runtime kind 'ray-someday'; choose one of process, inprocess, ray"):
         Runtime("ray-someday")
     with pytest.raises(ValueError, match="already exists"):
         pair.add_worker("w0", "cpu:0", make_toy)

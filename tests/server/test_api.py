@@ -227,11 +227,11 @@ def test_the_openai_client_sees_400s(ar_server):
 
 
 def test_dsi_served_across_ray_nodes(ray_cluster, start_server, expected):
-    """`paraspec serve --runtime ray --ray-address ...`: dsi with its two target servers on two nodes of a Ray
+    """`paraspec serve --runtime-kind ray --ray-address ...`: dsi with its two target servers on two nodes of a Ray
     cluster and the drafter on the head, every token over the network transport; the openai client gets ar's text."""
     server = start_server(
         "dsi",
-        "--runtime",
+        "--runtime-kind",
         "ray",
         "--ray-address",
         ray_cluster.address,

@@ -221,10 +221,10 @@ def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend
         want = [one.generate(PROMPTS[i], params(i, False)) for i in range(4)]
     with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
         assert_same(together(e, 4, False), want)
-        slots = [slot for slot in e._slots if slot.policy is not None]
-        assert slots  # each sequence's rule asks its own sequence's step for the load
-        for slot in slots:
-            assert slot.policy.shared == slot.target.shared_load and isinstance(slot.policy.shared(), list)
+        sequence_strategies = [s for s in e._sequence_strategies if s.policy is not None]
+        assert sequence_strategies  # each sequence's rule asks its own sequence's step for the load
+        for s in sequence_strategies:
+            assert s.policy.shared == s.target.shared_load and isinstance(s.policy.shared(), list)
         assert_same(together(e, 4, False), want)
 
 
@@ -244,12 +244,12 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
         at_start = list(timed)
         together(e, 4, False)
-        slots = [slot for slot in e._slots if slot.policy is not None]
-        tables = [slot.policy.cost for slot in slots] + [e.strategy.policy.cost]
+        sequence_strategies = [s for s in e._sequence_strategies if s.policy is not None]
+        tables = [s.policy.cost for s in sequence_strategies] + [e.strategy.policy.cost]
         widest_step = e.target.exact_width
     assert len(at_start) == 2 and timed == at_start  # the target's and the draft model's, at start-up only
     assert at_start[0] >= widest_step - 1  # the target's table reaches the widest shared step
-    assert len(slots) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
+    assert len(sequence_strategies) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "seeded"])

@@ -59,7 +59,7 @@ def dsi(request, qwen2_target):
         lookahead=lookahead,
         max_ahead=max_ahead,
         target_devices=["cpu"] * servers,
-        runtime="inprocess",
+        runtime_kind="inprocess",
     ) as engine:
         engine.config_name = request.param
         yield engine
@@ -107,7 +107,7 @@ def test_dsi_servers_work_in_parallel():
     target = SimulatedSpec(seed=3, cost=ForwardCost((1,), (0.03,)))
     draft = SimulatedSpec(role="draft", seed=3, acceptance_rate=1.0, cost=ForwardCost((1,), (0.002,)))
     with Engine(
-        target, draft, strategy="dsi", lookahead=2, max_ahead=8, target_devices=["cpu"] * 3, runtime="inprocess"
+        target, draft, strategy="dsi", lookahead=2, max_ahead=8, target_devices=["cpu"] * 3, runtime_kind="inprocess"
     ) as engine:
         result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=40))
     assert result.token_ids == SimulatedModel(target).predicted[3:43].tolist()
@@ -142,7 +142,7 @@ def test_preempted_chunks_never_leak(seed):
         lookahead=lookahead,
         max_ahead=lookahead * (servers + 1),
         target_devices=["cpu"] * servers,
-        runtime="inprocess",
+        runtime_kind="inprocess",
     ) as engine:
         for max_new in (int(rng.integers(1, 30)), 150):
             result = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=max_new))
@@ -183,7 +183,7 @@ def test_the_first_drafter_that_is_ahead_supplies_the_chunks(fast):
         for i in range(2)
     ]
     with Engine(
-        target, drafts, strategy="dsi", lookahead=3, max_ahead=12, target_devices=["cpu"] * 3, runtime="inprocess"
+        target, drafts, strategy="dsi", lookahead=3, max_ahead=12, target_devices=["cpu"] * 3, runtime_kind="inprocess"
     ) as engine:
         result = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=100))
         check_drafters(engine, result, 2)
@@ -254,7 +254,7 @@ def test_dsi_sampling_matches_target_distribution(slow_target_pair, mid_speed_dr
             lookahead=1,
             max_ahead=3,
             target_devices=["cpu", "cpu"],
-            runtime="inprocess",
+            runtime_kind="inprocess",
         ) as engine,
         Engine(target, strategy="ar", dtype="float32") as ar,
     ):
@@ -315,7 +315,12 @@ def test_server_dying_while_others_hold_chunks(ar_engine, qwen2_target, qwen2_pa
 
 def test_abandoned_stream_cancels_cleanly(ar_engine, qwen2_target, qwen2_partial):
     with Engine(
-        qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", target_devices=["cpu"] * 2, runtime="inprocess"
+        qwen2_target,
+        qwen2_partial,
+        strategy="dsi",
+        dtype="float32",
+        target_devices=["cpu"] * 2,
+        runtime_kind="inprocess",
     ) as engine:
         stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=2000))
         next(stream)

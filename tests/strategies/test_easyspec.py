@@ -158,7 +158,12 @@ def test_draft_ranks_are_the_engines_workers(ar_engine, deep_pair):
     """The ranks run in the strategy's own Runtime, under the Engine's watchdog: a killed rank is named by
     health(), the next request raises WorkerDied, and restart_workers() brings the ranks back."""
     with Engine(
-        *deep_pair, strategy="easyspec", dtype="float32", draft_devices=DEVICES, runtime="process", worker_timeout=30.0
+        *deep_pair,
+        strategy="easyspec",
+        dtype="float32",
+        draft_devices=DEVICES,
+        runtime_kind="process",
+        worker_timeout=30.0,
     ) as engine:
         runtime = engine.strategy.runtime
         assert runtime.worker_timeout == 30.0 and list(runtime.workers) == ["draft1"]

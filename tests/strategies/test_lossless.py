@@ -6,7 +6,7 @@ stop token inside a drafted chunk; max_new_tokens inside a chunk; streaming equa
 one engine. Sampling: the joint distribution of the first two tokens equals the target's (chi-square).
 
 Strategies that use several devices use two here: dsi verifies on two target servers, easyspec drafts on two
-ranks (DEVICES). Workers run as threads (runtime="inprocess": the same protocol, channels and orchestration as
+ranks (DEVICES). Workers run as threads (runtime_kind="inprocess": the same protocol, channels and orchestration as
 processes, without spawning N processes per case), and once, greedy and sampling, as processes
 (test_worker_processes); the per-strategy modules test faults and cleanup. A toy strategy registered from this
 module shows that nothing else needs an edit.
@@ -63,14 +63,14 @@ DEVICES = {"dsi": dict(target_devices=["cpu:0", "cpu:1"]), "easyspec": dict(draf
 
 # one request at a time (max_num_seqs=1): this suite proves the strategies; many requests sharing forwards are
 # tests/strategies/test_batched.py's
-def engine(name: str, target, draft, runtime: str | None = None, **options) -> Engine:
-    runtime = runtime or ("inprocess" if "inprocess" in STRATEGIES[name].caps.runtimes else "process")
+def engine(name: str, target, draft, runtime_kind: str | None = None, **options) -> Engine:
+    runtime_kind = runtime_kind or ("inprocess" if "inprocess" in STRATEGIES[name].caps.runtime_kinds else "process")
     return Engine(
         target,
         draft,
         strategy=name,
         dtype="float32",
-        runtime=runtime,
+        runtime_kind=runtime_kind,
         **on_device(**DEVICES.get(name, {})),
         **{"max_num_seqs": 1, **options},
     )
@@ -200,11 +200,11 @@ N_SAMPLES = 1_200
 SAMPLING = dict(temperature=0.9, top_k=4)  # top-k: q has zeros, as real samplers make
 
 
-def sample_first_two(e: Engine, prompt, n: int = N_SAMPLES) -> tuple[np.ndarray, int, int]:
+def sample_first_two(e: Engine, prompt, n: int = N_SAMPLES, sampling=SAMPLING) -> tuple[np.ndarray, int, int]:
     """Counts of the first two sampled tokens over n seeds, and the drafts made and accepted."""
     counts, drafted, accepted = np.zeros((VOCAB, VOCAB)), 0, 0
     for seed in range(n):
-        result = e.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed, **SAMPLING))
+        result = e.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed, **sampling))
         counts[result.token_ids[0], result.token_ids[1]] += 1
         drafted += result.stats.drafted
         accepted += result.stats.accepted
@@ -227,6 +227,53 @@ def test_sampling_matches_target_distribution(slow_target_pair, name):
     assert_matches(counts, joint)
 
 
+# -- a request's logit bias and penalties (sampling.adjust_logits): one chain for the target and the draft -------
+
+PROCESSORS = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.5, logit_bias={3: 2.0, 5: -100.0})
+WITH_PROCESSORS = [name for name in SPECULATIVE if STRATEGIES[name].caps.processors]
+
+
+@pytest.mark.parametrize("name,draft", [(name, "model") for name in WITH_PROCESSORS] + [("sd", "suffix")])
+def test_greedy_with_bias_and_penalties_equals_ar(ar_engine, qwen2_target, qwen2_partial, name, draft):
+    params = SamplingParams(max_new_tokens=40, **PROCESSORS)
+    reference = ar_engine.generate(PROMPT, params).token_ids
+    plain = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40)).token_ids
+    assert reference != plain and 5 not in reference  # the processors change ar's answer; -100 bans token 5
+    with engine(name, qwen2_target, qwen2_partial if draft == "model" else "suffix", **shapes(name)[0]) as e:
+        result = e.generate(PROMPT, params)
+    assert result.token_ids == reference
+    assert result.stats.drafted > 0
+
+
+# ar is the reference the others are held to: its own sampling is checked against the exact joint too
+@pytest.mark.parametrize("name", ["ar", "sd", "amusd", "tree"])
+def test_sampling_with_bias_and_penalties_matches_target_distribution(slow_target_pair, name):
+    """Penalties make the second token's distribution depend on the first (x1 is penalised at x2): the target's
+    rows and the draft's q are adjusted on their own contexts, and the joint still follows the target's."""
+    target, draft = slow_target_pair
+    prompt = [1, 2, 3]
+    sampling = dict(SAMPLING, top_k=0, min_p=0.02, **{**PROCESSORS, "logit_bias": {0: 1.5, 4: -1.0}})
+    build = ar(target) if name == "ar" else engine(name, target, draft, **shapes(name)[1])
+    with build as e, ar(target) as reference:
+        joint = exact_joint(reference, prompt, SamplingParams(**sampling))
+        counts, drafted, accepted = sample_first_two(e, prompt, sampling=sampling)
+    if name != "ar":
+        assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted  # both branches ran
+    assert_matches(counts, joint)
+
+
+def test_dsi_refuses_bias_and_penalties(qwen2_target, qwen2_partial):
+    with engine("dsi", qwen2_target, qwen2_partial) as e:
+        with pytest.raises(ValueError, match="'dsi' does not apply logit_bias or penalties; drop them or use one of"):
+            e.generate(PROMPT, SamplingParams(max_new_tokens=4, presence_penalty=1.0))
+        assert e.generate(PROMPT, SamplingParams(max_new_tokens=4)).token_ids  # the engine still serves
+
+
+def test_a_bias_beyond_the_vocabulary_is_refused(ar_engine):
+    with pytest.raises(ValueError, match="logit_bias names token 100000, but the target's vocabulary has"):
+        ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=4, logit_bias={100000: 1.0}))
+
+
 PROCESS_SAMPLES = 400  # a request costs a few round trips between processes: fewer samples here
 
 
@@ -234,14 +281,14 @@ def test_worker_processes(ar_engine, qwen2_target, qwen2_partial, slow_target_pa
     """dsi's two target servers and its drafter as processes: ar's tokens greedily, the target's joint
     distribution under sampling."""
     params = SamplingParams(max_new_tokens=40)
-    with engine("dsi", qwen2_target, qwen2_partial, runtime="process", **shapes("dsi")[1]) as e:
+    with engine("dsi", qwen2_target, qwen2_partial, runtime_kind="process", **shapes("dsi")[1]) as e:
         assert len(e.strategy.runtime.workers) == 3 and e.strategy.runtime.kind == "process"
         result = e.generate(PROMPT, params)
     assert result.token_ids == ar_engine.generate(PROMPT, params).token_ids
     assert 0 < result.stats.accepted < result.stats.drafted
     target, draft = slow_target_pair
     prompt = [1, 2, 3]
-    with engine("dsi", target, draft, runtime="process", **shapes("dsi")[1]) as e, ar(target) as reference:
+    with engine("dsi", target, draft, runtime_kind="process", **shapes("dsi")[1]) as e, ar(target) as reference:
         joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt, PROCESS_SAMPLES)
     assert drafted > PROCESS_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted
@@ -287,7 +334,7 @@ def test_a_registered_toy_strategy_runs_through_engine_and_cli(toy_registered, a
     args = build_parser().parse_args(["generate", "--target", "t", "--strategy", toy_registered, "--prompt", "x"])
     assert engine_config(args).strategy_class is Echo
     with pytest.raises(ValueError, match="does not apply"):
-        Engine(qwen2_target, strategy=toy_registered, runtime="ray")
+        Engine(qwen2_target, strategy=toy_registered, runtime_kind="ray")
 
 
 # -- model-free drafters (ngram, suffix) and the hybrid, with and without the adaptive length ------------------
