@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from paraspec.runtime.devices import sync
-from paraspec.sampling import SamplingParams
+from paraspec.sampling import SamplingParams, adjust_logits
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import judge_in_hand
 
@@ -69,6 +69,24 @@ class Run:
     def remaining(self) -> int:
         """Tokens still allowed: by max_new_tokens and by the room left in the KV caches."""
         return min(self.params.max_new_tokens - len(self.tokens), self.max_context - len(self.sequence))
+
+    def adjust(self, logits: torch.Tensor, row_tokens: list[int] = ()) -> torch.Tensor:
+        """The target's logits after the request's logit bias and penalties (sampling.adjust_logits): row i
+        follows the committed output and `row_tokens[:i]` (a verification's drafts); unchanged without them."""
+        return adjust_logits(logits, self.params, self.prompt_ids, self.tokens, row_tokens)
+
+    def adjust_tree(self, logits: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """`adjust` for a tree's rows: row 0 after the committed output, row i + 1 after node i's path."""
+        if not self.params.adjusts_logits:
+            return logits
+        paths: list[list[int]] = []
+        for token, parent in zip(tokens, parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [token])
+        rows = [self.adjust(logits[0])] + [
+            adjust_logits(logits[i + 1], self.params, self.prompt_ids, self.tokens + path)
+            for i, path in enumerate(paths)
+        ]
+        return torch.stack(rows)
 
     def observe_target(self, first_index: int, logits) -> None:
         """Record the target's top-2 margins for output indices first_index, first_index + 1, ..."""
@@ -146,7 +164,7 @@ class Run:
         reads its result back as numbers (tokens, an accepted path) has waited already and needs none."""
         event = None
         try:
-            with self.trace.span(kind, tokens, device, settle=None if on is None else partial(sync, on)) as event:
+            with self.trace.span(kind, tokens, device, sync=None if on is None else partial(sync, on)) as event:
                 yield event
         finally:
             if event is not None and kind == "draft":

@@ -161,14 +161,15 @@ def small_vocab_pair(tmp_path_factory):
 
 
 def exact_joint(engine, prompt, params):
-    """P(x1, x2) of plain sampling from the target, computed from its logits."""
-    from paraspec.sampling import logits_to_probs
+    """P(x1, x2) of plain sampling from the target, computed from its logits (after the request's logit bias and
+    penalties, x1 counted as output for x2)."""
+    from paraspec.sampling import adjust_logits, logits_to_probs
 
     model = engine.target
-    p1 = logits_to_probs(model.prefill(prompt), params)
+    p1 = logits_to_probs(adjust_logits(model.prefill(prompt), params, prompt), params)
     joint = np.zeros((VOCAB, VOCAB))
     for x1 in range(VOCAB):
-        p2 = logits_to_probs(model.prefill(prompt + [x1]), params)
+        p2 = logits_to_probs(adjust_logits(model.prefill(prompt + [x1]), params, prompt, [x1]), params)
         joint[x1] = p1[x1].item() * p2.double().cpu().numpy()
     return joint / joint.sum()
 

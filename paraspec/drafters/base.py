@@ -55,6 +55,7 @@ class Drafter:
     sources: tuple[str, ...] = ("",)
     memory: PatternMemory | None = None  # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
     timings: Sequence[tuple[int, float]] = ()  # a draft model: (width, seconds) of the forwards of its last proposal
+    prompt_length = 0  # the request's prompt length (DraftPolicy.begin): where a draft's penalties start counting
 
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""

@@ -34,11 +34,13 @@ def draft_loop(
     t0: float,
     channel_name: str = CHANNEL,
     label: str = "draft",
+    prompt_length: int = 0,
 ) -> dict:
     """Runs in the draft worker (`draft`: the worker's model) until the channel stops (the request ended or a
     worker failed). `channel_name` and `label` (its trace row) tell several drafters apart (dsi's drafters)."""
     channel = ctx.channels[channel_name]
     drafter = ModelDrafter(draft, vocab_size)
+    drafter.prompt_length = prompt_length  # the request's penalties count the output after it
     generator = make_generator(None if seed is None else seed + 1)
     trace = Trace(t0=t0)
     device = f"{label}:{ctx.device}"

@@ -1,6 +1,6 @@
 """ModelDrafter: a draft model as a Drafter -- chains (sd) and token trees (tree), exact forwards over its own
 KV cache. easyspec's drafters subclass it and change how the root and the tree levels are computed (fuzzy) and
-what the cache keeps after a round (`settle`).
+what the cache keeps after a round (`accept_tree`).
 
 q: the processed draft distribution each token was sampled from (`logits_to_probs`), restricted to the first
 `vocab_size` ids (those the target can score): a padding row of a wider draft head could otherwise win.
@@ -16,7 +16,7 @@ from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.token_tree import DraftTreeCache, TokenTree, draft_tree
 from paraspec.models.base import embeddable, widen
 from paraspec.runtime.devices import sync
-from paraspec.sampling import SamplingParams, logits_to_probs, sample
+from paraspec.sampling import SamplingParams, adjust_logits, logits_to_probs, sample
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
@@ -64,7 +64,7 @@ class ModelDrafter(Drafter):
             return Proposal(tokens)
         logits = self.logits(sequence[self.model.length :])
         for i in range(k):
-            token, q = draw(logits, params, generator)
+            token, q = draw(self.adjust(logits, params, sequence, tokens), params, generator)
             if q is not None:
                 probs.append(q)
             tokens.append(token)
@@ -73,6 +73,15 @@ class ModelDrafter(Drafter):
             if i < k - 1:
                 logits = self.logits([token])
         return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def adjust(self, logits: torch.Tensor, params: SamplingParams, sequence: list[int], drafted: list[int]):
+        """The draft's logits after the request's logit bias and penalties, on its own context (the prompt, the
+        output, the drafts so far): the target's chain, so that q stays near p. (Trees draft unadjusted: their q
+        is still the one sampled from, so acceptance stays exact.)"""
+        if not params.adjusts_logits:
+            return logits
+        n = self.prompt_length
+        return adjust_logits(logits, params, sequence[:n], sequence[n:] + drafted)
 
     def propose_tree(
         self,
@@ -93,7 +102,7 @@ class ModelDrafter(Drafter):
 
     def accept(self, prefix_len: int, path: list[int]) -> None:
         if self._tree is not None:
-            self.settle(prefix_len, self._tree, path)
+            self.accept_tree(prefix_len, self._tree, path)
         else:  # a chain: its accepted drafts are already in place
             self.rollback(min(self.length, prefix_len + len(path)))
 
@@ -124,7 +133,7 @@ class ModelDrafter(Drafter):
         self.timings.append((len(token_ids), time.perf_counter() - start))
         return logits
 
-    def settle(self, prefix_len: int, cache: DraftTreeCache, path: list[int]) -> None:
+    def accept_tree(self, prefix_len: int, cache: DraftTreeCache, path: list[int]) -> None:
         """After verification: keep the prefix and the accepted path's cached nodes."""
         cache.accept(path)
 

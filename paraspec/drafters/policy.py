@@ -80,12 +80,14 @@ class DraftPolicy(Drafter):
         assert self.cost is not None
         return self.cost
 
-    def begin(self, params: SamplingParams) -> None:
+    def begin(self, params: SamplingParams, prompt_length: int = 0) -> None:
         """A request starts. With `auto`, a sampled request with a seed drafts fixed lengths: the rule's choices
         follow measured times (and a busy step's other rows), and where rounds end changes which draws a sampled
         answer spends, so only fixed lengths let the seed give the same tokens again, alone or batched. Greedy
         answers are the target's whatever the lengths; an unseeded request promises no repeat."""
         self._fixed = self.auto and not params.greedy and params.seed is not None
+        for d in self.drafters:
+            d.prompt_length = prompt_length
 
     def reset(self) -> None:
         self.decisions = []

@@ -129,7 +129,7 @@ class Verifier:
     ):
         self.target, self.ctx, self.params, self.verify_chunk = target, ctx, params, verify_chunk
         self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace  # the trace's rows: target:<device>
-        self.settle = partial(sync, ctx.device)  # waits for the target's device around a timed forward
+        self.sync = partial(sync, ctx.device)  # waits for the target's device around a timed forward
         self.sequence = list(prompt_ids)  # V after the prompt; its length is p_v
         self.prompt_length = len(prompt_ids)
         self.stop_ids, self.end = stop_ids, end
@@ -138,7 +138,7 @@ class Verifier:
         self.sampling = not params.greedy
         self.verdicts: list[tuple[int, int, bool]] = []  # (drafted, accepted, by a forward of its own)
         self.margins = margins  # the target's top-2 margins by output index, if asked
-        self.judged_at_once = self.bonus = 0  # tokens settled from a distribution already in hand
+        self.judged_at_once = self.bonus = 0  # tokens judged from a distribution already in hand
 
     @property
     def done(self) -> bool:
@@ -146,7 +146,7 @@ class Verifier:
         return self.stop_token_seen or len(self.sequence) >= self.end
 
     def run_to_end(self) -> None:
-        with self.trace.span("prefill", len(self.sequence), settle=self.settle):
+        with self.trace.span("prefill", len(self.sequence), sync=self.sync):
             in_hand = self.target.prefill(self.sequence)  # the target distribution at the first open position
         while not self.done:
             if in_hand is not None:
@@ -185,7 +185,7 @@ class Verifier:
         position = len(self.sequence)
         drafts, q = self.take_drafts(position, min(self.verify_chunk, self.end - position - 1))  # + one target token
         pending = self.sequence[self.target.length :]  # committed tokens the target has not cached yet
-        with self.trace.span("verify", len(pending) + len(drafts), settle=self.settle):
+        with self.trace.span("verify", len(pending) + len(drafts), sync=self.sync):
             logits = self.target.forward(pending + drafts, last_n=len(drafts) + 1)
         if self.margins is not None:
             self.margins.update(enumerate(top2_margins(logits), start=position - self.prompt_length))

@@ -20,9 +20,9 @@ class AR(LocalStrategy):
         with run.timed("target", "prefill", len(run.prompt_ids), on=on):
             logits = target.prefill(run.prompt_ids)
         run.observe_target(0, logits)
-        yield run.commit([next_token(logits, run.params, run.generator)])
+        yield run.commit([next_token(run.adjust(logits), run.params, run.generator)])
         while not run.done:
             with run.timed("target", "decode", 1, on=on):
                 logits = target.forward([run.tokens[-1]])[-1]
             run.observe_target(len(run.tokens), logits)
-            yield run.commit([next_token(logits, run.params, run.generator)])
+            yield run.commit([next_token(run.adjust(logits), run.params, run.generator)])

@@ -36,9 +36,9 @@ continuation of it), and a commit that differs from the speculated sequence pree
 (and bumps the version of each channel whose drafts it contradicts, so those drafters roll back). With
 sampling, each draft is judged with the q of the drafter that sampled it; which drafter is taken depends only
 on timing and on tokens already drafted, never on the draft being judged. Rejection sampling consumes the
-run's generator in the order positions are settled, so sampling is lossless.
+run's generator in the order positions are judged, so sampling is lossless.
 
-N = 1 versus AMUSD (`amusd.py`): both run the same drafter and settle the position after a full acceptance
+N = 1 versus AMUSD (`amusd.py`): both run the same drafter and judge the position after a full acceptance
 from the distribution already in hand. AMUSD's verifier is a loop in the target worker that takes whatever has
 been drafted (1 to `verify_chunk` tokens) the moment it is free; DSI's caller waits for a full chunk of
 `lookahead` drafts (shorter only at the token budget) and orchestrates over worker requests, so with one server
@@ -290,7 +290,7 @@ class _Orchestrator:
         self.sampling = not run.params.greedy
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.chunks: deque[_Chunk] = deque()  # in flight, in sequence order
-        self.settled: set[int] = set()  # ids of handles whose reply arrived
+        self.replied: set[int] = set()  # ids of handles whose reply arrived
         self.handles: list = []  # every request sent (their trace events are merged at the end)
         self.next_start = len(run.prompt_ids)  # first position not in any chunk
         self.speculated = np.array(run.prompt_ids, np.int64)  # the sequence the chunks in flight assume
@@ -341,7 +341,7 @@ class _Orchestrator:
         while not run.done:
             if self.next_row is not None:
                 kept = self.settle_next_position(self.next_row)
-            elif self.chunks and id(self.chunks[0].handle) in self.settled:
+            elif self.chunks and id(self.chunks[0].handle) in self.replied:
                 kept = self.resolve(self.chunks.popleft())
             elif self.assign_chunks():
                 continue
@@ -359,7 +359,7 @@ class _Orchestrator:
             if event[0] == "done":
                 _, i, handle = event
                 self.servers[i].busy = False
-                self.settled.add(id(handle))
+                self.replied.add(id(handle))
                 error = handle.exception()
                 if error is not None:
                     raise error
@@ -409,7 +409,7 @@ class _Orchestrator:
             sent = True
 
     def resolve(self, chunk: _Chunk) -> list[int]:
-        """Judge the head chunk's drafts that are not settled yet (the first may have been judged at once)."""
+        """Judge the head chunk's drafts that are not judged yet (the first may have been judged at once)."""
         run = self.run
         reply = chunk.handle.result()
         position = len(run.sequence)
@@ -496,7 +496,7 @@ class _Orchestrator:
         return kept
 
     def trace_events(self) -> list[TraceEvent]:
-        return [e for h in self.handles if id(h) in self.settled for e in h.events]
+        return [e for h in self.handles if id(h) in self.replied for e in h.events]
 
     def report(self) -> dict:
         return {

@@ -6,7 +6,7 @@ each strategy supplies its draft step and its verify step, this skeleton runs th
         draft    the strategy's step: the round's length (the rule's k* when adaptive), then a chain or a tree
         verify   the strategy's step: ONE target forward over the pending committed tokens and every draft,
                  the accepted path and the correction/bonus token, the target's cache kept to that path
-        settle   the drafter keeps the accepted path in its cache (accept) and learns from the round (observe)
+        update   the drafter keeps the accepted path in its cache (accept) and learns from the round (observe)
         count    Run.count_round: drafted = the drafts' depth (a chain's length), accepted = the path's length
         commit   the accepted drafts plus the correction/bonus token (Run.commit)
     at the end: the drafter keeps the output (finish); with the adaptive rule, its report
@@ -39,7 +39,7 @@ def speculative_rounds(
     policy = policy if isinstance(policy, DraftPolicy) else DraftPolicy([policy])
     target.rollback(0)
     policy.reset()
-    policy.begin(run.params)
+    policy.begin(run.params, len(run.prompt_ids))
     try:
         while not run.done:
             sequence = run.sequence

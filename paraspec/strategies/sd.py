@@ -57,6 +57,7 @@ def chain_rounds(run: Run, target, drafter: Drafter, lookahead: int):
         drafts = proposal.tokens
         target_logits = target.forward(pending + drafts, last_n=len(drafts) + 1)
         run.observe_target(len(run.tokens), target_logits)
+        target_logits = run.adjust(target_logits, drafts)  # the request's logit bias and penalties, row by row
         accepted, next_token = verify_chain(drafts, proposal.q, target_logits, run.params, run.generator)
         target.rollback(len(sequence) + accepted)  # the accepted prefix; next_token is fed in the next round
         return list(range(accepted)), next_token

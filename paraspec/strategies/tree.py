@@ -68,9 +68,8 @@ def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree
     accepted path. Returns (accepted node indices, the next token)."""
     tokens, positions, mask = verification_inputs(pending, tree, target.length)
     target_logits = target.forward(tokens, positions=positions, tree_mask=mask, last_n=len(tree) + 1)
-    path, next_token = verify_tree(
-        tree.tokens, tree.parents, tree.draft_probs, target_logits, run.params, run.generator
-    )
+    adjusted = run.adjust_tree(target_logits, tree.tokens, tree.parents)  # bias and penalties along each path
+    path, next_token = verify_tree(tree.tokens, tree.parents, tree.draft_probs, adjusted, run.params, run.generator)
     run.observe_target(len(run.tokens), target_logits[[0] + [node + 1 for node in path]])
     target.keep_path(len(sequence), [len(sequence) + node for node in path])
     return path, next_token
