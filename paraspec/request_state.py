@@ -9,7 +9,7 @@ they report and folds their traces and reports in (`Run.merge_worker_reports`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -70,7 +70,7 @@ class Run:
         """Tokens still allowed: by max_new_tokens and by the room left in the KV caches."""
         return min(self.params.max_new_tokens - len(self.tokens), self.max_context - len(self.sequence))
 
-    def adjust(self, logits: torch.Tensor, row_tokens: list[int] = ()) -> torch.Tensor:
+    def adjust(self, logits: torch.Tensor, row_tokens: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits after the request's logit bias and penalties (sampling.adjust_logits): row i
         follows the committed output and `row_tokens[:i]` (a verification's drafts); unchanged without them."""
         return adjust_logits(logits, self.params, self.prompt_ids, self.tokens, row_tokens)

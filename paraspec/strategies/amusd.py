@@ -22,6 +22,7 @@ position bumps the version and drops it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -198,7 +199,7 @@ class Verifier:
         self.commit(drafts[:accepted] + [correction])
         return None
 
-    def adjust(self, logits: torch.Tensor, drafts: list[int] = ()) -> torch.Tensor:
+    def adjust(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
         """The request's logit bias and penalties on the target's rows (row i after V and drafts[:i]), as
         Run.adjust does in the caller; the raw rows stay in hand for the next position."""
         prompt, output = self.sequence[: self.prompt_length], self.sequence[self.prompt_length :]
