@@ -48,9 +48,9 @@ def ngram_simple(sequence: list[int], n: int, m: int) -> list[int]:
     return []
 
 
-def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propose, settle) -> dict:
+def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propose, update) -> dict:
     """Rounds over one answer; propose(sequence, k, pending) -> at most k drafts (k: the answer's tokens left after
-    the round's own), settle(sequence, width, drafts, accepted, committed) after each round. Seconds exclude the
+    the round's own), update(sequence, width, drafts, accepted, committed) after each round. Seconds exclude the
     prompt round (its prefill is the same for everyone)."""
     pos, seconds, rounds, drafted, accepted_total, cached = 0, 0.0, 0, 0, 0, 0
     while pos < len(answer):
@@ -65,7 +65,7 @@ def replay_answer(prompt: list[int], answer: list[int], cost: ForwardCost, propo
             drafted += len(drafts)
             accepted_total += accepted
         committed = answer[pos : pos + accepted + 1]
-        settle(sequence, width, drafts, accepted, committed)
+        update(sequence, width, drafts, accepted, committed)
         pos += accepted + 1
         cached = len(prompt) + pos - 1
     return {
@@ -105,12 +105,12 @@ def replay_paraspec(answers, table: dict, options: dict, drafter: str, lookahead
             spent[0] += time.perf_counter() - start
             return tokens
 
-        def settle(sequence, width, drafts, accepted, committed):
+        def update(sequence, width, drafts, accepted, committed):
             if drafts:
                 policy.accept(len(sequence), list(range(accepted)))
             policy.observe(width, cost(width), committed)
 
-        out.append(replay_answer(prompt, answer, cost, propose, settle) | {"draft_s": spent[0]})
+        out.append(replay_answer(prompt, answer, cost, propose, update) | {"draft_s": spent[0]})
         policy.finish(prompt + answer)
     return out
 

@@ -30,6 +30,16 @@ def top2_margins(logits: torch.Tensor) -> list[float]:
     return (top2[..., 0] - top2[..., 1]).reshape(-1).tolist()
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of an output token (log-softmax of its logits, before any sampling
+    processor: vLLM's raw logprobs) and the `SamplingParams.logprobs` likeliest tokens at that position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class Run:
     prompt_ids: list[int]
@@ -56,6 +66,13 @@ class Run:
     # from real divergences when comparing strategies in bf16)
     margins: dict[int, float] | None = None
     worker_reports: dict = field(default_factory=dict)  # raw reports of worker loops (amusd, dsi)
+    # with params.logprobs: each output token's TokenLogprob, from the target's rows observed before its commit
+    logprobs: list[TokenLogprob] | None = None
+    _logprob_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def done(self) -> bool:
@@ -89,7 +106,12 @@ class Run:
         return torch.stack(rows)
 
     def observe_target(self, first_index: int, logits) -> None:
-        """Record the target's top-2 margins for output indices first_index, first_index + 1, ..."""
+        """Record the target's rows for output indices first_index, first_index + 1, ...: their top-2 margins
+        (record_margins) and, with params.logprobs, their log-softmax until the token there is committed."""
+        if self.logprobs is not None:
+            rows = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]), -1)
+            for i, row in enumerate(rows):
+                self._logprob_rows[first_index + i] = row  # the last observation is the one on the committed prefix
         if self.margins is None:
             return
         for i, gap in enumerate(top2_margins(logits)):
@@ -103,6 +125,8 @@ class Run:
                 break
             kept.append(token)
             self.tokens.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(self._logprob_of(len(self.tokens) - 1, token))
             if token in self.stop_ids:
                 self.finish_reason = "stop"
             elif self.stop_check is not None and (matched := self.stop_check(self.tokens)) is not None:
@@ -117,6 +141,17 @@ class Run:
                 self.first_token_s = now
             self.trace.commit(len(self.tokens), now)
         return kept
+
+    def _logprob_of(self, index: int, token: int) -> TokenLogprob:
+        row = self._logprob_rows.pop(index, None)
+        if row is None:
+            raise RuntimeError(
+                f"no target row was observed for output token {index}: this strategy cannot report logprobs"
+            )
+        n = self.params.logprobs or 0
+        top = row.topk(n) if n else None
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        return TokenLogprob(token, float(row[token]), pairs)
 
     def settle_in_hand(self, draft: int | None, q, target) -> tuple[int, bool]:
         """verify.judge_in_hand on this run, counted: p for the next position is in hand after a full acceptance,

@@ -44,19 +44,19 @@ class Trace:
         self.events.append(TraceEvent(device or self.device, kind, start_s, end_s, tokens))
 
     @contextmanager
-    def span(self, kind: str, tokens: int = 0, device: str | None = None, settle=None):
-        """Record an event of `kind` around a block. `settle`: called at both ends to wait for the device the block
+    def span(self, kind: str, tokens: int = 0, device: str | None = None, sync=None):
+        """Record an event of `kind` around a block. `sync`: called at both ends to wait for the device the block
         computes on (runtime.devices.sync: a GPU forward returns once queued, and its time must not land in the
         next event). Yields the event in the making: the block may set `.tokens` when it learns the count only at
         its end; `.seconds` holds the block's duration once it has ended."""
         event = SimpleNamespace(tokens=tokens, seconds=0.0)
-        if settle is not None:
-            settle()
+        if sync is not None:
+            sync()
         start = self.now()
         try:
             yield event
-            if settle is not None:
-                settle()
+            if sync is not None:
+                sync()
         finally:
             end = self.now()
             event.seconds = end - start

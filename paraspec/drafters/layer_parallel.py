@@ -1,7 +1,7 @@
 """Layer-parallel ("fuzzy") drafting (EasySpec, Wu et al. 2025): the draft's drafters for strategies/easyspec.py.
 
     FuzzyDrafter        the draft on one device: exact and fuzzy forwards over its own cache; the bonus
-                        calibration (root) and what the cache keeps after a round (settle)
+                        calibration (root) and what the cache keeps after a round (accept_tree)
     DraftRank           what a draft rank's worker holds: a replica of the draft and its end of the exchange
     DeviceGroupDrafter  rank 0 in the caller, ranks 1.. as workers of the strategy's own Runtime (its watchdog,
                         Engine.health() and cancel() see them); every cache operation runs on every rank
@@ -32,7 +32,7 @@ class FuzzyDrafter(ModelDrafter):
     """The draft on one device: exact and fuzzy forwards over its own cache.
 
     root(): the bonus calibration (or, with calibration off, only the first prompt) runs exactly, layer by
-    layer; every tree level runs fuzzily; settle() drops every fuzzy entry past the exact prefix (calibration)
+    layer; every tree level runs fuzzily; accept_tree() drops every fuzzy entry past the exact prefix (calibration)
     or keeps the accepted path's fuzzy entries (calibration off)."""
 
     def __init__(self, model, groups: list[list[int]], vocab_size: int | None = None, calibration: bool = True):
@@ -50,7 +50,7 @@ class FuzzyDrafter(ModelDrafter):
     def expand(self, token_ids, positions, mask) -> torch.Tensor:
         return self.forward(token_ids, positions, mask)
 
-    def settle(self, prefix_len: int, cache, path: list[int]) -> None:
+    def accept_tree(self, prefix_len: int, cache, path: list[int]) -> None:
         if self.calibration:
             self.rollback(prefix_len)  # everything past the exact prefix was fuzzy: drop it
         else:

@@ -42,34 +42,34 @@ from paraspec.trace import Trace, TraceEvent
 
 class Handle:
     """One outstanding request. result() blocks (or raises RemoteError / WorkerDied / TimeoutError);
-    after it settles, `events` holds the worker's TraceEvents (also merged into the trace given at submit)."""
+    once its reply is in, `events` holds the worker's TraceEvents (also merged into the trace given at submit)."""
 
     def __init__(self, worker: Worker, request_id: int, trace: Trace | None):
         self.worker, self.request_id, self.trace = worker, request_id, trace
         self.events: list[TraceEvent] = []
-        self._settled = False
+        self._replied = False
         self._value = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """True once result() would not block."""
-        return self._settled or self.worker.reply_ready(self.request_id)
+        return self._replied or self.worker.reply_ready(self.request_id)
 
     def result(self, timeout: float | None = None):
-        if not self._settled:
-            self._settle(self.worker.reply_for(self.request_id, timeout))
+        if not self._replied:
+            self._take_reply(self.worker.reply_for(self.request_id, timeout))
         if self._error is not None:
             raise self._error
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error result() would raise (None on success); TimeoutError still propagates."""
-        if not self._settled:
-            self._settle(self.worker.reply_for(self.request_id, timeout))
+        if not self._replied:
+            self._take_reply(self.worker.reply_for(self.request_id, timeout))
         return self._error
 
-    def _settle(self, reply: tuple | WorkerDied) -> None:
-        self._settled = True
+    def _take_reply(self, reply: tuple | WorkerDied) -> None:
+        self._replied = True
         if isinstance(reply, WorkerDied):
             self._error = reply
             return
@@ -92,7 +92,7 @@ class Handle:
             self._error = remote_error(self.worker.name, body)
 
     def __repr__(self) -> str:
-        return f"<Handle {self.worker.name}#{self.request_id} {'settled' if self._settled else 'pending'}>"
+        return f"<Handle {self.worker.name}#{self.request_id} {'replied' if self._replied else 'pending'}>"
 
 
 class Worker(abc.ABC):

@@ -52,6 +52,7 @@ class AMUSD(WorkerStrategy):
             "drafter costs microseconds, so there is nothing to overlap (use sd with the same draft, or dsi to put it "
             "beside a draft model)"
         ),
+        logprobs=False,  # its verifier's rows stay in the target worker
     )
 
     def setup(self, placement: Placement) -> None:

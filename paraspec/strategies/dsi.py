@@ -86,6 +86,7 @@ class DSI(WorkerStrategy):
         in_workers=True,
         across_nodes=True,
         processors=False,
+        logprobs=False,  # its servers' rows stay in the target workers
     )
 
     @classmethod

@@ -63,7 +63,7 @@ def test_amusd_greedy_equals_ar(ar_engine, amusd, max_new_tokens):
 
 
 def test_amusd_uses_both_paths_and_overlaps(ar_engine, qwen2_target):
-    """With draft == target every draft is accepted; the verifier settles tokens from distributions it
+    """With draft == target every draft is accepted; the verifier judges tokens from distributions it
     already had (judged at once, or its own bonus) -- neither is dropped, as the output equality shows."""
     params = SamplingParams(max_new_tokens=60)
     with Engine(qwen2_target, qwen2_target, strategy="amusd", dtype="float32", **DEVICES) as e:
