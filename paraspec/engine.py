@@ -336,6 +336,12 @@ class Engine:
                 f"strategy {self.strategy.name!r} does not apply logit_bias or penalties; drop them or use one of "
                 f"{accepting}"
             )
+        if params.logprobs is not None and not self.strategy.caps.logprobs:
+            accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.logprobs)
+            raise ValueError(
+                f"strategy {self.strategy.name!r} does not report logprobs (its target runs in a worker); drop "
+                f"logprobs or use one of {accepting}"
+            )
         vocab = self.target.vocab_size
         if params.logit_bias is not None and params.logit_bias[-1][0] >= vocab:
             raise ValueError(
@@ -492,6 +498,7 @@ class Engine:
             run.prompt_ids,
             run.margins,
             run.worker_reports,
+            run.logprobs,
         )
 
     # -- lifetime ------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from paraspec.errors import StreamCancelled
+from paraspec.request_state import TokenLogprob
 from paraspec.stats import GenerationStats
 from paraspec.trace import Trace
 
@@ -61,6 +62,7 @@ class GenerationResult:
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     margins: dict[int, float] | None = field(default=None, repr=False)  # see generate(record_margins=...)
     worker_reports: dict = field(default_factory=dict, repr=False)  # raw counters of worker loops
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # with SamplingParams.logprobs
 
 
 class Stream:

@@ -56,6 +56,7 @@ class Capabilities:
     across_nodes: bool = False  # its workers may sit on other nodes (devices NODE/...)
     why_not_across_nodes: str = "its models run in the caller's process"  # why not, when it may not
     processors: bool = True  # applies a request's logit bias and penalties (SamplingParams.adjusts_logits)
+    logprobs: bool = True  # reports the target's logprobs of each output token (Run.observe_target on every row)
     batches: bool = False  # its loop runs in the caller on the models alone: requests may
     # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
 
