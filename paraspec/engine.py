@@ -336,7 +336,7 @@ class Engine:
                 f"strategy {self.strategy.name!r} does not apply logit_bias or penalties; drop them or use one of "
                 f"{accepting}"
             )
-        if params.logprobs is not None and not self.strategy.caps.logprobs:
+        if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.strategy.caps.logprobs:
             accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.logprobs)
             raise ValueError(
                 f"strategy {self.strategy.name!r} does not report logprobs (its target runs in a worker); drop "
@@ -414,6 +414,8 @@ class Engine:
             for model in (strategy.target, *strategy.draft_models):
                 model.member = member
             idle = lambda: batcher.idle(joined)  # noqa: E731
+        if run.params.prompt_logprobs is not None:
+            run.prompt_logprobs = strategy.score_prompt(run.prompt_ids, run.params.prompt_logprobs)
         decoding = strategy.decode(run)
         try:
             for committed in decoding:
@@ -499,6 +501,7 @@ class Engine:
             run.margins,
             run.worker_reports,
             run.logprobs,
+            run.prompt_logprobs,
         )
 
     # -- lifetime ------------------------------------------------------------------------------------------

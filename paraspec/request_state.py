@@ -40,6 +40,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+def token_logprob(row: torch.Tensor, token: int, n: int) -> TokenLogprob:
+    """`token`'s TokenLogprob from one row of log-softmax, with the n likeliest tokens of that row."""
+    top = row.topk(n) if n else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return TokenLogprob(token, float(row[token]), pairs)
+
+
 @dataclass
 class Run:
     prompt_ids: list[int]
@@ -69,6 +76,8 @@ class Run:
     # with params.logprobs: each output token's TokenLogprob, from the target's rows observed before its commit
     logprobs: list[TokenLogprob] | None = None
     _logprob_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # with params.prompt_logprobs: each prompt token's TokenLogprob given the tokens before it (the first: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
@@ -148,10 +157,7 @@ class Run:
             raise RuntimeError(
                 f"no target row was observed for output token {index}: this strategy cannot report logprobs"
             )
-        n = self.params.logprobs or 0
-        top = row.topk(n) if n else None
-        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-        return TokenLogprob(token, float(row[token]), pairs)
+        return token_logprob(row, token, self.params.logprobs or 0)
 
     def settle_in_hand(self, draft: int | None, q, target) -> tuple[int, bool]:
         """verify.judge_in_hand on this run, counted: p for the next position is in hand after a full acceptance,

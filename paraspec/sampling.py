@@ -37,6 +37,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely token's (0 = off)
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias) pairs, sorted (a dict is taken too)
     logprobs: int | None = None  # the target's log-probability of each token and of its N likeliest (None = off)
+    prompt_logprobs: int | None = None  # the same for each prompt token given the ones before it (vLLM's name)
 
     def __post_init__(self):
         if not (
@@ -79,12 +80,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
         if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int)
-            and not isinstance(self.logprobs, bool)
-            and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(f"logprobs must be an integer in 0 .. {MAX_LOGPROBS} or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer in 0 .. {MAX_LOGPROBS} or None, got {value!r}")
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.logit_bias is not None:

@@ -63,6 +63,7 @@ class GenerationResult:
     margins: dict[int, float] | None = field(default=None, repr=False)  # see generate(record_margins=...)
     worker_reports: dict = field(default_factory=dict, repr=False)  # raw counters of worker loops
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # with SamplingParams.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)  # .prompt_logprobs
 
 
 class Stream:

@@ -70,3 +70,23 @@ def test_worker_strategies_refuse_logprobs_by_name(qwen2_target, qwen2_partial):
 def test_logprobs_are_checked():
     with pytest.raises(ValueError, match="logprobs must be an integer in 0 .. 20"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_prompt_logprobs_score_each_prompt_token_given_the_ones_before(qwen2_target, qwen2_partial, name):
+    """vLLM's prompt_logprobs (what `echo` with logprobs returns): one forward over the prompt; the answer after it
+    is the one without it."""
+    with build("ar", qwen2_target, None) as reference:
+        plain = reference.generate(PROMPT, SamplingParams(max_new_tokens=6))
+        target = reference.target
+        target.rollback(0)
+        ids = plain.prompt_ids
+        rows = torch.log_softmax(target.forward(ids, last_n=len(ids)).float(), -1)
+    with build(name, qwen2_target, qwen2_partial) as e:
+        result = e.generate(PROMPT, SamplingParams(max_new_tokens=6, prompt_logprobs=2))
+    assert result.token_ids == plain.token_ids
+    scored = result.prompt_logprobs
+    assert scored[0] is None and [lp.token for lp in scored[1:]] == ids[1:]
+    for i, lp in enumerate(scored[1:]):
+        assert lp.logprob == pytest.approx(float(rows[i][ids[i + 1]]), abs=1e-4)
+        assert [t for t, _ in lp.top] == rows[i].topk(2).indices.tolist()

@@ -28,7 +28,9 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from paraspec.request_state import Run
+import torch
+
+from paraspec.request_state import Run, TokenLogprob, token_logprob
 from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
 
 if TYPE_CHECKING:
@@ -203,6 +205,15 @@ class Strategy(abc.ABC):
         if self.runtime is not None:
             self.runtime.close()
         self.target, self.draft_models = None, []
+
+    def score_prompt(self, prompt_ids: list[int], n: int) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability under the target given the tokens before it (the first has none),
+        from one forward over the prompt; the cache is emptied after, so decoding starts as it does without."""
+        target = self.target
+        target.rollback(0)
+        rows = torch.log_softmax(target.forward(list(prompt_ids), last_n=len(prompt_ids)).float(), -1)
+        target.rollback(0)
+        return [None] + [token_logprob(row, token, n) for row, token in zip(rows[:-1], prompt_ids[1:])]
 
 
 class LocalStrategy(Strategy):
