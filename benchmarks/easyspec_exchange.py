@@ -1,5 +1,5 @@
 """Latency of one all-gather of attention outputs between two CPU processes: easyspec's shared-memory
-exchange vs torch.distributed gloo. A draft forward of the reference 0.5B draft with LP size 2 makes 11
+exchange vs torch.distributed gloo. A draft forward of the reference 0.5B draft with layer-parallel size 2 makes 11
 all-gathers (one per group of two layers).
 
     python benchmarks/easyspec_exchange.py --iters 2000

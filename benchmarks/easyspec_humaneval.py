@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--lookahead", type=int, default=5)
     p.add_argument("--tree-width", type=int, default=4)
     p.add_argument("--tree-depth", type=int, default=5)
-    p.add_argument("--lp-size", type=int, default=2)
+    p.add_argument("--layer-parallel-size", type=int, default=2)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         "easyspec": dict(
             strategy="easyspec",
             draft_devices=["cpu:0", "cpu:1"],
-            lp_size=args.lp_size,
+            layer_parallel_size=args.layer_parallel_size,
             layer_groups="",
             calibration=True,
             **tree,

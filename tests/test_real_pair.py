@@ -37,13 +37,13 @@ STRATEGIES = {
         tree_width=4,
         tree_depth=5,
         tree_budget=20,
-        lp_size=2,
+        layer_parallel_size=2,
         target_devices=["cpu:0-1"],
         draft_devices=["cpu:0", "cpu:1"],
     ),
 }
 # bf16 (the reference dtype) with sd and amusd; fp32 (the default dtype on this AVX2 CPU) with sd and easyspec
-# (whose rounds are tree's rounds with a fuzzy drafter: tree verification and path compaction included). Every
+# (whose rounds are tree's rounds with a layer-parallel drafter: tree verification and path compaction included). Every
 # pair would exceed CI's time budget on two cores; `tree` itself is compared with ar on the real pair by
 # benchmarks/easyspec_humaneval.py (its "same as ar" column).
 CASES = [("bfloat16", "sd"), ("bfloat16", "amusd"), ("float32", "sd"), ("float32", "easyspec")]

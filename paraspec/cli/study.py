@@ -11,7 +11,8 @@ def add_commands(subparsers) -> None:
     sub = study.add_subparsers(dest="study", required=True)
     p = sub.add_parser(
         "easyspec",
-        help="fuzzy-vs-exact cosine similarity per LP size; width x LP x calibration ablation with two PNG plots",
+        help="layer-parallel-vs-exact cosine similarity per layer-parallel size; "
+        "width x layer-parallel size x calibration ablation with two PNG plots",
     )
     p.add_argument("--draft", required=True, help="draft model: checkpoint folder, .gguf file or hub id")
     p.add_argument("--target", help="target model (needed by the ablation)")
@@ -19,7 +20,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("--dataset", default="humaneval", help="prompts (see `paraspec bench --help`)")
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument(
-        "--lp-sizes", type=int, nargs="+", default=None, help="similarity: default 2 3 4; ablation: default 1 2 3 4 5"
+        "--layer-parallel-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="similarity: default 2 3 4; ablation: default 1 2 3 4 5",
     )
     p.add_argument("--tokens-per-prompt", type=int, default=16, help="similarity: tokens measured per prompt")
     p.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8, 12], help="ablation: tree widths")
@@ -45,7 +50,7 @@ def _prompts(args, tokenizer) -> list:
 
 
 def cmd_easyspec(args) -> int:
-    from paraspec.study import fuzzy_drafting as study
+    from paraspec.study import layer_parallel_drafting as study
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +65,7 @@ def cmd_easyspec(args) -> int:
             if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
                 encoded = encoded["input_ids"]
             ids.append(list(encoded))
-        rows = study.similarity(draft, ids, tuple(args.lp_sizes or (2, 3, 4)), args.tokens_per_prompt)
+        rows = study.similarity(draft, ids, tuple(args.layer_parallel_sizes or (2, 3, 4)), args.tokens_per_prompt)
         table = study.similarity_table(rows)
         (out / "similarity.md").write_text(table + "\n")
         (out / "similarity.json").write_text(json.dumps(rows, indent=1))
@@ -84,7 +89,7 @@ def cmd_easyspec(args) -> int:
             prompts,
             SamplingParams(max_new_tokens=args.max_new_tokens),
             widths=tuple(args.widths),
-            lp_sizes=tuple(args.lp_sizes or (1, 2, 3, 4, 5)),
+            layer_parallel_sizes=tuple(args.layer_parallel_sizes or (1, 2, 3, 4, 5)),
             calibrations=(True,) if args.no_calibration_off else (True, False),
             tree_depth=args.tree_depth,
             progress=lambda r: print(json.dumps(r), flush=True),

@@ -4,8 +4,8 @@
     token_tree.py  TokenTree and draft_tree: growing a token tree from a drafter's logits
     model.py     ModelDrafter: a draft model (chains and trees); `draw`, the one place a draft token and its q
                  are drawn from the draft's logits
-    layer_parallel.py  easyspec's drafters: FuzzyDrafter (fuzzy forwards, bonus calibration), DraftRank and
-                 DeviceGroupDrafter (the draft's layers spread over ranks on several devices)
+    layer_parallel.py  easyspec's drafters: LayerParallelDrafter (layer-parallel forwards, bonus calibration),
+                 DraftRank and DeviceGroupDrafter (the draft's layers spread over ranks on several devices)
     draft_worker.py  draft_loop: a ModelDrafter drafting without pause in its own worker into a versioned token
                  channel, rolling back when the verifier rejects (amusd's and dsi's drafters); CHANNEL
     ngram.py     NGramDrafter: prompt lookup, the longest matching n-gram's continuation (model-free)

@@ -1,16 +1,17 @@
-"""Layer-parallel ("fuzzy") drafting (EasySpec, Wu et al. 2025): the draft's drafters for strategies/easyspec.py.
+"""Layer-parallel drafting (EasySpec's "fuzzy" drafting, Wu et al. 2025): the draft's drafters for
+strategies/easyspec.py.
 
-    FuzzyDrafter        the draft on one device: exact and fuzzy forwards over its own cache; the bonus
-                        calibration (root) and what the cache keeps after a round (accept_tree)
-    DraftRank           what a draft rank's worker holds: a replica of the draft and its end of the exchange
-    DeviceGroupDrafter  rank 0 in the caller, ranks 1.. as workers of the strategy's own Runtime (its watchdog,
-                        Engine.health() and cancel() see them); every cache operation runs on every rank
+    LayerParallelDrafter  the draft on one device: exact and layer-parallel forwards over its own cache; the bonus
+                          calibration (root) and what the cache keeps after a round (accept_tree)
+    DraftRank             what a draft rank's worker holds: a replica of the draft and its end of the exchange
+    DeviceGroupDrafter    rank 0 in the caller, ranks 1.. as workers of the strategy's own Runtime (its watchdog,
+                          Engine.health() and cancel() see them); every cache operation runs on every rank
 
-A fuzzy forward lets the layers of a group read one input hidden state: their attentions run in parallel -- one
-share per rank, all-gathered through a shared-memory exchange (ShmExchange: one segment, a sequence word per
+A layer-parallel forward lets the layers of a group read one input hidden state: their attentions run in parallel --
+one share per rank, all-gathered through a shared-memory exchange (ShmExchange: one segment, a sequence word per
 rank, futex waits; it beat gloo here, benchmarks/easyspec_exchange.py) -- and their MLPs run in order,
-replicated on every rank (models/native/layer_parallel.py). q is the fuzzy distribution the drafts were sampled
-from (the q contract), so only acceptance depends on how close fuzzy is to exact.
+replicated on every rank (models/native/layer_parallel.py). q is the layer-parallel distribution the drafts were
+sampled from (the q contract), so only acceptance depends on how close it is to the exact one.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ import torch
 
 from paraspec.drafters.model import ModelDrafter
 from paraspec.models.loader import load_model  # bound at import: a replica never shares a bench's cached model
-from paraspec.models.native.layer_parallel import exact_forward, fuzzy_forward
+from paraspec.models.native.layer_parallel import exact_forward, layer_parallel_forward
 from paraspec.runtime.devices import pinned
 from paraspec.runtime.exchange import ShmExchange
 
 
-class FuzzyDrafter(ModelDrafter):
-    """The draft on one device: exact and fuzzy forwards over its own cache.
+class LayerParallelDrafter(ModelDrafter):
+    """The draft on one device: exact and layer-parallel forwards over its own cache.
 
     root(): the bonus calibration (or, with calibration off, only the first prompt) runs exactly, layer by
-    layer; every tree level runs fuzzily; accept_tree() drops every fuzzy entry past the exact prefix (calibration)
-    or keeps the accepted path's fuzzy entries (calibration off)."""
+    layer; every tree level runs layer-parallel; accept_tree() drops every layer-parallel entry past the exact prefix
+    (calibration) or keeps the accepted path's layer-parallel entries (calibration off)."""
 
     def __init__(self, model, groups: list[list[int]], vocab_size: int | None = None, calibration: bool = True):
         super().__init__(model, model.vocab_size if vocab_size is None else vocab_size)
@@ -42,7 +43,7 @@ class FuzzyDrafter(ModelDrafter):
     def forward(self, token_ids, positions=None, mask=None, exact: bool = False, head: bool = True):
         if exact:
             return exact_forward(self.model, token_ids, positions, mask)
-        return fuzzy_forward(self.model, token_ids, self.groups, positions, mask, head=head)
+        return layer_parallel_forward(self.model, token_ids, self.groups, positions, mask, head=head)
 
     def root(self, pending: list[int]) -> torch.Tensor:
         return self.forward(pending, exact=self.calibration or self.length == 0)[-1]
@@ -52,7 +53,7 @@ class FuzzyDrafter(ModelDrafter):
 
     def accept_tree(self, prefix_len: int, cache, path: list[int]) -> None:
         if self.calibration:
-            self.rollback(prefix_len)  # everything past the exact prefix was fuzzy: drop it
+            self.rollback(prefix_len)  # everything past the exact prefix was layer-parallel: drop it
         else:
             cache.accept(path)
 
@@ -90,7 +91,9 @@ class DraftRank:
         if exact:
             exact_forward(self.model, token_ids, positions, mask, head=False)
         else:
-            fuzzy_forward(self.model, token_ids, self.groups, positions, mask, exchange=self.exchange, head=False)
+            layer_parallel_forward(
+                self.model, token_ids, self.groups, positions, mask, exchange=self.exchange, head=False
+            )
 
     def set_groups(self, groups: list[list[int]]) -> None:
         self.groups = groups
@@ -106,7 +109,7 @@ class DraftRank:
         return self.model.cache_entries(length)
 
 
-class DeviceGroupDrafter(FuzzyDrafter):
+class DeviceGroupDrafter(LayerParallelDrafter):
     """Rank 0 in this process, ranks 1.. in workers of `runtime` (draft1, draft2, ...: the strategy's Runtime,
     so its watchdog covers them, Engine.health() names a dead one and closing the strategy stops them); every
     cache operation runs on every rank.
@@ -189,7 +192,7 @@ class DeviceGroupDrafter(FuzzyDrafter):
             if exact:
                 out = exact_forward(self.model, token_ids, positions, mask)
             else:
-                out = fuzzy_forward(
+                out = layer_parallel_forward(
                     self.model, token_ids, self.groups, positions, mask, exchange=self.exchange, head=head
                 )
         except RuntimeError:

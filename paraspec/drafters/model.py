@@ -1,5 +1,5 @@
 """ModelDrafter: a draft model as a Drafter -- chains (sd) and token trees (tree), exact forwards over its own
-KV cache. easyspec's drafters subclass it and change how the root and the tree levels are computed (fuzzy) and
+KV cache. easyspec's drafters subclass it and change how the root and the tree levels are computed (layer-parallel) and
 what the cache keeps after a round (`accept_tree`).
 
 q: the processed draft distribution each token was sampled from (`logits_to_probs`), restricted to the first

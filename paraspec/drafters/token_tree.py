@@ -51,7 +51,7 @@ class DraftTreeCache:
 
     `model` has `length` and `keep_path` (a Model, or a drafter that forwards them to every replica).
     `forward(token_ids, positions, mask)` runs the draft on new tokens with a mask over its whole cache
-    (exact_forward for `tree`, a fuzzy forward for `easyspec`) and returns their logits. Remembers which
+    (exact_forward for `tree`, a layer-parallel forward for `easyspec`) and returns their logits. Remembers which
     cache slot holds which node, so each new node sees the prefix, its ancestors and itself only."""
 
     def __init__(self, model, forward: Callable, prefix_len: int):

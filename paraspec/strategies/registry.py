@@ -14,7 +14,7 @@ from paraspec.strategies.base import Strategy
 
 @dataclass(frozen=True)
 class Option:
-    """A strategy option: an Engine keyword argument and a CLI flag (`lp_size` <-> `--lp-size`)."""
+    """A strategy option: an Engine keyword argument and a CLI flag (`tree_width` <-> `--tree-width`)."""
 
     name: str
     type: type
@@ -63,12 +63,14 @@ OPTIONS: dict[str, Option] = {
         Option("tree_width", int, 4, "tree, easyspec: most nodes per tree level (1 = a chain)"),
         Option("tree_depth", int, 5, "tree, easyspec: levels of the draft tree (tokens one round can accept)"),
         Option("tree_budget", int, 64, "tree, easyspec: most tree nodes verified in one target forward"),
-        Option("lp_size", int, 2, "easyspec: layers per parallel group (first and last layer alone; 1 = exact)"),
+        Option(
+            "layer_parallel_size", int, 2, "easyspec: layers per parallel group (first and last layer alone; 1 = exact)"
+        ),
         Option(
             "layer_groups",
             str,
             "",
-            "easyspec: explicit layer groups such as '0,1-3,4-7,...,23' (overrides --lp-size)",
+            "easyspec: explicit layer groups such as '0,1-3,4-7,...,23' (overrides --layer-parallel-size)",
             minimum=None,
         ),
         Option("calibration", bool, True, "easyspec: recompute the draft's KV exactly after each verification"),

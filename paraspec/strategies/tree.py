@@ -105,7 +105,7 @@ class TreeStrategy(LocalStrategy):
     caps = Capabilities(backends=TREE_BACKENDS)
 
     def drafter(self) -> Drafter:
-        """The round loop's drafter: tree's kept DraftPolicy, easyspec's fuzzy drafter."""
+        """The round loop's drafter: tree's kept DraftPolicy, easyspec's layer-parallel drafter."""
         raise NotImplementedError
 
     def decode(self, run: Run):

@@ -1,10 +1,12 @@
-"""EasySpec studies (Wu et al. 2025): how fuzzy the layer-parallel draft is, and what each knob buys.
+"""EasySpec studies (Wu et al. 2025): how far the layer-parallel draft (the paper's "fuzzy" one) is from the exact
+one, and what each knob buys.
 
-similarity   (Table 5) cosine similarity between the fuzzy and the exact forward of the draft, per LP size:
+similarity   (Table 5) cosine similarity between the layer-parallel and the exact forward of the draft,
+             per layer-parallel size:
              layer outputs (hidden states), attention outputs, and the q/k/v that the attention reads.
              Each measured token is run on top of an exact cache of its prefix -- the situation bonus
-             calibration creates -- once exactly and once fuzzily; values average over tokens and layers.
-ablation     (Fig. 4) tree width x LP size x calibration on/off: acceptance rate and ms/token of the
+             calibration creates -- once exactly and once layer-parallel; values average over tokens and layers.
+ablation     (Fig. 4) tree width x layer-parallel size x calibration on/off: acceptance rate and ms/token of the
              easyspec strategy on real prompts, drawn as two line plots.
 """
 
@@ -15,49 +17,56 @@ from pathlib import Path
 
 import torch
 
-from paraspec.models.native.layer_parallel import fuzzy_forward, lp_groups
+from paraspec.models.native.layer_parallel import layer_parallel_forward, layer_parallel_groups
 
 QUANTITIES = ("hidden", "attn", "q", "k", "v")
 _RECORD_KEY = {"hidden": "h_out", "attn": "attn", "q": "q", "k": "k", "v": "v"}
 
 
 @torch.inference_mode()
-def similarity(draft, prompts: list[list[int]], lp_sizes=(2, 3, 4), tokens_per_prompt: int = 16) -> list[dict]:
-    """Rows {lp_size, quantity: mean cosine similarity}. `draft` is a NativeModel; prompts are token ids."""
+def similarity(
+    draft, prompts: list[list[int]], layer_parallel_sizes=(2, 3, 4), tokens_per_prompt: int = 16
+) -> list[dict]:
+    """Rows {layer_parallel_size, quantity: mean cosine similarity}. `draft` is a NativeModel; prompts are token ids."""
     n_layers = draft.cfg.num_layers
-    exact_groups = lp_groups(1, n_layers)
-    sums = {lp: {k: 0.0 for k in QUANTITIES} for lp in lp_sizes}
-    counts = {lp: 0 for lp in lp_sizes}
+    exact_groups = layer_parallel_groups(1, n_layers)
+    sums = {size: {k: 0.0 for k in QUANTITIES} for size in layer_parallel_sizes}
+    counts = {size: 0 for size in layer_parallel_sizes}
     for ids in prompts:
         measured = min(tokens_per_prompt, len(ids) - 1)
         draft.prefill(ids[: len(ids) - measured])
         for token in ids[len(ids) - measured :]:
             length = draft.length
             exact: dict[int, dict[str, torch.Tensor]] = {}  # layer -> its recorded activations
-            fuzzy_forward(draft, [token], exact_groups, record=exact, head=False)
-            for lp in lp_sizes:
+            layer_parallel_forward(draft, [token], exact_groups, record=exact, head=False)
+            for size in layer_parallel_sizes:
                 draft.rollback(length)
-                fuzzy: dict[int, dict[str, torch.Tensor]] = {}
-                fuzzy_forward(draft, [token], lp_groups(lp, n_layers), record=fuzzy, head=False)
+                parallel: dict[int, dict[str, torch.Tensor]] = {}
+                layer_parallel_forward(
+                    draft, [token], layer_parallel_groups(size, n_layers), record=parallel, head=False
+                )
                 for quantity in QUANTITIES:
                     key = _RECORD_KEY[quantity]
                     sims = [
-                        torch.nn.functional.cosine_similarity(fuzzy[i][key].float(), exact[i][key].float(), dim=-1)
+                        torch.nn.functional.cosine_similarity(parallel[i][key].float(), exact[i][key].float(), dim=-1)
                         .mean()
                         .item()
                         for i in range(n_layers)
                     ]
-                    sums[lp][quantity] += sum(sims) / n_layers
-                counts[lp] += 1
+                    sums[size][quantity] += sum(sims) / n_layers
+                counts[size] += 1
             draft.rollback(length)  # advance exactly, as calibration would
-            fuzzy_forward(draft, [token], exact_groups, head=False)
-    return [{"lp_size": lp, **{q: sums[lp][q] / max(counts[lp], 1) for q in QUANTITIES}} for lp in lp_sizes]
+            layer_parallel_forward(draft, [token], exact_groups, head=False)
+    return [
+        {"layer_parallel_size": size, **{q: sums[size][q] / max(counts[size], 1) for q in QUANTITIES}}
+        for size in layer_parallel_sizes
+    ]
 
 
 def similarity_table(rows: list[dict]) -> str:
-    lines = ["| LP size | hidden states | attention output | q | k | v |", "|---|---|---|---|---|---|"]
+    lines = ["| layer-parallel size | hidden states | attention output | q | k | v |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['lp_size']} | " + " | ".join(f"{r[q]:.4f}" for q in QUANTITIES) + " |")
+        lines.append(f"| {r['layer_parallel_size']} | " + " | ".join(f"{r[q]:.4f}" for q in QUANTITIES) + " |")
     return "\n".join(lines)
 
 
@@ -66,12 +75,12 @@ def ablation(
     prompts,
     params,
     widths=(1, 4, 8, 12),
-    lp_sizes=(1, 2, 3, 4, 5),
+    layer_parallel_sizes=(1, 2, 3, 4, 5),
     calibrations=(True, False),
     tree_depth: int = 5,
     progress=None,
 ) -> list[dict]:
-    """Run easyspec for every (width, LP size, calibration); engine_factory(**options) returns an Engine.
+    """Run easyspec for every (width, layer-parallel size, calibration); engine_factory(**options) returns an Engine.
 
     One engine is reused (Engine.set_options between configurations, checked like the Engine's arguments) so
     models load once."""
@@ -79,12 +88,12 @@ def ablation(
     engine = engine_factory()
     try:
         engine.generate(prompts[0], type(params)(max_new_tokens=4))  # warm-up
-        for lp in lp_sizes:  # LP size outermost: a multi-device drafter restarts per layout
+        for size in layer_parallel_sizes:  # the size outermost: a multi-device drafter restarts per layout
             for calibration in calibrations:
                 for width in widths:
                     engine.set_options(
                         tree_width=width,
-                        lp_size=lp,
+                        layer_parallel_size=size,
                         calibration=calibration,
                         tree_depth=tree_depth,
                         tree_budget=width * tree_depth,
@@ -101,7 +110,7 @@ def ablation(
                     elapsed = time.perf_counter() - start
                     row = dict(
                         tree_width=width,
-                        lp_size=lp,
+                        layer_parallel_size=size,
                         calibration=calibration,
                         acceptance_rate=accepted / max(drafted, 1),
                         ms_per_token=elapsed * 1000 / tokens,
@@ -116,7 +125,7 @@ def ablation(
 
 
 def plot_ablation(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Two line plots (the paper's Fig. 4): acceptance rate and ms/token against LP size, one line per
+    """Two line plots (the paper's Fig. 4): acceptance rate and ms/token against layer-parallel size, one line per
     (tree width, calibration)."""
     import matplotlib
 
@@ -132,18 +141,18 @@ def plot_ablation(rows: list[dict], out_dir: Path) -> list[Path]:
         for width, calibration in sorted({(r["tree_width"], r["calibration"]) for r in rows}):
             line = sorted(
                 (r for r in rows if r["tree_width"] == width and r["calibration"] == calibration),
-                key=lambda r: r["lp_size"],
+                key=lambda r: r["layer_parallel_size"],
             )
             ax.plot(
-                [r["lp_size"] for r in line],
+                [r["layer_parallel_size"] for r in line],
                 [r[metric] for r in line],
                 marker="o" if calibration else "x",
                 color=f"C{widths.index(width)}",
                 linestyle="-" if calibration else "--",
                 label=f"width {width}, calibration {'on' if calibration else 'off'}",
             )
-        ax.set_xticks(sorted({r["lp_size"] for r in rows}))
-        ax.set_xlabel("LP size (layers per parallel group)")
+        ax.set_xticks(sorted({r["layer_parallel_size"] for r in rows}))
+        ax.set_xlabel("layer-parallel size (layers per parallel group)")
         ax.set_ylabel(label)
         ax.set_title(f"EasySpec ablation: {label}")
         ax.grid(alpha=0.3)

@@ -24,6 +24,6 @@ def test_gathered_attention_outputs_are_added_on_the_hidden_states_device():
         mine = {1: cuda.tensor(torch.full((2, 4), 1.0)), 3: cuda.tensor(torch.full((2, 4), 3.0))}
         gathered = _gather(TwoRanks(), group, mine, 2, h)
         assert all(gathered[i].device == h.device for i in group)
-        for i in group:  # as fuzzy_forward adds them
+        for i in group:  # as layer_parallel_forward adds them
             h = h + gathered[i]
         assert torch.equal(h.cpu(), torch.full((2, 4), 5.0))

@@ -1,5 +1,5 @@
-"""easyspec: greedy equality with ar (chain and tree, LP sizes 1-3, calibration on/off, one device and two
-worker processes), fuzzy LP 1 == exact, calibration rebuilds the exact draft cache, sampling distribution."""
+"""easyspec: greedy equality with ar (chain and tree, layer-parallel sizes 1-3, calibration on/off, one device and two
+worker processes), layer-parallel size 1 == exact, calibration rebuilds the exact draft cache, sampling distribution."""
 
 import os
 import signal
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from paraspec import Engine, SamplingParams
-from paraspec.drafters.layer_parallel import DeviceGroupDrafter, FuzzyDrafter
+from paraspec.drafters.layer_parallel import DeviceGroupDrafter, LayerParallelDrafter
 from paraspec.models.loader import load_native
 from paraspec.models.native.decoder import NativeModel
 from paraspec.models.native.layer_parallel import (
     exact_forward,
-    fuzzy_forward,
-    lp_groups,
+    layer_parallel_forward,
+    layer_parallel_groups,
     parse_layer_groups,
 )
 from paraspec.runtime import Runtime, WorkerDied, WorkerError
@@ -32,27 +32,29 @@ def format_groups(groups: list[list[int]]) -> str:
 
 
 def test_layer_groups():
-    assert lp_groups(1, 6) == [[0], [1], [2], [3], [4], [5]]
-    assert lp_groups(3, 8) == [[0], [1, 2, 3], [4, 5, 6], [7]]
-    assert lp_groups(4, 8) == [[0], [1, 2, 3, 4], [5, 6], [7]]
-    assert parse_layer_groups("0,1-3,4-6,7", 8) == lp_groups(3, 8)
-    assert format_groups(lp_groups(2, 6)) == "0,1-2,3-4,5"
+    assert layer_parallel_groups(1, 6) == [[0], [1], [2], [3], [4], [5]]
+    assert layer_parallel_groups(3, 8) == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert layer_parallel_groups(4, 8) == [[0], [1, 2, 3, 4], [5, 6], [7]]
+    assert parse_layer_groups("0,1-3,4-6,7", 8) == layer_parallel_groups(3, 8)
+    assert format_groups(layer_parallel_groups(2, 6)) == "0,1-2,3-4,5"
     for bad in ("0,1-3,5-7", "0-2,1-7", "0,x,1-7"):
         with pytest.raises(ValueError, match="layer group"):
             parse_layer_groups(bad, 8)
 
 
-def test_fuzzy_lp1_equals_exact_and_lp2_differs(deep_pair):
+def test_layer_parallel_size1_equals_exact_and_size2_differs(deep_pair):
     _, draft_dir = deep_pair
     model = load_native(draft_dir, torch.float32)
     other = NativeModel(model.decoder, model.max_context)
     ids = [5, 9, 14, 3, 22, 40, 41]
     exact = exact_forward(model, ids)
-    fuzzy = fuzzy_forward(other, ids, lp_groups(1, model.cfg.num_layers))
-    assert torch.equal(exact, fuzzy)
+    parallel = layer_parallel_forward(other, ids, layer_parallel_groups(1, model.cfg.num_layers))
+    assert torch.equal(exact, parallel)
     assert torch.equal(model.cache.k[:, :, :7], other.cache.k[:, :, :7])
     other.rollback(0)
-    assert not torch.allclose(exact, fuzzy_forward(other, ids, lp_groups(2, model.cfg.num_layers)), atol=1e-3)
+    assert not torch.allclose(
+        exact, layer_parallel_forward(other, ids, layer_parallel_groups(2, model.cfg.num_layers)), atol=1e-3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +63,16 @@ def ar_engine(deep_pair):
         yield engine
 
 
-@pytest.mark.parametrize("lp_size", [1, 2, 3])
+@pytest.mark.parametrize("layer_parallel_size", [1, 2, 3])
 @pytest.mark.parametrize("calibration", [True, False])
 @pytest.mark.parametrize("tree_width", [1, 4])
-def test_easyspec_greedy_equals_ar(ar_engine, deep_pair, lp_size, calibration, tree_width):
+def test_easyspec_greedy_equals_ar(ar_engine, deep_pair, layer_parallel_size, calibration, tree_width):
     params = SamplingParams(max_new_tokens=30)
     with Engine(
         *deep_pair,
         strategy="easyspec",
         dtype="float32",
-        lp_size=lp_size,
+        layer_parallel_size=layer_parallel_size,
         calibration=calibration,
         tree_width=tree_width,
         tree_depth=4,
@@ -81,16 +83,16 @@ def test_easyspec_greedy_equals_ar(ar_engine, deep_pair, lp_size, calibration, t
 
 
 def test_calibration_rebuilds_the_exact_cache(deep_pair):
-    """After fuzzy drafting and calibration, the draft cache equals one built by exact decoding of the same
+    """After layer-parallel drafting and calibration, the draft cache equals one built by exact decoding of the same
     tokens; without calibration it does not."""
     _, draft_dir = deep_pair
     model = load_native(draft_dir, torch.float32)
-    groups = lp_groups(2, model.cfg.num_layers)
-    drafter = FuzzyDrafter(model, groups)
+    groups = layer_parallel_groups(2, model.cfg.num_layers)
+    drafter = LayerParallelDrafter(model, groups)
     prompt, accepted, bonus = [5, 9, 14, 3], [22, 40], 41
     drafter.forward(prompt, exact=True)
-    drafter.forward(accepted + [77])  # a fuzzy chain: two kept drafts and a rejected one
-    drafter.rollback(len(prompt))  # calibration: drop every fuzzy entry...
+    drafter.forward(accepted + [77])  # a layer-parallel chain: two kept drafts and a rejected one
+    drafter.rollback(len(prompt))  # calibration: drop every layer-parallel entry...
     drafter.forward(accepted + [bonus], exact=True)  # ...and recompute the accepted tokens + the bonus
     reference = NativeModel(model.decoder, model.max_context)
     reference.prefill(prompt + accepted + [bonus])
@@ -100,7 +102,7 @@ def test_calibration_rebuilds_the_exact_cache(deep_pair):
     assert torch.allclose(model.cache.k[:, :, :n], reference.cache.k[:, :, :n], rtol=1e-5, atol=1e-4)
     assert torch.allclose(model.cache.v[:, :, :n], reference.cache.v[:, :, :n], rtol=1e-5, atol=1e-4)
     drafter.rollback(len(prompt))
-    drafter.forward(accepted + [bonus])  # no calibration: fuzzy entries stay
+    drafter.forward(accepted + [bonus])  # no calibration: layer-parallel entries stay
     assert not torch.allclose(model.cache.k[:, :, :n], reference.cache.k[:, :, :n], rtol=1e-2, atol=1e-2)
 
 
@@ -113,12 +115,18 @@ def two_device_engine(deep_pair):
         yield engine  # the tests set options between requests (set_options): a strategy reads them at each decode
 
 
-@pytest.mark.parametrize("lp_size,calibration,tree_width", [(2, True, 4), (3, False, 1), (3, True, 1), (2, False, 4)])
-def test_easyspec_two_processes_equals_one(ar_engine, deep_pair, two_device_engine, lp_size, calibration, tree_width):
+@pytest.mark.parametrize(
+    "layer_parallel_size,calibration,tree_width", [(2, True, 4), (3, False, 1), (3, True, 1), (2, False, 4)]
+)
+def test_easyspec_two_processes_equals_one(
+    ar_engine, deep_pair, two_device_engine, layer_parallel_size, calibration, tree_width
+):
     """Across two CPU worker processes: ar's tokens, and the very same drafts as on one device (the all-gather
-    sums attention outputs in the same order, so fuzzy logits are bit-identical)."""
+    sums attention outputs in the same order, so layer-parallel logits are bit-identical)."""
     params = SamplingParams(max_new_tokens=30)
-    options = dict(lp_size=lp_size, calibration=calibration, tree_width=tree_width, tree_depth=4)
+    options = dict(
+        layer_parallel_size=layer_parallel_size, calibration=calibration, tree_width=tree_width, tree_depth=4
+    )
     two_device_engine.set_options(**options)
     result = two_device_engine.generate(PROMPT, params)
     with Engine(*deep_pair, strategy="easyspec", dtype="float32", **options) as one:
@@ -129,7 +137,7 @@ def test_easyspec_two_processes_equals_one(ar_engine, deep_pair, two_device_engi
 
 def test_replicas_hold_the_same_cache(two_device_engine):
     """After a request, rank 1's calibrated prefix equals rank 0's."""
-    two_device_engine.set_options(lp_size=2, calibration=True, tree_width=4)
+    two_device_engine.set_options(layer_parallel_size=2, calibration=True, tree_width=4)
     two_device_engine.generate(PROMPT, SamplingParams(max_new_tokens=12))
     drafter = two_device_engine.strategy.device_group
     n = drafter.length
@@ -143,7 +151,7 @@ def test_killed_draft_rank_is_reported_and_nothing_leaks(deep_pair, shm_segments
     before = shm_segments()
     model = load_native(deep_pair[1], torch.float32)
     with Runtime() as runtime:
-        drafter = DeviceGroupDrafter(model, lp_groups(2, 6), DEVICES, str(deep_pair[1]), runtime)
+        drafter = DeviceGroupDrafter(model, layer_parallel_groups(2, 6), DEVICES, str(deep_pair[1]), runtime)
         drafter.forward([1, 2, 3], exact=True)
         os.kill(drafter.workers[0].pid, signal.SIGKILL)
         start = time.monotonic()
@@ -195,7 +203,14 @@ def test_easyspec_sampling_matches_target_distribution(tmp_path_factory):
     )
     prompt, sampling = [1, 2, 3], dict(temperature=1.0)
     with Engine(
-        target, draft, strategy="easyspec", dtype="float32", lp_size=2, tree_width=3, tree_depth=2, calibration=False
+        target,
+        draft,
+        strategy="easyspec",
+        dtype="float32",
+        layer_parallel_size=2,
+        tree_width=3,
+        tree_depth=2,
+        calibration=False,
     ) as engine:
         joint = exact_joint(engine, prompt, SamplingParams(**sampling))
         counts, accepted = np.zeros((VOCAB, VOCAB)), 0

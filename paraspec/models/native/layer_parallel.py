@@ -3,11 +3,11 @@
     exact_forward   the native decoder's forward with an explicit [n, start + n] mask, so that new tokens can
                     see only some cached slots (a token tree drafted level by level keeps earlier levels in the
                     cache: a node must see its ancestors there, not their siblings)
-    fuzzy_forward   EasySpec (Wu et al. 2025, Sec. 3.1): the layers of one group all read the same input hidden
+    layer_parallel_forward   EasySpec (Wu et al. 2025, Sec. 3.1): the layers of one group all read the same input hidden
                     state; their attention outputs are added to the residual (in layer order), then their MLPs
                     run one after the other. With `exchange`, each attention of a group runs on one device and
                     the outputs are all-gathered; every device runs the (replicated) MLPs itself.
-    layer groups    "0,1-3,4-7,...,31" (the paper's Appendix B), or generated from an LP size
+    layer groups    "0,1-3,4-7,...,31" (the paper's Appendix B), or generated from a layer-parallel size
 
 Works on `NativeModel` (models/native/decoder.py), whose layers expose attention_block and mlp_block separately.
 """
@@ -37,14 +37,19 @@ def parse_layer_groups(spec: str, num_layers: int) -> list[list[int]]:
     return groups
 
 
-def lp_groups(lp_size: int, num_layers: int) -> list[list[int]]:
-    """Groups of `lp_size` consecutive layers; the first and the last layer always run alone (as in the paper)."""
-    if lp_size < 1:
-        raise ValueError(f"lp_size must be >= 1, got {lp_size}")
-    if num_layers <= 2 or lp_size == 1:
+def layer_parallel_groups(layer_parallel_size: int, num_layers: int) -> list[list[int]]:
+    """Groups of `layer_parallel_size` consecutive layers; the first and the last layer always run alone (as in the
+    paper)."""
+    if layer_parallel_size < 1:
+        raise ValueError(f"layer_parallel_size must be >= 1, got {layer_parallel_size}")
+    if num_layers <= 2 or layer_parallel_size == 1:
         return [[i] for i in range(num_layers)]
     middle = list(range(1, num_layers - 1))
-    return [[0]] + [middle[i : i + lp_size] for i in range(0, len(middle), lp_size)] + [[num_layers - 1]]
+    return (
+        [[0]]
+        + [middle[i : i + layer_parallel_size] for i in range(0, len(middle), layer_parallel_size)]
+        + [[num_layers - 1]]
+    )
 
 
 class Exchange(Protocol):
@@ -103,7 +108,7 @@ def exact_forward(
 
 
 @torch.inference_mode()
-def fuzzy_forward(
+def layer_parallel_forward(
     model,
     token_ids: list[int],
     groups: list[list[int]],
@@ -114,8 +119,8 @@ def fuzzy_forward(
     record: dict | None = None,
     head: bool = True,
 ) -> torch.Tensor | None:
-    """Layer-parallel ("fuzzy") forward. Writes the KV of every layer this rank computes; with an exchange,
-    layers computed by other ranks get no KV here (they are recomputed exactly by calibration anyway).
+    """Layer-parallel forward (the paper's "fuzzy" forward). Writes the KV of every layer this rank computes; with an
+    exchange, layers computed by other ranks get no KV here (they are recomputed exactly by calibration anyway).
 
     `record`, if given, receives per layer the input hidden state of its attention ("h_in"), the attention
     output ("attn"), the layer output ("h_out") and q/k/v, for the hidden-state studies.
