@@ -8,7 +8,7 @@ failing one records its traceback and the next still runs) and under its own tim
 
     environment    the device, torch / CUDA / transformers versions, the date, the git commit
     forward_cost   one forward of random-weight decoders of real shapes (models/native/shapes.py) at widths 1..32,
-                   with a 2048-slot cache holding 512 tokens: the static forward eager and CUDA-graphed
+                   with a 2048-slot cache holding 512 tokens: the padded forward eager and CUDA-graphed
                    (models/native/padded.py), and the dynamic (unpadded) eager forward; the width `choose_width`
                    picks for each shape
     strategies     ar, sd at acceptance 0.6 / 0.8 / 0.95, amusd and dsi through the real Engine on the one device:
@@ -21,7 +21,7 @@ failing one records its traceback and the next still runs) and under its own tim
                    attention over the whole cache, norms and the rest -- and by kernel) and over graph replays
                    (kernels per step and their summed time against the replay's wall time: the gaps between
                    kernels are what fusing could remove)
-    compiled       the static step through torch.compile (fused kernels) before its graph is captured: one
+    compiled       the padded step through torch.compile (fused kernels) before its graph is captured: one
                    forward's cost at widths 1 and 8 for the first pair's shapes, compiled and not, and ar / sd
                    through the Engine both ways (interleaved; tokens must equal ar's)
     suite          the lossless suite in a pytest subprocess with PARASPEC_TEST_DEVICE=<device>; its whole output
@@ -76,14 +76,14 @@ SUITE_FILES = (
     "tests/test_devices.py",
     "tests/drafters/test_token_tree.py",
     "tests/models/test_llama.py",
-    "tests/models/test_static.py",
+    "tests/models/test_padded.py",
     "tests/strategies/test_lossless.py",
 )
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b")
 QUICK_SHAPES = ("tiny-draft", "tiny-target")
 PAIRS = (("qwen2.5-1.5b", "qwen2.5-0.5b"), ("llama-3.1-8b", "llama-3.2-1b"))  # (target, draft)
 QUICK_PAIRS = (("tiny-target", "tiny-draft"),)
-CONTEXT_SLOTS = 2048  # the static forward attends over every slot: this fixes its context length
+CONTEXT_SLOTS = 2048  # the padded forward attends over every slot: this fixes its context length
 CACHED_TOKENS = 512  # what the dynamic forward attends over
 ACCEPTANCE = (0.6, 0.8, 0.95)
 SD_LOOKAHEAD = {0.6: 3, 0.8: 4, 0.95: 8}  # near the best sd lookahead for a cheap draft at each rate
@@ -273,7 +273,7 @@ def forward_cost(check: Check, record: dict, deadline: float, save) -> None:
 
 
 def measure_shape(shape: str, check: Check, entry: dict) -> None:
-    """Milliseconds of one forward at each width: dynamic (after CACHED_TOKENS cached), static eager, static graph
+    """Milliseconds of one forward at each width: dynamic (after CACHED_TOKENS cached), padded eager, padded graph
     (CUDA only), then the width choose_width picks from the graph costs (eager on a CPU)."""
     from paraspec.models.native.decoder import NativeModel
     from paraspec.models.native.padded import WIDTHS, choose_width, forward_cost_ms
@@ -282,7 +282,7 @@ def measure_shape(shape: str, check: Check, entry: dict) -> None:
     repeats = 5 if check.quick else 20
     start = time.perf_counter()
     decoder = random_decoder(shape, check.device)
-    model = NativeModel(decoder, CONTEXT_SLOTS, static_width=None)
+    model = NativeModel(decoder, CONTEXT_SLOTS, padded_width=None)
     entry.update(
         dtype=str(model.dtype).removeprefix("torch."),
         weights_gb=round(sum(p.numel() * p.element_size() for p in decoder.parameters()) / 1e9, 3),
@@ -290,12 +290,12 @@ def measure_shape(shape: str, check: Check, entry: dict) -> None:
     )
     model.prefill([(7 * i) % model.vocab_size for i in range(CACHED_TOKENS)])
     entry["dynamic_ms"] = {w: time_dynamic(model, w, repeats) for w in WIDTHS}
-    entry["static_eager_ms"] = {w: forward_cost_ms(model, w, graph=False, repeats=repeats) for w in WIDTHS}
+    entry["padded_eager_ms"] = {w: forward_cost_ms(model, w, graph=False, repeats=repeats) for w in WIDTHS}
     if check.cuda:
-        entry["static_graph_ms"] = {w: forward_cost_ms(model, w, graph=True, repeats=repeats) for w in WIDTHS}
-    costs = entry.get("static_graph_ms") or entry["static_eager_ms"]
+        entry["padded_graph_ms"] = {w: forward_cost_ms(model, w, graph=True, repeats=repeats) for w in WIDTHS}
+    costs = entry.get("padded_graph_ms") or entry["padded_eager_ms"]
     entry["chosen_width"] = choose_width(costs)
-    entry["chosen_from"] = "static_graph_ms" if "static_graph_ms" in entry else "static_eager_ms"
+    entry["chosen_from"] = "padded_graph_ms" if "padded_graph_ms" in entry else "padded_eager_ms"
     entry["seconds"] = round(time.perf_counter() - start, 2)
 
 
@@ -380,7 +380,7 @@ def strategies(check: Check, record: dict, deadline: float, save) -> None:
             ) as engine:
                 entry["startup_s"] = round(time.perf_counter() - start, 2)
                 real = getattr(engine.target, "real", None)  # in this process (ar, sd), not in workers
-                entry["static_width"] = real.static_width if real is not None else "auto (in the workers)"
+                entry["padded_width"] = real.padded_width if real is not None else "auto (in the workers)"
                 engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))  # warm-up
                 result = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=tokens))
             s = result.stats
@@ -491,7 +491,7 @@ def profile(check: Check, record: dict, deadline: float, save) -> None:
     Eager: self device time (CPU time on a CPU) by aten op and input shape, and by kernel category. Graph: the
     kernels one replay launches and their summed time, against the replay's wall time (CUDA events)."""
     from paraspec.models.native.decoder import NativeModel
-    from paraspec.models.native.padded import StaticForward, step_cost_ms
+    from paraspec.models.native.padded import PaddedForward, step_cost_ms
     from paraspec.models.native.shapes import random_decoder
 
     target_shape, draft_shape = check.pairs[0]
@@ -503,11 +503,11 @@ def profile(check: Check, record: dict, deadline: float, save) -> None:
             return
         entry = record["models"][shape] = {}
         try:
-            model = NativeModel(random_decoder(shape, check.device), CONTEXT_SLOTS, static_width=None)
+            model = NativeModel(random_decoder(shape, check.device), CONTEXT_SLOTS, padded_width=None)
             for mode in modes:
-                static = StaticForward(model, PROFILE_WIDTH, graph=mode == "graph")
-                entry[mode] = profile_step(static, check.cuda)
-                entry[mode]["wall_ms"] = step_cost_ms(static, repeats=5 if check.quick else 20)
+                padded = PaddedForward(model, PROFILE_WIDTH, graph=mode == "graph")
+                entry[mode] = profile_step(padded, check.cuda)
+                entry[mode]["wall_ms"] = step_cost_ms(padded, repeats=5 if check.quick else 20)
                 check.say(
                     f"profile: {shape} {mode}: {entry[mode]['wall_ms']:.2f} ms a step, "
                     f"{entry[mode]['kernels_per_step']:.0f} kernels summing {entry[mode]['kernel_ms']:.2f} ms"
@@ -554,8 +554,8 @@ def op_kind(name: str) -> str:
     return "elementwise/norm"
 
 
-def profile_step(static, cuda: bool) -> dict:
-    """One profile of PROFILE_STEPS runs of `static` (after 3 warm-ups); times per step, ms."""
+def profile_step(padded, cuda: bool) -> dict:
+    """One profile of PROFILE_STEPS runs of `padded` (after 3 warm-ups); times per step, ms."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -563,15 +563,15 @@ def profile_step(static, cuda: bool) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.inference_mode():
         for _ in range(3):
-            static.run()
+            padded.run()
         if cuda:
             torch.cuda.synchronize()
         with torch_profile(activities=activities, record_shapes=True) as prof:
             for _ in range(PROFILE_STEPS):
-                static.run()
+                padded.run()
             if cuda:
                 torch.cuda.synchronize()
-    static.model.cache.length = 0
+    padded.model.cache.length = 0
     per_step = 1000.0 * PROFILE_STEPS  # profiler times are microseconds
     kernels = [e for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list] = {}  # kernel name -> [launches, ms a step]
@@ -638,7 +638,7 @@ def compiled(check: Check, record: dict, deadline: float, save) -> None:
             record["stopped"] = f"time cap reached before {shape}"
             return
         entry = record["models"][shape] = {"graph_ms": {}, "compiled_graph_ms": {}, "compile_s": {}}
-        model = NativeModel(random_decoder(shape, check.device), CONTEXT_SLOTS, static_width=None)
+        model = NativeModel(random_decoder(shape, check.device), CONTEXT_SLOTS, padded_width=None)
         graph = True if check.cuda else False
         for width in widths:
             if time.perf_counter() > deadline:
@@ -673,7 +673,7 @@ def engine_runs(check: Check, record: dict, deadline: float, save, target_shape:
             if time.perf_counter() > deadline:
                 record["stopped"] = f"time cap reached before {strategy} a={rate} compiled={compile_step}"
                 return
-            entry = dict(strategy=strategy, acceptance_rate=rate, compiled=compile_step, static_width=width)
+            entry = dict(strategy=strategy, acceptance_rate=rate, compiled=compile_step, padded_width=width)
             record["runs"].append(entry)
             try:
                 target = SimulatedSpec(role="target", shape=target_shape, seed=0, compile_step=compile_step)
@@ -693,7 +693,7 @@ def engine_runs(check: Check, record: dict, deadline: float, save, target_shape:
                     target_devices=[check.engine_device],
                     draft_devices=[check.engine_device],
                     max_context=CONTEXT_SLOTS,
-                    static_width=width,
+                    padded_width=width,
                     **options,
                 ) as engine:
                     engine.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))  # warm-up
@@ -875,7 +875,7 @@ def _forward_cost_md(record: dict) -> list[str]:
         "",
         "## Forward cost by width (ms per forward)",
         "",
-        f"Random weights; a {record['context_slots']}-slot cache (the static forward attends over every slot; "
+        f"Random weights; a {record['context_slots']}-slot cache (the padded forward attends over every slot; "
         f"the dynamic one over {record['cached_tokens']} cached tokens). W: the width choose_width picks.",
         "",
     ]
@@ -886,14 +886,14 @@ def _forward_cost_md(record: dict) -> list[str]:
         if "chosen_width" not in m:
             continue
         head = f"**{shape}** ({m['weights_gb']} GB {m['dtype']}, W = {m['chosen_width']})"
-        graph = m.get("static_graph_ms")
+        graph = m.get("padded_graph_ms")
         if graph:  # a 1-row forward reads every weight once: how close to the memory bandwidth it runs
             head += f"; 1-row graph forward reads the weights at {m['weights_gb'] / graph[1] * 1000:.0f} GB/s"
         lines += [head, "", "| forward | " + " | ".join(f"{w}" for w in widths) + " |", "|---|" + "---|" * len(widths)]
         for key, label in (
             ("dynamic_ms", "dynamic eager"),
-            ("static_eager_ms", "static eager"),
-            ("static_graph_ms", "static graph"),
+            ("padded_eager_ms", "padded eager"),
+            ("padded_graph_ms", "padded graph"),
         ):
             if key in m:
                 lines.append(

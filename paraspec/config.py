@@ -41,9 +41,9 @@ class EngineConfig:
     # another), "shm", or "tcp" (tests, benchmarks)
     ray_address: str | None = None  # runtime_kind="ray": the cluster to join (else RAY_ADDRESS, else local)
     link_latency_ms: float = 0.0  # tests and benchmarks: delay per message on the network transport
-    static_width: Any = "auto"  # native models: pad every forward to this many rows (models/native/padded.py);
+    padded_width: Any = "auto"  # native models: pad every forward to this many rows (models/native/padded.py);
     # "auto": measured on CUDA, off on CPU; None: off
-    compile_step: bool = False  # native models on a static width: the step through torch.compile
+    compile_step: bool = False  # native models on a padded width: the step through torch.compile
     max_num_seqs: int = 4  # requests decoded at once where the strategy batches (caps.batches)
     draft_specs: tuple[DraftSpec, ...] = field(init=False, default=())  # `draft` in order, each marked (below)
     model_backend: str = field(init=False, default="")  # `backend` checked; "auto" where the checkpoints
@@ -96,7 +96,7 @@ class EngineConfig:
             )
         self._check_placement()
         self.model_backend = self._resolve_backend(cls)
-        self._check_static_width()
+        self._check_padded_width()
         self._check_compile_step()
         cls.check_config(self)
 
@@ -126,25 +126,25 @@ class EngineConfig:
             )
 
     def _check_compile_step(self) -> None:
-        """compile_step fuses the static-shape step of the native decoder: it needs that step."""
+        """compile_step fuses the padded step of the native decoder: it needs that step."""
         if not isinstance(self.compile_step, bool):
             raise ValueError(f"compile_step must be True or False, got {self.compile_step!r}")
-        if self.compile_step and (self.model_backend not in ("native", "auto") or self.static_width is None):
+        if self.compile_step and (self.model_backend not in ("native", "auto") or self.padded_width is None):
             raise ValueError(
-                "compile_step=True compiles the native decoder's static-shape step: use "
-                "backend='native' with static_width=W (or 'auto' on a CUDA device)"
+                "compile_step=True compiles the native decoder's padded step: use "
+                "backend='native' with padded_width=W (or 'auto' on a CUDA device)"
             )
 
-    def _check_static_width(self) -> None:
-        """static_width is the native decoder's: another backend with a fixed width is an error."""
+    def _check_padded_width(self) -> None:
+        """padded_width is the native decoder's: another backend with a fixed width is an error."""
         from paraspec.models.native.padded import check_width
 
-        self.static_width = check_width(self.static_width)
-        if isinstance(self.static_width, int) and self.model_backend != "native":
+        self.padded_width = check_width(self.padded_width)
+        if isinstance(self.padded_width, int) and self.model_backend != "native":
             raise ValueError(
-                f"static_width={self.static_width} pads the native decoder's forwards; the "
+                f"padded_width={self.padded_width} pads the native decoder's forwards; the "
                 f"{self.model_backend} backend runs its own kernels: pass backend='native' "
-                f"(--backend native) or leave static_width='auto'"
+                f"(--backend native) or leave padded_width='auto'"
             )
 
     @property
@@ -168,10 +168,10 @@ class EngineConfig:
                 any(isinstance(m, SimulatedSpec) for m in models)
                 or str(self.dtype) != "auto"
                 or "llamacpp" not in cls.caps.backends
-                or isinstance(self.static_width, int)
+                or isinstance(self.padded_width, int)
                 or self.compile_step
             ):
-                return "native"  # a dtype asks for torch weights, a static width for the native decoder;
+                return "native"  # a dtype asks for torch weights, a padded width for the native decoder;
                 # trees need the native decoder
             return "auto"
         if backend == "llamacpp" and str(self.dtype) != "auto":

@@ -51,6 +51,7 @@ from paraspec.stats import compute_stats
 from paraspec.strategies.base import Placement
 from paraspec.strategies.registry import STRATEGIES
 from paraspec.streams import GenerationResult, Request, Stream
+from paraspec.structured import GrammarMatcher
 from paraspec.text_stream import IncrementalText, TextDeltas
 
 __all__ = [
@@ -84,7 +85,7 @@ class Engine:
         transport: str = "auto",
         ray_address: str | None = None,
         link_latency_ms: float = 0.0,
-        static_width="auto",
+        padded_width="auto",
         compile_step: bool = False,
         max_num_seqs: int = 4,
         **options,
@@ -106,7 +107,7 @@ class Engine:
         Ray node; `ray_address` joins a cluster (else RAY_ADDRESS, else a local Ray); `transport` is how workers'
         loops reach the token channels: "auto" (shared memory on this host, TCP to another), "shm" or "tcp";
         `link_latency_ms` (tests, benchmarks) delays every network message by that much.
-        `static_width` (native backend): pad every forward to W rows, so that a token's logits do not depend on
+        `padded_width` (native backend): pad every forward to W rows, so that a token's logits do not depend on
         how many tokens its forward carried (one kernel shape; a CUDA graph on GPUs; models/native/padded.py): an int,
         "auto" (a width measured on CUDA devices, off on CPUs) or None (off). `compile_step` runs that padded
         step through torch.compile (fused kernels, a faster step on GPUs; a compile per model at load; measured by
@@ -130,7 +131,7 @@ class Engine:
                 transport=transport,
                 ray_address=ray_address,
                 link_latency_ms=link_latency_ms,
-                static_width=static_width,
+                padded_width=padded_width,
                 compile_step=compile_step,
                 max_num_seqs=max_num_seqs,
             )
@@ -199,7 +200,7 @@ class Engine:
                 dtype=config.dtype,
                 backend=self.backend,
                 max_context=config.max_context,
-                static_width=config.static_width,
+                padded_width=config.padded_width,
                 compile_step=config.compile_step,
                 **seqs,
             ),
@@ -209,14 +210,14 @@ class Engine:
         )
 
     def _native_dynamic(self, config: EngineConfig) -> bool:
-        """Native checkpoints on the dynamic forward: no static width (None, or "auto" on CPUs only), no compile,
+        """Native checkpoints on the dynamic forward: no padded width (None, or "auto" on CPUs only), no compile,
         no simulated model (their forwards are not a decoder's)."""
         from paraspec.models.simulated import SimulatedSpec
 
         if any(isinstance(m, SimulatedSpec) for m in [config.target] + config.draft_checkpoints):
             return False
         on_cpu = all(d.torch_device.startswith("cpu") for d in self.target_devices + self.draft_devices)
-        return not config.compile_step and (config.static_width is None or (config.static_width == "auto" and on_cpu))
+        return not config.compile_step and (config.padded_width is None or (config.padded_width == "auto" and on_cpu))
 
     def _check_vocabularies(self) -> list[tuple[int, object]]:
         """Draft and target share one token space: checked from their tokenizers and config.json (output_rows)
@@ -317,15 +318,19 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
         self._check_processors(params)
-        stop = set(self.target.eos_token_ids) | set(params.stop_token_ids or ())
+        stop = frozenset(self.target.eos_token_ids) | frozenset(params.stop_token_ids or ())
+        grammar = None
+        if params.structured is not None:  # compiled once per (tokenizer, kind, spec); this request's state
+            grammar = GrammarMatcher.for_request(self.tokenizer, params.structured, self.target.vocab_size, stop)
         return Run(
             prompt_ids=self.encode(prompt),
             params=params,
-            stop_ids=frozenset(stop),
+            stop_ids=stop,
             generator=make_generator(params.seed),
             max_context=self.max_context,
             margins={} if record_margins else None,
             stop_check=stop_string_check(self.tokenizer, params.stop) if params.stop else None,
+            grammar=grammar,
         )
 
     def _check_processors(self, params: SamplingParams) -> None:
@@ -341,6 +346,17 @@ class Engine:
             raise ValueError(
                 f"strategy {self.strategy.name!r} does not report logprobs (its target runs in a worker); drop "
                 f"logprobs or use one of {accepting}"
+            )
+        if params.structured is not None and not self.strategy.caps.structured:
+            accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.structured)
+            raise ValueError(
+                f"strategy {self.strategy.name!r} does not apply structured outputs (its target's rows are judged in "
+                f"workers that keep no grammar state); drop structured or use one of {accepting}"
+            )
+        if params.structured is not None and self.tokenizer is None:
+            raise ValueError(
+                "structured outputs need the target's tokenizer (its grammar is matched on token text), and this "
+                "checkpoint has none; pass a checkpoint folder with its tokenizer files"
             )
         vocab = self.target.vocab_size
         if params.logit_bias is not None and params.logit_bias[-1][0] >= vocab:

@@ -70,8 +70,8 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
     )
     p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens")
     p.add_argument(
-        "--static-width",
-        type=static_width,
+        "--padded-width",
+        type=padded_width,
         default="auto",
         metavar="W",
         help="native backend: pad every forward to W rows (one kernel shape, a CUDA graph on GPUs, so "
@@ -81,7 +81,7 @@ def add_model_args(p: argparse.ArgumentParser, several_drafts: bool = False) -> 
     p.add_argument(
         "--compile-step",
         action="store_true",
-        help="native backend with a static width: run the padded step through torch.compile (fused "
+        help="native backend with a padded width: run the padded step through torch.compile (fused "
         "kernels, then a CUDA graph: a faster step on GPUs, docs/GPU.md; a compile per model at load)",
     )
     p.add_argument(
@@ -119,8 +119,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
-def static_width(text: str):
-    """--static-width's values: an integer, 'auto' or 'none'."""
+def padded_width(text: str):
+    """--padded-width's values: an integer, 'auto' or 'none'."""
     if text in ("auto", "none"):
         return None if text == "none" else text
     try:
@@ -157,7 +157,7 @@ def engine_config(args, strategy: str | None = None, options: dict | None = None
         transport=getattr(args, "transport", "auto"),
         ray_address=getattr(args, "ray_address", None),
         link_latency_ms=getattr(args, "link_latency_ms", 0.0),
-        static_width=getattr(args, "static_width", "auto"),
+        padded_width=getattr(args, "padded_width", "auto"),
         compile_step=getattr(args, "compile_step", False),
         # one request per command, except `serve` (--max-num-seqs): no sequences held for nobody
         max_num_seqs=getattr(args, "max_num_seqs", 1),

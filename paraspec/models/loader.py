@@ -255,7 +255,7 @@ def load_native(
     dtype: torch.dtype,
     max_context: int | None = None,
     device: str = "cpu",
-    static_width: int | str | None = "auto",
+    padded_width: int | str | None = "auto",
     graph: bool | None = None,
     compile_step: bool = False,
     n_seqs: int = 1,
@@ -263,17 +263,17 @@ def load_native(
     from paraspec.models.native.padded import cuda_setup
 
     if n_seqs > 1 and (
-        static_width not in (None, "auto")
+        padded_width not in (None, "auto")
         or compile_step
-        or (static_width == "auto" and torch.device(device).type == "cuda")
+        or (padded_width == "auto" and torch.device(device).type == "cuda")
     ):
         raise ValueError(
             f"n_seqs={n_seqs}: several sequences run the native decoder's dynamic forward, not the "
-            f"static-shape one (static_width={static_width!r}, compile_step={compile_step} on "
-            f"{device}); pass static_width=None, or max_num_seqs=1"
+            f"padded one (padded_width={padded_width!r}, compile_step={compile_step} on "
+            f"{device}); pass padded_width=None, or max_num_seqs=1"
         )
     with cuda_setup(device):  # one CUDA model set up at a time per process (models/native/padded.py)
-        return _load_native(folder, dtype, max_context, device, static_width, graph, compile_step, n_seqs)
+        return _load_native(folder, dtype, max_context, device, padded_width, graph, compile_step, n_seqs)
 
 
 def _load_native(
@@ -281,7 +281,7 @@ def _load_native(
     dtype: torch.dtype,
     max_context: int | None,
     device: str,
-    static_width: int | str | None,
+    padded_width: int | str | None,
     graph: bool | None,
     compile_step: bool,
     n_seqs: int = 1,
@@ -319,7 +319,7 @@ def _load_native(
         decoder,
         ctx,
         eos_token_ids=generation_eos_ids(folder, cfg.eos_token_ids),
-        static_width=static_width,
+        padded_width=padded_width,
         graph=graph,
         compile_step=compile_step,
     )
@@ -331,20 +331,20 @@ def load_model(
     backend: str = "native",
     max_context: int | None = None,
     device: str = "cpu",
-    static_width: int | str | None = "auto",
+    padded_width: int | str | None = "auto",
     n_seqs: int = 1,
     compile_step: bool = False,
     draft: bool = False,
 ):
-    """Load `spec` as a Model (protocol in models/base.py) with the given backend. `static_width` applies to the
+    """Load `spec` as a Model (protocol in models/base.py) with the given backend. `padded_width` applies to the
     native backend (NativeModel: "auto" pads forwards to a measured width on CUDA, not on CPU); `n_seqs` to
     llama.cpp and the native decoder (that many sequences, each with its own KV cache: the Engine's batched
     requests; models/native/sequences.py);
-    `compile_step` to the native backend's static-shape step (torch.compile). `draft`: the model drafts (its numbers
+    `compile_step` to the native backend's padded step (torch.compile). `draft`: the model drafts (its numbers
     never reach the output): on llama.cpp it runs the fastest kernels, not the exact ones (LlamaCppModel's exact)."""
     if compile_step and backend != "native":
         raise ValueError(
-            f"compile_step compiles the native decoder's static-shape step, not the {backend!r} "
+            f"compile_step compiles the native decoder's padded step, not the {backend!r} "
             f"backend's forward; use backend='native'"
         )
     if n_seqs != 1 and backend not in ("llamacpp", "native"):
@@ -375,7 +375,7 @@ def load_model(
         torch_dtype,
         max_context=max_context,
         device=device,
-        static_width=static_width,
+        padded_width=padded_width,
         compile_step=compile_step,
         n_seqs=n_seqs,
     )

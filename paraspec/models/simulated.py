@@ -10,8 +10,8 @@ measuring what the runtime itself costs.
                 sleep, which isolates the orchestration overhead)
     shape       every forward also runs a real forward of the same tokens through a random-weight native decoder
                 of that shape (models/native/shapes.py) on the model's device, and waits for it; its logits are
-                dropped. The runs then pay a real model's compute (and its static width: load_simulated takes
-                `static_width` like load_model) while acceptance stays the configured one (`make gpu-check`).
+                dropped. The runs then pay a real model's compute (and its padded width: load_simulated takes
+                `padded_width` like load_model) while acceptance stays the configured one (`make gpu-check`).
 
 The logits are a peak of height `peak` on the predicted token, so greedy decoding and acceptance behave as in the
 simulator; with sampling the acceptance rate is not `acceptance_rate`. The KV "cache" is just a length.
@@ -52,7 +52,7 @@ class SimulatedSpec:
     eos_token_ids: tuple[int, ...] = ()
     peak: float = 20.0
     shape: str | None = None  # also pay a real forward of this decoder shape (models/native/shapes.py)
-    compile_step: bool = False  # that real forward's static step through torch.compile
+    compile_step: bool = False  # that real forward's padded step through torch.compile
 
     def __post_init__(self):
         if self.shape is not None:
@@ -72,7 +72,7 @@ class SimulatedModel:
         max_context: int | None = None,
         device="cpu",
         dtype=None,
-        static_width: int | str | None = None,
+        padded_width: int | str | None = None,
     ):
         self.spec = spec
         self.vocab_size = spec.vocab_size
@@ -99,7 +99,7 @@ class SimulatedModel:
             self.real = NativeModel(
                 random_decoder(spec.shape, device, dtype, seed=spec.seed),
                 self.max_context,
-                static_width=static_width,
+                padded_width=padded_width,
                 compile_step=spec.compile_step,
             )
 
@@ -160,13 +160,13 @@ def load_simulated(
     backend: str = "native",
     max_context: int | None = None,
     device: str = "cpu",
-    static_width: int | str | None = "auto",
+    padded_width: int | str | None = "auto",
     compile_step: bool = False,
     draft: bool = False,
 ) -> SimulatedModel:
     """load_model's signature, so the Engine and the runtime build a simulated model like a real one. `device`,
-    `dtype` and `static_width` apply to the real decoder of a spec with a `shape` ("auto" dtype: bfloat16 on
+    `dtype` and `padded_width` apply to the real decoder of a spec with a `shape` ("auto" dtype: bfloat16 on
     CUDA, float32 on CPU)."""
     if compile_step and not spec.compile_step:
         spec = replace(spec, compile_step=True)
-    return SimulatedModel(spec, max_context, device=device, dtype=dtype, static_width=static_width)
+    return SimulatedModel(spec, max_context, device=device, dtype=dtype, padded_width=padded_width)

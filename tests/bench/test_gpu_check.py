@@ -87,10 +87,10 @@ def test_forward_costs_are_measured_at_every_width(cpu_run):
     models = cpu_run[1]["sections"]["forward_cost"]["models"]
     assert set(models) == set(gpu_check.QUICK_SHAPES)
     for shape, m in models.items():
-        for key in ("dynamic_ms", "static_eager_ms"):
+        for key in ("dynamic_ms", "padded_eager_ms"):
             assert sorted(map(int, m[key])) == list(WIDTHS)
             assert all(ms > 0 for ms in m[key].values()), (shape, key, m[key])
-        assert "static_graph_ms" not in m  # no CUDA graph on a CPU
+        assert "padded_graph_ms" not in m  # no CUDA graph on a CPU
         assert m["chosen_width"] in WIDTHS
 
 
@@ -132,7 +132,7 @@ def test_the_compiled_step_is_timed_and_returns_the_same_tokens(cpu_run):
     ]
     for r in record["runs"]:
         assert "error" not in r, r["error"]
-        assert r["tokens_match_ar"] is True and r["tpot_ms"] > 0 and r["static_width"] == 8
+        assert r["tokens_match_ar"] is True and r["tpot_ms"] > 0 and r["padded_width"] == 8
     for shape in gpu_check.QUICK_PAIRS[0]:
         m = record["models"][shape]
         assert set(m["compiled_graph_ms"]) == set(m["graph_ms"]) == {"8"} and m["compiled_graph_ms"]["8"] > 0

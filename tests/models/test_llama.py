@@ -13,7 +13,7 @@ from tests.conftest import ON_CUDA, TEST_DEVICE
 FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]
 # fp32 logits against transformers' on the CPU. On a GPU the padded step's attention is a fused kernel (online
 # softmax) where the reference's is the math path: one H100 run measured a max difference of 1.0e-4 (a rollback
-# then 23 tokens, static width 3)
+# then 23 tokens, padded width 3)
 TOL = 3e-4 if ON_CUDA else 1e-4
 
 
@@ -24,13 +24,13 @@ def hf_logits(folder, ids):
         return model(torch.tensor([ids])).logits[0].to(TEST_DEVICE)
 
 
-@pytest.mark.parametrize("static_width", [None, 3])
+@pytest.mark.parametrize("padded_width", [None, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_native_matches_hf_prefill_decode_and_rollback(family, static_width, request):
+def test_native_matches_hf_prefill_decode_and_rollback(family, padded_width, request):
     folder = request.getfixturevalue(family)
     ids = torch.randint(0, 100, (48,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = hf_logits(folder, ids)
-    model = load_native(folder, torch.float32, device=TEST_DEVICE, static_width=static_width)
+    model = load_native(folder, torch.float32, device=TEST_DEVICE, padded_width=padded_width)
 
     assert (model.prefill(ids[:20]) - ref[19]).abs().max() <= TOL
     for i in range(20, 30):  # one token at a time
@@ -58,10 +58,10 @@ def test_hf_backend_matches_hf(qwen2_target):
         model.forward([1, 2], tree_mask=torch.ones(2, 2, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("static_width", [None, 3])
-def test_tree_mask_and_positions(qwen2_target, static_width):
+@pytest.mark.parametrize("padded_width", [None, 3])
+def test_tree_mask_and_positions(qwen2_target, padded_width):
     """Two branches after a shared prefix, in one forward, give each branch's own sequential logits."""
-    model = load_native(qwen2_target, torch.float32, device=TEST_DEVICE, static_width=static_width)
+    model = load_native(qwen2_target, torch.float32, device=TEST_DEVICE, padded_width=padded_width)
     prefix, a, b = [10, 11, 12, 13], [20, 21], [30, 31]
     ref_a, ref_b = hf_logits(qwen2_target, prefix + a), hf_logits(qwen2_target, prefix + b)
     model.prefill(prefix)

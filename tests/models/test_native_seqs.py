@@ -11,7 +11,7 @@ from paraspec.models.loader import load_native
 
 
 def model(folder, n_seqs=4, **kwargs):
-    return load_native(folder, torch.float32, static_width=None, n_seqs=n_seqs, **kwargs)
+    return load_native(folder, torch.float32, padded_width=None, n_seqs=n_seqs, **kwargs)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -44,7 +44,7 @@ def test_batched_rows_equal_alone_exactly_where_the_probe_says(qwen2_target, kin
 
 def test_sequences_are_independent_and_move_bitwise(qwen2_target):
     m = model(qwen2_target, n_seqs=3)
-    single = load_native(qwen2_target, torch.float32, static_width=None)
+    single = load_native(qwen2_target, torch.float32, padded_width=None)
     a, b = tokens(1, 12), tokens(2, 7)
     m.prefill(a, 0)
     m.prefill(b, 2)

@@ -100,10 +100,10 @@ def test_a_shape_pays_a_real_forward_in_step_with_the_oracle():
     from paraspec.models.simulated import load_simulated
 
     spec = SimulatedSpec(seed=2, shape="tiny-draft")
-    model = load_simulated(spec, max_context=64, static_width=4)
+    model = load_simulated(spec, max_context=64, padded_width=4)
     oracle = SimulatedModel(SimulatedSpec(seed=2), max_context=64)
     real = model.real
-    assert real.static_width == 4 and real.vocab_size == 256
+    assert real.padded_width == 4 and real.vocab_size == 256
     assert torch.equal(model.prefill([1, 2, 3]), oracle.prefill([1, 2, 3]))  # the logits stay the oracle's
     assert torch.equal(model.forward([4, 5], last_n=2), oracle.forward([4, 5], last_n=2))
     assert real.length == model.length == 5  # its cache moves with the oracle's

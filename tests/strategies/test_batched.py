@@ -53,7 +53,7 @@ def engine(gguf_pair, name: str, seqs: int, backend: str = "llamacpp", **kwargs)
     target = gguf_pair["sample_target" if kwargs.pop("sampling", False) else "target"]
     if draft == gguf_pair["draft"] and target == gguf_pair["sample_target"]:
         draft = gguf_pair["sample_draft"]
-    native = dict(dtype="float32", static_width=None) if backend == "native" else {}
+    native = dict(dtype="float32", padded_width=None) if backend == "native" else {}
     return Engine(target, draft, backend=backend, max_num_seqs=seqs, **native, **config, **kwargs)
 
 
@@ -202,11 +202,11 @@ def test_max_num_seqs_is_checked_and_applies_where_requests_can_batch(gguf_pair,
             Engine(gguf_pair["target"], strategy="ar", max_num_seqs=bad)
     with Engine(qwen2_target, strategy="ar", dtype="float32", max_num_seqs=4) as native:
         assert native.max_num_seqs == 4 and native.target.n_seqs == 4  # the dynamic native forward batches
-    for options in (dict(static_width=2), dict(strategy="tree", draft=qwen2_target)):
+    for options in (dict(padded_width=2), dict(strategy="tree", draft=qwen2_target)):
         with Engine(qwen2_target, **{"strategy": "ar", **options}, dtype="float32", max_num_seqs=4) as one:
             assert one.max_num_seqs == 1 and one.batch_stats is None  # padded forwards, trees: one at a time
     with pytest.raises(ValueError, match="several sequences run the native decoder's dynamic forward"):
-        load_model(qwen2_target, "float32", static_width=2, n_seqs=2)
+        load_model(qwen2_target, "float32", padded_width=2, n_seqs=2)
     with pytest.raises(ValueError, match="llamacpp and native backends', not 'hf'"):
         load_model(qwen2_target, "float32", backend="hf", n_seqs=2)
 
@@ -215,7 +215,7 @@ def test_max_num_seqs_is_checked_and_applies_where_requests_can_batch(gguf_pair,
 def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend):
     """The adaptive rule prices a busy step by the rows the other requests bring (drafters/adaptive.py): the draft
     lengths change with the load, the greedy answers do not."""
-    native = dict(dtype="float32", static_width=None) if backend == "native" else {}
+    native = dict(dtype="float32", padded_width=None) if backend == "native" else {}
     options = dict(strategy="sd", draft="ngram", lookahead=8, adaptive=True, backend=backend, **native)
     with Engine(gguf_pair["target"], max_num_seqs=1, **options) as one:
         want = [one.generate(PROMPTS[i], params(i, False)) for i in range(4)]

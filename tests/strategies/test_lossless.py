@@ -142,28 +142,28 @@ def test_streams_equal_generate_over_several_requests(ar_engine, qwen2_target, q
             assert text == streamed.text == e.generate(prompt, params).text
 
 
-# -- the static-shape forward (models/native/padded.py): every forward padded to W rows, as on GPUs -------------------
+# -- the padded forward (models/native/padded.py): every forward padded to W rows, as on GPUs -------------------
 
-STATIC_WIDTH = 4  # narrower than most verifications here: they run in several padded steps
+PADDED_WIDTH = 4  # narrower than most verifications here: they run in several padded steps
 
 
 @pytest.fixture(scope="module")
-def static_ar_engine(qwen2_target):
-    with ar(qwen2_target, static_width=STATIC_WIDTH) as e:
-        assert e.target.static_width == STATIC_WIDTH
+def padded_ar_engine(qwen2_target):
+    with ar(qwen2_target, padded_width=PADDED_WIDTH) as e:
+        assert e.target.padded_width == PADDED_WIDTH
         yield e
 
 
 @pytest.mark.parametrize("name", SPECULATIVE)
-def test_static_width_greedy_equals_ar(static_ar_engine, qwen2_target, qwen2_partial, name):
+def test_padded_width_greedy_equals_ar(padded_ar_engine, qwen2_target, qwen2_partial, name):
     """Every forward of every model padded to W rows, the way a GPU runs them (graph-captured there, eager here):
     exactly ar's tokens, with rejections repaired, at the strategy's longest chunks (several steps of W)."""
     params = SamplingParams(max_new_tokens=40)
-    reference = static_ar_engine.generate(PROMPT, params).token_ids
-    with engine(name, qwen2_target, qwen2_partial, static_width=STATIC_WIDTH, **long_chunks(name)) as e:
+    reference = padded_ar_engine.generate(PROMPT, params).token_ids
+    with engine(name, qwen2_target, qwen2_partial, padded_width=PADDED_WIDTH, **long_chunks(name)) as e:
         result = e.generate(PROMPT, params)
         assert result.token_ids == reference
-        assert e.generate("xyz" * 5, params).token_ids == static_ar_engine.generate("xyz" * 5, params).token_ids
+        assert e.generate("xyz" * 5, params).token_ids == padded_ar_engine.generate("xyz" * 5, params).token_ids
     assert 0 < result.stats.accepted < result.stats.drafted
 
 
@@ -172,22 +172,22 @@ def test_compiled_step_greedy_equals_ar(qwen2_target, qwen2_partial, name):
     """The padded step through torch.compile (compile_step): chains and trees give exactly the tokens of ar on
     the same compiled step, rejections included."""
     params = SamplingParams(max_new_tokens=40)
-    with ar(qwen2_target, static_width=8, compile_step=True) as reference:
-        assert reference.target.static.compiled
+    with ar(qwen2_target, padded_width=8, compile_step=True) as reference:
+        assert reference.target.padded.compiled
         expected = reference.generate(PROMPT, params).token_ids
-    with engine(name, qwen2_target, qwen2_partial, static_width=8, compile_step=True, **long_chunks(name)) as e:
+    with engine(name, qwen2_target, qwen2_partial, padded_width=8, compile_step=True, **long_chunks(name)) as e:
         result = e.generate(PROMPT, params)
     assert result.token_ids == expected
     assert 0 < result.stats.accepted < result.stats.drafted
 
 
 @pytest.mark.parametrize("name", ["sd", "tree"])
-def test_static_width_sampling_matches_target_distribution(slow_target_pair, name):
+def test_padded_width_sampling_matches_target_distribution(slow_target_pair, name):
     """Sampling through padded forwards (chains, and trees whose mask spans several steps of W): the first two
     tokens follow the target's exact joint distribution."""
     target, draft = slow_target_pair
     prompt = [1, 2, 3]
-    with engine(name, target, draft, static_width=2, **shapes(name)[1]) as e, ar(target) as reference:
+    with engine(name, target, draft, padded_width=2, **shapes(name)[1]) as e, ar(target) as reference:
         joint = exact_joint(reference, prompt, SamplingParams(**SAMPLING))
         counts, drafted, accepted = sample_first_two(e, prompt)
     assert drafted > N_SAMPLES / 2 and 0.05 * drafted < accepted < 0.95 * drafted

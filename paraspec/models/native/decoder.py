@@ -18,7 +18,7 @@ from torch import nn
 
 from paraspec.models.base import check_rollback, eos_ids
 from paraspec.models.native.kernels import Linear
-from paraspec.models.native.padded import WIDTHS, StaticForward, check_width, measured_width
+from paraspec.models.native.padded import WIDTHS, PaddedForward, check_width, measured_width
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
@@ -218,13 +218,13 @@ class Attention(nn.Module):
         slots: torch.Tensor,
         bias: torch.Tensor,
     ) -> torch.Tensor:
-        """The static-shape forward's attention (models/native/padded.py): x [W, hidden] (normed), keys and values
+        """The padded forward's attention (models/native/padded.py): x [W, hidden] (normed), keys and values
         written at `slots` (a tensor), attention over every cache slot under the additive `bias` [W, slots].
 
         Grouped-query attention as plain attention per KV head: the query heads that share a KV head are stacked
         along the sequence axis (one [G*W, slots] mask), so no KV head is copied and the fused kernels apply.
         The tensors go in as 4-D (one batch of KV heads): SDPA sends 3-D inputs to its math path, which on a GPU
-        copies K and V to fp32 every layer (benchmarks/static_attention.py times the two forms)."""
+        copies K and V to fp32 every layer (benchmarks/padded_attention.py times the two forms)."""
         cfg, W = self.cfg, x.shape[0]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = self.q_proj(x).view(W, H, D).transpose(0, 1)
@@ -302,7 +302,7 @@ class Decoder(nn.Module):
 class NativeModel:
     """Implements the Model protocol (`models/base.py`) over a Decoder and its static KV cache.
 
-    static_width: an int W pads every forward to W rows (models/native/padded.py: one shape, so a row's logits do not
+    padded_width: an int W pads every forward to W rows (models/native/padded.py: one shape, so a row's logits do not
     depend on the others; graph-captured on CUDA); None runs each forward at its own width; "auto" is W measured
     once on a CUDA device and None on a CPU, where padding costs compute. `graph` (None: on CUDA) captures the
     W-row step in a CUDA graph; `compile_step` runs the step through torch.compile first (fewer, fused kernels:
@@ -313,7 +313,7 @@ class NativeModel:
         decoder: Decoder,
         max_context: int,
         eos_token_ids: tuple[int, ...] = (),
-        static_width: int | str | None = None,
+        padded_width: int | str | None = None,
         graph: bool | None = None,
         compile_step: bool = False,
     ):
@@ -324,7 +324,7 @@ class NativeModel:
         self.max_context = max_context
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or cfg.eos_token_ids)
-        width = check_width(static_width)
+        width = check_width(padded_width)
         if width == "auto" and self.device.type != "cuda":
             width = None
         # a padded forward writes up to W - 1 rows past the last real one; "auto" picks one of WIDTHS
@@ -335,20 +335,20 @@ class NativeModel:
         angles = torch.outer(torch.arange(slots, dtype=torch.float32, device=self.device), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        self.static = None
+        self.padded = None
         if compile_step and width is None:
             raise ValueError(
-                "compile_step compiles the static-shape step: pass static_width=W (an int; 'auto' is off on a CPU)"
+                "compile_step compiles the padded step: pass padded_width=W (an int; 'auto' is off on a CPU)"
             )
         if width is not None:
             if not isinstance(width, int):  # "auto"
                 width = measured_width(self)
-            self.static = StaticForward(self, width, graph, compile_step)
+            self.padded = PaddedForward(self, width, graph, compile_step)
 
     @property
-    def static_width(self) -> int | None:
+    def padded_width(self) -> int | None:
         """W when every forward is padded to W rows, else None."""
-        return None if self.static is None else self.static.width
+        return None if self.padded is None else self.padded.width
 
     @property
     def length(self) -> int:
@@ -422,8 +422,8 @@ class NativeModel:
                 f"context full: {start} cached + {n} new tokens exceed max_context "
                 f"{self.max_context}; create the engine with a larger max_context"
             )
-        if self.static is not None:
-            return self.static.forward(token_ids, positions, tree_mask, last_n)
+        if self.padded is not None:
+            return self.padded.forward(token_ids, positions, tree_mask, last_n)
         pos = (
             torch.arange(start, start + n, device=self.device)
             if positions is None

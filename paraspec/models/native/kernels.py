@@ -60,7 +60,7 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor, mode: str | None = None) -
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # under torch.compile (the static step's compile_step) the compiler picks the product's kernel itself
+    # under torch.compile (the padded step's compile_step) the compiler picks the product's kernel itself
     if torch.compiler.is_compiling() or not use_onednn(x, weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])

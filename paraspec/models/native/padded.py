@@ -1,4 +1,4 @@
-"""A static-shape forward for the native decoder: every forward runs exactly W token rows.
+"""A padded forward for the native decoder: every forward runs exactly W token rows.
 
 Why. A GPU library picks its matrix kernel by shape, so on a GPU a token's logits depend on how many tokens its
 forward carried: `sd`'s 6-token verification and `ar`'s 1-token step would disagree in the last bits, and a greedy
@@ -13,7 +13,7 @@ always runs over the whole cache (one shape), the mask hiding what a row may not
 cut into ceil(n / W) steps; the rows after the last real one are padding (token 0, its own slot, causal), written
 into cache slots past the end, which the next write replaces. The cache has W spare slots for that.
 
-On CPU the same code runs eagerly (no graph): the lossless suite proves it there (tests/models/test_static.py,
+On CPU the same code runs eagerly (no graph): the lossless suite proves it there (tests/models/test_padded.py,
 tests/strategies/test_lossless.py). Padding costs more on a compute-bound CPU (docs/GPU.md, "The padded,
 graph-captured step"), so the CPU default stays the dynamic forward.
 """
@@ -34,12 +34,12 @@ AUTO_TOLERANCE = 1.15  # "auto": the widest W whose forward costs at most this t
 
 
 def check_width(width) -> int | str | None:
-    """`static_width` as Engine and load_model take it: None (dynamic shapes), an int >= 1, or "auto"."""
+    """`padded_width` as Engine and load_model take it: None (dynamic shapes), an int >= 1, or "auto"."""
     if width is None or width == "auto":
         return width
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(
-            f"static_width must be an integer >= 1, 'auto' (measured on the device) or None "
+            f"padded_width must be an integer >= 1, 'auto' (measured on the device) or None "
             f"(dynamic shapes), got {width!r}"
         )
     return width
@@ -64,7 +64,7 @@ def cuda_setup(device) -> contextlib.AbstractContextManager:
     return _CUDA_SETUP if torch.device(device).type == "cuda" else contextlib.nullcontext()
 
 
-class StaticForward:
+class PaddedForward:
     """The fixed-width forward of one NativeModel: its input buffers, the step, and (on CUDA) the step's graph."""
 
     def __init__(self, model, width: int, graph: bool | None = None, compiled: bool = False):
@@ -227,7 +227,7 @@ def measured_width(model, widths=WIDTHS) -> int:
     the paraspec cache, so every process that loads the same model on the same kind of GPU pads alike (they
     must: a different W is a different kernel)."""
     key = _width_key(model)
-    path = cache_dir() / "static_width" / f"{key}.json"
+    path = cache_dir() / "padded_width" / f"{key}.json"
     try:
         return int(json.loads(path.read_text())["width"])
     except (OSError, ValueError, KeyError):
@@ -271,28 +271,28 @@ def _width_key(model) -> str:
 def forward_cost_ms(model, width: int, graph: bool | None = None, repeats: int = 20, compiled: bool = False) -> float:
     """Median milliseconds of one `width`-row step of `model` (graph-captured on CUDA unless graph=False; through
     torch.compile if `compiled`), timed with CUDA events on a GPU, perf_counter on a CPU. The cache is left empty."""
-    return step_cost_ms(StaticForward(model, width, graph, compiled), repeats)
+    return step_cost_ms(PaddedForward(model, width, graph, compiled), repeats)
 
 
-def step_cost_ms(static: StaticForward, repeats: int = 20) -> float:
-    """Median milliseconds of one run of `static` after 3 warm-ups (see forward_cost_ms). The cache is left empty."""
+def step_cost_ms(padded: PaddedForward, repeats: int = 20) -> float:
+    """Median milliseconds of one run of `padded` after 3 warm-ups (see forward_cost_ms). The cache is left empty."""
     import statistics
     import time
 
-    model = static.model
+    model = padded.model
     times = []
     with torch.inference_mode():
         for i in range(repeats + 3):
             if model.device.type == "cuda":
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
-                static.run()
+                padded.run()
                 end.record()
                 end.synchronize()
                 elapsed = begin.elapsed_time(end)
             else:
                 t0 = time.perf_counter()
-                static.run()
+                padded.run()
                 elapsed = (time.perf_counter() - t0) * 1000
             if i >= 3:
                 times.append(elapsed)

@@ -9,7 +9,7 @@ the same bits whatever the number of rows beside it; the load-time probe (`measu
 this model on this machine, and where it does not hold the requests take turns (one forward each), as on
 llama.cpp (models/llamacpp/model.py).
 
-Dynamic shapes only: the static-shape forward (models/native/padded.py) captures one cache in its CUDA graph, so an
+Dynamic shapes only: the padded forward (models/native/padded.py) captures one cache in its CUDA graph, so an
 Engine padding forwards runs one request at a time.
 """
 
@@ -33,7 +33,7 @@ class NativeSequences(SequenceChecks, NativeModel):
     def __init__(self, decoder, max_context: int, eos_token_ids: tuple[int, ...] = (), n_seqs: int = 2):
         if n_seqs < 2:
             raise ValueError(f"n_seqs={n_seqs}: NativeSequences holds two or more sequences; use NativeModel")
-        super().__init__(decoder, max_context, eos_token_ids, static_width=None)
+        super().__init__(decoder, max_context, eos_token_ids, padded_width=None)
         self.n_seqs = n_seqs
         self.caches = [self.cache] + [
             KVCache(self.cfg, max_context, self.dtype, self.device) for _ in range(n_seqs - 1)

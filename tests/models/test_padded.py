@@ -1,4 +1,4 @@
-"""The static-shape forward (models/native/padded.py): padded to W rows, a token's logits are the same bits whatever its
+"""The padded forward (models/native/padded.py): padded to W rows, a token's logits are the same bits whatever its
 forward carried; it computes what the dynamic forward computes; "auto" measures W once per model and device."""
 
 import json
@@ -16,7 +16,7 @@ FAMILIES = ["qwen2_target", "llama_target", "mistral_target"]  # mistral: a slid
 
 def native(folder, width, graph=None, compile_step=False):
     return load_native(
-        folder, torch.float32, device=TEST_DEVICE, static_width=width, graph=graph, compile_step=compile_step
+        folder, torch.float32, device=TEST_DEVICE, padded_width=width, graph=graph, compile_step=compile_step
     )
 
 
@@ -35,7 +35,7 @@ def test_a_compiled_step_keeps_rows_independent_of_the_split(family, request):
     they compute the eager step's numbers (to float rounding: other kernels)."""
     folder = request.getfixturevalue(family)
     compiled = native(folder, 8, compile_step=True)
-    assert compiled.static.compiled
+    assert compiled.padded.compiled
     assert_rows_independent_of_the_split(compiled)
     ids = list(range(5, 45))
     compiled.rollback(0)
@@ -61,7 +61,7 @@ def test_padded_forward_computes_the_dynamic_forward(family, request):
     folder = request.getfixturevalue(family)
     ids = list(range(5, 60))
     dynamic, padded = native(folder, None), native(folder, 4)
-    assert padded.static_width == 4 and dynamic.static_width is None
+    assert padded.padded_width == 4 and dynamic.padded_width is None
     assert (dynamic.forward(ids).cpu() - padded.forward(ids).cpu()).abs().max() < 1e-4
 
 
@@ -104,32 +104,32 @@ def test_choose_width_takes_the_widest_free_padding():
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "wide"])
-def test_bad_static_width_names_the_choices(bad):
-    with pytest.raises(ValueError, match="static_width must be an integer >= 1, 'auto'"):
+def test_bad_padded_width_names_the_choices(bad):
+    with pytest.raises(ValueError, match="padded_width must be an integer >= 1, 'auto'"):
         check_width(bad)
 
 
-def test_static_width_is_for_the_native_backend(tmp_path):
+def test_padded_width_is_for_the_native_backend(tmp_path):
     """Refused when the configuration is checked, before any model is read."""
-    with pytest.raises(ValueError, match="static_width=4 pads the native decoder's forwards.*backend='native'"):
-        Engine(str(tmp_path / "model.gguf"), strategy="ar", backend="llamacpp", static_width=4)
+    with pytest.raises(ValueError, match="padded_width=4 pads the native decoder's forwards.*backend='native'"):
+        Engine(str(tmp_path / "model.gguf"), strategy="ar", backend="llamacpp", padded_width=4)
 
 
-def test_compile_step_needs_the_static_step(tmp_path, qwen2_target):
+def test_compile_step_needs_the_padded_step(tmp_path, qwen2_target):
     for backend, width in (("llamacpp", "auto"), ("hf", "auto"), ("native", None)):
-        with pytest.raises(ValueError, match="compile_step=True compiles the native decoder's static-shape step"):
-            Engine(str(tmp_path / "model.gguf"), strategy="ar", backend=backend, static_width=width, compile_step=True)
-    with pytest.raises(ValueError, match="compile_step compiles the static-shape step: pass static_width=W"):
+        with pytest.raises(ValueError, match="compile_step=True compiles the native decoder's padded step"):
+            Engine(str(tmp_path / "model.gguf"), strategy="ar", backend=backend, padded_width=width, compile_step=True)
+    with pytest.raises(ValueError, match="compile_step compiles the padded step: pass padded_width=W"):
         native(qwen2_target, None, compile_step=True)
     with pytest.raises(
-        ValueError, match="compile_step compiles the native decoder's static-shape step, not the 'hf' backend's"
+        ValueError, match="compile_step compiles the native decoder's padded step, not the 'hf' backend's"
     ):
         load_model(qwen2_target, "float32", backend="hf", compile_step=True)
 
 
 @pytest.mark.skipif(ON_CUDA, reason="checks the CPU defaults")
 def test_auto_is_off_on_cpu_and_graphs_need_cuda(qwen2_target):
-    assert native(qwen2_target, "auto").static_width is None
+    assert native(qwen2_target, "auto").padded_width is None
     with pytest.raises(ValueError, match="graph=True captures a CUDA graph"):
         native(qwen2_target, 4, graph=True)
 
@@ -137,7 +137,7 @@ def test_auto_is_off_on_cpu_and_graphs_need_cuda(qwen2_target):
 def test_auto_width_is_measured_once_and_shared(qwen2_target, tmp_path, monkeypatch):
     """The measurement is remembered per model shape and device: a second load (another worker) reads it, so
     every process pads alike however noisy its own timing would have been."""
-    import paraspec.models.native.padded as static
+    import paraspec.models.native.padded as padded_module
 
     monkeypatch.setenv("PARASPEC_CACHE", str(tmp_path))
     measured = []
@@ -146,12 +146,12 @@ def test_auto_width_is_measured_once_and_shared(qwen2_target, tmp_path, monkeypa
         measured.append(width)
         return {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2, 16: 4.0, 32: 8.0}[width]
 
-    monkeypatch.setattr(static, "forward_cost_ms", cost)
+    monkeypatch.setattr(padded_module, "forward_cost_ms", cost)
     model = native(qwen2_target, None)
-    assert measured_width(model) == 8 and sorted(measured) == list(static.WIDTHS)
+    assert measured_width(model) == 8 and sorted(measured) == list(padded_module.WIDTHS)
     measured.clear()
     assert measured_width(native(qwen2_target, None)) == 8 and measured == []
-    record = json.loads(next((tmp_path / "static_width").glob("*.json")).read_text())
+    record = json.loads(next((tmp_path / "padded_width").glob("*.json")).read_text())
     assert record["width"] == 8 and record["costs_ms"]["16"] == 4.0
 
 
@@ -162,5 +162,5 @@ def test_graph_replay_equals_eager(family, request):
     folder = request.getfixturevalue(family)
     ids = list(range(5, 45))
     graphed, eager = native(folder, 8, graph=True), native(folder, 8, graph=False)
-    assert graphed.static.graphed and not eager.static.graphed
+    assert graphed.padded.graphed and not eager.padded.graphed
     assert torch.equal(graphed.forward(ids), eager.forward(ids))

@@ -1,16 +1,16 @@
-"""The static step's attention over the whole cache (models/native/decoder.py `over_whole_cache`), by SDPA call form.
+"""The padded step's attention over the whole cache (models/native/decoder.py `over_whole_cache`), by SDPA call form.
 
 The padded step attends W query rows (times G query heads per KV head) over every cache slot under an additive
 mask. The profile of one step on an H100 (`gpu_check --sections profile`) put its attention on torch's math path:
 fp32 copies of K and V every layer, a bmm with two batches over 2048 slots, the safe softmax's extra passes. This
-times the call forms on one device and checks the property the static step needs from whichever is used: a query
+times the call forms on one device and checks the property the padded step needs from whichever is used: a query
 row's output bits depend on that row (its query and mask row) alone, not on the other rows or its own position.
 
     3d            q [KV, G*W, D], k/v [KV, slots, D], mask [G*W, slots]: the form used before (math path)
     4d            the same tensors as [1, KV, G*W, D] / [1, 1, G*W, slots]: what the fused kernels take
     4d-<backend>  4d with SDPA limited to one backend (efficient, cudnn, math)
 
-    python benchmarks/static_attention.py [--device cuda:0] [--slots 2048] [--width 8] [--repeats 50]
+    python benchmarks/padded_attention.py [--device cuda:0] [--slots 2048] [--width 8] [--repeats 50]
 """
 
 from __future__ import annotations
