@@ -30,6 +30,7 @@ LAYERS = {
     "paraspec.errors": 2,
     "paraspec.verify": 2,
     "paraspec.sampling": 2,
+    "paraspec.structured": 2,
     "paraspec.stats": 2,
     "paraspec.runtime": 1,
     "paraspec.trace": 1,
