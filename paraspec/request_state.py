@@ -19,6 +19,7 @@ import torch
 
 from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, adjust_logits
+from paraspec.structured import GrammarMatcher
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import judge_in_hand
 
@@ -78,6 +79,9 @@ class Run:
     _logprob_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     # with params.prompt_logprobs: each prompt token's TokenLogprob given the tokens before it (the first: None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with params.structured: the grammar's state after the committed output (the Engine builds it; its end ids are
+    # stop_ids), masking the target's rows before the bias and penalties (adjust, adjust_tree)
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
@@ -97,18 +101,23 @@ class Run:
         return min(self.params.max_new_tokens - len(self.tokens), self.max_context - len(self.sequence))
 
     def adjust(self, logits: torch.Tensor, row_tokens: Sequence[int] = ()) -> torch.Tensor:
-        """The target's logits after the request's logit bias and penalties (sampling.adjust_logits): row i
-        follows the committed output and `row_tokens[:i]` (a verification's drafts); unchanged without them."""
+        """The target's logits after the request's grammar (-inf where it forbids a token) and its logit bias and
+        penalties (sampling.adjust_logits): row i follows the committed output and `row_tokens[:i]` (a
+        verification's drafts); unchanged without them."""
+        if self.grammar is not None:
+            logits = self.grammar.mask_rows(logits, row_tokens)
         return adjust_logits(logits, self.params, self.prompt_ids, self.tokens, row_tokens)
 
     def adjust_tree(self, logits: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """`adjust` for a tree's rows: row 0 after the committed output, row i + 1 after node i's path."""
+        if self.grammar is not None:
+            logits = self.grammar.mask_tree(logits, tokens, parents)
         if not self.params.adjusts_logits:
             return logits
         paths: list[list[int]] = []
         for token, parent in zip(tokens, parents):
             paths.append((paths[parent] if parent >= 0 else []) + [token])
-        rows = [self.adjust(logits[0])] + [
+        rows = [adjust_logits(logits[0], self.params, self.prompt_ids, self.tokens)] + [
             adjust_logits(logits[i + 1], self.params, self.prompt_ids, self.tokens + path)
             for i, path in enumerate(paths)
         ]
@@ -134,6 +143,8 @@ class Run:
                 break
             kept.append(token)
             self.tokens.append(token)
+            if self.grammar is not None:
+                self.grammar.consume(token)  # not an end token: the request ends there
             if self.logprobs is not None:
                 self.logprobs.append(self._logprob_of(len(self.tokens) - 1, token))
             if token in self.stop_ids:

@@ -38,6 +38,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias) pairs, sorted (a dict is taken too)
     logprobs: int | None = None  # the target's log-probability of each token and of its N likeliest (None = off)
     prompt_logprobs: int | None = None  # the same for each prompt token given the ones before it (vLLM's name)
+    # structured output, (kind, spec): ("json_object", ""), ("json_schema", schema as JSON text or a dict),
+    # ("regex", pattern), ("grammar", a Lark grammar); the target's rows masked to it (paraspec/structured.py)
+    structured: tuple[str, str] | None = None
 
     def __post_init__(self):
         if not (
@@ -72,6 +75,10 @@ class SamplingParams:
                 raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
             object.__setattr__(self, "stop", stop or None)
         self._check_processors()
+        if self.structured is not None:
+            from paraspec.structured import check_structured
+
+            object.__setattr__(self, "structured", check_structured(self.structured))
 
     def _check_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

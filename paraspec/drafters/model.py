@@ -75,9 +75,11 @@ class ModelDrafter(Drafter):
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def adjust(self, logits: torch.Tensor, params: SamplingParams, sequence: list[int], drafted: list[int]):
-        """The draft's logits after the request's logit bias and penalties, on its own context (the prompt, the
-        output, the drafts so far): the target's chain, so that q stays near p. (Trees draft unadjusted: their q
-        is still the one sampled from, so acceptance stays exact.)"""
+        """The draft's logits after the request's grammar and its logit bias and penalties, on its own context (the
+        prompt, the output, the drafts so far): the target's chain, so that q stays near p. (Trees draft within the
+        grammar but without bias and penalties: their q is still the one sampled from, so acceptance stays exact.)"""
+        if self.grammar is not None:  # the grammar's state is the committed output's: the drafts go on top of it
+            logits = self.grammar.mask_after(logits, drafted)
         if not params.adjusts_logits:
             return logits
         n = self.prompt_length
@@ -98,7 +100,9 @@ class ModelDrafter(Drafter):
         self.timings = []
         root_logits = self.root(sequence[self.length :])
         self._tree = DraftTreeCache(self, self.expand, len(sequence))
-        return draft_tree(root_logits, self._tree, params, generator, self.vocab_size, width, depth, budget)
+        grammar = self.grammar  # the request's structured output: each node's children drawn within it
+        mask = None if grammar is None else grammar.mask_after
+        return draft_tree(root_logits, self._tree, params, generator, self.vocab_size, width, depth, budget, mask)
 
     def accept(self, prefix_len: int, path: list[int]) -> None:
         if self._tree is not None:

@@ -39,6 +39,7 @@ from paraspec.drafters.adaptive import (
 from paraspec.drafters.base import Drafter, Proposal
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
+from paraspec.structured import GrammarMatcher
 
 
 class DraftPolicy(Drafter):
@@ -80,14 +81,15 @@ class DraftPolicy(Drafter):
         assert self.cost is not None
         return self.cost
 
-    def begin(self, params: SamplingParams, prompt_length: int = 0) -> None:
+    def begin(self, params: SamplingParams, prompt_length: int = 0, grammar: GrammarMatcher | None = None) -> None:
         """A request starts. With `auto`, a sampled request with a seed drafts fixed lengths: the rule's choices
         follow measured times (and a busy step's other rows), and where rounds end changes which draws a sampled
         answer spends, so only fixed lengths let the seed give the same tokens again, alone or batched. Greedy
-        answers are the target's whatever the lengths; an unseeded request promises no repeat."""
+        answers are the target's whatever the lengths; an unseeded request promises no repeat. `grammar`: the
+        request's structured-output state (Run.grammar), which a draft model masks its chains with."""
         self._fixed = self.auto and not params.greedy and params.seed is not None
         for d in self.drafters:
-            d.prompt_length = prompt_length
+            d.prompt_length, d.grammar = prompt_length, grammar
 
     def reset(self) -> None:
         self.decisions = []

@@ -86,6 +86,7 @@ def draft_tree(
     width: int,
     depth: int,
     budget: int,
+    mask: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> TokenTree:
     """Grow a tree of at most `width` nodes per level from the root's draft logits.
 
@@ -94,10 +95,14 @@ def draft_tree(
     one at a time to the nodes above in order of path probability, and each node draws its children i.i.d.
     from its q -- the root gets `width` children, and every later node one (SpecInfer's <W, 1, 1, ...>), so
     which node gets children never depends on the children drawn. `expand(nodes, tree)` returns the draft
-    logits after each of `nodes`.
+    logits after each of `nodes`. `mask(logits, path)`: a request's grammar on the draft logits after a node's path
+    of tokens (Drafter.grammar), applied before anything is drawn or ranked, so q is still what was drawn from; a
+    child it rules out (probability 0) is not kept.
     """
     tree = TokenTree()
-    frontier = [(-1, root_logits[:vocab_size], 1.0)]  # (node, draft logits after it, path probability)
+    masked = mask or (lambda logits, path: logits)
+    root = masked(root_logits[:vocab_size], [])
+    frontier = [(-1, root, 1.0)]  # (node, draft logits after it, path probability)
     for level in range(1, depth + 1):
         slots = min(width, budget - len(tree))
         if slots <= 0 or not frontier:
@@ -112,6 +117,7 @@ def draft_tree(
                 candidates += [
                     (rank == 0 and j == 0, path_prob * p, rank, node, t)
                     for j, (p, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()))
+                    if mask is None or p > 0
                 ]
             candidates.sort(key=lambda c: (not c[0], -c[1], c[2]))
             new_nodes = [(tree.add(token, node), prob) for _, prob, _, node, token in candidates[:slots]]
@@ -132,5 +138,8 @@ def draft_tree(
         if level == depth or len(tree) >= budget:
             break
         logits = expand([node for node, _ in new_nodes], tree)
-        frontier = [(node, logits[row, :vocab_size], prob) for row, (node, prob) in enumerate(new_nodes)]
+        frontier = [
+            (node, masked(logits[row, :vocab_size], [tree.tokens[n] for n in tree.ancestors(node) + [node]]), prob)
+            for row, (node, prob) in enumerate(new_nodes)
+        ]
     return tree

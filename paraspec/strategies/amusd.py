@@ -53,6 +53,7 @@ class AMUSD(WorkerStrategy):
             "beside a draft model)"
         ),
         logprobs=False,  # its verifier's rows stay in the target worker
+        structured=False,  # its verifier (a worker) keeps no grammar state, nor does its draft loop
     )
 
     def setup(self, placement: Placement) -> None:

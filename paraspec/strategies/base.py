@@ -59,6 +59,7 @@ class Capabilities:
     why_not_across_nodes: str = "its models run in the caller's process"  # why not, when it may not
     processors: bool = True  # applies a request's logit bias and penalties (SamplingParams.adjusts_logits)
     logprobs: bool = True  # reports the target's logprobs of each output token (Run.observe_target on every row)
+    structured: bool = True  # masks the target's rows to a request's grammar (SamplingParams.structured, Run.grammar)
     batches: bool = False  # its loop runs in the caller on the models alone: requests may
     # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
 

@@ -87,6 +87,7 @@ class DSI(WorkerStrategy):
         across_nodes=True,
         processors=False,
         logprobs=False,  # its servers' rows stay in the target workers
+        structured=False,  # as with processors: its servers judge by their own argmax, with no grammar state
     )
 
     @classmethod

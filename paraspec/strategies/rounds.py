@@ -39,7 +39,7 @@ def speculative_rounds(
     policy = policy if isinstance(policy, DraftPolicy) else DraftPolicy([policy])
     target.rollback(0)
     policy.reset()
-    policy.begin(run.params, len(run.prompt_ids))
+    policy.begin(run.params, len(run.prompt_ids), run.grammar)
     try:
         while not run.done:
             sequence = run.sequence
