@@ -24,6 +24,7 @@ worker_timeout watchdog), so Engine.health() sees a dead rank and close() stops 
 
 from __future__ import annotations
 
+from paraspec.drafters import DraftPolicy
 from paraspec.drafters.layer_parallel import DeviceGroupDrafter, LayerParallelDrafter
 from paraspec.models.native.layer_parallel import layer_parallel_groups, parse_layer_groups
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement
@@ -63,6 +64,9 @@ class EasySpec(TreeStrategy):
             if o["layer_groups"]
             else layer_parallel_groups(o["layer_parallel_size"], n_layers)
         )
+
+    def round_policy(self) -> DraftPolicy:
+        return DraftPolicy([self.drafter()])  # one drafter, at the fixed tree shape
 
     def drafter(self) -> LayerParallelDrafter:
         """One draft device: every group in this process. Several: the attention layers of each group spread

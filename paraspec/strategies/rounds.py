@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import TypeVar
 
-from paraspec.drafters import Drafter, DraftPolicy, Proposal, TokenTree
+from paraspec.drafters import DraftPolicy, Proposal, TokenTree
 from paraspec.request_state import Run
 
 # draft(policy, sequence, pending): the round's proposal (a chain or a tree); `pending` = committed tokens the target
@@ -32,11 +32,10 @@ VerifyStep = Callable[[list[int], list[int], P], tuple[list[int], int]]
 
 
 def speculative_rounds(
-    run: Run, target, policy: DraftPolicy | Drafter, draft: DraftStep[P], verify: VerifyStep[P]
+    run: Run, target, policy: DraftPolicy, draft: DraftStep[P], verify: VerifyStep[P]
 ) -> Generator[list[int], None, None]:
-    """Yield each round's committed tokens until the run is done. `policy` picks who proposal each round and how
-    much (a lone Drafter proposal every round at the fixed length)."""
-    policy = policy if isinstance(policy, DraftPolicy) else DraftPolicy([policy])
+    """Yield each round's committed tokens until the run is done. `policy` picks who proposes each round and how
+    much (DraftPolicy([drafter]): that drafter every round, at the fixed length)."""
     target.rollback(0)
     policy.reset()
     policy.begin(run.params, len(run.prompt_ids), run.grammar)
@@ -66,8 +65,8 @@ def speculative_rounds(
             run.worker_reports["adaptive"] = policy.report()
 
 
-def record_plan(run: Run, drafter: DraftPolicy, k: int) -> None:
+def record_plan(run: Run, policy: DraftPolicy, k: int) -> None:
     """With the adaptive rule, the round's decision goes into the trace: a "plan" event of k tokens."""
-    if drafter.adaptive:
+    if policy.adaptive:
         now = run.trace.now()
         run.trace.add("draft", "plan", now, now, k)

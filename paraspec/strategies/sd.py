@@ -14,7 +14,7 @@ answer depends on where rounds end).
 
 from __future__ import annotations
 
-from paraspec.drafters import Drafter, DraftPolicy, ModelDrafter, Proposal
+from paraspec.drafters import DraftPolicy, ModelDrafter, Proposal
 from paraspec.request_state import Run
 from paraspec.strategies.base import Capabilities, LocalStrategy, Placement
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
@@ -46,12 +46,12 @@ class SD(LocalStrategy):
         yield from chain_rounds(run, self.target, self.kept_policy(), self.options["lookahead"])
 
 
-def chain_rounds(run: Run, target, drafter: Drafter, lookahead: int):
+def chain_rounds(run: Run, target, policy: DraftPolicy, lookahead: int):
     """Leviathan et al. Algorithm 1, one round per loop of strategies/rounds.py."""
 
-    def draft(drafter: DraftPolicy, sequence: list[int], pending: int) -> Proposal:
+    def draft(policy: DraftPolicy, sequence: list[int], pending: int) -> Proposal:
         k = min(lookahead, run.remaining - 1)  # the round adds one target token after the drafts
-        return drafter.propose(sequence, k, run.params, run.generator, pending=pending, remaining=run.remaining)
+        return policy.propose(sequence, k, run.params, run.generator, pending=pending, remaining=run.remaining)
 
     def verify(sequence: list[int], pending: list[int], proposal: Proposal) -> tuple[list[int], int]:
         drafts = proposal.tokens
@@ -62,4 +62,4 @@ def chain_rounds(run: Run, target, drafter: Drafter, lookahead: int):
         target.rollback(len(sequence) + accepted)  # the accepted prefix; next_token is fed in the next round
         return list(range(accepted)), next_token
 
-    return speculative_rounds(run, target, drafter, draft, verify)
+    return speculative_rounds(run, target, policy, draft, verify)

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from paraspec.drafters import Drafter, DraftPolicy, ModelDrafter, TokenTree
+from paraspec.drafters import DraftPolicy, ModelDrafter, TokenTree
 from paraspec.request_state import Run
 from paraspec.strategies.base import Capabilities, LocalStrategy
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
@@ -75,22 +75,22 @@ def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree
     return path, next_token
 
 
-def tree_rounds(run: Run, target, drafter: Drafter, tree_width: int, tree_depth: int, tree_budget: int):
+def tree_rounds(run: Run, target, policy: DraftPolicy, tree_width: int, tree_depth: int, tree_budget: int):
     """The rounds of `tree` and `easyspec` (strategies/rounds.py): draft a tree, verify it in one target forward.
     With the adaptive rule the tree's depth is the rule's k* (0: the target decodes plainly)."""
 
-    def draft(drafter: DraftPolicy, sequence: list[int], pending: int) -> TokenTree:
+    def draft(policy: DraftPolicy, sequence: list[int], pending: int) -> TokenTree:
         depth, budget = tree_shape(run, len(sequence), tree_depth, tree_budget)
         if depth == 0:
             return TokenTree()
-        return drafter.propose_tree(
+        return policy.propose_tree(
             sequence, tree_width, depth, budget, run.params, run.generator, pending=pending, remaining=run.remaining
         )
 
     def verify(sequence: list[int], pending: list[int], tree: TokenTree) -> tuple[list[int], int]:
         return verify_round(run, target, sequence, pending, tree)
 
-    return speculative_rounds(run, target, drafter, draft, verify)
+    return speculative_rounds(run, target, policy, draft, verify)
 
 
 # token trees need explicit positions and a tree attention mask; llama.cpp's sequence ids are not exact for a branch
@@ -104,13 +104,15 @@ class TreeStrategy(LocalStrategy):
     option_names: ClassVar[tuple[str, ...]] = ("tree_width", "tree_depth", "tree_budget")  # extended below
     caps = Capabilities(backends=TREE_BACKENDS)
 
-    def drafter(self) -> Drafter:
-        """The round loop's drafter: tree's kept DraftPolicy, easyspec's layer-parallel drafter."""
+    def round_policy(self) -> DraftPolicy:
+        """Who drafts the rounds: tree's kept DraftPolicy, easyspec's layer-parallel drafter alone."""
         raise NotImplementedError
 
     def decode(self, run: Run):
         o = self.options
-        yield from tree_rounds(run, self.target, self.drafter(), o["tree_width"], o["tree_depth"], o["tree_budget"])
+        yield from tree_rounds(
+            run, self.target, self.round_policy(), o["tree_width"], o["tree_depth"], o["tree_budget"]
+        )
 
 
 @register
@@ -132,5 +134,5 @@ class Tree(TreeStrategy):
             lambda m: ModelDrafter(m, self.target.vocab_size), min(o["tree_budget"], o["tree_width"] * o["tree_depth"])
         )
 
-    def drafter(self) -> DraftPolicy:
+    def round_policy(self) -> DraftPolicy:
         return self.kept_policy()
