@@ -11,27 +11,43 @@ Responses follow the OpenAI wire format; each also carries `paraspec`: the reque
 chunk too. Streams are server-sent events (`data: {json}` ... `data: [DONE]`); an error after the stream started is
 one `data: {"error": {...}}` event, as vLLM and OpenAI send it. Up to the engine's max_num_seqs generations run at
 once, their forwards batched (queue.py, batching.py).
+
+Choices: every choice (n per prompt; a list of prompts on /v1/completions) is a generation of its own in the queue,
+so that they run batched; choice j of prompt p has index p * n + j, and with a seed s the seed s + j (mod 2**64), so
+a seeded request repeats and a prompt in a list gets what it gets alone. Usage counts each prompt once and every
+choice's tokens. A stream interleaves the choices' chunks, each tagged with its index, and ends with one [DONE]; a
+client that leaves cancels every choice. With several choices each carries its own `paraspec` figures and the
+response's are their sum (counts, seconds), their rates from the sums, the earliest ttft_s, the mean tpot_ms.
+
+Tools (chat): the tools go to the chat template, the family's calls are parsed out of the text (tools.py) into
+`message.tool_calls` with finish_reason "tool_calls"; streamed, text before a call is content as it comes and a
+call is one `delta.tool_calls` entry once its block has closed and parsed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import signal
 import time
 import uuid
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from paraspec.prompts import encode_prompt
 from paraspec.runtime.errors import WorkerError
 from paraspec.sampling import SamplingParams
 from paraspec.server.metrics import ServerMetrics
 from paraspec.server.queue import GenerationQueue, Job, QueueFull, ShuttingDown
 from paraspec.server.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedParameter, error_body
+from paraspec.server.tools import Event, ToolCallParser, fold, format_of
 from paraspec.streams import GenerationResult
 
 log = logging.getLogger("paraspec.server")
@@ -155,15 +171,31 @@ class ServedModel:
         }
 
     async def completions(self, body: CompletionRequest, request: Request):
-        prompt_ids = encode(self.engine, body.prompt, "prompt")
-        return await self.respond(body, request, prompt_ids, chat=False)
+        prompts = [encode(self.engine, prompt, "prompt") for prompt in body.prompts()]
+        return await self.respond(body, request, prompts, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        prompt_ids = encode(self.engine, [m.as_template_message() for m in body.messages], "messages")
-        return await self.respond(body, request, prompt_ids, chat=True)
+        tools = body.template_tools()
+        parser = None
+        if tools is not None:
+            try:
+                call_format = format_of(self.engine.tokenizer)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tools") from None
+            names = frozenset(tool["function"]["name"] for tool in tools)
+            parser = functools.partial(ToolCallParser, call_format, None if body.parallel_tool_calls else 1, names)
+        prompt_ids = encode(self.engine, [m.as_template_message() for m in body.messages], "messages", tools)
+        return await self.respond(body, request, [prompt_ids], chat=True, tool_parser=parser)
 
-    async def respond(self, body, request: Request, prompt_ids: list[int], chat: bool):
-        """Queue the generation, then stream it or answer once it ends."""
+    async def respond(
+        self,
+        body,
+        request: Request,
+        prompts: list[list[int]],
+        chat: bool,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
+    ):
+        """Queue every choice's generation, then stream them or answer once they have ended."""
         if body.model != self.model_name:
             raise APIError(
                 400,
@@ -171,14 +203,28 @@ class ServedModel:
                 param="model",
                 code="model_not_found",
             )
-        job = Job(prompt_ids, sampling_params(body, prompt_ids, self.engine.max_context, chat), body.stream)
+        n = body.choices_per_prompt()
+        if len(prompts) * n > self.queue.capacity:
+            raise APIError(
+                400,
+                f"the request asks for {len(prompts) * n} generations ({len(prompts)} prompt(s) x n={n}) but this "
+                f"server holds at most {self.queue.capacity} at once, running and waiting (--max-num-seqs "
+                f"{self.engine.max_num_seqs} + --max-queue {self.queue.max_queue}); split the request",
+                param="n" if len(prompts) == 1 else "prompt",
+            )
+        events: asyncio.Queue = asyncio.Queue()  # the choices' events, tagged with their index
+        jobs = []
+        for p, prompt_ids in enumerate(prompts):
+            params = sampling_params(body, prompt_ids, self.engine.max_context, chat)
+            for j in range(n):
+                jobs.append(Job(prompt_ids, choice_params(params, j), body.stream, index=p * n + j, events=events))
         try:
-            await self.queue.start(job)
+            await self.queue.start(jobs)
         except QueueFull:
             raise APIError(
                 429,
-                f"the server's queue is full ({self.queue.max_queue} requests waiting for the ones "
-                f"running); retry later or start the server with a larger --max-queue",
+                f"the server's queue is full ({self.queue.max_queue} places, {self.queue.waiting} taken; this request "
+                f"needs {len(jobs)}, one per choice); retry later or start the server with a larger --max-queue",
                 type="rate_limit_error",
                 code="queue_full",
             ) from None
@@ -186,48 +232,70 @@ class ServedModel:
             raise APIError(503, "the server is shutting down", type="server_error") from None
         ids = (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}", int(time.time()))
         if body.stream:
-            return EventStream(self.stream_events(job, body, ids, chat), on_close=lambda: job.cancel("disconnect"))
-        await wait_for_end(job, request)
-        failure = job_failure(job)
+            return EventStream(
+                self.stream_events(jobs, body, ids, chat, tool_parser), on_close=lambda: cancel_all(jobs, "disconnect")
+            )
+        await wait_for_end(jobs, request)
+        failure = first_failure(jobs)
         if failure is not None:
             raise failure
-        return self.whole_response(job, body, ids, chat)
+        return self.whole_response(jobs, body, ids, chat, tool_parser)
 
-    async def stream_events(self, job: Job, body, ids, chat: bool):
+    async def stream_events(self, jobs: list[Job], body, ids, chat: bool, tool_parser):
+        by_index = {job.index: job for job in jobs}
+        parsers = {job.index: tool_parser() for job in jobs} if tool_parser is not None else {}
+        calls_sent = dict.fromkeys(by_index, 0)
         if chat:
-            yield sse(self.chunk(ids, {"role": "assistant", "content": ""}, None, chat))
-        while True:
-            kind, delta = await job.events.get()
+            for job in jobs:
+                yield sse(self.chunk(ids, job.index, {"role": "assistant", "content": ""}, None, chat))
+        running = len(jobs)
+        while running:
+            index, kind, delta = await jobs[0].events.get()
+            parser = parsers.get(index)
+            if kind == "delta":
+                pieces: list[Event] = parser.feed(delta) if parser is not None else [("content", delta)]
+            else:
+                running -= 1
+                failure = job_failure(by_index[index])
+                if failure is not None:  # the request fails whole: its other choices stop
+                    cancel_all(jobs, "cancelled")
+                    yield sse(failure.body())
+                    break
+                pieces = parser.finish() if parser is not None else []
+            for piece_kind, value in pieces:
+                if piece_kind == "call":
+                    value = {"tool_calls": [{"index": calls_sent[index], **value}]}
+                    calls_sent[index] += 1
+                elif not value:
+                    continue
+                elif chat:
+                    value = {"content": value}
+                yield sse(self.chunk(ids, index, value, None, chat))
             if kind == "end":
-                break
-            if delta:
-                yield sse(self.chunk(ids, {"content": delta} if chat else delta, None, chat))
-        failure = job_failure(job)
-        if failure is not None:
-            yield sse(failure.body())
+                job = by_index[index]
+                result = result_of(job)
+                last = self.chunk(ids, index, {} if chat else "", finish_reason(result, calls_sent[index]), chat)
+                last["paraspec"] = extension([job])
+                if body.return_token_ids:
+                    last["choices"][0]["token_ids"] = result.token_ids
+                yield sse(last)
         else:
-            result = result_of(job)
-            last = self.chunk(ids, {} if chat else "", finish_reason(result), chat)
-            last["paraspec"] = extension(job)
-            if body.return_token_ids:
-                last["choices"][0]["token_ids"] = result.token_ids
-            yield sse(last)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse(
                     {
-                        **self.chunk(ids, None, None, chat),
+                        **self.chunk(ids, 0, None, None, chat),
                         "choices": [],
-                        "usage": usage(job),
-                        "paraspec": extension(job),
+                        "usage": usage(jobs, body.choices_per_prompt()),
+                        "paraspec": extension(jobs),
                     }
                 )
         yield "data: [DONE]\n\n"
 
-    def chunk(self, ids, delta, reason, chat: bool) -> dict:
+    def chunk(self, ids, index: int, delta, reason, chat: bool) -> dict:
         if chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": reason}
         return {
             "id": ids[0],
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -236,44 +304,77 @@ class ServedModel:
             "choices": [choice],
         }
 
-    def whole_response(self, job: Job, body, ids, chat: bool) -> dict:
-        result = result_of(job)
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
-                "finish_reason": finish_reason(result),
-            }
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}
-        if body.return_token_ids:
-            choice["token_ids"] = result.token_ids
+    def whole_response(self, jobs: list[Job], body, ids, chat: bool, tool_parser) -> dict:
+        choices = []
+        for job in jobs:
+            result = result_of(job)
+            if chat:
+                message: dict = {"role": "assistant", "content": result.text}
+                calls: list[dict] = []
+                if tool_parser is not None:
+                    parser = tool_parser()
+                    message["content"], calls = fold(parser.feed(result.text) + parser.finish())
+                    if calls:
+                        message["tool_calls"] = calls
+                choice = {
+                    "index": job.index,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(result, len(calls)),
+                }
+            else:
+                choice = {
+                    "index": job.index,
+                    "text": result.text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(result),
+                }
+            if body.return_token_ids:
+                choice["token_ids"] = result.token_ids
+            if len(jobs) > 1:
+                choice["paraspec"] = extension([job])
+            choices.append(choice)
         return {
             "id": ids[0],
             "object": "chat.completion" if chat else "text_completion",
             "created": ids[1],
             "model": self.model_name,
-            "choices": [choice],
-            "usage": usage(job),
-            "paraspec": extension(job),
+            "choices": choices,
+            "usage": usage(jobs, body.choices_per_prompt()),
+            "paraspec": extension(jobs),
         }
 
 
-async def wait_for_end(job: Job, request: Request) -> None:
-    """Wait for a non-streamed job's end, polling the connection so that a client that leaves cancels its
-    generation (and so does this coroutine being cancelled)."""
-    ended = False
+async def wait_for_end(jobs: list[Job], request: Request) -> None:
+    """Wait for the end of a non-streamed request's jobs, polling the connection so that a client that leaves
+    cancels their generations (and so does this coroutine being cancelled). A job that fails stops the others: the
+    request fails whole."""
+    running = {job.index: job for job in jobs}
     try:
-        while not ended:
+        while running:
             try:
-                ended = (await asyncio.wait_for(job.events.get(), 0.5))[0] == "end"
+                index, kind, _ = await asyncio.wait_for(jobs[0].events.get(), 0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    job.cancel("disconnect")
+                    cancel_all(jobs, "disconnect")
+                continue
+            if kind == "end" and job_failure(running.pop(index)) is not None:
+                cancel_all(jobs, "cancelled")
     finally:
-        if not ended:
-            job.cancel("disconnect")
+        if running:
+            cancel_all(jobs, "disconnect")
+
+
+def cancel_all(jobs: list[Job], reason: str) -> None:
+    for job in jobs:
+        job.cancel(reason)
+
+
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """Choice j of a prompt samples with seed + j (mod 2**64): a seeded request repeats, its choices differ."""
+    if params.seed is None or choice == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + choice) % 2**64)
 
 
 class EventStream(StreamingResponse):
@@ -294,9 +395,11 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def encode(engine, prompt, param: str) -> list[int]:
+def encode(engine, prompt, param: str, tools: list[dict] | None = None) -> list[int]:
     try:
-        return engine.encode(prompt)
+        if tools is None:
+            return engine.encode(prompt)
+        return encode_prompt(prompt, engine.tokenizer, engine.target.vocab_size, engine.max_context, tools)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from None
 
@@ -319,7 +422,9 @@ def sampling_params(body, prompt_ids: list[int], max_context: int, chat: bool) -
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
 
-def finish_reason(result) -> str:
+def finish_reason(result, tool_calls: int = 0) -> str:
+    if tool_calls:
+        return "tool_calls"
     return "stop" if result.finish_reason == "stop" else "length"
 
 
@@ -345,20 +450,47 @@ def job_failure(job: Job) -> APIError | None:
     return None
 
 
+def first_failure(jobs: list[Job]) -> APIError | None:
+    """The error a request fails with: its first choice's that failed of itself, not for a sibling (499)."""
+    failures = [f for f in map(job_failure, jobs) if f is not None]
+    return min(failures, key=lambda f: f.status == 499) if failures else None
+
+
 def result_of(job: Job) -> GenerationResult:
     """The result of a job that job_failure() passed: it has one."""
     assert job.result is not None
     return job.result
 
 
-def usage(job: Job) -> dict:
-    prompt, completion = len(job.prompt_ids), len(result_of(job).token_ids)
+def usage(jobs: list[Job], n: int) -> dict:
+    """Each prompt's tokens once (choice 0 of each prompt), every choice's new tokens: as vLLM counts them."""
+    prompt = sum(len(job.prompt_ids) for job in jobs if job.index % n == 0)
+    completion = sum(len(result_of(job).token_ids) for job in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def extension(job: Job) -> dict:
-    stats = result_of(job).stats.to_dict()
-    return {**{name: stats[name] for name in STATS}, "queue_s": job.queue_s}
+SUMMED = ("drafted", "accepted", "rounds", "rollbacks", "draft_s", "verify_s", "tokens_per_s")
+
+
+def extension(jobs: list[Job]) -> dict:
+    """The paraspec figures of one choice, or of a request's choices together: counts and seconds summed, the rates
+    from the sums, the earliest first token, the mean time per token, the longest wait in the queue."""
+    each = [result_of(job).stats.to_dict() for job in jobs]
+    if len(each) == 1:
+        return {**{name: each[0][name] for name in STATS}, "queue_s": jobs[0].queue_s}
+    total = {name: sum(s[name] for s in each) for name in SUMMED}
+    speculative = any(s["acceptance_rate"] is not None for s in each)
+    verified = sum((s["mean_accepted_length"] or 0.0) * s["rounds"] for s in each)
+    together = {
+        **total,
+        "strategy": each[0]["strategy"],
+        "acceptance_rate": (total["accepted"] / total["drafted"] if total["drafted"] else 0.0) if speculative else None,
+        "mean_accepted_length": (verified / total["rounds"] if total["rounds"] else 0.0) if speculative else None,
+        "ttft_s": min(s["ttft_s"] for s in each),
+        "tpot_ms": sum(s["tpot_ms"] for s in each) / len(each),
+        "ms_per_token": sum(s["ms_per_token"] for s in each) / len(each),
+    }
+    return {**{name: together[name] for name in STATS}, "queue_s": max(job.queue_s for job in jobs)}
 
 
 def describe_validation_error(error: dict) -> tuple[str, str | None]:

@@ -1,6 +1,10 @@
 """The FIFO in front of one Engine: up to its max_num_seqs generations at once (batched, each answer as if
 alone; 1 for strategies that do not batch), a bounded number waiting, cancellation of one request.
 
+A request is one or more jobs (its choices: n per prompt), admitted together or not at all: when they do not all
+fit in the free slots and the free places of the queue, the request is refused whole (QueueFull), never answered in
+part. Its jobs share one event queue, their events tagged with the choice's index.
+
 Each admitted request runs in a thread of its own (the Engine is synchronous); its text deltas reach the event
 loop through an asyncio queue. A job is cancelled (client gone, --request-timeout, shutdown) with its own
 Stream.cancel(), which ends that generation within one round, workers included, and no other; the engine's slot
@@ -40,7 +44,9 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
-    # ("delta", text) ... then ("end", None) once result or error is set (a worker restart may follow)
+    index: int = 0  # the choice's index in its response
+    # (index, "delta", text) ... then (index, "end", None) once result or error is set (a worker restart may
+    # follow); shared by the jobs of one request
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     reason: str | None = None  # why it was cancelled: "disconnect" | "timeout" | "shutdown"
@@ -73,16 +79,42 @@ class GenerationQueue:
         self._slot = asyncio.Semaphore(engine.max_num_seqs)  # FIFO: waiters acquire in arrival order
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def start(self, job: Job) -> None:
-        """Wait for the engine (FIFO) and start `job`; QueueFull when max_queue requests already wait."""
+    @property
+    def capacity(self) -> int:
+        """The most jobs one request can have: every slot and every place in the queue."""
+        return self.engine.max_num_seqs + self.max_queue
+
+    def room(self) -> int:
+        """How many jobs could be admitted now: the free slots (those not promised to waiting jobs) and the free
+        places of the queue."""
+        free_slots = max(0, self.engine.max_num_seqs - len(self.running) - self.waiting)
+        return free_slots + max(0, self.max_queue - self.waiting)
+
+    async def start(self, jobs: list[Job]) -> None:
+        """Wait for the engine (FIFO) and start every job of one request; QueueFull when they do not all fit now,
+        nothing started. If one cannot start (shutdown), the others are cancelled and ShuttingDown raised."""
         if self.closing:
             raise ShuttingDown()
-        if self._slot.locked() and self.waiting >= self.max_queue:
+        if len(jobs) > self.room():
             raise QueueFull()
         self._loop = asyncio.get_running_loop()
-        self.waiting += 1
+        self.waiting += len(jobs)  # reserved at once: no other request takes their places while they wait
         self.metrics.waiting.set(self.waiting)
         queued = time.perf_counter()
+        try:
+            outcomes = await asyncio.gather(*(self._admit(job, queued) for job in jobs), return_exceptions=True)
+        except asyncio.CancelledError:  # the request's handler is gone: so are the choices that started
+            for job in jobs:
+                job.cancel("disconnect")
+            raise
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            for job in jobs:
+                job.cancel("shutdown")
+            raise failure
+
+    async def _admit(self, job: Job, queued: float) -> None:
+        assert self._loop is not None  # set by start()
         try:
             await self._slot.acquire()
         finally:
@@ -101,7 +133,7 @@ class GenerationQueue:
     def _emit(self, job: Job, kind: str, value=None) -> None:
         try:
             assert self._loop is not None  # set by start(), before any job runs
-            self._loop.call_soon_threadsafe(job.events.put_nowait, (kind, value))
+            self._loop.call_soon_threadsafe(job.events.put_nowait, (job.index, kind, value))
         except RuntimeError:  # the event loop is gone (the server stopped): nobody is listening
             pass
 

@@ -186,9 +186,9 @@ BAD = [  # (path, body, the param named, words of the message)
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1 item"),
     (
         "/v1/chat/completions",
-        {**CHAT, "messages": [{"role": "tool", "content": "x"}]},
+        {**CHAT, "messages": [{"role": "function", "content": "x"}]},
         "messages[0].role",
-        "'system', 'developer', 'user' or 'assistant'",
+        "'system', 'developer', 'user', 'assistant' or 'tool'",
     ),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages[0].content", "required"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
@@ -197,9 +197,14 @@ BAD = [  # (path, body, the param named, words of the message)
     ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, "temperature", "greater than or equal to 0"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", "greater than 0"),
     ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p", "less than or equal to 1"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "n must be 1"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, "n", "n must be between 1 and 16"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs", "not supported"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function", "required"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, "frobnicate", "unknown parameter"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model", "is not served here"),
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop", "non-empty"),
@@ -207,8 +212,10 @@ BAD = [  # (path, body, the param named, words of the message)
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, "prompt", "the context holds 4096"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", "empty"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, "prompt", "prompt 1 of the list is empty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo", "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, "best_of", "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": 1}, "frequency_penalty", "not supported"),
     ("/v1/completions", [1, 2], None, "must be a JSON object"),
 ]
 
@@ -222,8 +229,8 @@ def test_bad_input_is_a_400_naming_the_field(ar_server, path, body, param, words
 
 
 def test_the_openai_client_sees_400s(ar_server):
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        ar_server.client().completions.create(model=MODEL, prompt="x", n=3)
+    with pytest.raises(openai.BadRequestError, match="n must be between 1 and 16"):
+        ar_server.client().completions.create(model=MODEL, prompt="x", n=17)
 
 
 def test_dsi_served_across_ray_nodes(ray_cluster, start_server, expected):
