@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     path = gguf_source(resolve_checkpoint(args.target, backend="llamacpp"))
     model = LlamaCppModel(path, 2048, (), n_threads=args.threads, n_seqs=args.seqs)
     rng = np.random.default_rng(0)
-    for seq in range(args.seqs):
-        model.prefill(rng.integers(0, model.vocab_size, size=args.context + 7 * seq).tolist(), seq)
+    for sequence_id in range(args.seqs):
+        model.prefill(rng.integers(0, model.vocab_size, size=args.context + 7 * sequence_id).tolist(), sequence_id)
     base = [model.sequence(s).length for s in range(args.seqs)]
     times = {b: [] for b in range(1, args.seqs + 1)}
     for _ in range(args.repeats):

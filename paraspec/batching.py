@@ -35,7 +35,7 @@ import torch
 @dataclass(eq=False)
 class _Ask:
     model: Any  # a LlamaCppModel or NativeSequences with several sequences
-    seq: int
+    sequence_id: int
     tokens: list[int]
     outputs: int  # rows wanted: the last `outputs` tokens'
     alone: bool  # a prompt, or wider than a shared forward allows
@@ -109,10 +109,10 @@ class Batcher:
         0, 1, 2, ...: llama.cpp decodes sequences in one micro-batch only while their ids follow each other."""
         with self._between_steps():
             for src, dst in zip(sources, targets):
-                src.model.move_sequence(src.seq, dst.seq)
+                src.model.move_sequence(src.sequence_id, dst.sequence_id)
                 if src.member is not None and src.member.ask is not None and src.member.ask.model is src.model:
-                    src.member.ask.seq = dst.seq
-                src.seq, dst.seq = dst.seq, src.seq
+                    src.member.ask.sequence_id = dst.sequence_id
+                src.sequence_id, dst.sequence_id = dst.sequence_id, src.sequence_id
             self.stats.moves += 1
 
     # -- forwards --------------------------------------------------------------------------------------------
@@ -127,29 +127,29 @@ class Batcher:
 
     def length(self, proxy: BatchedSequence) -> int:
         with self._cv:  # not while its sequence moves (move())
-            return proxy.model._lengths[proxy.seq]
+            return proxy.model._lengths[proxy.sequence_id]
 
     def rollback(self, proxy: BatchedSequence, length: int) -> None:
         with self._between_steps():
-            proxy.model.rollback(length, proxy.seq)
+            proxy.model.rollback(length, proxy.sequence_id)
 
     def forward(self, proxy: BatchedSequence, tokens: list[int], outputs: int, prefill: bool = False) -> torch.Tensor:
         """The rows a forward of `tokens` on the proxy's sequence gives (the last `outputs`), run in this step."""
         member, model = proxy.member, proxy.model
         assert member is not None  # the Engine sets it before the request decodes
         with self._cv:
-            seq = proxy.seq
+            sequence_id = proxy.sequence_id
             if not prefill:  # this request's own errors, raised here, not in the step
-                model._check_room(len(tokens), seq)
+                model._check_room(len(tokens), sequence_id)
                 model._check_vocabulary(tokens)
             exact_rows = model.batch_exact or (not model.exact and not member.repeatable)
             shareable = (
                 not prefill
                 and exact_rows
-                and model._lengths[seq] > 0
+                and model._lengths[sequence_id] > 0
                 and model.min_shared_width <= len(tokens) <= model.exact_width
             )
-            ask = _Ask(model, seq, list(tokens), outputs, alone=not shareable, prefill=prefill)
+            ask = _Ask(model, sequence_id, list(tokens), outputs, alone=not shareable, prefill=prefill)
             member.rows[id(model)] = len(tokens) if shareable else 0
             member.ask = ask
             self._cv.notify_all()
@@ -193,7 +193,8 @@ class Batcher:
                 shared = [a for a in asks if a.model is model and not a.alone]
                 for group in _groups(shared, model.exact_width, model.n_batch):
                     self._run(
-                        group, lambda g=group, m=model: m.forward_batch([(a.seq, a.tokens, a.outputs) for a in g])
+                        group,
+                        lambda g=group, m=model: m.forward_batch([(a.sequence_id, a.tokens, a.outputs) for a in g]),
                     )
                     rows += sum(len(a.tokens) for a in group)
                     self.stats.shared_rows += sum(len(a.tokens) for a in group)
@@ -202,9 +203,9 @@ class Batcher:
             for a in asks:
                 if a.alone:
                     run = (
-                        (lambda a=a: [a.model.prefill(a.tokens, a.seq)[None]])
+                        (lambda a=a: [a.model.prefill(a.tokens, a.sequence_id)[None]])
                         if a.prefill
-                        else (lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, seq=a.seq)])
+                        else (lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, sequence_id=a.sequence_id)])
                     )
                     self._run([a], run)
                     rows += len(a.tokens)
@@ -240,8 +241,8 @@ class BatchedSequence:
     """The Model protocol on one sequence of a multi-sequence llama.cpp context, its forwards run by the Batcher
     in the step of every running request. What a strategy's decode loop holds as its target (or draft model)."""
 
-    def __init__(self, batcher: Batcher, model, seq: int, member: Member | None = None):
-        self.batcher, self.model, self.seq = batcher, model, seq
+    def __init__(self, batcher: Batcher, model, sequence_id: int, member: Member | None = None):
+        self.batcher, self.model, self.sequence_id = batcher, model, sequence_id
         self.member = member  # the request decoding on it now (the Engine sets it per request)
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
 
@@ -259,7 +260,9 @@ class BatchedSequence:
 
     def forward(self, token_ids: list[int], positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
         if tree_mask is not None or positions is not None:
-            return self.model.forward(token_ids, positions, tree_mask, last_n, seq=self.seq)  # its own error
+            return self.model.forward(
+                token_ids, positions, tree_mask, last_n, sequence_id=self.sequence_id
+            )  # its own error
         if not token_ids:
             raise ValueError("forward needs at least one token")
         outputs = len(token_ids) if last_n is None else min(last_n, len(token_ids))
@@ -270,4 +273,4 @@ class BatchedSequence:
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         with self.batcher._between_steps():
-            self.model.keep_path(prefix_len, slots, seq=self.seq)
+            self.model.keep_path(prefix_len, slots, sequence_id=self.sequence_id)

@@ -239,10 +239,10 @@ class Engine:
         self._batcher = Batcher()
         self._sequence_strategies = []
         self._sequence_strategies_lock = threading.Lock()
-        for seq in range(self.max_num_seqs):
+        for sequence_id in range(self.max_num_seqs):
             strategy = copy.copy(self.strategy)
-            strategy.target = BatchedSequence(self._batcher, self.strategy.target, seq)
-            strategy.draft_models = [BatchedSequence(self._batcher, m, seq) for m in self.strategy.draft_models]
+            strategy.target = BatchedSequence(self._batcher, self.strategy.target, sequence_id)
+            strategy.draft_models = [BatchedSequence(self._batcher, m, sequence_id) for m in self.strategy.draft_models]
             strategy.policy, strategy._pinning = None, None  # its own drafters; the Engine's strategy unpins
             strategy.in_use = False
             self._sequence_strategies.append(strategy)
@@ -317,7 +317,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a paraspec.SamplingParams")
-        self._check_processors(params)
+        self.check_params(params)
         stop = frozenset(self.target.eos_token_ids) | frozenset(params.stop_token_ids or ())
         grammar = None
         if params.structured is not None:  # compiled once per (tokenizer, kind, spec); this request's state
@@ -333,8 +333,10 @@ class Engine:
             grammar=grammar,
         )
 
-    def _check_processors(self, params: SamplingParams) -> None:
-        """A logit bias or a penalty only where the strategy applies it, and a bias only on the target's ids."""
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse what this Engine cannot honour (a ValueError naming the fix; the server calls it before queueing):
+        a logit bias, a penalty, logprobs or a structured output where the strategy does not apply it, a bias
+        beyond the target's ids."""
         if params.adjusts_logits and not self.strategy.caps.processors:
             accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.processors)
             raise ValueError(
@@ -463,7 +465,7 @@ class Engine:
         """The strategy of the free sequence with the lowest number: the running ones stay 0, 1, 2, ... (see
         _give_back_sequence_strategy)."""
         with self._sequence_strategies_lock:
-            strategy = min((s for s in self._sequence_strategies if not s.in_use), key=lambda s: s.target.seq)
+            strategy = min((s for s in self._sequence_strategies if not s.in_use), key=lambda s: s.target.sequence_id)
             strategy.in_use = True
             return strategy
 
@@ -472,8 +474,10 @@ class Engine:
         drafters with it), so that the running sequences stay 0, 1, 2, ... and decode in one micro-batch."""
         with self._sequence_strategies_lock:
             strategy.in_use = False
-            top = max((s for s in self._sequence_strategies if s.in_use), key=lambda s: s.target.seq, default=None)
-            if top is not None and top.target.seq > strategy.target.seq and self._batcher is not None:
+            top = max(
+                (s for s in self._sequence_strategies if s.in_use), key=lambda s: s.target.sequence_id, default=None
+            )
+            if top is not None and top.target.sequence_id > strategy.target.sequence_id and self._batcher is not None:
                 self._batcher.move([top.target, *top.draft_models], [strategy.target, *strategy.draft_models])
 
     def cancel(self) -> bool:

@@ -91,12 +91,12 @@ class NGramIndex(SequenceIndex):
     def lookup(self, k: int, context: list[int] | None = None) -> tuple[list[int], int]:
         """Up to k tokens continuing the latest earlier occurrence of the longest matching suffix of `context`
         (default: the sequence itself); (tokens, n) with n the matched length, or ([], 0) without a match."""
-        seq = self.tokens
-        context = seq if context is None else context
-        for n in range(min(self.max_ngram, len(seq) - 1, len(context)), self.min_ngram - 1, -1):
+        tokens = self.tokens
+        context = tokens if context is None else context
+        for n in range(min(self.max_ngram, len(tokens) - 1, len(context)), self.min_ngram - 1, -1):
             start = self.continuations[n].get(tuple(context[len(context) - n :]))
             if start is not None:
-                return seq[start : start + k], n
+                return tokens[start : start + k], n
         return [], 0
 
 

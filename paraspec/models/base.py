@@ -85,10 +85,10 @@ class SequenceChecks:
     """The checks a model of several sequences (llama.cpp's, models/native/sequences.py) runs before a forward of one
     of them; it has `_lengths` (cached tokens per sequence), `max_context` and `vocab_size`."""
 
-    def _check_room(self: _Sequences, n: int, seq: int = 0) -> None:
-        if self._lengths[seq] + n > self.max_context:
+    def _check_room(self: _Sequences, n: int, sequence_id: int = 0) -> None:
+        if self._lengths[sequence_id] + n > self.max_context:
             raise ValueError(
-                f"context full: {self._lengths[seq]} cached + {n} new tokens exceed max_context "
+                f"context full: {self._lengths[sequence_id]} cached + {n} new tokens exceed max_context "
                 f"{self.max_context}; create the engine with a larger max_context"
             )
 
@@ -99,21 +99,22 @@ class SequenceChecks:
 
 
 def check_batch(model, items: list[tuple[int, list[int], int]]) -> None:
-    """forward_batch's items (seq, token_ids, outputs) on a model of several sequences: each sequence at most once,
-    1..exact_width tokens each, n_batch in all, 1..len(tokens) outputs, room in its cache, ids in the vocabulary."""
-    seqs = [seq for seq, _, _ in items]
-    if not items or len(set(seqs)) != len(seqs) or any(not 0 <= s < model.n_seqs for s in seqs):
-        raise ValueError(f"forward_batch takes each of the {model.n_seqs} sequences at most once, got {seqs}")
+    """forward_batch's items (sequence_id, token_ids, outputs) on a model of several sequences: each sequence at most
+    once, 1..exact_width tokens each, n_batch in all, 1..len(tokens) outputs, room in its cache, ids in the
+    vocabulary."""
+    sequence_ids = [sequence_id for sequence_id, _, _ in items]
+    if not items or len(set(sequence_ids)) != len(sequence_ids) or any(not 0 <= s < model.n_seqs for s in sequence_ids):
+        raise ValueError(f"forward_batch takes each of the {model.n_seqs} sequences at most once, got {sequence_ids}")
     total = sum(len(tokens) for _, tokens, _ in items)
     if total > model.n_batch or any(not 0 < len(t) <= model.exact_width for _, t, _ in items):
         raise ValueError(
             f"forward_batch: {total} tokens (at most n_batch={model.n_batch}), each sequence's "
             f"1..{model.exact_width} (exact_width)"
         )
-    for seq, tokens, outputs in items:
+    for sequence_id, tokens, outputs in items:
         if not 0 < outputs <= len(tokens):
             raise ValueError(f"forward_batch: {outputs} outputs of {len(tokens)} tokens")
-        model._check_room(len(tokens), seq)
+        model._check_room(len(tokens), sequence_id)
         model._check_vocabulary(tokens)
 
 
@@ -127,24 +128,29 @@ def measure_batch_exact(model, width: int, prompts: tuple[int, ...], shortest: i
     lengths = [max(1, min(p, model.max_context - width)) for p in prompts]
     lengths = (lengths * (n // len(lengths) + 1))[:n]
     steps = [rng.integers(0, model.vocab_size, size=width).tolist() for _ in range(n)]
-    for seq, p in enumerate(lengths):
-        model.prefill(rng.integers(0, model.vocab_size, size=p).tolist(), seq)
+    for sequence_id, p in enumerate(lengths):
+        model.prefill(rng.integers(0, model.vocab_size, size=p).tolist(), sequence_id)
     span = max(1, width - shortest + 1)
     rows = []
     for group in range(2, n + 1):
         for kind in ("decode", "verify"):
             widths = [1 if kind == "decode" else min(width, shortest + (i + group) % span) for i in range(group)]
             alone = []
-            for seq in range(group):
-                alone.append(model.forward(steps[seq][: widths[seq]], seq=seq))
-                model.rollback(lengths[seq], seq)
-            got = model.forward_batch([(seq, steps[seq][: widths[seq]], widths[seq]) for seq in range(group)])
-            for seq in range(group):
-                model.rollback(lengths[seq], seq)
+            for sequence_id in range(group):
+                alone.append(model.forward(steps[sequence_id][: widths[sequence_id]], sequence_id=sequence_id))
+                model.rollback(lengths[sequence_id], sequence_id)
+            got = model.forward_batch(
+                [
+                    (sequence_id, steps[sequence_id][: widths[sequence_id]], widths[sequence_id])
+                    for sequence_id in range(group)
+                ]
+            )
+            for sequence_id in range(group):
+                model.rollback(lengths[sequence_id], sequence_id)
             diff = max(float((g - a).abs().max()) for g, a in zip(got, alone))
             rows.append({"sequences": group, "kind": kind, "widths": widths, "max_abs_diff": diff})
-    for seq in range(n):
-        model.rollback(0, seq)
+    for sequence_id in range(n):
+        model.rollback(0, sequence_id)
     return rows
 
 

@@ -108,8 +108,8 @@ class _SharedBlock:
         self._segment = segment
         self._lock = ProcessLock(segment)
         self._header = np.ndarray((16,), np.int64, buffer=segment.buf)
-        self._seq = np.ndarray((1,), np.uint32, buffer=segment.buf)
-        self._seq_address = self._seq.__array_interface__["data"][0]
+        self._change_count = np.ndarray((1,), np.uint32, buffer=segment.buf)
+        self._change_count_address = self._change_count.__array_interface__["data"][0]
         self._reason = np.ndarray((_REASON_BYTES,), np.uint8, buffer=segment.buf, offset=_HEADER_BYTES)
         _live[segment.name] = self
 
@@ -138,17 +138,17 @@ class _SharedBlock:
     # -- waking and waiting ---------------------------------------------------------------------------------
     def _bump(self) -> None:
         """Mark a change; call with the lock held, then `_wake()` after releasing it."""
-        self._seq[0] = (int(self._seq[0]) + 1) & 0xFFFFFFFF
+        self._change_count[0] = (int(self._change_count[0]) + 1) & 0xFFFFFFFF
 
     def _wake(self) -> None:
-        futex_wake_all(self._seq_address)
+        futex_wake_all(self._change_count_address)
 
     def _wait(self, check: Callable[[], object], timeout: float | None):
         """Return check()'s first non-None value (evaluated under the lock), or None after `timeout` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
-                seen = int(self._seq[0])
+                seen = int(self._change_count[0])
                 result = check()
                 if result is not None:
                     return result
@@ -157,7 +157,7 @@ class _SharedBlock:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
-            futex_wait(self._seq_address, seen, remaining)
+            futex_wait(self._change_count_address, seen, remaining)
 
     # -- stopping -------------------------------------------------------------------------------------------
     def _read_reason(self) -> str:
@@ -566,14 +566,14 @@ class TokenChannel(_SharedBlock):
     def geometry(self) -> tuple[int, int | None, int]:
         return self.capacity, self.vocab_size, self.q_window
 
-    def seq_state(self) -> tuple[int, ChannelState]:
+    def change_count_and_state(self) -> tuple[int, ChannelState]:
         """The change counter and the state, read together."""
         with self._lock:
-            return int(self._seq[0]), self._state()
+            return int(self._change_count[0]), self._state()
 
     def wait_for_change(self, seen: int, timeout: float | None = None) -> bool:
         """Block until the change counter moves past `seen` (any write, a stop included); False on timeout."""
         try:
-            return self._wait(lambda: True if int(self._seq[0]) != seen else None, timeout) is not None
+            return self._wait(lambda: True if int(self._change_count[0]) != seen else None, timeout) is not None
         except ChannelStopped:
             return True

@@ -85,7 +85,7 @@ _CHANNEL_CALLS = {
     "wait_for_version_change",
     "wait_for_commit",
     "wait_for_room",
-    "seq_state",
+    "change_count_and_state",
     "wait_for_change",
     "geometry",
     "stopped",
@@ -283,7 +283,7 @@ class RemoteChannel(_Proxy):
         Like the local wait: a stopped channel whose state still satisfies the predicate returns it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            seq, state = self._call("seq_state")
+            change_count, state = self._call("change_count_and_state")
             if predicate(state):
                 return state
             if state.stopped:
@@ -291,7 +291,7 @@ class RemoteChannel(_Proxy):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return None
-            self._call("wait_for_change", seq, left)
+            self._call("wait_for_change", change_count, left)
 
 
 class RemoteStopSignal(_Proxy):

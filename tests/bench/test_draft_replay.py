@@ -5,9 +5,9 @@ from paraspec.drafters.adaptive import ForwardCost
 
 
 def test_ngram_simple_takes_the_last_earlier_occurrence():
-    seq = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert ngram_simple(seq, 3, 4) == [7, 8, 5, 1]  # the later of the two earlier "1 2 3", not the first
-    assert ngram_simple(seq, 3, 2) == [7, 8]
+    sequence = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert ngram_simple(sequence, 3, 4) == [7, 8, 5, 1]  # the later of the two earlier "1 2 3", not the first
+    assert ngram_simple(sequence, 3, 2) == [7, 8]
     assert ngram_simple([4, 5, 6], 3, 4) == []  # no earlier occurrence
     assert ngram_simple([1, 2, 1, 2], 2, 16) == [1, 2]  # the continuation runs up to the end
 

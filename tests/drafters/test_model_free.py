@@ -29,8 +29,8 @@ GREEDY = SamplingParams()
 GEN = torch.Generator().manual_seed(0)
 
 
-def ngram(seq, k=5, lo=1, hi=3, vocab=100):
-    return NGramDrafter(vocab, lo, hi).propose(seq, k, GREEDY, GEN).tokens
+def ngram(sequence, k=5, lo=1, hi=3, vocab=100):
+    return NGramDrafter(vocab, lo, hi).propose(sequence, k, GREEDY, GEN).tokens
 
 
 # -- prompt lookup ---------------------------------------------------------------------------------------------
@@ -38,23 +38,23 @@ def ngram(seq, k=5, lo=1, hi=3, vocab=100):
 
 def test_ngram_longest_match_wins():
     # "7 8" occurred followed by 1, 2; "9 7 8" occurred (later-ending shorter match elsewhere) followed by 3, 4
-    seq = [9, 7, 8, 3, 4, 0, 5, 7, 8, 1, 2, 0, 9, 7, 8]
-    assert ngram(seq, k=2, lo=1, hi=3) == [3, 4]  # the 3-gram (9 7 8) beats the 2-gram's latest (1 2)
-    assert ngram(seq, k=2, lo=1, hi=2) == [1, 2]  # up to 2-grams: the most recent occurrence of (7 8)
+    sequence = [9, 7, 8, 3, 4, 0, 5, 7, 8, 1, 2, 0, 9, 7, 8]
+    assert ngram(sequence, k=2, lo=1, hi=3) == [3, 4]  # the 3-gram (9 7 8) beats the 2-gram's latest (1 2)
+    assert ngram(sequence, k=2, lo=1, hi=2) == [1, 2]  # up to 2-grams: the most recent occurrence of (7 8)
 
 
 def test_ngram_no_match_proposes_nothing_and_respects_min():
     assert ngram([1, 2, 3, 4, 5]) == []
-    seq = [1, 2, 3, 4, 2]  # only a 1-gram match (2 -> 3)
-    assert ngram(seq, lo=1) == [3, 4, 2] and ngram(seq, lo=2) == []
+    sequence = [1, 2, 3, 4, 2]  # only a 1-gram match (2 -> 3)
+    assert ngram(sequence, lo=1) == [3, 4, 2] and ngram(sequence, lo=2) == []
 
 
 def test_ngram_proposal_length_and_growth():
     drafter = NGramDrafter(100, 2, 3)
-    seq = [5, 6, 7, 8, 9, 5, 6]
-    assert drafter.propose(seq, 2, GREEDY, GEN).tokens == [7, 8]
-    assert drafter.propose(seq, 10, GREEDY, GEN).tokens == [7, 8, 9, 5, 6]  # runs to the end of the text
-    assert drafter.propose(seq + [7], 3, GREEDY, GEN).tokens == [8, 9, 5]  # extended incrementally
+    sequence = [5, 6, 7, 8, 9, 5, 6]
+    assert drafter.propose(sequence, 2, GREEDY, GEN).tokens == [7, 8]
+    assert drafter.propose(sequence, 10, GREEDY, GEN).tokens == [7, 8, 9, 5, 6]  # runs to the end of the text
+    assert drafter.propose(sequence + [7], 3, GREEDY, GEN).tokens == [8, 9, 5]  # extended incrementally
     assert drafter.propose([1, 2, 1], 3, GREEDY, GEN).tokens == []  # a new sequence: index rebuilt
     assert drafter.propose([1, 2, 1, 2], 0, GREEDY, GEN).tokens == []
 
@@ -80,9 +80,9 @@ def test_suffix_trie_counts_and_removal():
 
 
 def test_suffix_most_frequent_continuation_wins():
-    seq = [1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 4, 0, 1, 2]
+    sequence = [1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 4, 0, 1, 2]
     drafter = SuffixDrafter(100, depth=8, cache_requests=0)
-    assert drafter.propose(seq, 2, GREEDY, GEN).tokens == [4, 0]
+    assert drafter.propose(sequence, 2, GREEDY, GEN).tokens == [4, 0]
 
 
 def test_suffix_cache_is_shared_across_requests_and_bounded():
@@ -105,8 +105,8 @@ def test_suffix_cache_is_shared_across_requests_and_bounded():
 
 
 def test_suffix_tree_branches_ordered_by_frequency():
-    seq = [7, 2, 0, 7, 2, 1, 7, 2, 5, 7, 3, 6, 7, 3, 8, 7, 1, 9, 7]  # the longest earlier match is "7" alone
-    tree = SuffixDrafter(100, depth=6, cache_requests=0).propose_tree(seq, 3, 2, 10, GREEDY, GEN)
+    sequence = [7, 2, 0, 7, 2, 1, 7, 2, 5, 7, 3, 6, 7, 3, 8, 7, 1, 9, 7]  # the longest earlier match is "7" alone
+    tree = SuffixDrafter(100, depth=6, cache_requests=0).propose_tree(sequence, 3, 2, 10, GREEDY, GEN)
     roots = [t for t, p in zip(tree.tokens, tree.parents) if p == -1]
     assert roots == [2, 3, 1]  # 3, 2 and 1 occurrences after "7"
     assert all(tree.depths[i] == 2 for i, p in enumerate(tree.parents) if p != -1)
@@ -114,17 +114,17 @@ def test_suffix_tree_branches_ordered_by_frequency():
 
 
 def test_suffix_drops_improbable_paths():
-    seq = [7, 1, 7, 2, 7, 3, 7, 4, 7, 5, 7, 6, 7, 8, 7, 9, 7, 10, 7, 11, 7, 12, 7]  # after 7: 11 continuations
-    assert SuffixDrafter(100, depth=4, cache_requests=0).propose(seq, 3, GREEDY, GEN).tokens == []
+    sequence = [7, 1, 7, 2, 7, 3, 7, 4, 7, 5, 7, 6, 7, 8, 7, 9, 7, 10, 7, 11, 7, 12, 7]  # after 7: 11 continuations
+    assert SuffixDrafter(100, depth=4, cache_requests=0).propose(sequence, 3, GREEDY, GEN).tokens == []
 
 
 def test_suffix_stops_where_the_path_probability_falls_below_the_minimum():
     """After the context "0 5" (4 times): 6 always (probability 1), then 7 three times in four (0.75)."""
-    seq = [0, 5, 6, 7, 0, 5, 6, 7, 0, 5, 6, 7, 0, 5, 6, 8, 0, 5]
+    sequence = [0, 5, 6, 7, 0, 5, 6, 7, 0, 5, 6, 7, 0, 5, 6, 8, 0, 5]
 
     def proposal(min_prob):
         drafter = SuffixDrafter(100, depth=4, cache_requests=0, factor=0, min_prob=min_prob, memory=False)
-        return drafter.propose(seq, 8, GREEDY, GEN).tokens
+        return drafter.propose(sequence, 8, GREEDY, GEN).tokens
 
     assert proposal(0.8) == [6]
     assert proposal(0.75) == proposal(0.5) == [6, 7]
@@ -132,11 +132,11 @@ def test_suffix_stops_where_the_path_probability_falls_below_the_minimum():
 
 
 def test_suffix_proposal_is_at_most_factor_times_the_match():
-    seq = list(range(10, 40)) + [10, 11]  # a 2-token match, then 28 tokens to copy
+    sequence = list(range(10, 40)) + [10, 11]  # a 2-token match, then 28 tokens to copy
 
     def proposal(factor, k=16):
         drafter = SuffixDrafter(100, depth=32, cache_requests=0, factor=factor, memory=False)
-        tokens = drafter.propose(seq, k, GREEDY, GEN).tokens
+        tokens = drafter.propose(sequence, k, GREEDY, GEN).tokens
         assert drafter.last_match == 2
         return tokens
 
@@ -144,7 +144,7 @@ def test_suffix_proposal_is_at_most_factor_times_the_match():
     assert proposal(2.5) == [12, 13, 14, 15, 16]  # ceil(2.5 x 2)
     assert proposal(0.0) == list(range(12, 28)) == proposal(100.0)  # no cap: k = 16
     assert proposal(0.1) == [12]  # at least one token
-    tree = SuffixDrafter(100, depth=32, cache_requests=0, factor=1.5).propose_tree(seq, 2, 10, 20, GREEDY, GEN)
+    tree = SuffixDrafter(100, depth=32, cache_requests=0, factor=1.5).propose_tree(sequence, 2, 10, 20, GREEDY, GEN)
     assert tree.depth == 3
 
 
@@ -153,11 +153,11 @@ def test_suffix_chain_copies_past_the_trie_depth():
     the depth, then continues as the text did after the latest occurrence of its last 8 tokens, up to k; without
     such a long match it stays within the depth and the factor."""
     span = [int(t) for t in np.random.default_rng(3).permutation(np.arange(10, 90))]  # 80 distinct tokens
-    seq = span + [1, 2] + span[:20]  # the span copied again: a 20-token earlier match
+    sequence = span + [1, 2] + span[:20]  # the span copied again: a 20-token earlier match
     drafter = SuffixDrafter(100, depth=16, cache_requests=0, factor=1.0, memory=False)
-    tokens = drafter.propose(seq, 40, GREEDY, GEN).tokens
+    tokens = drafter.propose(sequence, 40, GREEDY, GEN).tokens
     assert drafter.last_match == 8 and tokens == span[20:60]  # 8 from the trie, 32 copied
-    assert drafter.propose(seq, 5, GREEDY, GEN).tokens == span[20:25]  # never more than k
+    assert drafter.propose(sequence, 5, GREEDY, GEN).tokens == span[20:25]  # never more than k
     short = span + [1, 2] + span[:5]  # a 5-token match: the factor caps it at 5
     assert (
         SuffixDrafter(100, depth=16, cache_requests=0, factor=1.0, memory=False).propose(short, 40, GREEDY, GEN).tokens
@@ -194,23 +194,23 @@ def test_memory_cuts_a_pattern_where_its_last_proposal_went_wrong():
 
 def test_memory_judges_only_the_round_after_its_proposal():
     drafter = NGramDrafter(100, 2, 2, memory=True)
-    seq = [1, 2, 3, 4, 5, 0, 1, 2]
-    drafter.propose(seq, 3, GREEDY, GEN)
-    drafter.committed(len(seq) + 1, [9])  # not the sequence it continued: ignored
-    drafter.committed(len(seq), [])  # nothing committed: ignored
+    sequence = [1, 2, 3, 4, 5, 0, 1, 2]
+    drafter.propose(sequence, 3, GREEDY, GEN)
+    drafter.committed(len(sequence) + 1, [9])  # not the sequence it continued: ignored
+    drafter.committed(len(sequence), [])  # nothing committed: ignored
     assert drafter.memory.last == {}
-    drafter.committed(len(seq), [3, 4])  # right as far as it was checked
+    drafter.committed(len(sequence), [3, 4])  # right as far as it was checked
     assert drafter.memory.last[(1, 2)] == ([3, 4, 5], 2, True)
-    drafter.committed(len(seq), [9])  # judged once
+    drafter.committed(len(sequence), [9])  # judged once
     assert drafter.memory.last[(1, 2)][1:] == (2, True)
 
 
 def test_memory_lets_a_suffix_pattern_that_was_right_run_past_the_factor():
-    seq = list(range(10, 40)) + [10, 11]
+    sequence = list(range(10, 40)) + [10, 11]
     drafter = SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=True)
-    assert drafter.propose(seq, 8, GREEDY, GEN).tokens == [12, 13]  # 2-token match, factor 1
-    drafter.committed(len(seq), [12, 13, 14])  # right beyond what was drafted
-    again = seq + [12, 13, 14, 50, 10, 11]  # "10 11" once more
+    assert drafter.propose(sequence, 8, GREEDY, GEN).tokens == [12, 13]  # 2-token match, factor 1
+    drafter.committed(len(sequence), [12, 13, 14])  # right beyond what was drafted
+    again = sequence + [12, 13, 14, 50, 10, 11]  # "10 11" once more
     assert drafter.propose(again, 8, GREEDY, GEN).tokens == [12, 13, 14, 15, 16, 17, 18, 19]  # extended
     drafter.committed(len(again), [12, 13, 99])
     third = again + [12, 13, 99, 51, 10, 11]
@@ -357,17 +357,17 @@ def test_adaptive_rule_priced_by_the_batch_rows():
 
 def test_the_policy_asks_the_batch_for_its_load():
     cpu = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
-    seq = [1, 2, 3, 4, 5, 6] * 6  # a repeating text: the n-gram drafts with confidence
+    sequence = [1, 2, 3, 4, 5, 6] * 6  # a repeating text: the n-gram drafts with confidence
     lengths = {}
     for load in ((), (4, 4, 4)):
         policy = DraftPolicy([NGramDrafter(100, 1, 3)], cpu)
         for _ in range(30):  # the same evidence for both: every draft accepted
-            proposal = policy.propose(seq, 16, GREEDY, GEN)
+            proposal = policy.propose(sequence, 16, GREEDY, GEN)
             policy.observe(
-                1 + len(proposal.tokens), cpu(1 + len(proposal.tokens)), proposal.tokens + [seq[len(seq) % 6]]
+                1 + len(proposal.tokens), cpu(1 + len(proposal.tokens)), proposal.tokens + [sequence[len(sequence) % 6]]
             )
         policy.shared = lambda load=load: list(load)
-        lengths[load] = len(policy.propose(seq, 16, GREEDY, GEN).tokens)
+        lengths[load] = len(policy.propose(sequence, 16, GREEDY, GEN).tokens)
     assert 0 < lengths[(4, 4, 4)] < lengths[()]
 
 
@@ -403,11 +403,11 @@ def test_adaptive_hybrid_learns_to_stop_and_observes_for_free():
 
 def test_adaptive_sampling_keeps_a_model_free_proposals_q_none():
     """Under sampling the rule cuts a model-free proposal and its q stays None (point masses: nothing built)."""
-    seq = list(range(10, 40)) + [10, 11, 12, 13, 14, 15]  # a 6-token match, 24 tokens to copy
+    sequence = list(range(10, 40)) + [10, 11, 12, 13, 14, 15]  # a 6-token match, 24 tokens to copy
     sampling = SamplingParams(temperature=0.8)
     for cost, kept in ((ForwardCost({1: 0.05, 2: 0.05, 33: 0.05}), 6), (ForwardCost({1: 0.01, 2: 1.0}), 0)):
         policy = DraftPolicy([SuffixDrafter(100, depth=32, cache_requests=0, factor=1.0, memory=False)], cost)
-        proposal = policy.propose(seq, 32, sampling, GEN)
+        proposal = policy.propose(sequence, 32, sampling, GEN)
         assert proposal.tokens == list(range(16, 16 + kept))  # flat cost: the factor's 6; steep: none
         assert proposal.q is None
 

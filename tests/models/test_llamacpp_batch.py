@@ -48,21 +48,21 @@ def test_sequences_batched_are_bitwise_alone_where_the_probe_says_so(gguf_pair, 
     ]
     expected = [alone(gguf_pair["target"], p, s, kernels) for p, s in zip(PROMPTS, steps)]
     got = [[] for _ in PROMPTS]
-    for seq in (0, 1):
-        got[seq].append(model.sequence(seq).prefill(PROMPTS[seq])[None])
+    for sequence_id in (0, 1):
+        got[sequence_id].append(model.sequence(sequence_id).prefill(PROMPTS[sequence_id])[None])
     for i in range(4):
         if i == 1:  # two sequences join after the first step
-            for seq in (2, 3):
-                got[seq].append(model.sequence(seq).prefill(PROMPTS[seq])[None])
+            for sequence_id in (2, 3):
+                got[sequence_id].append(model.sequence(sequence_id).prefill(PROMPTS[sequence_id])[None])
         running = [0, 1] if i == 0 else [0, 1, 2, 3]
-        step = [seq_steps[i if seq < 2 else i - 1] for seq, seq_steps in enumerate(steps)]
-        out = model.forward_batch([(seq, step[seq], len(step[seq])) for seq in running])
-        for seq, logits in zip(running, out):
-            got[seq].append(logits)
-    for seq in range(4):
-        want = expected[seq][: len(got[seq])]
-        for g, w in zip(got[seq], want):
-            assert torch.equal(g, w), f"sequence {seq}: batched rows differ from alone"
+        step = [seq_steps[i if sequence_id < 2 else i - 1] for sequence_id, seq_steps in enumerate(steps)]
+        out = model.forward_batch([(sequence_id, step[sequence_id], len(step[sequence_id])) for sequence_id in running])
+        for sequence_id, logits in zip(running, out):
+            got[sequence_id].append(logits)
+    for sequence_id in range(4):
+        want = expected[sequence_id][: len(got[sequence_id])]
+        for g, w in zip(got[sequence_id], want):
+            assert torch.equal(g, w), f"sequence {sequence_id}: batched rows differ from alone"
     assert [model.sequence(s).length for s in range(4)] == [
         len(p) + sum(map(len, s[: len(got[i]) - 1])) for i, (p, s) in enumerate(zip(PROMPTS, steps))
     ]
@@ -87,8 +87,8 @@ def test_a_moved_sequence_goes_on_bitwise_and_any_order_is_one_forward(gguf_pair
     """move_sequence copies a cache to another sequence, cells in place: its next rows are those it would have had;
     forward_batch takes its items in any order (llama.cpp needs them by increasing sequence: sorted inside)."""
     model = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=1, probe=False, kernels="plain", n_seqs=3)
-    for seq, prompt in enumerate(PROMPTS[:3]):
-        model.sequence(seq).prefill(prompt)
+    for sequence_id, prompt in enumerate(PROMPTS[:3]):
+        model.sequence(sequence_id).prefill(prompt)
     want = model.forward_batch([(2, [9, 10], 2), (0, [4], 1)])
     model.rollback(len(PROMPTS[2]), 2)
     model.rollback(len(PROMPTS[0]), 0)
@@ -108,8 +108,8 @@ def test_a_moved_sequence_goes_on_bitwise_and_any_order_is_one_forward(gguf_pair
 def test_forward_batch_refuses_what_it_cannot_do_exactly(gguf_pair):
     model = LlamaCppModel(gguf_pair["target"], 64, (), n_threads=1, probe=False, kernels="plain", n_seqs=2)
     model.exact_width = 4
-    for seq in (0, 1):
-        model.sequence(seq).prefill([1, 2, 3])
+    for sequence_id in (0, 1):
+        model.sequence(sequence_id).prefill([1, 2, 3])
     with pytest.raises(ValueError, match="at most once"):
         model.forward_batch([(0, [1], 1), (0, [2], 1)])
     with pytest.raises(ValueError, match="at most once"):

@@ -28,11 +28,11 @@ def test_batched_rows_equal_alone_exactly_where_the_probe_says(qwen2_target, kin
     widths = [1, 1, 1, 1] if kind == "decode" else [2, 5, 3, 8]
     steps = [tokens(10 + s, w) for s, w in enumerate(widths)]
     alone = []
-    for seq, prompt in enumerate(prompts):
-        m.prefill(prompt, seq)
-        alone.append(m.forward(steps[seq], seq=seq))
-        m.rollback(len(prompt), seq)
-    got = m.forward_batch([(seq, steps[seq], widths[seq]) for seq in range(4)])
+    for sequence_id, prompt in enumerate(prompts):
+        m.prefill(prompt, sequence_id)
+        alone.append(m.forward(steps[sequence_id], sequence_id=sequence_id))
+        m.rollback(len(prompt), sequence_id)
+    got = m.forward_batch([(sequence_id, steps[sequence_id], widths[sequence_id]) for sequence_id in range(4)])
     assert m._lengths == [len(p) + w for p, w in zip(prompts, widths)]
     admitted = m.batch_exact and m.min_shared_width <= min(widths) and max(widths) <= m.exact_width
     same = all(torch.equal(g, a) for g, a in zip(got, alone))
@@ -48,7 +48,7 @@ def test_sequences_are_independent_and_move_bitwise(qwen2_target):
     a, b = tokens(1, 12), tokens(2, 7)
     m.prefill(a, 0)
     m.prefill(b, 2)
-    m.forward(tokens(3, 4), seq=2)
+    m.forward(tokens(3, 4), sequence_id=2)
     m.rollback(9, 2)  # per sequence: sequence 0 keeps its 12
     assert m._lengths == [12, 0, 9]
     m.move_sequence(2, 1)  # the caches trade places
@@ -56,8 +56,8 @@ def test_sequences_are_independent_and_move_bitwise(qwen2_target):
     single.prefill(b)
     single.forward(tokens(3, 4))
     single.rollback(9)
-    assert torch.equal(m.forward([5, 6], seq=1), single.forward([5, 6]))
-    assert torch.equal(m.forward([7], seq=0), (single.prefill(a), single.forward([7]))[1])
+    assert torch.equal(m.forward([5, 6], sequence_id=1), single.forward([5, 6]))
+    assert torch.equal(m.forward([7], sequence_id=0), (single.prefill(a), single.forward([7]))[1])
 
 
 def test_bad_calls_are_refused(qwen2_target):
@@ -73,7 +73,7 @@ def test_bad_calls_are_refused(qwen2_target):
     with pytest.raises(ValueError, match="outside this model's vocabulary"):
         m.forward_batch([(0, [10**6], 1)])
     with pytest.raises(ValueError, match="sequence 5 of 2"):
-        m.forward([1], seq=5)
+        m.forward([1], sequence_id=5)
     with pytest.raises(ValueError, match="two different sequences"):
         m.move_sequence(1, 1)
     assert m._lengths == [3, 2]  # nothing refused changed a cache

@@ -380,37 +380,37 @@ class LlamaCppModel(SequenceChecks):
     def length(self) -> int:
         return self._lengths[0]
 
-    def sequence(self, seq: int) -> LlamaCppSequence:
-        """The Model protocol on sequence `seq` (0 <= seq < n_seqs) of this context."""
-        if not 0 <= seq < self.n_seqs:
-            raise ValueError(f"sequence {seq} is outside this context's {self.n_seqs} sequence(s)")
-        return LlamaCppSequence(self, seq)
+    def sequence(self, sequence_id: int) -> LlamaCppSequence:
+        """The Model protocol on sequence `sequence_id` (0 <= sequence_id < n_seqs) of this context."""
+        if not 0 <= sequence_id < self.n_seqs:
+            raise ValueError(f"sequence {sequence_id} is outside this context's {self.n_seqs} sequence(s)")
+        return LlamaCppSequence(self, sequence_id)
 
-    def rollback(self, length: int, seq: int = 0) -> None:
-        check_rollback(length, self._lengths[seq])
-        if length < self._lengths[seq]:
-            if not _lib.llama_memory_seq_rm(self._mem, seq, length, -1):
+    def rollback(self, length: int, sequence_id: int = 0) -> None:
+        check_rollback(length, self._lengths[sequence_id])
+        if length < self._lengths[sequence_id]:
+            if not _lib.llama_memory_seq_rm(self._mem, sequence_id, length, -1):
                 raise RuntimeError("llama.cpp refused to remove the tail of the KV cache")
-            self._lengths[seq] = length
+            self._lengths[sequence_id] = length
 
-    def prefill(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
+    def prefill(self, token_ids: list[int], sequence_id: int = 0) -> torch.Tensor:
         """The prompt in one forward (chunks of n_batch), exactly as every strategy runs it."""
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         if self._follow_torch:
             self._set_threads(torch.get_num_threads())
-        self._clear(seq)
-        self._check_room(len(token_ids), seq)
-        return self._prefill_chunks(token_ids, seq)[-1]
+        self._clear(sequence_id)
+        self._check_room(len(token_ids), sequence_id)
+        return self._prefill_chunks(token_ids, sequence_id)[-1]
 
-    def _clear(self, seq: int) -> None:
+    def _clear(self, sequence_id: int) -> None:
         if self.n_seqs == 1:
             _lib.llama_memory_clear(self._mem, True)
-        elif not _lib.llama_memory_seq_rm(self._mem, seq, -1, -1):
-            raise RuntimeError(f"llama.cpp refused to clear sequence {seq} of the KV cache")
-        self._lengths[seq] = 0
+        elif not _lib.llama_memory_seq_rm(self._mem, sequence_id, -1, -1):
+            raise RuntimeError(f"llama.cpp refused to clear sequence {sequence_id} of the KV cache")
+        self._lengths[sequence_id] = 0
 
-    def _prefill_chunks(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
+    def _prefill_chunks(self, token_ids: list[int], sequence_id: int = 0) -> torch.Tensor:
         """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token.
 
         Strategies re-feed a prompt's last token (dsi's servers roll back to it to get the first chunk's row), so
@@ -419,27 +419,29 @@ class LlamaCppModel(SequenceChecks):
         tokens -- all but the last token go first and the last one alone, here."""
         head, chunk = token_ids[:-1], (len(token_ids) - 1) % self.n_batch + 1
         if not self.exact:  # a draft: its prompt in whole chunks, on whatever kernels are fastest
-            return self._decode_chunks(token_ids, seq, outputs=1)
+            return self._decode_chunks(token_ids, sequence_id, outputs=1)
         if head and self._fast is not None:
-            self._fast.prefill(head, self.n_batch, into=self, seq=seq)
-            self._lengths[seq] = len(head)
+            self._fast.prefill(head, self.n_batch, into=self, sequence_id=sequence_id)
+            self._lengths[sequence_id] = len(head)
             self.fast_prefills += 1
         elif head and self.flash_attention and chunk >= FLASH_TILE_ROWS:
-            self._decode_chunks(head, seq, outputs=0)
+            self._decode_chunks(head, sequence_id, outputs=0)
         else:
-            return self._decode_chunks(token_ids, seq, outputs=1)
-        return self._decode(token_ids[-1:], outputs=1, seq=seq)
+            return self._decode_chunks(token_ids, sequence_id, outputs=1)
+        return self._decode(token_ids[-1:], outputs=1, sequence_id=sequence_id)
 
-    def _decode_chunks(self, token_ids: list[int], seq: int, outputs: int) -> torch.Tensor:
+    def _decode_chunks(self, token_ids: list[int], sequence_id: int, outputs: int) -> torch.Tensor:
         """token_ids in n_batch chunks; the last chunk's logits for its last `outputs` tokens."""
         for start in range(0, len(token_ids), self.n_batch):
             chunk = token_ids[start : start + self.n_batch]
-            out = self._decode(chunk, outputs=outputs if start + len(chunk) == len(token_ids) else 0, seq=seq)
+            out = self._decode(
+                chunk, outputs=outputs if start + len(chunk) == len(token_ids) else 0, sequence_id=sequence_id
+            )
         return out
 
     def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
-        """One llama_decode of several sequences' next tokens: items are (seq, token_ids, outputs), each sequence
-        at most once, its tokens at most exact_width, all of them at most n_batch; returns each item's logits
+        """One llama_decode of several sequences' next tokens: items are (sequence_id, token_ids, outputs), each
+        sequence at most once, its tokens at most exact_width, all of them at most n_batch; returns each item's logits
         [outputs, vocab] for its last `outputs` tokens. Each row is what the sequence alone would get only where
         `batch_exact` (the probe's verdict); the caller (strategies/batched.py) decodes alone otherwise."""
         check_batch(self, items)
@@ -454,8 +456,8 @@ class LlamaCppModel(SequenceChecks):
         )
         out, at = {}, 0
         for i in order:
-            seq, tokens, outputs = items[i]
-            self._lengths[seq] += len(tokens)
+            sequence_id, tokens, outputs = items[i]
+            self._lengths[sequence_id] += len(tokens)
             out[i] = torch.from_numpy(rows[at : at + outputs].copy())
             at += outputs
         return [out[i] for i in range(len(items))]
@@ -478,7 +480,7 @@ class LlamaCppModel(SequenceChecks):
         positions: list[int] | None = None,
         tree_mask: torch.Tensor | None = None,
         last_n: int | None = None,
-        seq: int = 0,
+        sequence_id: int = 0,
     ) -> torch.Tensor:
         if tree_mask is not None:
             raise ValueError(
@@ -489,10 +491,10 @@ class LlamaCppModel(SequenceChecks):
         n = len(token_ids)
         if n == 0:
             raise ValueError("forward needs at least one token")
-        length = self._lengths[seq]
+        length = self._lengths[sequence_id]
         if positions is not None and list(positions) != list(range(length, length + n)):
             raise ValueError("the llamacpp backend takes consecutive positions only; use backend='native'")
-        self._check_room(n, seq)
+        self._check_room(n, sequence_id)
         self._check_vocabulary(token_ids)
         want = n if last_n is None else min(last_n, n)
         pieces, first = [], 0
@@ -500,24 +502,24 @@ class LlamaCppModel(SequenceChecks):
             # into an empty cache: the tokens up to the first wanted row are a prompt, decoded in n_batch chunks
             # exactly as prefill() decodes one (same chunks, same output row), so every strategy's prompt KV and
             # first logits are ar's, without paying exact-width pieces for hundreds of prompt tokens
-            pieces.append(self._prefill_chunks(token_ids[: n - want + 1], seq))
+            pieces.append(self._prefill_chunks(token_ids[: n - want + 1], sequence_id))
             first = n - want + 1
         for start in range(first, n, self.exact_width):
             chunk = token_ids[start : start + self.exact_width]
             self.forward_widths[len(chunk)] = self.forward_widths.get(len(chunk), 0) + 1
             keep = max(0, len(chunk) - max(0, (n - want) - start))
-            pieces.append(self._decode(chunk, outputs=keep, seq=seq))
+            pieces.append(self._decode(chunk, outputs=keep, sequence_id=sequence_id))
         pieces = [p for p in pieces if len(p)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one piece (every decode step): no copy
 
-    def keep_path(self, prefix_len: int, slots: list[int], seq: int = 0) -> None:
+    def keep_path(self, prefix_len: int, slots: list[int], sequence_id: int = 0) -> None:
         raise ValueError("token trees are not supported by the llamacpp backend; use backend='native'")
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _decode(self, token_ids: list[int], outputs: int, seq: int = 0) -> torch.Tensor:
+    def _decode(self, token_ids: list[int], outputs: int, sequence_id: int = 0) -> torch.Tensor:
         """One llama_decode of consecutive tokens; logits [outputs, vocab] for the last `outputs` of them."""
-        _llama_decode_many(self._ctx, self._batch, [(seq, token_ids, self._lengths[seq], outputs)])
-        self._lengths[seq] += len(token_ids)
+        _llama_decode_many(self._ctx, self._batch, [(sequence_id, token_ids, self._lengths[sequence_id], outputs)])
+        self._lengths[sequence_id] += len(token_ids)
         if outputs == 0:
             return torch.empty(0, self.vocab_size)
         ptr = _lib.llama_get_logits(self._ctx)
@@ -545,43 +547,43 @@ class LlamaCppModel(SequenceChecks):
 
 
 def _llama_decode_many(ctx, batch, items: list[tuple[int, list[int], int, int]]) -> None:
-    """One llama_decode of (seq, consecutive tokens, first position, outputs) items: each sequence's tokens from
+    """One llama_decode of (sequence_id, consecutive tokens, first position, outputs) items: each sequence's tokens from
     its position, with logits for its last `outputs` tokens (in item order)."""
     n = 0
-    for seq, token_ids, position, outputs in items:
+    for sequence_id, token_ids, position, outputs in items:
         for i, tok in enumerate(token_ids):
             batch.token[n] = tok
             batch.pos[n] = position + i
             batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = seq
+            batch.seq_id[n][0] = sequence_id
             batch.logits[n] = i >= len(token_ids) - outputs
             n += 1
     batch.n_tokens = n
     code = _lib.llama_decode(ctx, batch)
     if code != 0:
-        where = ", ".join(f"sequence {seq} at {position}" for seq, _, position, _ in items)
+        where = ", ".join(f"sequence {sequence_id} at {position}" for sequence_id, _, position, _ in items)
         raise RuntimeError(f"llama_decode failed (code {code}) with {n} tokens ({where})")
 
 
 class LlamaCppSequence:
     """The Model protocol on one sequence of a LlamaCppModel with several (LlamaCppModel.sequence)."""
 
-    def __init__(self, model: LlamaCppModel, seq: int):
-        self.model, self.seq = model, seq
+    def __init__(self, model: LlamaCppModel, sequence_id: int):
+        self.model, self.sequence_id = model, sequence_id
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
 
     @property
     def length(self) -> int:
-        return self.model._lengths[self.seq]
+        return self.model._lengths[self.sequence_id]
 
     def rollback(self, length: int) -> None:
-        self.model.rollback(length, self.seq)
+        self.model.rollback(length, self.sequence_id)
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
-        return self.model.prefill(token_ids, self.seq)
+        return self.model.prefill(token_ids, self.sequence_id)
 
     def forward(self, token_ids: list[int], positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
-        return self.model.forward(token_ids, positions, tree_mask, last_n, seq=self.seq)
+        return self.model.forward(token_ids, positions, tree_mask, last_n, sequence_id=self.sequence_id)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.model.keep_path(prefix_len, slots)
@@ -614,17 +616,17 @@ class _FastPrefill:
         self.mem = _lib.llama_get_memory(self.ctx)
         self.batch = _lib.llama_batch_init(cparams.n_batch, 0, 1)
 
-    def prefill(self, token_ids: list[int], n_batch: int, into: LlamaCppModel, seq: int = 0) -> None:
-        """Decode `token_ids` from position 0 here and copy the sequence's KV into sequence `seq` of `into` (whose
-        cache for it it replaces)."""
+    def prefill(self, token_ids: list[int], n_batch: int, into: LlamaCppModel, sequence_id: int = 0) -> None:
+        """Decode `token_ids` from position 0 here and copy the sequence's KV into sequence `sequence_id` of `into`
+        (whose cache for it it replaces)."""
         _lib.llama_memory_clear(self.mem, True)
         for start in range(0, len(token_ids), n_batch):
             _llama_decode_many(self.ctx, self.batch, [(0, token_ids[start : start + n_batch], start, 0)])
         size = _lib.llama_state_seq_get_size(self.ctx, 0)
         state = (ctypes.c_uint8 * size)()
         written = _lib.llama_state_seq_get_data(self.ctx, state, size, 0)
-        into._clear(seq)
-        if written == 0 or _lib.llama_state_seq_set_data(into._ctx, state, written, seq) != written:
+        into._clear(sequence_id)
+        if written == 0 or _lib.llama_state_seq_set_data(into._ctx, state, written, sequence_id) != written:
             raise RuntimeError(
                 "llama.cpp could not copy the prompt's KV cache from the fast-prefill context; set "
                 "PARASPEC_LLAMACPP_FAST_PREFILL=0"

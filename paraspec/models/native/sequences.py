@@ -1,7 +1,7 @@
 """The native decoder with several sequences: one KV cache per request, their rows in one forward.
 
-`NativeSequences(decoder, max_context, n_seqs=N)` is a NativeModel whose methods take `seq` (which request's
-cache) and which adds what the Batcher (batching.py) drives: `forward_batch([(seq, tokens, outputs)])` runs the
+`NativeSequences(decoder, max_context, n_seqs=N)` is a NativeModel whose methods take `sequence_id` (which request's
+cache) and which adds what the Batcher (batching.py) drives: `forward_batch([(sequence_id, tokens, outputs)])` runs the
 rows of several sequences through every row-wise part of the model at once -- embeddings, norms, the q/k/v, o and
 MLP products, the LM head -- and attention per sequence over its own cache, exactly as that sequence's forward
 alone computes it. So a row's logits equal its logits alone wherever the products of this CPU (or GPU) give a row
@@ -69,18 +69,18 @@ class NativeSequences(SequenceChecks, NativeModel):
     def _lengths(self) -> list[int]:
         return [c.length for c in self.caches]
 
-    def _use(self, seq: int) -> None:
-        if not 0 <= seq < self.n_seqs:
-            raise ValueError(f"sequence {seq} of {self.n_seqs}")
-        self.cache = self.caches[seq]
+    def _use(self, sequence_id: int) -> None:
+        if not 0 <= sequence_id < self.n_seqs:
+            raise ValueError(f"sequence {sequence_id} of {self.n_seqs}")
+        self.cache = self.caches[sequence_id]
 
-    def rollback(self, length: int, seq: int = 0) -> None:
-        self._use(seq)
+    def rollback(self, length: int, sequence_id: int = 0) -> None:
+        self._use(sequence_id)
         super().rollback(length)
 
-    def prefill(self, token_ids: list[int], seq: int = 0) -> torch.Tensor:
-        self.rollback(0, seq)
-        return self.forward(token_ids, last_n=1, seq=seq)[-1]
+    def prefill(self, token_ids: list[int], sequence_id: int = 0) -> torch.Tensor:
+        self.rollback(0, sequence_id)
+        return self.forward(token_ids, last_n=1, sequence_id=sequence_id)[-1]
 
     def forward(
         self,
@@ -88,13 +88,13 @@ class NativeSequences(SequenceChecks, NativeModel):
         positions: list[int] | None = None,
         tree_mask: torch.Tensor | None = None,
         last_n: int | None = None,
-        seq: int = 0,
+        sequence_id: int = 0,
     ) -> torch.Tensor:
-        self._use(seq)  # the Batcher checked room and vocabulary when the forward was asked
+        self._use(sequence_id)  # the Batcher checked room and vocabulary when the forward was asked
         return super().forward(token_ids, positions, tree_mask, last_n)
 
-    def keep_path(self, prefix_len: int, slots: list[int], seq: int = 0) -> None:
-        self._use(seq)
+    def keep_path(self, prefix_len: int, slots: list[int], sequence_id: int = 0) -> None:
+        self._use(sequence_id)
         super().keep_path(prefix_len, slots)
 
     def move_sequence(self, src: int, dst: int) -> None:
@@ -109,12 +109,12 @@ class NativeSequences(SequenceChecks, NativeModel):
     # -- several sequences in one forward -----------------------------------------------------------------------
     @torch.inference_mode()
     def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
-        """Items (seq, token_ids, outputs), each sequence at most once with 1..exact_width tokens after its
+        """Items (sequence_id, token_ids, outputs), each sequence at most once with 1..exact_width tokens after its
         prompt: one pass of all their rows; returns each item's logits [outputs, vocab] of its last `outputs`
         tokens, in the items' order."""
         check_batch(self, items)
-        seqs = [seq for seq, _, _ in items]
-        caches = [self.caches[seq] for seq in seqs]
+        sequence_ids = [sequence_id for sequence_id, _, _ in items]
+        caches = [self.caches[sequence_id] for sequence_id in sequence_ids]
         starts = [c.length for c in caches]
         spans, at = [], 0
         for _, tokens, _ in items:
