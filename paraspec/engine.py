@@ -44,7 +44,7 @@ from paraspec.errors import EngineBusy, EngineClosed, IncompatibleModelsError, S
 from paraspec.gate import RequestGate
 from paraspec.models.loader import load_tokenizer_if_any, output_rows, parse_dtype, resolve_models, widened_draft
 from paraspec.prompts import decode_text, encode_prompt, output_text, stop_string_check
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.runtime.errors import RemoteError, WorkerError
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
@@ -312,7 +312,7 @@ class Engine:
         return min(m.max_context for m in (self.target, *self.draft_models))
 
     # -- generation ----------------------------------------------------------------------------------------
-    def _new_run(self, prompt, params: SamplingParams | None, record_margins: bool = False) -> Run:
+    def _new_run(self, prompt, params: SamplingParams | None, record_margins: bool = False) -> RequestState:
         self._gate.check_usable()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -322,7 +322,7 @@ class Engine:
         grammar = None
         if params.structured is not None:  # compiled once per (tokenizer, kind, spec); this request's state
             grammar = GrammarMatcher.for_request(self.tokenizer, params.structured, self.target.vocab_size, stop)
-        return Run(
+        return RequestState(
             prompt_ids=self.encode(prompt),
             params=params,
             stop_ids=stop,
@@ -380,7 +380,7 @@ class Engine:
         request.stream = weakref.ref(stream)
         return stream
 
-    def _stream(self, run: Run, request: Request) -> Generator[str, None, None]:
+    def _stream(self, run: RequestState, request: Request) -> Generator[str, None, None]:
         self._gate.acquire(request)
         decoding = self._decode(run, request)
         text, decoder = TextDeltas(run.params.stop or ()), IncrementalText(self.tokenizer)
@@ -419,7 +419,7 @@ class Engine:
             decoding.close()
             self._gate.release(request)
 
-    def _decode(self, run: Run, request: Request) -> Generator[list[int], None, None]:
+    def _decode(self, run: RequestState, request: Request) -> Generator[list[int], None, None]:
         """The tokens the strategy commits, a list per commit, until the run is done or the request is cancelled
         (checked after every commit; Engine.cancel() also wakes a strategy blocked on its workers). A dead or stuck
         worker marks the Engine failed until restart_workers(). With several sequences the request decodes on a free
@@ -509,7 +509,7 @@ class Engine:
         """The Batcher's counters (batching.BatchStats), or None when requests run one at a time."""
         return None if self._batcher is None else self._batcher.stats
 
-    def _finish(self, run: Run, start: float) -> GenerationResult:
+    def _finish(self, run: RequestState, start: float) -> GenerationResult:
         total = time.perf_counter() - start
         return GenerationResult(
             output_text(self.tokenizer, run),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import signal
@@ -42,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from paraspec.prompts import encode_prompt
+from paraspec.request_state import TokenLogprob
 from paraspec.runtime.errors import WorkerError
 from paraspec.sampling import SamplingParams
 from paraspec.server.metrics import ServerMetrics
@@ -171,8 +173,14 @@ class ServedModel:
         }
 
     async def completions(self, body: CompletionRequest, request: Request):
-        prompts = [encode(self.engine, prompt, "prompt") for prompt in body.prompts()]
-        return await self.respond(body, request, prompts, chat=False)
+        originals = body.prompts()
+        prompts = [encode(self.engine, prompt, "prompt") for prompt in originals]
+        echoes = None
+        if body.echo:  # the prompt as sent (token ids: their text)
+            echoes = [
+                p if isinstance(p, str) else self.engine.tokenizer.decode(ids) for p, ids in zip(originals, prompts)
+            ]
+        return await self.respond(body, request, prompts, chat=False, echoes=echoes)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         tools = body.template_tools()
@@ -194,8 +202,10 @@ class ServedModel:
         prompts: list[list[int]],
         chat: bool,
         tool_parser: Callable[[], ToolCallParser] | None = None,
+        echoes: list[str] | None = None,
     ):
-        """Queue every choice's generation, then stream them or answer once they have ended."""
+        """Queue every choice's generation, then stream them or answer once they have ended. `echoes`: each
+        prompt's text, put before its choices' text (completions' echo)."""
         if body.model != self.model_name:
             raise APIError(
                 400,
@@ -215,7 +225,7 @@ class ServedModel:
         events: asyncio.Queue = asyncio.Queue()  # the choices' events, tagged with their index
         jobs = []
         for p, prompt_ids in enumerate(prompts):
-            params = sampling_params(body, prompt_ids, self.engine.max_context, chat)
+            params = sampling_params(self.engine, body, prompt_ids, chat)
             for j in range(n):
                 jobs.append(Job(prompt_ids, choice_params(params, j), body.stream, index=p * n + j, events=events))
         try:
@@ -233,21 +243,27 @@ class ServedModel:
         ids = (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}", int(time.time()))
         if body.stream:
             return EventStream(
-                self.stream_events(jobs, body, ids, chat, tool_parser), on_close=lambda: cancel_all(jobs, "disconnect")
+                self.stream_events(jobs, body, ids, chat, tool_parser, echoes),
+                on_close=lambda: cancel_all(jobs, "disconnect"),
             )
         await wait_for_end(jobs, request)
         failure = first_failure(jobs)
         if failure is not None:
             raise failure
-        return self.whole_response(jobs, body, ids, chat, tool_parser)
+        return self.whole_response(jobs, body, ids, chat, tool_parser, echoes)
 
-    async def stream_events(self, jobs: list[Job], body, ids, chat: bool, tool_parser):
+    async def stream_events(self, jobs: list[Job], body, ids, chat: bool, tool_parser, echoes=None):
+        """Each choice's chunks as they come; its logprobs (all its tokens') ride on its last chunk."""
         by_index = {job.index: job for job in jobs}
         parsers = {job.index: tool_parser() for job in jobs} if tool_parser is not None else {}
         calls_sent = dict.fromkeys(by_index, 0)
         if chat:
             for job in jobs:
                 yield sse(self.chunk(ids, job.index, {"role": "assistant", "content": ""}, None, chat))
+        elif echoes is not None:
+            n = body.choices_per_prompt()
+            for job in jobs:
+                yield sse(self.chunk(ids, job.index, echoes[job.index // n], None, chat))
         running = len(jobs)
         while running:
             index, kind, delta = await jobs[0].events.get()
@@ -275,6 +291,7 @@ class ServedModel:
                 job = by_index[index]
                 result = result_of(job)
                 last = self.chunk(ids, index, {} if chat else "", finish_reason(result, calls_sent[index]), chat)
+                last["choices"][0]["logprobs"] = logprobs_of(self.engine.tokenizer, result, chat, echoes is not None)
                 last["paraspec"] = extension([job])
                 if body.return_token_ids:
                     last["choices"][0]["token_ids"] = result.token_ids
@@ -304,10 +321,12 @@ class ServedModel:
             "choices": [choice],
         }
 
-    def whole_response(self, jobs: list[Job], body, ids, chat: bool, tool_parser) -> dict:
+    def whole_response(self, jobs: list[Job], body, ids, chat: bool, tool_parser, echoes=None) -> dict:
         choices = []
+        n = body.choices_per_prompt()
         for job in jobs:
             result = result_of(job)
+            logprobs = logprobs_of(self.engine.tokenizer, result, chat, echoes is not None)
             if chat:
                 message: dict = {"role": "assistant", "content": result.text}
                 calls: list[dict] = []
@@ -319,14 +338,14 @@ class ServedModel:
                 choice = {
                     "index": job.index,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason(result, len(calls)),
                 }
             else:
                 choice = {
                     "index": job.index,
-                    "text": result.text,
-                    "logprobs": None,
+                    "text": (echoes[job.index // n] if echoes is not None else "") + result.text,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason(result),
                 }
             if body.return_token_ids:
@@ -395,6 +414,43 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def logprobs_of(tokenizer, result: GenerationResult, chat: bool, echo: bool) -> dict | None:
+    """The choice's `logprobs` in OpenAI's form: chat's `content` list, or completions' parallel lists (the
+    prompt's tokens first with echo, the first of them without a logprob)."""
+    if result.logprobs is None:
+        return None
+    text = functools.partial(token_text, tokenizer)
+    if chat:
+        return {
+            "content": [
+                {**chat_entry(text, t.token, t.logprob), "top_logprobs": [chat_entry(text, *a) for a in t.top]}
+                for t in result.logprobs
+            ]
+        }
+    scored: list[tuple[int, TokenLogprob | None]] = [(t.token, t) for t in result.logprobs]
+    if echo and result.prompt_logprobs is not None:
+        prompt = [(token, lp) for token, lp in zip(result.prompt_ids, result.prompt_logprobs)]
+        scored = prompt + scored
+    tokens = [text(token) for token, _ in scored]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if lp is None else lp.logprob for _, lp in scored],
+        "top_logprobs": [None if lp is None else {text(a): v for a, v in lp.top} for _, lp in scored],
+        "text_offset": offsets,
+    }
+
+
+def token_text(tokenizer, token: int) -> str:
+    """One token's text as logprobs list it (its id as text where the checkpoint has no tokenizer)."""
+    return tokenizer.decode([token]) if tokenizer is not None else str(token)
+
+
+def chat_entry(text, token: int, logprob: float) -> dict:
+    decoded = text(token)
+    return {"token": decoded, "logprob": logprob, "bytes": list(decoded.encode())}
+
+
 def encode(engine, prompt, param: str, tools: list[dict] | None = None) -> list[int]:
     try:
         if tools is None:
@@ -404,12 +460,14 @@ def encode(engine, prompt, param: str, tools: list[dict] | None = None) -> list[
         raise APIError(400, str(e), param=param) from None
 
 
-def sampling_params(body, prompt_ids: list[int], max_context: int, chat: bool) -> SamplingParams:
+def sampling_params(engine, body, prompt_ids: list[int], chat: bool) -> SamplingParams:
+    """The request's SamplingParams, checked against the Engine (a strategy that does not apply a bias, logprobs or
+    a structured output refuses here, before anything queues)."""
     limit = body.new_token_limit()
     if limit is None:  # chat: until the context is full; completions: OpenAI's 16
-        limit = max(1, max_context - len(prompt_ids)) if chat else DEFAULT_COMPLETION_TOKENS
+        limit = max(1, engine.max_context - len(prompt_ids)) if chat else DEFAULT_COMPLETION_TOKENS
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(0, body.top_k or 0),
@@ -417,9 +475,21 @@ def sampling_params(body, prompt_ids: list[int], max_context: int, chat: bool) -
             seed=body.seed,
             stop_token_ids=body.stop_ids() or None,
             stop=body.stop_strings() or None,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
+            logit_bias=body.bias(),
+            logprobs=body.logprobs_count(),
+            prompt_logprobs=body.prompt_logprobs_count(),
+            structured=body.structured(),
         )
+        engine.check_params(params)
+    except UnsupportedParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+    return params
 
 
 def finish_reason(result, tool_calls: int = 0) -> str:

@@ -1,11 +1,14 @@
 """Request bodies of the OpenAI API as paraspec serves them (pydantic models, checked before anything queues).
 
-Served: `n` (1..MAX_N choices per prompt), a list of prompts on /v1/completions, and on chat `tools`,
-`tool_choice` "auto"/"none", `parallel_tool_calls`, assistant messages with `tool_calls` and `tool` messages.
-A value paraspec cannot honour is refused with a message naming the field and the fix, never ignored: `logprobs`,
-`logit_bias`, `response_format` and the other parameters in UNSUPPORTED, penalties other than 0, a `tool_choice`
-that forces a call ("required", a named function: that needs constrained decoding), unknown parameters, roles other
-than system/developer/user/assistant/tool. Integers are strict (`max_tokens: 5.5` or `"5"` is an error, not 5).
+Served: `n` (1..MAX_N choices per prompt), a list of prompts on /v1/completions, `logprobs` (chat: with
+`top_logprobs`; completions: a count, and `echo` with the prompt's), `presence_penalty`, `frequency_penalty`,
+`logit_bias`, `response_format` (json_object, json_schema), vLLM's `repetition_penalty`, `min_p`, `guided_json`,
+`guided_regex`, `guided_grammar` and `structured_outputs`, and on chat `tools`, `tool_choice` "auto"/"none",
+`parallel_tool_calls`, assistant messages with `tool_calls` and `tool` messages.
+A value paraspec cannot honour is refused with a message naming the field and the fix, never ignored: the
+parameters in UNSUPPORTED, a `tool_choice` that forces a call ("required", a named function), unknown parameters,
+roles other than system/developer/user/assistant/tool. Integers are strict (`max_tokens: 5.5` or `"5"` is an
+error, not 5).
 """
 
 from __future__ import annotations
@@ -17,17 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 # parameters of the OpenAI API that paraspec does not implement: a request that sets them gets a 400 saying so
 UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
+    "top_logprobs",  # on /v1/completions (a chat parameter)
+    "echo",  # on chat (a completions parameter)
     "tools",  # on /v1/completions; chat takes them (ChatCompletionRequest)
     "tool_choice",
     "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
     "best_of",
-    "echo",
     "suffix",
     "audio",
     "modalities",
@@ -66,8 +66,16 @@ class _Sampling(BaseModel):
     stop: StrictStr | list[StrictStr | StrictInt] | None = None  # token ids: an extension
     stop_token_ids: list[StrictInt] | None = None  # vLLM's extension
     n: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extension (1 = off)
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension (0 = off)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None  # vLLM's extensions: one constraint at a time
+    guided_regex: StrictStr | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form: {"json": ...} | {"regex": ...} | ...
     return_token_ids: StrictBool = False  # vLLM's extension: choices[].token_ids
 
     @model_validator(mode="after")
@@ -86,14 +94,7 @@ class _Sampling(BaseModel):
             raise UnsupportedParameter(
                 "n", f"n must be between 1 and {MAX_N} (choices per prompt), got {self.n}; send several requests"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise UnsupportedParameter(
-                    name,
-                    f"'{name}' is not supported by paraspec serve (lossless "
-                    f"speculation samples the model's own distribution); drop it or "
-                    f"pass 0",
-                )
+        self.structured()  # one constraint at most, of a known kind
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options applies only with stream: true")
         return self
@@ -124,10 +125,102 @@ class _Sampling(BaseModel):
     def choices_per_prompt(self) -> int:
         return self.n or 1
 
+    def bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids (JSON keys are strings)."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): value for token, value in self.logit_bias.items()}
+        except ValueError:
+            raise UnsupportedParameter(
+                "logit_bias", f"logit_bias keys must be token ids, got {sorted(self.logit_bias)!r}"
+            ) from None
+
+    def structured(self) -> tuple[str, str] | None:
+        """The request's structured output as SamplingParams.structured's (kind, spec): from response_format or
+        vLLM's guided_* / structured_outputs; more than one is refused."""
+        asked: list[tuple[str, tuple[str, str]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append(("response_format", self.response_format.structured()))
+        if self.guided_json is not None:
+            asked.append(("guided_json", ("json_schema", _schema_text(self.guided_json))))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", ("regex", self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", ("grammar", self.guided_grammar)))
+        if self.structured_outputs:
+            asked.append(("structured_outputs", _structured_outputs(self.structured_outputs)))
+        if len(asked) > 1:
+            names = ", ".join(name for name, _ in asked)
+            raise UnsupportedParameter(asked[1][0], f"one structured output at a time, got {names}; keep one")
+        return asked[0][1] if asked else None
+
+    def logprobs_count(self) -> int | None:
+        """How many likeliest tokens to list beside each output token's logprob (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_count(self) -> int | None:
+        return None
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema goes with type 'json_schema' (and only there)")
+        return self
+
+    def structured(self) -> tuple[str, str]:
+        if self.type == "json_object":
+            return ("json_object", "")
+        assert self.json_schema is not None
+        return ("json_schema", _schema_text(self.json_schema.schema_ or {"type": "object"}))
+
+
+def _schema_text(schema) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+STRUCTURED_OUTPUT_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "json_object": "json_object"}
+
+
+def _structured_outputs(value: dict[str, Any]) -> tuple[str, str]:
+    given = [key for key in value if value[key] not in (None, False)]
+    if len(given) != 1 or given[0] not in STRUCTURED_OUTPUT_KINDS:
+        raise UnsupportedParameter(
+            "structured_outputs",
+            f"structured_outputs takes one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {sorted(value)!r}",
+        )
+    key = given[0]
+    if key == "json_object":
+        return ("json_object", "")
+    spec = value[key]
+    return (STRUCTURED_OUTPUT_KINDS[key], _schema_text(spec) if key == "json" else str(spec))
+
 
 class CompletionRequest(_Sampling):
     # a string, token ids, or a list of either (several prompts: n choices each, in prompt order)
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the likeliest tokens listed beside each token's
+    echo: StrictBool = False  # the prompt before the completion, with its logprobs when logprobs is set
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -225,6 +318,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None  # "auto" (the default with tools) or "none"
     parallel_tool_calls: StrictBool = True  # false: the first call only
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -242,6 +340,12 @@ class ChatCompletionRequest(_Sampling):
         return messages
 
     @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
     def _tool_choice_served(self):
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none"):
@@ -249,8 +353,8 @@ class ChatCompletionRequest(_Sampling):
         if choice == "required" or isinstance(choice, dict):
             raise UnsupportedParameter(
                 "tool_choice",
-                f"tool_choice {json.dumps(choice)} forces a tool call, which needs constrained decoding; paraspec "
-                f"serve does not have it yet: use 'auto' (the model decides) or 'none'",
+                f"tool_choice {json.dumps(choice)} forces a tool call, which paraspec serve does not do yet: use "
+                f"'auto' (the model decides) or 'none'",
             )
         raise UnsupportedParameter("tool_choice", f"tool_choice must be 'auto' or 'none', got {choice!r}")
 

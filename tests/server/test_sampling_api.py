@@ -1,0 +1,151 @@
+"""The sampling parameters clients send, through the official `openai` client against `paraspec serve`: logprobs
+(chat's top_logprobs; completions' count and echo), penalties, logit_bias, min_p, structured outputs
+(response_format, vLLM's guided_regex) -- each answer the one `ar` gives through the Python API with the same
+parameters, from `sd` and `amusd` servers; strategies that cannot honour one refuse it with a 400 naming it."""
+
+import json
+import re
+
+import openai
+import pytest
+
+from paraspec import SamplingParams
+from tests.server.conftest import KEY, MODEL, Server
+
+PROMPT = "def fib(n):\n    return"
+TOKENS = 16
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=1.5)
+EXTRA = dict(repetition_penalty=1.5, min_p=0.05)
+
+
+@pytest.fixture(scope="module")
+def sd_server(long_pair):
+    server = Server(long_pair, "sd", "--api-key", KEY, "--lookahead", "4", "--no-adaptive")
+    yield server
+    code, err = server.stop()
+    assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def amusd_server(long_pair):
+    server = Server(long_pair, "amusd", "--api-key", KEY)
+    yield server
+    code, err = server.stop()
+    assert code == 0, err
+
+
+def test_chat_logprobs_are_ars(sd_server, ar_engine):
+    messages = [{"role": "user", "content": "hello"}]
+    client = sd_server.client()
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=TOKENS,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
+    want = ar_engine.generate(messages, SamplingParams(max_new_tokens=TOKENS, logprobs=2))
+    choice = reply.choices[0]
+    assert choice.model_extra["token_ids"] == want.token_ids
+    content = choice.logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-4)
+    assert [len(c.top_logprobs) for c in content] == [2] * TOKENS
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the likeliest
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=TOKENS, logprobs=True, top_logprobs=2, stream=True
+    )
+    gathered = [
+        entry
+        for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [c.logprob for c in gathered] == [c.logprob for c in content]
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(sd_server, ar_engine):
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs=1, max_tokens=1."""
+    reply = sd_server.client().completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=1, logprobs=1, echo=True
+    )
+    want = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=1, logprobs=1, prompt_logprobs=1))
+    lp = reply.choices[0].logprobs
+    assert reply.choices[0].text.startswith(PROMPT) and len(lp.tokens) == len(want.prompt_ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [t.logprob for t in want.prompt_logprobs[1:]] + [want.logprobs[0].logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    plain = sd_server.client().completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=1)
+    assert plain.choices[0].logprobs is None and not plain.choices[0].text.startswith(PROMPT)
+
+
+@pytest.mark.parametrize("strategy", ["sd", "amusd"])
+def test_penalties_and_bias_give_ars_answer(request, ar_engine, strategy):
+    server = request.getfixturevalue(f"{strategy}_server")
+    plain = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=TOKENS))
+    banned = plain.token_ids[0]
+    params = SamplingParams(max_new_tokens=TOKENS, logit_bias={banned: -100.0}, **PENALTIES, **EXTRA)
+    want = ar_engine.generate(PROMPT, params)
+    assert want.token_ids != plain.token_ids and banned not in want.token_ids
+    reply = server.client().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=TOKENS,
+        logit_bias={str(banned): -100},
+        **PENALTIES,
+        extra_body={**EXTRA, "return_token_ids": True},
+    )
+    assert reply.choices[0].model_extra["token_ids"] == want.token_ids
+
+
+def test_a_regex_and_a_json_object_constrain_the_answer(sd_server, ar_engine):
+    client = sd_server.client()
+    regex = r"[a-z][a-z ]{5,20}\."
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"guided_regex": regex, "return_token_ids": True},
+    )
+    want = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=40, structured=("regex", regex)))
+    assert reply.choices[0].model_extra["token_ids"] == want.token_ids
+    assert re.fullmatch(regex, reply.choices[0].text)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "an object"}],
+        temperature=0,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+    )
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    else:  # the budget ended it: a prefix of an object
+        assert chat.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_what_a_strategy_cannot_honour_is_a_400_naming_it(amusd_server, sd_server):
+    client = amusd_server.client()
+    with pytest.raises(openai.BadRequestError, match="'amusd' does not report logprobs"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=1)
+    with pytest.raises(openai.BadRequestError, match="'amusd' does not apply structured outputs"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"guided_regex": "a+"})
+    sd = sd_server.client()
+    with pytest.raises(openai.BadRequestError, match="one structured output at a time"):
+        sd.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=2,
+            extra_body={"guided_regex": "a+", "guided_json": {"type": "object"}},
+        )
+    with pytest.raises(openai.BadRequestError, match="logit_bias keys must be token ids"):
+        sd.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"x": 1})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        sd.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        sd.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"guided_regex": "[ab"})
