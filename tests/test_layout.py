@@ -207,3 +207,10 @@ def test_doc_links_resolve():
                 if not (doc.parent / target).exists():
                     broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert broken == [] and checked > 50
+
+
+def test_the_module_map_lists_every_module_once():
+    """docs/modules.md has one row per module of the package, and names no module that is gone."""
+    listed = re.findall(r"^\| `(paraspec/[^`]+\.py)` \|", (ROOT / "docs" / "modules.md").read_text(), re.MULTILINE)
+    modules_here = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py"))
+    assert sorted(listed) == modules_here
