@@ -3,7 +3,7 @@
 - `paraspec ar`: the Engine, backend llamacpp (its exact kernel configuration: `engine.target.kernels`), 2 threads;
 - `bare loop, same config`: what a C program would do on paraspec's own llama.cpp context (same kernels): decode
   one token, argmax over the logits pointer with numpy, repeat. paraspec ar over it is the orchestration's cost
-  (the Run, the trace, the logits copy into a torch tensor, the stop checks);
+  (the RequestState, the trace, the logits copy into a torch tensor, the stop checks);
 - `llama-cpp-python`: a bare loop over llama-cpp-python's `Llama` with its default options (repacking on,
   flash attention off, the tiled matmul as built) except the thread counts and a context large enough, in its
   own process (GGML_CPU_TILED_MM is read once per process, and paraspec sets it): `eval` the prompt, then

@@ -2,7 +2,7 @@
 
     encode_prompt      a str (raw text, no template), token ids, or chat messages (the chat template applied) ->
                        token ids, checked against the vocabulary and the context
-    stop_string_check  Run.commit's test for stop strings (decodes only the last tokens)
+    stop_string_check  RequestState.commit's test for stop strings (decodes only the last tokens)
     output_text        a run's text: without a final stop token, cut before a stop string
 
 A tokenizer is None for a weights-only checkpoint: token-id prompts still work, everything that needs text says so.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 
 
 def require_tokenizer(tokenizer, what: str):
@@ -74,8 +74,8 @@ def decode_text(tokenizer, token_ids: list[int]) -> str:
 
 
 def stop_string_check(tokenizer, stop: tuple[str, ...]) -> Callable[[list[int]], str | None]:
-    """Run.commit's test for stop strings: decode only the last tokens (enough for the longest stop string even at
-    one byte per token), so that the check per committed token stays short."""
+    """RequestState.commit's test for stop strings: decode only the last tokens (enough for the longest stop string
+    even at one byte per token), so that the check per committed token stays short."""
     require_tokenizer(tokenizer, "stop strings")
     window = 4 * max(map(len, stop)) + 4
 
@@ -86,7 +86,7 @@ def stop_string_check(tokenizer, stop: tuple[str, ...]) -> Callable[[list[int]],
     return check
 
 
-def output_text(tokenizer, run: Run, decoder=None) -> str:
+def output_text(tokenizer, run: RequestState, decoder=None) -> str:
     """The output text of a run: without a final stop token, and cut before a stop string. `decoder` (a
     text_stream.IncrementalText) decodes only what is new since its last call: a stream asks after every commit."""
     decode = decoder.of if decoder is not None else lambda tokens: decode_text(tokenizer, tokens)

@@ -1,10 +1,10 @@
-"""The request in flight (`Run`): its prompt, sampling parameters, committed tokens, counters and trace.
+"""The request in flight (`RequestState`): its prompt, sampling parameters, committed tokens, counters and trace.
 
-The Engine makes one per request; a strategy's decode() commits tokens through `Run.commit` (the one place that
-enforces stop tokens, stop strings, `max_new_tokens` and the context) and counts each verification round through
-`Run.count_round` (every strategy, workers included); stats (stats.py) and the benchmarks read the finished Run.
-Worker loops (amusd's verifier and drafter, dsi's drafters and servers) keep no Run: the caller's Run counts what
-they report and folds their traces and reports in (`Run.merge_worker_reports`).
+The Engine makes one per request; a strategy's decode() commits tokens through `RequestState.commit` (the one place
+that enforces stop tokens, stop strings, `max_new_tokens` and the context) and counts each verification round through
+`RequestState.count_round` (every strategy, workers included); stats (stats.py) and the benchmarks read the finished
+RequestState. Worker loops (amusd's verifier and drafter, dsi's drafters and servers) keep no RequestState: the
+caller's counts what they report and folds their traces and reports in (`RequestState.merge_worker_reports`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def token_logprob(row: torch.Tensor, token: int, n: int) -> TokenLogprob:
 
 
 @dataclass
-class Run:
+class RequestState:
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]

@@ -6,7 +6,8 @@ the target's rows, through llguidance (benchmarks/grammar_mask.py measures it ag
     matcher.mask_rows(logits, row_tokens)        row i: -inf where the grammar forbids a token after the committed
                                                  output and row_tokens[:i] (a verification's drafts)
     matcher.mask_tree(logits, tokens, parents)   a token tree's rows: row 0 at the output, row i + 1 after node i's path
-    matcher.consume(token)                       a committed token (Run.commit): the state follows the output only
+    matcher.consume(token)                       a committed token (RequestState.commit): the state follows the
+                                                 output only
 
 The matcher's state is the committed output's: masking a round's rows consumes its drafts and rolls them back, so
 rejected drafts never reach it. A draft the grammar forbids stays in the rows and is rejected like any other (the
@@ -188,7 +189,7 @@ class GrammarMatcher:
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def consume(self, token: int) -> None:
-        """A committed token that does not end the request (Run.commit): the state moves past it."""
+        """A committed token that does not end the request (RequestState.commit): the state moves past it."""
         if token in self.end_ids:
             return
         if not self.matcher.consume_token(token):

@@ -69,14 +69,14 @@ def draft_a_chain(model):
 
 
 def decode_ar(model):
-    """ar's prefill and decode events (Run.timed)."""
-    from paraspec.request_state import Run
+    """ar's prefill and decode events (RequestState.timed)."""
+    from paraspec.request_state import RequestState
     from paraspec.sampling import SamplingParams, make_generator
     from paraspec.strategies.ar import AR
 
     strategy = AR({})
     strategy.target = model
-    run = Run([1, 2, 3], SamplingParams(max_new_tokens=3), frozenset(), make_generator(0), model.max_context)
+    run = RequestState([1, 2, 3], SamplingParams(max_new_tokens=3), frozenset(), make_generator(0), model.max_context)
     assert sum(list(strategy.decode(run)), []) == [3, 3, 3]
     assert {e.kind for e in run.trace.events} == {"prefill", "decode"}
 

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from paraspec import Engine, SamplingParams
 from paraspec.models.loader import load_tokenizer_if_any
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.sampling import logits_to_probs, make_generator
 from paraspec.structured import GrammarMatcher, check_structured
 from tests.conftest import PROMPT
@@ -140,10 +140,10 @@ def test_json_object_allows_an_object_and_ends_after_it(tokenizer):
 
 
 def test_a_commit_the_grammar_forbids_is_an_error(tokenizer):
-    """Run.commit moves the grammar's state; a strategy that committed past its mask is caught, not ignored."""
+    """RequestState.commit moves the grammar's state; a strategy that committed past its mask is caught, not ignored."""
     params = SamplingParams(structured=("regex", "[ab]+"))
     grammar = GrammarMatcher.for_request(tokenizer, params.structured, 267, {EOS_ID})
-    run = Run([5], params, frozenset({EOS_ID}), make_generator(0), 100, grammar=grammar)
+    run = RequestState([5], params, frozenset({EOS_ID}), make_generator(0), 100, grammar=grammar)
     run.commit(ids(tokenizer, "ab"))
     with pytest.raises(RuntimeError, match="token .* was committed where the regex constraint forbids it"):
         run.commit(ids(tokenizer, "x"))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from paraspec.engine import GenerationResult
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
@@ -265,8 +265,8 @@ class HFBaseline:
         )
 
     def _result(self, prompt_ids, tokens, params, stop, trace, progress, timer, total, scores):
-        # A Run filled with what transformers did, so that the stats use the Engine's arithmetic.
-        run = Run(
+        # A RequestState filled with what transformers did, so that the stats use the Engine's arithmetic.
+        run = RequestState(
             prompt_ids=list(prompt_ids),
             params=params,
             stop_ids=frozenset(stop),

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from paraspec.engine import GenerationResult
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.stats import compute_stats
 from paraspec.trace import Trace
@@ -420,7 +420,7 @@ def result_from_answer(
     if tokens:
         trace.commit(1, prompt_s)
         trace.commit(len(tokens), total_s)
-    run = Run(
+    run = RequestState(
         prompt_ids=list(prompt_ids),
         params=params,
         stop_ids=frozenset(),

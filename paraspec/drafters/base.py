@@ -57,7 +57,7 @@ class Drafter:
     memory: PatternMemory | None = None  # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
     timings: Sequence[tuple[int, float]] = ()  # a draft model: (width, seconds) of the forwards of its last proposal
     prompt_length = 0  # the request's prompt length (DraftPolicy.begin): where a draft's penalties start counting
-    grammar: GrammarMatcher | None = None  # the request's structured-output state (DraftPolicy.begin; the Run's)
+    grammar: GrammarMatcher | None = None  # the request's structured-output state (DraftPolicy.begin; its grammar)
 
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""

@@ -86,7 +86,7 @@ class DraftPolicy(Drafter):
         follow measured times (and a busy step's other rows), and where rounds end changes which draws a sampled
         answer spends, so only fixed lengths let the seed give the same tokens again, alone or batched. Greedy
         answers are the target's whatever the lengths; an unseeded request promises no repeat. `grammar`: the
-        request's structured-output state (Run.grammar), which a draft model masks its chains with."""
+        request's structured-output state (RequestState.grammar), which a draft model masks its chains with."""
         self._fixed = self.auto and not params.greedy and params.seed is not None
         for d in self.drafters:
             d.prompt_length, d.grammar = prompt_length, grammar

@@ -9,7 +9,7 @@
                    version on a mismatch). After a full acceptance the distribution it already computed for the
                    next position judges the draft's token there at once, or, if the draft has not reached that
                    position yet, supplies the token itself (the bonus) instead of waiting.
-    caller         streams the committed tokens as they appear through its Run (the one record of the request),
+    caller         streams the committed tokens as they appear through its RequestState (the one record of the request),
                    then counts the verifier's verdicts and merges both workers' traces and reports.
 
 Two corrections to the published code: after a rollback the draft never re-feeds a token it has already cached
@@ -28,7 +28,7 @@ from functools import partial
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
-from paraspec.request_state import Run, top2_margins
+from paraspec.request_state import RequestState, top2_margins
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, adjust_logits, make_generator
@@ -73,7 +73,7 @@ class AMUSD(WorkerStrategy):
             q_window=64,
         )
 
-    def decode(self, run: Run):
+    def decode(self, run: RequestState):
         return run_request(run, self.runtime, self.channel, self.options["max_ahead"], self.options["verify_chunk"])
 
 
@@ -102,7 +102,7 @@ def verify_loop(
     )
     try:
         verifier.run_to_end()
-    except ChannelStopped:  # the caller cancelled the request, or its Run matched a stop string
+    except ChannelStopped:  # the caller cancelled the request, or its RequestState matched a stop string
         pass
     finally:
         verifier.channel.stop("done")
@@ -113,10 +113,10 @@ class Verifier:
     """AMUSD's verify process, in the target worker (McDanel 2024, Algorithm 1, lines 15-31): take whatever the
     draft has put in the channel (up to `verify_chunk` tokens, waiting only for the first), verify it in one
     forward, commit the accepted prefix and the target's token; the drafter sees the commit and rolls back on its
-    own. It keeps what verifying needs and no Run: the verified sequence V (prompt included), where it ends (a
-    stop token, or `end`: the token budget or the context), the generator that rejection sampling draws from, and
-    its verdicts, which the caller's Run counts (`count_verdicts`). The caller's Run.commit applies the stop rules
-    to the stream, so tokens committed here after a stop token in the same commit are cut there."""
+    own. It keeps what verifying needs and no RequestState: the verified sequence V (prompt included), where it ends
+    (a stop token, or `end`: the token budget or the context), the generator that rejection sampling draws from, and
+    its verdicts, which the caller's RequestState counts (`count_verdicts`). The caller's RequestState.commit applies
+    the stop rules to the stream, so tokens committed here after a stop token in the same commit are cut there."""
 
     def __init__(
         self,
@@ -203,7 +203,7 @@ class Verifier:
 
     def adjust(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
         """The request's logit bias and penalties on the target's rows (row i after V and drafts[:i]), as
-        Run.adjust does in the caller; the raw rows stay in hand for the next position."""
+        RequestState.adjust does in the caller; the raw rows stay in hand for the next position."""
         prompt, output = self.sequence[: self.prompt_length], self.sequence[self.prompt_length :]
         return adjust_logits(logits, self.params, prompt, output, drafts)
 
@@ -231,7 +231,7 @@ class Verifier:
         }
 
 
-def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
+def run_request(run: RequestState, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
     """Caller side: start both loops, stream committed tokens, then count the verifier's verdicts and fold both
     workers' reports and traces into `run`."""
     channel.reset(run.prompt_ids)
@@ -279,8 +279,8 @@ def run_request(run: Run, runtime, channel, max_ahead: int = 16, verify_chunk: i
     run.merge_worker_reports({"draft": draft_report}, verify.events, target=verify_report)
 
 
-def count_verdicts(run: Run, verify_report: dict) -> None:
-    """Count the verifier's judgements into the caller's Run, the one record of the request."""
+def count_verdicts(run: RequestState, verify_report: dict) -> None:
+    """Count the verifier's judgements into the caller's RequestState, the one record of the request."""
     for drafted, accepted, by_forward in verify_report["verdicts"]:
         run.count_round(drafted, accepted, verified=by_forward)
     if run.margins is not None:

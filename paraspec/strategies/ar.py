@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.sampling import next_token
 from paraspec.strategies.base import Capabilities, LocalStrategy
 from paraspec.strategies.registry import register
@@ -14,7 +14,7 @@ class AR(LocalStrategy):
     summary = "autoregressive decoding of the target"
     caps = Capabilities(drafts="none", batches=True)
 
-    def decode(self, run: Run):
+    def decode(self, run: RequestState):
         target = self.target
         on = getattr(target, "device", None)  # llama.cpp and simulated models have none: they return when done
         with run.timed("target", "prefill", len(run.prompt_ids), on=on):

@@ -1,5 +1,5 @@
 """What every strategy shares: the Strategy interface the Engine calls and what setup() gets (`Placement`); the
-request in flight (`Run`) and the rules for committing tokens are in paraspec/request_state.py.
+request in flight (`RequestState`) and the rules for committing tokens are in paraspec/request_state.py.
 
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
     Strategy.decode(run)       a generator yielding the token ids of each commit
@@ -9,7 +9,7 @@ request in flight (`Run`) and the rules for committing tokens are in paraspec/re
     Strategy.close()           stop its workers, unlink its segments, undo its pinning (idempotent, retryable)
 
 The Engine turns the committed tokens into streamed text and, at the end, into stats. Committing goes through
-`Run.commit`, the one place that enforces stop tokens and `max_new_tokens`, so no strategy can overshoot.
+`RequestState.commit`, the one place that enforces stop tokens and `max_new_tokens`, so no strategy can overshoot.
 A new strategy subclasses LocalStrategy (models in the caller's process) or Strategy and registers itself with
 `paraspec.strategies.register` (a built-in one is also imported by strategies/__init__.py, so that importing
 paraspec registers it); the Engine, the config, the CLI and the lossless suite then take it with no other edit.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from paraspec.request_state import Run, TokenLogprob, token_logprob
+from paraspec.request_state import RequestState, TokenLogprob, token_logprob
 from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
 
 if TYPE_CHECKING:
@@ -58,8 +58,8 @@ class Capabilities:
     across_nodes: bool = False  # its workers may sit on other nodes (devices NODE/...)
     why_not_across_nodes: str = "its models run in the caller's process"  # why not, when it may not
     processors: bool = True  # applies a request's logit bias and penalties (SamplingParams.adjusts_logits)
-    logprobs: bool = True  # reports the target's logprobs of each output token (Run.observe_target on every row)
-    structured: bool = True  # masks the target's rows to a request's grammar (SamplingParams.structured, Run.grammar)
+    logprobs: bool = True  # reports each output token's target logprobs (RequestState.observe_target, every row)
+    structured: bool = True  # masks the target's rows to SamplingParams.structured's grammar (RequestState.grammar)
     batches: bool = False  # its loop runs in the caller on the models alone: requests may
     # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
 
@@ -157,8 +157,8 @@ class Strategy(abc.ABC):
         """Load the models (set target and drafts) and start whatever workers and channels it needs."""
 
     @abc.abstractmethod
-    def decode(self, run: Run) -> Generator[list[int], None, None]:
-        """Decode one request; yield the tokens of each commit (Run.commit's return value)."""
+    def decode(self, run: RequestState) -> Generator[list[int], None, None]:
+        """Decode one request; yield the tokens of each commit (RequestState.commit's return value)."""
 
     def make_drafters(self, for_model, models=None) -> list:
         """One entry per draft spec, in order: `for_model(model)` for the next draft model (of `models`, default

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
-from paraspec.request_state import Run, common_prefix, top2_margins
+from paraspec.request_state import RequestState, common_prefix, top2_margins
 from paraspec.runtime.channels import ChannelStopped, TokenChannel
 from paraspec.runtime.devices import sync
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
@@ -124,7 +124,7 @@ class DSI(WorkerStrategy):
         self.draft_specs = list(placement.draft_specs)
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
 
-    def decode(self, run: Run):
+    def decode(self, run: RequestState):
         return run_request(
             run,
             self.runtime,
@@ -269,7 +269,7 @@ class _Orchestrator:
 
     def __init__(
         self,
-        run: Run,
+        run: RequestState,
         runtime,
         server_names: list[str],
         channels: list,
@@ -514,7 +514,7 @@ class _Orchestrator:
 
 
 def run_request(
-    run: Run,
+    run: RequestState,
     runtime,
     server_names: list[str],
     drafter_names: list[str],

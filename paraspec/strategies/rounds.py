@@ -7,8 +7,8 @@ each strategy supplies its draft step and its verify step, this skeleton runs th
         verify   the strategy's step: ONE target forward over the pending committed tokens and every draft,
                  the accepted path and the correction/bonus token, the target's cache kept to that path
         update   the drafter keeps the accepted path in its cache (accept) and learns from the round (observe)
-        count    Run.count_round: drafted = the drafts' depth (a chain's length), accepted = the path's length
-        commit   the accepted drafts plus the correction/bonus token (Run.commit)
+        count    RequestState.count_round: drafted = the drafts' depth (a chain's length), accepted = the path's length
+        commit   the accepted drafts plus the correction/bonus token (RequestState.commit)
     at the end: the drafter keeps the output (finish); with the adaptive rule, its report
 
 The first round drafts from the prompt and the target's prefill verifies those drafts in the same forward (as
@@ -21,7 +21,7 @@ from collections.abc import Callable, Generator
 from typing import TypeVar
 
 from paraspec.drafters import DraftPolicy, Proposal, TokenTree
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 
 # draft(policy, sequence, pending): the round's proposal (a chain or a tree); `pending` = committed tokens the target
 # has not cached
@@ -32,7 +32,7 @@ VerifyStep = Callable[[list[int], list[int], P], tuple[list[int], int]]
 
 
 def speculative_rounds(
-    run: Run, target, policy: DraftPolicy, draft: DraftStep[P], verify: VerifyStep[P]
+    run: RequestState, target, policy: DraftPolicy, draft: DraftStep[P], verify: VerifyStep[P]
 ) -> Generator[list[int], None, None]:
     """Yield each round's committed tokens until the run is done. `policy` picks who proposes each round and how
     much (DraftPolicy([drafter]): that drafter every round, at the fixed length)."""
@@ -65,7 +65,7 @@ def speculative_rounds(
             run.worker_reports["adaptive"] = policy.report()
 
 
-def record_plan(run: Run, policy: DraftPolicy, k: int) -> None:
+def record_plan(run: RequestState, policy: DraftPolicy, k: int) -> None:
     """With the adaptive rule, the round's decision goes into the trace: a "plan" event of k tokens."""
     if policy.adaptive:
         now = run.trace.now()

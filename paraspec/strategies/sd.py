@@ -15,7 +15,7 @@ answer depends on where rounds end).
 from __future__ import annotations
 
 from paraspec.drafters import DraftPolicy, ModelDrafter, Proposal
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.strategies.base import Capabilities, LocalStrategy, Placement
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
@@ -42,11 +42,11 @@ class SD(LocalStrategy):
         confidence = self.options["draft_confidence"]
         self.make_policy(lambda m: ModelDrafter(m, self.target.vocab_size, confidence), self.options["lookahead"])
 
-    def decode(self, run: Run):
+    def decode(self, run: RequestState):
         yield from chain_rounds(run, self.target, self.kept_policy(), self.options["lookahead"])
 
 
-def chain_rounds(run: Run, target, policy: DraftPolicy, lookahead: int):
+def chain_rounds(run: RequestState, target, policy: DraftPolicy, lookahead: int):
     """Leviathan et al. Algorithm 1, one round per loop of strategies/rounds.py."""
 
     def draft(policy: DraftPolicy, sequence: list[int], pending: int) -> Proposal:

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from paraspec.drafters import DraftPolicy, ModelDrafter, TokenTree
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.strategies.base import Capabilities, LocalStrategy
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
@@ -55,7 +55,7 @@ def verification_inputs(pending: list[int], tree: TokenTree, first_position: int
     return pending + tree.tokens, positions, mask
 
 
-def tree_shape(run: Run, sequence_len: int, depth: int, budget: int) -> tuple[int, int]:
+def tree_shape(run: RequestState, sequence_len: int, depth: int, budget: int) -> tuple[int, int]:
     """Depth and node budget for this round: the round adds at most depth + 1 tokens, and every node takes a
     target cache slot for the verification forward."""
     room = run.max_context - sequence_len - 1
@@ -63,7 +63,9 @@ def tree_shape(run: Run, sequence_len: int, depth: int, budget: int) -> tuple[in
     return depth, max(0, min(budget, room))
 
 
-def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree: TokenTree) -> tuple[list[int], int]:
+def verify_round(
+    run: RequestState, target, sequence: list[int], pending: list[int], tree: TokenTree
+) -> tuple[list[int], int]:
     """One target forward over the pending tokens and the whole tree; compact the target's cache to the
     accepted path. Returns (accepted node indices, the next token)."""
     tokens, positions, mask = verification_inputs(pending, tree, target.length)
@@ -75,7 +77,7 @@ def verify_round(run: Run, target, sequence: list[int], pending: list[int], tree
     return path, next_token
 
 
-def tree_rounds(run: Run, target, policy: DraftPolicy, tree_width: int, tree_depth: int, tree_budget: int):
+def tree_rounds(run: RequestState, target, policy: DraftPolicy, tree_width: int, tree_depth: int, tree_budget: int):
     """The rounds of `tree` and `easyspec` (strategies/rounds.py): draft a tree, verify it in one target forward.
     With the adaptive rule the tree's depth is the rule's k* (0: the target decodes plainly)."""
 
@@ -108,7 +110,7 @@ class TreeStrategy(LocalStrategy):
         """Who drafts the rounds: tree's kept DraftPolicy, easyspec's layer-parallel drafter alone."""
         raise NotImplementedError
 
-    def decode(self, run: Run):
+    def decode(self, run: RequestState):
         o = self.options
         yield from tree_rounds(
             run, self.target, self.round_policy(), o["tree_width"], o["tree_depth"], o["tree_budget"]

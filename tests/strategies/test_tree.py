@@ -13,7 +13,7 @@ from paraspec import Engine, SamplingParams, verify
 from paraspec.drafters.token_tree import DraftTreeCache, TokenTree, draft_tree
 from paraspec.models.loader import load_native
 from paraspec.models.native.layer_parallel import exact_forward
-from paraspec.request_state import Run
+from paraspec.request_state import RequestState
 from paraspec.sampling import make_generator
 from paraspec.strategies.tree import tree_mask, verification_inputs
 from paraspec.verify import multi_step_accept, residual, verify_tree
@@ -83,7 +83,7 @@ def test_draft_levels_and_compaction_match_sequential_decoding(models):
     the cache of plain decoding of prefix + path (keep_path), and decoding continues from it exactly."""
     _, draft = models
     prefix = [5, 9, 14, 3, 22]
-    run = Run(prefix, SamplingParams(), frozenset(), make_generator(0), 256)
+    run = RequestState(prefix, SamplingParams(), frozenset(), make_generator(0), 256)
     root = draft.prefill(prefix)
     seen = {}
 
