@@ -41,12 +41,16 @@ lint: setup
 	$(PYTHON) -m mypy
 
 # Unit tests on tiny random models (tiny GGUF files on llama.cpp included), then the real-pair tests.
+# TEST_ARGS: more pytest options, e.g. TEST_ARGS="-n 2 --dist loadgroup" (pytest-xdist; the Ray tests share a worker).
+TEST_ARGS ?=
 test: setup models peer lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(TEST_ARGS)
 
-# Tiny-model tests only (no download).
+# The inner loop: a representative subset of the tiny-model tests (no download): the greedy lossless suite of
+# every strategy, the unit and tiny GGUF tests; not the `slow` ones (chi-square sampling checks, Ray nodes, the
+# HTTP server, fault injection across processes; tests/conftest.py lists them), which `make test` runs.
 test-fast: setup
-	$(PYTHON) -m pytest -q -m "not real_pair"
+	$(PYTHON) -m pytest -q -m "not real_pair and not slow" $(TEST_ARGS)
 
 # The main job, minutes on a warm cache (models fetched, llama.cpp built): the reference pair, greedy, on the
 # machine's 2 cores, on llama.cpp's kernels (--backend auto), against llama.cpp itself; one `paraspec bench` per

@@ -44,6 +44,44 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # children exec'd from here get SIG_DFL
 
 
+# tests that join the session's Ray cluster (ray_cluster, some through request.getfixturevalue): under pytest-xdist
+# (`make test` runs the tiny-model tests with -n 2 --dist loadgroup) they share one worker, so one cluster is started
+RAY_FILES = ("test_multinode.py", "runtime/test_ray.py", "runtime/test_channel_processes.py")
+
+
+# `slow` (left out by `make test-fast`, the inner loop's representative subset): the chi-square checks of sampling
+# (a thousand requests or more each), Ray nodes, the HTTP server in its own process, fault injection across
+# processes, and single tests that took 5 s or more of a 2-core run. The greedy lossless suite, the unit tests and
+# the tiny GGUF tests stay in the fast subset.
+SLOW_FILES = RAY_FILES + ("server/test_api.py", "server/test_faults.py", "test_misuse.py", "runtime/test_faults.py")
+SLOW_WORDS = ("distribution", "follows_the_target", "catches_a_wrong_rule", "has_power", "marginals", "reproduces_p")
+SLOW_TESTS = {
+    "test_worker_processes",
+    "test_every_section_ran_without_the_missing_packages",
+    "test_streaming_4000_tokens_decodes_each_token_a_few_times",
+    "test_bench_runs_every_registered_strategy",
+    "test_server_dying_while_others_hold_chunks",
+    "test_concurrent_requests_are_each_bit_identical_to_alone",
+    "test_stop_string_cuts_like_ar",
+    "test_a_compiled_step_keeps_rows_independent_of_the_split",
+    "test_draft_ranks_are_the_engines_workers",
+    "test_amusd_uses_both_paths_and_overlaps",
+    "test_close_leaves_nothing_behind",
+    "test_killed_draft_worker_is_reported_within_seconds",
+    "test_abandoned_stream_cancels_cleanly",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path.as_posix()
+        name = getattr(item, "originalname", None) or item.name
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or path.endswith(RAY_FILES):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        if path.endswith(SLOW_FILES) or name in SLOW_TESTS or any(word in name for word in SLOW_WORDS):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")
