@@ -40,13 +40,13 @@ from dataclasses import replace
 
 from paraspec.batching import BatchedSequence, Batcher
 from paraspec.config import EngineConfig
-from paraspec.errors import EngineBusy, EngineClosed, IncompatibleModelsError, StreamCancelled
+from paraspec.errors import EngineBusy, EngineClosed, IncompatibleModelsError, RefusedParameter, StreamCancelled
 from paraspec.gate import RequestGate
 from paraspec.models.loader import load_tokenizer_if_any, output_rows, parse_dtype, resolve_models, widened_draft
 from paraspec.prompts import decode_text, encode_prompt, output_text, stop_string_check
 from paraspec.request_state import RequestState
 from paraspec.runtime.errors import RemoteError, WorkerError
-from paraspec.sampling import SamplingParams, make_generator
+from paraspec.sampling import PROCESSOR_PARAMS, SamplingParams, make_generator
 from paraspec.stats import compute_stats
 from paraspec.strategies.base import Placement
 from paraspec.strategies.registry import STRATEGIES
@@ -334,36 +334,43 @@ class Engine:
         )
 
     def check_params(self, params: SamplingParams) -> None:
-        """Refuse what this Engine cannot honour (a ValueError naming the fix; the server calls it before queueing):
+        """Refuse what this Engine cannot honour (a RefusedParameter naming it and the fix; the server calls it
+        before queueing):
         a logit bias, a penalty, logprobs or a structured output where the strategy does not apply it, a bias
         beyond the target's ids."""
         if params.adjusts_logits and not self.strategy.caps.processors:
             accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.processors)
-            raise ValueError(
+            asked = [name for name in PROCESSOR_PARAMS if getattr(params, name) != getattr(SamplingParams, name)]
+            raise RefusedParameter(
+                asked[0],
                 f"strategy {self.strategy.name!r} does not apply logit_bias or penalties; drop them or use one of "
-                f"{accepting}"
+                f"{accepting}",
             )
         if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.strategy.caps.logprobs:
             accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.logprobs)
-            raise ValueError(
+            raise RefusedParameter(
+                "logprobs" if params.logprobs is not None else "prompt_logprobs",
                 f"strategy {self.strategy.name!r} does not report logprobs (its target runs in a worker); drop "
-                f"logprobs or use one of {accepting}"
+                f"logprobs or use one of {accepting}",
             )
         if params.structured is not None and not self.strategy.caps.structured:
             accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.structured)
-            raise ValueError(
+            raise RefusedParameter(
+                "structured",
                 f"strategy {self.strategy.name!r} does not apply structured outputs (its target's rows are judged in "
-                f"workers that keep no grammar state); drop structured or use one of {accepting}"
+                f"workers that keep no grammar state); drop structured or use one of {accepting}",
             )
         if params.structured is not None and self.tokenizer is None:
-            raise ValueError(
+            raise RefusedParameter(
+                "structured",
                 "structured outputs need the target's tokenizer (its grammar is matched on token text), and this "
-                "checkpoint has none; pass a checkpoint folder with its tokenizer files"
+                "checkpoint has none; pass a checkpoint folder with its tokenizer files",
             )
         vocab = self.target.vocab_size
         if params.logit_bias is not None and params.logit_bias[-1][0] >= vocab:
-            raise ValueError(
-                f"logit_bias names token {params.logit_bias[-1][0]}, but the target's vocabulary has {vocab} ids"
+            raise RefusedParameter(
+                "logit_bias",
+                f"logit_bias names token {params.logit_bias[-1][0]}, but the target's vocabulary has {vocab} ids",
             )
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Stream:

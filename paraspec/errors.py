@@ -7,6 +7,14 @@ class IncompatibleModelsError(ValueError):
     pass
 
 
+class RefusedParameter(ValueError):
+    """A request's sampling parameter this Engine cannot honour (Engine.check_params); `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class EngineBusy(RuntimeError):
     """The Engine is full: raised with on_busy="error", or after `wait_timeout` seconds of waiting."""
 

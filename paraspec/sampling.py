@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+PROCESSOR_PARAMS = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")  # adjust_logits'
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 
 

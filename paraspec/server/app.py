@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from paraspec.errors import RefusedParameter
 from paraspec.prompts import encode_prompt
 from paraspec.request_state import TokenLogprob
 from paraspec.runtime.errors import WorkerError
@@ -460,6 +461,10 @@ def encode(engine, prompt, param: str, tools: list[dict] | None = None) -> list[
         raise APIError(400, str(e), param=param) from None
 
 
+# SamplingParams' names where the request's differ
+REQUEST_NAMES = {"structured": "response_format", "prompt_logprobs": "echo"}
+
+
 def sampling_params(engine, body, prompt_ids: list[int], chat: bool) -> SamplingParams:
     """The request's SamplingParams, checked against the Engine (a strategy that does not apply a bias, logprobs or
     a structured output refuses here, before anything queues)."""
@@ -485,6 +490,8 @@ def sampling_params(engine, body, prompt_ids: list[int], chat: bool) -> Sampling
             structured=body.structured(),
         )
         engine.check_params(params)
+    except RefusedParameter as e:  # the request's name for what the strategy cannot honour
+        raise APIError(400, str(e), param=REQUEST_NAMES.get(e.param, e.param)) from None
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
     except ValueError as e:

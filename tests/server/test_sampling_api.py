@@ -135,6 +135,14 @@ def test_what_a_strategy_cannot_honour_is_a_400_naming_it(amusd_server, sd_serve
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=1)
     with pytest.raises(openai.BadRequestError, match="'amusd' does not apply structured outputs"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"guided_regex": "a+"})
+    for extra, param in [
+        ({"logprobs": 1}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
+        status, reply = amusd_server.post(
+            "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **extra}
+        )
+        assert status == 400 and reply["error"]["param"] == param, reply  # the request's name for it
     sd = sd_server.client()
     with pytest.raises(openai.BadRequestError, match="one structured output at a time"):
         sd.completions.create(
