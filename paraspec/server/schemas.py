@@ -300,8 +300,8 @@ class FunctionDefinition(BaseModel):
     def _not_strict(cls, value):
         if value:
             raise ValueError(
-                "strict: true needs constrained decoding (arguments forced to match the schema), which paraspec "
-                "serve does not have yet; drop it"
+                "strict: true asks for a call's arguments forced to match the schema, which paraspec serve does "
+                "not do for tools yet; drop it"
             )
         return value
 

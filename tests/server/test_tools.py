@@ -250,12 +250,12 @@ def test_tools_reach_the_template_and_calls_come_back(qwen_server, qwen_tokenize
 
 
 BAD_TOOLS = [  # (path, body changes, the param named, words of the message)
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "forces a tool call"),
     (
         "/v1/chat/completions",
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
         "tool_choice",
-        "constrained decoding",
+        "forces a tool call",
     ),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'auto' or 'none'"),
     ("/v1/chat/completions", {"tools": TOOLS}, "tools", "does not render tools"),  # the tiny model's template
@@ -263,7 +263,7 @@ BAD_TOOLS = [  # (path, body changes, the param named, words of the message)
         "/v1/chat/completions",
         {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
         "tools[0].function.strict",
-        "constrained decoding",
+        "arguments forced to match",
     ),
     ("/v1/chat/completions", {"tools": [{"type": "code_interpreter"}]}, "tools[0].type", "'function'"),
     (
@@ -295,5 +295,5 @@ def test_what_cannot_be_served_is_a_400(tiny_server, path, changes, param, words
 
 
 def test_the_openai_client_sees_tool_choice_required_refused(tiny_server):
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+    with pytest.raises(openai.BadRequestError, match="forces a tool call"):
         tiny_server.client().chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
