@@ -51,12 +51,30 @@ RAY_FILES = ("test_multinode.py", "runtime/test_ray.py", "runtime/test_channel_p
 
 # `slow` (left out by `make test-fast`, the inner loop's representative subset): the chi-square checks of sampling
 # (a thousand requests or more each), Ray nodes, the HTTP server in its own process, fault injection across
-# processes, and single tests that took 5 s or more of a 2-core run. The greedy lossless suite, the unit tests and
+# processes, and single tests of several seconds each on a 2-core machine. The greedy lossless suite, the unit tests and
 # the tiny GGUF tests stay in the fast subset.
-SLOW_FILES = RAY_FILES + ("server/test_api.py", "server/test_faults.py", "test_misuse.py", "runtime/test_faults.py")
-SLOW_WORDS = ("distribution", "follows_the_target", "catches_a_wrong_rule", "has_power", "marginals", "reproduces_p")
+SLOW_FILES = RAY_FILES + (
+    "test_misuse.py",
+    "runtime/test_faults.py",
+    "models/test_llamacpp_batch.py",
+    "bench/test_gpu_check.py",  # its module fixture runs the whole GPU check on tiny shapes
+)
+SLOW_WORDS = (
+    "distribution",
+    "joint",
+    "follows_the_target",
+    "catches_a_wrong_rule",
+    "has_power",
+    "marginals",
+    "reproduces_p",
+)
 SLOW_TESTS = {
     "test_worker_processes",
+    "test_wall_time_is_close_to_the_event_simulator",
+    "test_rows_equal_one_row_products",  # the kernel programs; whole repacked models stay fast
+    "test_the_engine_widens_llama_cpp_drafts_only",
+    "test_probe_measures_and_is_cached",
+    "test_auto_keeps_the_repacked_kernels_where_they_are_exact",
     "test_every_section_ran_without_the_missing_packages",
     "test_streaming_4000_tokens_decodes_each_token_a_few_times",
     "test_bench_runs_every_registered_strategy",
@@ -78,7 +96,8 @@ def pytest_collection_modifyitems(config, items):
         name = getattr(item, "originalname", None) or item.name
         if "ray_cluster" in getattr(item, "fixturenames", ()) or path.endswith(RAY_FILES):
             item.add_marker(pytest.mark.xdist_group("ray"))
-        if path.endswith(SLOW_FILES) or name in SLOW_TESTS or any(word in name for word in SLOW_WORDS):
+        slow = "/tests/server/" in path or path.endswith(SLOW_FILES) or name in SLOW_TESTS
+        if slow or any(word in name for word in SLOW_WORDS):
             item.add_marker(pytest.mark.slow)
 
 
