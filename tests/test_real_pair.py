@@ -9,6 +9,7 @@ the pair take ~10 GB).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -61,6 +62,17 @@ pytestmark = [
         reason="reference pair missing: run `make models`",
     ),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _every_core():
+    """The pair on every core, as an Engine on device `cpu` runs it outside the tests (the tiny models' session
+    keeps torch at one thread, conftest's _one_thread): in-process engines and references here, llama.cpp's too
+    (it follows torch's thread count); workers pinned to core sets set their own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
