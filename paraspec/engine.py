@@ -66,6 +66,15 @@ __all__ = [
 ]
 
 
+# why a strategy without the capability refuses a request's parameter (Engine.check_params)
+REFUSALS = {
+    "processors": "does not apply logit_bias or penalties; drop them",
+    "logprobs": "does not report logprobs (its target runs in a worker); drop logprobs",
+    "structured": "does not apply structured outputs (its target's rows are judged in workers that keep no grammar "
+    "state); drop structured",
+}
+
+
 class Engine:
     def __init__(
         self,
@@ -338,28 +347,17 @@ class Engine:
         before queueing):
         a logit bias, a penalty, logprobs or a structured output where the strategy does not apply it, a bias
         beyond the target's ids."""
-        if params.adjusts_logits and not self.strategy.caps.processors:
-            accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.processors)
-            asked = [name for name in PROCESSOR_PARAMS if getattr(params, name) != getattr(SamplingParams, name)]
-            raise RefusedParameter(
-                asked[0],
-                f"strategy {self.strategy.name!r} does not apply logit_bias or penalties; drop them or use one of "
-                f"{accepting}",
-            )
-        if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.strategy.caps.logprobs:
-            accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.logprobs)
-            raise RefusedParameter(
-                "logprobs" if params.logprobs is not None else "prompt_logprobs",
-                f"strategy {self.strategy.name!r} does not report logprobs (its target runs in a worker); drop "
-                f"logprobs or use one of {accepting}",
-            )
-        if params.structured is not None and not self.strategy.caps.structured:
-            accepting = ", ".join(name for name, cls in STRATEGIES.items() if cls.caps.structured)
-            raise RefusedParameter(
-                "structured",
-                f"strategy {self.strategy.name!r} does not apply structured outputs (its target's rows are judged in "
-                f"workers that keep no grammar state); drop structured or use one of {accepting}",
-            )
+        asked = {  # the strategy's capability -> the parameter that asks for it (None: not asked)
+            "processors": next((n for n in PROCESSOR_PARAMS if getattr(params, n) != getattr(SamplingParams, n)), None),
+            "logprobs": next((n for n in ("logprobs", "prompt_logprobs") if getattr(params, n) is not None), None),
+            "structured": "structured" if params.structured is not None else None,
+        }
+        for capability, param in asked.items():
+            if param is not None and not getattr(self.strategy.caps, capability):
+                accepting = ", ".join(name for name, cls in STRATEGIES.items() if getattr(cls.caps, capability))
+                raise RefusedParameter(
+                    param, f"strategy {self.strategy.name!r} {REFUSALS[capability]} or use one of {accepting}"
+                )
         if params.structured is not None and self.tokenizer is None:
             raise RefusedParameter(
                 "structured",
