@@ -183,11 +183,12 @@ def test_stats_carry_llamas_draft_counts(peers):
 @pytest.mark.llamacpp_peer
 def test_ngram_drafts_from_the_context_without_a_draft_model(peers):
     ngram = peers[2]
+    stats = [ngram.generate(encode(prompt), SamplingParams(max_new_tokens=40)).stats for prompt in PROMPTS]
+    # (the server starts at the first request: its arguments are read after it, whatever ran before this test)
     assert ngram.draft_gguf is None and "-md" not in ngram.server.args
     assert " ".join(ngram.server.args).endswith(
         "--spec-type ngram-simple --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 4"
     )
-    stats = [ngram.generate(encode(prompt), SamplingParams(max_new_tokens=40)).stats for prompt in PROMPTS]
     assert sum(s.drafted for s in stats) > 0  # some outputs repeat a 2-gram of their context
     for s in stats:
         assert 0 <= s.accepted <= s.drafted and s.rounds == s.new_tokens - 1 - s.accepted
