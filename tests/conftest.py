@@ -45,7 +45,7 @@ def pytest_configure(config):
 
 
 # tests that join the session's Ray cluster (ray_cluster, some through request.getfixturevalue): under pytest-xdist
-# (`make test` runs the tiny-model tests with -n 2 --dist loadgroup) they share one worker, so one cluster is started
+# (`--dist loadgroup`) they share one worker, so one cluster is started; the reference pair's tests share another
 RAY_FILES = ("test_multinode.py", "runtime/test_ray.py", "runtime/test_channel_processes.py")
 
 
@@ -94,7 +94,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.as_posix()
         name = getattr(item, "originalname", None) or item.name
-        if "ray_cluster" in getattr(item, "fixturenames", ()) or path.endswith(RAY_FILES):
+        if item.get_closest_marker("real_pair"):  # one reference-pair engine alive at a time (fp32: ~10 GB)
+            item.add_marker(pytest.mark.xdist_group("real_pair"))
+        elif "ray_cluster" in getattr(item, "fixturenames", ()) or path.endswith(RAY_FILES):
             item.add_marker(pytest.mark.xdist_group("ray"))
         slow = "/tests/server/" in path or path.endswith(SLOW_FILES) or name in SLOW_TESTS
         if slow or any(word in name for word in SLOW_WORDS):
@@ -169,6 +171,12 @@ def gguf_pair(tiny_dir):
     write_gguf(out["sample_draft"], noisy_copy(sampled, seed=12, noise=0.3))
     target.save_pretrained(str(out["target_hf"]))
     return out
+
+
+def cores_of_this_worker() -> int:
+    """The cores this test process may keep busy: all it may use, shared among pytest-xdist's workers when the
+    suite runs in several (more intra-op threads than cores stall torch's and llama.cpp's thread barriers)."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -9,7 +9,6 @@ the pair take ~10 GB).
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 from paraspec import Engine, SamplingParams
 from paraspec.models.cache import cache_dir
 from paraspec.models.loader import cpu_has_fast_bf16
-from tests.conftest import inject_flat_costs
+from tests.conftest import cores_of_this_worker, inject_flat_costs
 
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 NEAR_TIE = 0.05
@@ -66,11 +65,12 @@ pytestmark = [
 
 @pytest.fixture(autouse=True, scope="module")
 def _every_core():
-    """The pair on every core, as an Engine on device `cpu` runs it outside the tests (the tiny models' session
-    keeps torch at one thread, conftest's _one_thread): in-process engines and references here, llama.cpp's too
-    (it follows torch's thread count); workers pinned to core sets set their own."""
+    """The pair on every core of this test process (all of them, or its share under pytest-xdist), as an Engine on
+    device `cpu` runs it outside the tests (the tiny models' session keeps torch at one thread, conftest's
+    _one_thread): in-process engines and references here, llama.cpp's too (it follows torch's thread count);
+    workers pinned to core sets set their own."""
     before = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(cores_of_this_worker())
     yield
     torch.set_num_threads(before)
 
