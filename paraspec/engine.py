@@ -380,7 +380,10 @@ class Engine:
         # one request at a time: its strategy's workers are woken to stop (their channels); with several, the flag
         # alone ends it within one round (batching.py: its loop runs in its reader's thread)
         stream = Stream(
-            self._stream(run, request), request, wake=self.strategy.cancel if not self._sequence_strategies else None
+            self._stream(run, request),
+            request,
+            wake=self.strategy.cancel if not self._sequence_strategies else None,
+            run=run,
         )
         request.stream = weakref.ref(stream)
         return stream

@@ -67,6 +67,7 @@ class RequestState:
     accepted: int = 0
     rounds: int = 0  # verification forwards
     verified_tokens: int = 0  # tokens committed by verification rounds (bonus included)
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: judgements that kept their draft i
     rollbacks: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -183,12 +184,17 @@ class RequestState:
         """The one place a verification round is counted: `drafted` tokens judged, `accepted` of them kept, a
         rollback when some were rejected. `verified=False` for a judgement that ran no verification forward of
         its own (a draft judged from a distribution already in hand, a chunk verified inside the prefill): its
-        drafts count toward the acceptance rate, not as a round. A token tree counts its depth as `drafted`
+        drafts count toward the acceptance rate, not as a round. The accepted drafts are positions 0 .. accepted - 1
+        of the judgement (accepted_per_position). A token tree counts its depth as `drafted`
         (the most one round can accept, so the rate compares with a chain's) and its node count apart, in
         worker_reports["tree_nodes"]."""
         self.drafted += drafted
         self.accepted += accepted
         self.rollbacks += accepted < drafted
+        per_position = self.accepted_per_position  # vLLM's num_accepted_tokens_per_pos: the kept drafts' positions
+        per_position.extend([0] * (accepted - len(per_position)))
+        for position in range(accepted):
+            per_position[position] += 1
         if verified:
             self.rounds += 1
             self.verified_tokens += accepted + 1

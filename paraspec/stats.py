@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -23,6 +23,9 @@ class GenerationStats:
     accepted: int
     rounds: int
     rollbacks: int
+    # [i]: judgements (rounds, drafts judged in hand) that accepted their draft at position i (vLLM's
+    # num_accepted_tokens_per_pos); sums to `accepted`
+    accepted_per_position: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,4 +64,5 @@ def compute_stats(run, strategy: str, total_s: float) -> GenerationStats:
         accepted=run.accepted,
         rounds=run.rounds,
         rollbacks=run.rollbacks,
+        accepted_per_position=list(run.accepted_per_position),
     )

@@ -11,7 +11,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from paraspec.errors import StreamCancelled
-from paraspec.request_state import TokenLogprob
+from paraspec.request_state import RequestState, TokenLogprob
 from paraspec.stats import GenerationStats
 from paraspec.trace import Trace
 
@@ -70,8 +70,10 @@ class Stream:
     """A generation streamed as text deltas (Engine.stream): iterate it; `result` is its GenerationResult once it
     has ended; close() (also `with engine.stream(...) as s:`) cancels it. The request starts at the first next()."""
 
-    def __init__(self, deltas: Generator[str, None, None], request: Request, wake=None):
-        self._deltas, self._request, self._wake = deltas, request, wake
+    def __init__(
+        self, deltas: Generator[str, None, None], request: Request, wake=None, run: RequestState | None = None
+    ):
+        self._deltas, self._request, self._wake, self._run = deltas, request, wake, run
         self._ended_by: str | None = None  # why it was ended by its own thread, not by its reader
 
     def __iter__(self) -> Stream:
@@ -81,6 +83,23 @@ class Stream:
         if self._ended_by is not None:
             raise StreamCancelled(f"{self._request} was cancelled: {self._ended_by}")
         return next(self._deltas)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output tokens committed so far, read between deltas (in the reader's thread): the deltas so far are
+        their text, but for text held back (a possible stop string, half a character)."""
+        return self._run.tokens if self._run is not None else []
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With SamplingParams.logprobs, the TokenLogprobs of the committed tokens known so far, read as token_ids
+        (a strategy whose target runs in a worker reports them at the end: then fewer than token_ids until then)."""
+        return self._run.logprobs if self._run is not None else None
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """With SamplingParams.prompt_logprobs, the prompt's, known from the first delta on."""
+        return self._run.prompt_logprobs if self._run is not None else None
 
     @property
     def result(self) -> GenerationResult | None:

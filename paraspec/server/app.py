@@ -6,11 +6,12 @@
     GET  /health                 200 when the engine and every worker are alive, else 503 saying why
     GET  /metrics                Prometheus text (metrics.py)
 
-Responses follow the OpenAI wire format; each also carries `paraspec`: the request's speculation figures
-(strategy, acceptance_rate, mean_accepted_length, ttft_s, tpot_ms, draft_s, verify_s, ...), in the last streamed
-chunk too. Streams are server-sent events (`data: {json}` ... `data: [DONE]`); an error after the stream started is
-one `data: {"error": {...}}` event, as vLLM and OpenAI send it. Up to the engine's max_num_seqs generations run at
-once, their forwards batched (queue.py, batching.py).
+Responses follow the OpenAI wire format; each also carries `paraspec`: the request's speculation figures (strategy,
+acceptance_rate, mean_accepted_length, ttft_s, tpot_ms, draft_s, verify_s, ...), in the last streamed chunk too, and
+a speculative strategy's `usage` has `spec_decode` (drafts, accepted tokens, per draft position). Streamed logprobs:
+each chunk carries those of the tokens whose text it carries. Streams are server-sent events (`data: {json}` ...
+`data: [DONE]`); an error after the stream started is one `data: {"error": {...}}` event, as vLLM and OpenAI send
+it. Up to the engine's max_num_seqs generations run at once, their forwards batched (queue.py, batching.py).
 
 Choices: every choice (n per prompt; a list of prompts on /v1/completions) is a generation of its own in the queue,
 so that they run batched; choice j of prompt p has index p * n + j, and with a seed s the seed s + j (mod 2**64), so
@@ -21,7 +22,9 @@ response's are their sum (counts, seconds), their rates from the sums, the earli
 
 Tools (chat): the tools go to the chat template, the family's calls are parsed out of the text (tools.py) into
 `message.tool_calls` with finish_reason "tool_calls"; streamed, text before a call is content as it comes and a
-call is one `delta.tool_calls` entry once its block has closed and parsed.
+call is one `delta.tool_calls` entry once its block has closed and parsed. tool_choice "required" or a named
+function constrains the answer to vLLM's JSON (a list of calls, the function's arguments), strict tools the
+family's format (`ServedModel.tool_calls`).
 """
 
 from __future__ import annotations
@@ -50,10 +53,20 @@ from paraspec.sampling import SamplingParams
 from paraspec.server.metrics import ServerMetrics
 from paraspec.server.queue import GenerationQueue, Job, QueueFull, ShuttingDown
 from paraspec.server.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedParameter, error_body
-from paraspec.server.tools import Event, ToolCallParser, fold, format_of
+from paraspec.server.tools import (
+    Event,
+    ForcedCallParser,
+    ToolCallParser,
+    fold,
+    forced_call_schema,
+    format_of,
+    strict_grammar,
+)
 from paraspec.streams import GenerationResult
 
 log = logging.getLogger("paraspec.server")
+Parser = ToolCallParser | ForcedCallParser
+Constraint = tuple[str, tuple[str, str]] | None  # (the request field asking for it, SamplingParams.structured)
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 STATS = (
     "strategy",
@@ -185,16 +198,29 @@ class ServedModel:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         tools = body.template_tools()
-        parser = None
-        if tools is not None:
-            try:
-                call_format = format_of(self.engine.tokenizer)
-            except ValueError as e:
-                raise APIError(400, str(e), param="tools") from None
-            names = frozenset(tool["function"]["name"] for tool in tools)
-            parser = functools.partial(ToolCallParser, call_format, None if body.parallel_tool_calls else 1, names)
+        parser, constraint = self.tool_calls(body, tools) if tools is not None else (None, None)
         prompt_ids = encode(self.engine, [m.as_template_message() for m in body.messages], "messages", tools)
-        return await self.respond(body, request, [prompt_ids], chat=True, tool_parser=parser)
+        return await self.respond(body, request, [prompt_ids], chat=True, tool_parser=parser, constraint=constraint)
+
+    def tool_calls(self, body: ChatCompletionRequest, tools: list[dict]) -> tuple[Callable[[], Parser], Constraint]:
+        """How a chat answer's calls are read, and what constrains them: a forced call (tool_choice "required" or
+        a named function) is vLLM's JSON (tools.forced_call_schema, whatever the model's format); with strict
+        tools the family's format is constrained (tools.strict_grammar); else the model writes freely."""
+        names = frozenset(tool["function"]["name"] for tool in tools)
+        limit = None if body.parallel_tool_calls else 1
+        try:
+            if body.forces_call():
+                function = body.named_function()
+                schema = forced_call_schema(tools, function, limit)
+                constraint = ("tool_choice", ("json_schema", json.dumps(schema)))
+                return functools.partial(ForcedCallParser, function, names, limit), constraint
+            call_format = format_of(self.engine.tokenizer)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools") from None
+        parser = functools.partial(ToolCallParser, call_format, limit, names)
+        if not any(tool["function"].get("strict") for tool in tools):
+            return parser, None
+        return parser, ("tools", ("grammar", strict_grammar(call_format, tools)))
 
     async def respond(
         self,
@@ -202,11 +228,13 @@ class ServedModel:
         request: Request,
         prompts: list[list[int]],
         chat: bool,
-        tool_parser: Callable[[], ToolCallParser] | None = None,
+        tool_parser: Callable[[], Parser] | None = None,
         echoes: list[str] | None = None,
+        constraint: Constraint = None,
     ):
         """Queue every choice's generation, then stream them or answer once they have ended. `echoes`: each
-        prompt's text, put before its choices' text (completions' echo)."""
+        prompt's text, put before its choices' text (completions' echo); `constraint`: the structured output the
+        tools ask for, with the request field that asks for it."""
         if body.model != self.model_name:
             raise APIError(
                 400,
@@ -226,7 +254,7 @@ class ServedModel:
         events: asyncio.Queue = asyncio.Queue()  # the choices' events, tagged with their index
         jobs = []
         for p, prompt_ids in enumerate(prompts):
-            params = sampling_params(self.engine, body, prompt_ids, chat)
+            params = sampling_params(self.engine, body, prompt_ids, chat, constraint)
             for j in range(n):
                 jobs.append(Job(prompt_ids, choice_params(params, j), body.stream, index=p * n + j, events=events))
         try:
@@ -254,30 +282,40 @@ class ServedModel:
         return self.whole_response(jobs, body, ids, chat, tool_parser, echoes)
 
     async def stream_events(self, jobs: list[Job], body, ids, chat: bool, tool_parser, echoes=None):
-        """Each choice's chunks as they come; its logprobs (all its tokens') ride on its last chunk."""
+        """Each choice's chunks as they come, each with the logprobs of the tokens whose text it carries (tokens
+        whose text is held back, by a tool parser too, ride on the choice's next chunk; the rest on its last)."""
         by_index = {job.index: job for job in jobs}
         parsers = {job.index: tool_parser() for job in jobs} if tool_parser is not None else {}
         calls_sent = dict.fromkeys(by_index, 0)
+        logprobs = {job.index: ChunkLogprobs(self.engine.tokenizer, chat) for job in jobs}
         if chat:
             for job in jobs:
                 yield sse(self.chunk(ids, job.index, {"role": "assistant", "content": ""}, None, chat))
-        elif echoes is not None:
-            n = body.choices_per_prompt()
-            for job in jobs:
-                yield sse(self.chunk(ids, job.index, echoes[job.index // n], None, chat))
         running = len(jobs)
         while running:
             index, kind, delta = await jobs[0].events.get()
-            parser = parsers.get(index)
-            if kind == "delta":
-                pieces: list[Event] = parser.feed(delta) if parser is not None else [("content", delta)]
-            else:
+            parser, scored = parsers.get(index), logprobs[index]
+            if kind == "end":
                 running -= 1
                 failure = job_failure(by_index[index])
                 if failure is not None:  # the request fails whole: its other choices stop
                     cancel_all(jobs, "cancelled")
                     yield sse(failure.body())
                     break
+                result = result_of(by_index[index])
+                first_logprobs = result.prompt_logprobs
+                scored.add_rest(result.logprobs)
+            else:
+                first_logprobs = delta.prompt_logprobs
+                scored.add(delta.logprobs)
+            if echoes is not None and not scored.echoed:  # the prompt as sent, first: with its logprobs
+                prompt = by_index[index].prompt_ids
+                chunk = self.chunk(ids, index, echoes[index // body.choices_per_prompt()], None, chat)
+                chunk["choices"][0]["logprobs"] = scored.prompt(prompt, first_logprobs)
+                yield sse(chunk)
+            if kind == "delta":
+                pieces: list[Event] = parser.feed(delta.text) if parser is not None else [("content", delta.text)]
+            else:
                 pieces = parser.finish() if parser is not None else []
             for piece_kind, value in pieces:
                 if piece_kind == "call":
@@ -287,12 +325,13 @@ class ServedModel:
                     continue
                 elif chat:
                     value = {"content": value}
-                yield sse(self.chunk(ids, index, value, None, chat))
+                chunk = self.chunk(ids, index, value, None, chat)
+                chunk["choices"][0]["logprobs"] = scored.take()
+                yield sse(chunk)
             if kind == "end":
                 job = by_index[index]
-                result = result_of(job)
                 last = self.chunk(ids, index, {} if chat else "", finish_reason(result, calls_sent[index]), chat)
-                last["choices"][0]["logprobs"] = logprobs_of(self.engine.tokenizer, result, chat, echoes is not None)
+                last["choices"][0]["logprobs"] = scored.take()
                 last["paraspec"] = extension([job])
                 if body.return_token_ids:
                     last["choices"][0]["token_ids"] = result.token_ids
@@ -420,26 +459,76 @@ def logprobs_of(tokenizer, result: GenerationResult, chat: bool, echo: bool) -> 
     prompt's tokens first with echo, the first of them without a logprob)."""
     if result.logprobs is None:
         return None
-    text = functools.partial(token_text, tokenizer)
     if chat:
-        return {
-            "content": [
-                {**chat_entry(text, t.token, t.logprob), "top_logprobs": [chat_entry(text, *a) for a in t.top]}
-                for t in result.logprobs
-            ]
-        }
+        return chat_logprobs(tokenizer, result.logprobs)
     scored: list[tuple[int, TokenLogprob | None]] = [(t.token, t) for t in result.logprobs]
     if echo and result.prompt_logprobs is not None:
-        prompt = [(token, lp) for token, lp in zip(result.prompt_ids, result.prompt_logprobs)]
-        scored = prompt + scored
-    tokens = [text(token) for token, _ in scored]
-    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+        scored = list(zip(result.prompt_ids, result.prompt_logprobs)) + scored
+    return completion_logprobs(tokenizer, scored)[0]
+
+
+def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
+    text = functools.partial(token_text, tokenizer)
     return {
+        "content": [
+            {**chat_entry(text, t.token, t.logprob), "top_logprobs": [chat_entry(text, *a) for a in t.top]}
+            for t in logprobs
+        ]
+    }
+
+
+def completion_logprobs(tokenizer, scored: list[tuple[int, TokenLogprob | None]], offset: int = 0) -> tuple[dict, int]:
+    """Completions' parallel lists for (token, its TokenLogprob or None) pairs whose text starts at `offset` in the
+    choice's text, and the offset after them."""
+    text = functools.partial(token_text, tokenizer)
+    tokens = [text(token) for token, _ in scored]
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))
+    lists = {
         "tokens": tokens,
         "token_logprobs": [None if lp is None else lp.logprob for _, lp in scored],
         "top_logprobs": [None if lp is None else {text(a): v for a, v in lp.top} for _, lp in scored],
-        "text_offset": offsets,
+        "text_offset": offsets[:-1],
     }
+    return lists, offsets[-1]
+
+
+class ChunkLogprobs:
+    """One streamed choice's logprobs, handed out chunk by chunk: those of the tokens since the last chunk that
+    carried some (take), in OpenAI's form; completions' text offsets run on across chunks, as in the whole answer."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.pending: list[TokenLogprob] = []
+        self.received = 0  # how many the deltas carried
+        self.offset = 0
+        self.echoed = False
+
+    def add(self, logprobs: list[TokenLogprob] | None) -> None:
+        if logprobs is not None:
+            self.pending += logprobs
+            self.received += len(logprobs)
+
+    def add_rest(self, logprobs: list[TokenLogprob] | None) -> None:
+        """The result's: those no delta carried."""
+        if logprobs is not None:
+            self.add(logprobs[self.received :])
+
+    def take(self) -> dict | None:
+        if not self.pending:
+            return None
+        taken, self.pending = self.pending, []
+        if self.chat:
+            return chat_logprobs(self.tokenizer, taken)
+        lists, self.offset = completion_logprobs(self.tokenizer, [(t.token, t) for t in taken], self.offset)
+        return lists
+
+    def prompt(self, prompt_ids: list[int], prompt_logprobs: list[TokenLogprob | None] | None) -> dict | None:
+        """The echoed prompt's logprobs (completions), once: the first chunk's."""
+        self.echoed = True
+        if prompt_logprobs is None:
+            return None
+        lists, self.offset = completion_logprobs(self.tokenizer, list(zip(prompt_ids, prompt_logprobs)))
+        return lists
 
 
 def token_text(tokenizer, token: int) -> str:
@@ -465,13 +554,25 @@ def encode(engine, prompt, param: str, tools: list[dict] | None = None) -> list[
 REQUEST_NAMES = {"structured": "response_format", "prompt_logprobs": "echo"}
 
 
-def sampling_params(engine, body, prompt_ids: list[int], chat: bool) -> SamplingParams:
+def sampling_params(engine, body, prompt_ids: list[int], chat: bool, constraint: Constraint = None) -> SamplingParams:
     """The request's SamplingParams, checked against the Engine (a strategy that does not apply a bias, logprobs or
-    a structured output refuses here, before anything queues)."""
+    a structured output refuses here, before anything queues). `constraint`: the structured output the tools ask for
+    (app.tool_calls), with the field that asks for it."""
     limit = body.new_token_limit()
     if limit is None:  # chat: until the context is full; completions: OpenAI's 16
         limit = max(1, engine.max_context - len(prompt_ids)) if chat else DEFAULT_COMPLETION_TOKENS
+    names = dict(REQUEST_NAMES)
     try:
+        structured = body.structured()
+        if constraint is not None:
+            field, tool_structured = constraint
+            if structured is not None:
+                raise UnsupportedParameter(
+                    field,
+                    f"'{field}' constrains the answer to tool calls and the request asks for another structured output "
+                    f"too (response_format or guided_*); keep one",
+                )
+            structured, names["structured"] = tool_structured, field
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -487,15 +588,20 @@ def sampling_params(engine, body, prompt_ids: list[int], chat: bool) -> Sampling
             logit_bias=body.bias(),
             logprobs=body.logprobs_count(),
             prompt_logprobs=body.prompt_logprobs_count(),
-            structured=body.structured(),
+            structured=structured,
         )
         engine.check_params(params)
     except RefusedParameter as e:  # the request's name for what the strategy cannot honour
-        raise APIError(400, str(e), param=REQUEST_NAMES.get(e.param, e.param)) from None
+        param = names.get(e.param, e.param)
+        message = str(e)
+        if e.param == "structured" and constraint is not None:
+            message = f"'{param}' is served by constraining the answer (a structured output): {e}"
+        raise APIError(400, message, param=param) from None
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
     except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+        first = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=names.get(first, first)) from None
     return params
 
 
@@ -540,10 +646,27 @@ def result_of(job: Job) -> GenerationResult:
 
 
 def usage(jobs: list[Job], n: int) -> dict:
-    """Each prompt's tokens once (choice 0 of each prompt), every choice's new tokens: as vLLM counts them."""
+    """Each prompt's tokens once (choice 0 of each prompt), every choice's new tokens: as vLLM counts them. A
+    speculative strategy adds the request's acceptance, every choice's together, under `spec_decode` (the names of
+    vLLM's spec_decode metrics)."""
     prompt = sum(len(job.prompt_ids) for job in jobs if job.index % n == 0)
     completion = sum(len(result_of(job).token_ids) for job in jobs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    counted: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    stats = [result_of(job).stats for job in jobs]
+    if all(s.acceptance_rate is None for s in stats):
+        return counted
+    drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
+    per_position = [
+        sum(column) for column in itertools.zip_longest(*(s.accepted_per_position for s in stats), fillvalue=0)
+    ]
+    counted["spec_decode"] = {
+        "num_drafts": sum(s.rounds for s in stats),
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_position,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+    }
+    return counted
 
 
 SUMMED = ("drafted", "accepted", "rounds", "rollbacks", "draft_s", "verify_s", "tokens_per_s")

@@ -7,6 +7,7 @@ paraspec:batch_rows_per_step, _batch_forwards, _batch_mean_rows   batched reques
 paraspec:prompt_tokens_total, paraspec:generation_tokens_total
 paraspec:spec_decode_num_drafts_total                    verification rounds
 paraspec:spec_decode_num_draft_tokens_total / _num_accepted_tokens_total
+paraspec:spec_decode_num_accepted_tokens_per_pos_total{position}   accepted drafts by their position in the draft
 paraspec:spec_decode_draft_acceptance_rate               accepted / drafted, over the server's life
 paraspec:spec_decode_mean_accepted_length                tokens gained per verification (bonus included)
 paraspec:time_to_first_token_seconds, paraspec:time_per_output_token_seconds,
@@ -131,6 +132,9 @@ class ServerMetrics:
         self._drafts = counter("spec_decode_num_drafts", "Verification rounds").labels(**labels)
         self._draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed").labels(**labels)
         self._accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted").labels(**labels)
+        self._accepted_per_position = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft", ("position",)
+        )
         self._acceptance = gauge("spec_decode_draft_acceptance_rate", "Accepted / drafted tokens, server lifetime")
         self._mean_accepted = gauge(
             "spec_decode_mean_accepted_length", "Tokens gained per verification round (bonus included), server lifetime"
@@ -161,6 +165,8 @@ class ServerMetrics:
         self._drafts.inc(stats.rounds)
         self._draft_tokens.inc(stats.drafted)
         self._accepted_tokens.inc(stats.accepted)
+        for position, accepted in enumerate(stats.accepted_per_position):
+            self._accepted_per_position.labels(**self._labels, position=str(position)).inc(accepted)
         with self._lock:
             t = self._totals
             t["drafted"] += stats.drafted

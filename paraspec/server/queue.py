@@ -26,6 +26,7 @@ from paraspec.runtime.errors import WorkerError
 from paraspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from paraspec.request_state import TokenLogprob
     from paraspec.streams import GenerationResult, Stream
 
 log = logging.getLogger("paraspec.server")
@@ -39,13 +40,25 @@ class ShuttingDown(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Delta:
+    """A streamed job's text delta and the output tokens committed since the previous delta (their text is the
+    delta's, but for text held back), with their logprobs where the request asked for them (a strategy whose target
+    runs in a worker has none until the end: the result's); the first delta also carries the prompt's logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
 @dataclass(eq=False)
 class Job:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
     index: int = 0  # the choice's index in its response
-    # (index, "delta", text) ... then (index, "end", None) once result or error is set (a worker restart may
+    # (index, "delta", Delta) ... then (index, "end", None) once result or error is set (a worker restart may
     # follow); shared by the jobs of one request
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -144,9 +157,13 @@ class GenerationQueue:
             stream = job.stream_handle = self.engine.stream(job.prompt_ids, job.params)
             if job.cancelled.is_set():  # cancelled before the engine had the request: stop it at once
                 stream.cancel()
+            tokens = logprobs = 0  # how many of each the deltas so far carried
             for delta in stream:
                 if job.stream:
-                    self._emit(job, "delta", delta)
+                    new_logprobs = stream.logprobs[logprobs:] if stream.logprobs is not None else None
+                    first = stream.prompt_logprobs if tokens == 0 else None
+                    self._emit(job, "delta", Delta(delta, stream.token_ids[tokens:], new_logprobs, first))
+                    tokens, logprobs = len(stream.token_ids), logprobs + len(new_logprobs or ())
             job.result = stream.result
         except Exception as e:  # noqa: BLE001 -- reported to the client; a worker fault restarts the workers
             job.error = e

@@ -3,12 +3,13 @@
 Served: `n` (1..MAX_N choices per prompt), a list of prompts on /v1/completions, `logprobs` (chat: with
 `top_logprobs`; completions: a count, and `echo` with the prompt's), `presence_penalty`, `frequency_penalty`,
 `logit_bias`, `response_format` (json_object, json_schema), vLLM's `repetition_penalty`, `min_p`, `guided_json`,
-`guided_regex`, `guided_grammar` and `structured_outputs`, and on chat `tools`, `tool_choice` "auto"/"none",
-`parallel_tool_calls`, assistant messages with `tool_calls` and `tool` messages.
+`guided_regex`, `guided_grammar` and `structured_outputs`, and on chat `tools` (`strict` ones too), `tool_choice`
+("auto", "none", "required", a named function), `parallel_tool_calls`, assistant messages with `tool_calls` and
+`tool` messages.
 A value paraspec cannot honour is refused with a message naming the field and the fix, never ignored: the
-parameters in UNSUPPORTED, a `tool_choice` that forces a call ("required", a named function), unknown parameters,
-roles other than system/developer/user/assistant/tool. Integers are strict (`max_tokens: 5.5` or `"5"` is an
-error, not 5).
+parameters in UNSUPPORTED, unknown parameters, a `tool_choice` that forces a call without tools or names a function
+that is not offered, roles other than system/developer/user/assistant/tool. Integers are strict (`max_tokens: 5.5`
+or `"5"` is an error, not 5).
 """
 
 from __future__ import annotations
@@ -293,17 +294,7 @@ class FunctionDefinition(BaseModel):
     name: StrictStr = Field(min_length=1)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, passed to the chat template as it is
-    strict: StrictBool | None = None
-
-    @field_validator("strict")
-    @classmethod
-    def _not_strict(cls, value):
-        if value:
-            raise ValueError(
-                "strict: true asks for a call's arguments forced to match the schema, which paraspec serve does "
-                "not do for tools yet; drop it"
-            )
-        return value
+    strict: StrictBool | None = None  # true: a call's arguments are constrained to the schema (tools.strict_grammar)
 
 
 class Tool(BaseModel):
@@ -316,7 +307,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None  # "auto" (the default with tools) or "none"
+    # "auto" (the default with tools), "none", "required" or {"type": "function", "function": {"name": ...}}
+    tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True  # false: the first call only
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
@@ -350,13 +342,41 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none"):
             return self
-        if choice == "required" or isinstance(choice, dict):
+        shape = '{"type": "function", "function": {"name": ...}}'
+        if choice != "required" and not (
+            isinstance(choice, dict)
+            and choice.get("type") == "function"
+            and set(choice) == {"type", "function"}
+            and isinstance(choice["function"], dict)
+            and set(choice["function"]) == {"name"}
+            and isinstance(choice["function"]["name"], str)
+        ):
+            raise UnsupportedParameter(
+                "tool_choice", f"tool_choice must be 'auto', 'none', 'required' or {shape}, got {json.dumps(choice)}"
+            )
+        if not self.tools:
             raise UnsupportedParameter(
                 "tool_choice",
-                f"tool_choice {json.dumps(choice)} forces a tool call, which paraspec serve does not do yet: use "
-                f"'auto' (the model decides) or 'none'",
+                f"tool_choice {json.dumps(choice)} forces a tool call, but the request has no tools; "
+                "send the tools it may call, or drop tool_choice",
             )
-        raise UnsupportedParameter("tool_choice", f"tool_choice must be 'auto' or 'none', got {choice!r}")
+        named = self.named_function()
+        offered = [tool.function.name for tool in self.tools]
+        if named is not None and named not in offered:
+            raise UnsupportedParameter(
+                "tool_choice",
+                f"tool_choice names the function {named!r}, which is not among the tools ({', '.join(offered)}); "
+                f"name one of them or add its definition to tools",
+            )
+        return self
+
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the answer is constrained to calls (tools.forced_call_schema)."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+    def named_function(self) -> str | None:
+        """The function a named tool_choice forces, or None."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
     def new_token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

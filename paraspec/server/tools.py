@@ -3,6 +3,10 @@ the parser that turns the text into OpenAI `tool_calls`, whole or delta by delta
 
     format_of(tokenizer)   the family's ToolCallFormat, or a ValueError saying why tools cannot be served
     ToolCallParser         feed(text delta) / finish() -> ("content", text) and ("call", tool call) events
+    forced_call_schema     tool_choice "required" / a named function: the JSON schema the answer is constrained to
+                           (vLLM's: the function's arguments, or a JSON list of calls), read by ForcedCallParser
+    strict_grammar         tools with `strict: true`: a Lark grammar that leaves text free and constrains every call
+                           the family's format writes to an offered tool, a strict one's arguments to its schema
 
 The parser never guesses: a call is a marked block whose body parses as JSON naming a function, or, for a family
 that also writes calls bare (Qwen2.5-Coder-*-Instruct answers with the JSON object alone, without the tags), a
@@ -32,6 +36,7 @@ class ToolCallFormat:
     end: str | None  # the text that closes it; None: the call runs to the end of the generated text
     start_in_body: bool = False  # the start is the body's own first characters (a bare JSON object)
     bare: bool = False  # a reply of only JSON objects naming offered tools is calls too (held while it may be)
+    arguments_key: str = "arguments"  # the call object's key for the arguments (strict_grammar writes it)
 
 
 FORMATS = (
@@ -39,7 +44,9 @@ FORMATS = (
     # (Qwen2.5-Coder 0.5B/1.5B-Instruct, greedy, write the object alone: measured, so bare=True)
     ToolCallFormat("hermes", "<tool_call>", "<tool_call>", "</tool_call>", bare=True),
     # Llama 3.1-3.3 JSON tool calling: the whole answer is {"name": ..., "parameters": {...}}
-    ToolCallFormat("llama3_json", '{"name": function name', '{"name"', None, start_in_body=True),
+    ToolCallFormat(
+        "llama3_json", '{"name": function name', '{"name"', None, start_in_body=True, arguments_key="parameters"
+    ),
 )
 
 
@@ -216,3 +223,154 @@ def fold(events: list[Event]) -> tuple[str | None, list[dict]]:
     """A whole answer's (content, tool calls) from its events: content None when empty, as OpenAI sends it."""
     content = "".join(value for kind, value in events if kind == "content")
     return content or None, [value for kind, value in events if kind == "call"]
+
+
+# --- constrained calls: tool_choice "required" or a named function, and tools with strict: true ---
+
+
+# a constrained call's JSON is written as json.dumps writes it (the models' own style): flexible whitespace would let
+# a model pad it with blanks until max_tokens (vLLM's --structured-outputs-config.disable_any_whitespace)
+COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+def _arguments_schema(function: dict, constrained: bool = True) -> dict:
+    """A function's arguments schema (a copy); any JSON object where it has none or is not constrained."""
+    parameters = function.get("parameters") if constrained else None
+    return json.loads(json.dumps(parameters)) if parameters else {"type": "object"}
+
+
+def _with_defs(schema: dict, arguments: list[dict]) -> dict:
+    """`schema` with the arguments schemas' `$defs` moved to its top, where their `#/$defs/...` references point
+    once the arguments are nested in it (as vLLM does); a name defined twice differently is a ValueError."""
+    defs: dict = {}
+    for part in arguments:
+        for name, definition in part.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise ValueError(f"two tools define '$defs/{name}' differently; give the definitions distinct names")
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def forced_call_schema(tools: list[dict], function: str | None, max_calls: int | None = None) -> dict:
+    """The JSON schema of a forced answer, as vLLM builds it: with a named function, that function's arguments
+    (the answer is the arguments object); with tool_choice "required", a list of 1 .. max_calls calls
+    {"name", "parameters"} of the offered tools."""
+    if function is not None:
+        (named,) = [t["function"] for t in tools if t["function"]["name"] == function]
+        return {**_arguments_schema(named), **COMPACT}
+    arguments = [_arguments_schema(t["function"]) for t in tools]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": schema},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,  # (vLLM's leaves other keys open: a model may fill them until max_tokens)
+        }
+        for t, schema in zip(tools, arguments)
+    ]
+    listed = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}, **COMPACT}
+    if max_calls is not None:
+        listed["maxItems"] = max_calls
+    return _with_defs(listed, arguments)
+
+
+def strict_grammar(fmt: ToolCallFormat, tools: list[dict]) -> str:
+    """A Lark grammar (llguidance's) for an answer to tools some of which are strict: text stays free, and every
+    call the family's format writes (what ToolCallParser would read as one) names an offered tool, with a strict
+    tool's arguments following its schema (other tools' any JSON object). Hermes: text and <tool_call> blocks, or
+    a reply of bare call objects (the parser's rule: the reply's first non-blank character "{"); Llama 3 JSON: text
+    that neither begins like a JSON object nor holds a call, or the reply one call object."""
+    arguments = [_arguments_schema(t["function"], bool(t["function"].get("strict"))) for t in tools]
+    call = {
+        **COMPACT,
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, fmt.arguments_key: schema},
+                "required": ["name", fmt.arguments_key],
+                "additionalProperties": False,
+            }
+            for t, schema in zip(tools, arguments)
+        ],
+    }
+    lines = [f"call: %json {json.dumps(_with_defs(call, arguments))}", r"WS: /[ \t\r\n]*/"]
+    no_start = rf"~/(?s:.*){_regex_literal(fmt.start)}(?s:.*)/"
+    no_object = r"~/[ \t\r\n]*\{(?s:.*)/"  # text that begins like a JSON object is a call
+    if fmt.end is None:  # the call runs to the end: the reply is one call, or text in which none starts
+        lines += ["start: PLAIN | WS call WS", f"PLAIN: /(?s:.*)/ & {no_object} & {no_start}"]
+    else:
+        start, end = json.dumps(fmt.start), json.dumps(fmt.end)
+        lines += [
+            "start: LEAD_ONLY | first_head body (head body)* TAIL" + (" | bare" if fmt.bare else ""),
+            "bare: WS call (WS call)* WS",
+            f"body: WS call WS {end}",
+            f"first_head[lazy]: LEAD {start}",
+            f"head[lazy]: /(?s:.*)/ {start}",
+            # with bare calls, text that begins like one ("{" after blanks) is one: the parser holds it as such
+            "LEAD: /(?s:.*)/" + (f" & {no_object}" if fmt.bare else ""),
+            f"LEAD_ONLY: LEAD & {no_start}",
+            f"TAIL: /(?s:.*)/ & {no_start}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a literal inside a Lark /.../ regex."""
+    return "".join(f"\\{c}" if c in r"\.^$|?*+()[]{}/" else c for c in text)
+
+
+class ForcedCallParser:
+    """The calls of a forced answer, whose text forced_call_schema's constraint shaped: a named function's
+    arguments (one call of it, at the end, its arguments as generated even when max_tokens cut them), or a JSON
+    list of calls (each one event once its object has closed). Text left that is no call (a list cut off) is
+    content at the end. The same events as ToolCallParser."""
+
+    def __init__(self, function: str | None, tool_names: frozenset[str], max_calls: int | None = None):
+        self.function, self.tool_names, self.max_calls = function, tool_names, max_calls
+        self.calls = 0
+        self._text = ""
+        self._at: int | None = None  # where the next list item starts (None: before the list's "[")
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> list[Event]:
+        self._text += text
+        if self.function is not None:
+            return []  # the arguments: one call at the end
+        if self._at is None:  # the list's "[" first
+            head = self._text.lstrip(" \t\r\n")
+            if not head:
+                return []
+            self._at = len(self._text) - len(head) + 1 if head[0] == "[" else -1  # -1: no list, content at the end
+        events: list[Event] = []
+        while self._at >= 0:
+            at = len(self._text) - len(self._text[self._at :].lstrip(" \t\r\n,"))
+            try:
+                value, end = self._decoder.raw_decode(self._text, at)
+            except ValueError:  # not closed yet (or not JSON: finish says)
+                break
+            call = call_of(value, self.tool_names)
+            if call is None:
+                break
+            self._at = end
+            if self.max_calls is None or self.calls < self.max_calls:
+                events.append(("call", call))
+            self.calls += 1
+        return events
+
+    def finish(self) -> list[Event]:
+        if self.function is not None:
+            arguments = self._text.strip()
+            self.calls = 1
+            return [
+                (
+                    "call",
+                    {
+                        "id": f"call_{uuid.uuid4().hex[:24]}",
+                        "type": "function",
+                        "function": {"name": self.function, "arguments": arguments},
+                    },
+                )
+            ]
+        rest = self._text[self._at :] if self.calls else self._text
+        if self.calls and rest.strip() == "]":
+            return []
+        return [("content", rest)] if rest.strip() else []

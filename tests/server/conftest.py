@@ -168,3 +168,12 @@ def start_server(long_pair):
         if server.process.poll() is None:
             code, err = server.stop()
             assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def sd_server(long_pair):
+    """An `sd` server with the draft model, fixed lookahead 4, for a test module."""
+    server = Server(long_pair, "sd", "--api-key", KEY, "--lookahead", "4", "--no-adaptive")
+    yield server
+    code, err = server.stop()
+    assert code == 0, err

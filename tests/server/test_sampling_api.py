@@ -1,7 +1,9 @@
 """The sampling parameters clients send, through the official `openai` client against `paraspec serve`: logprobs
 (chat's top_logprobs; completions' count and echo), penalties, logit_bias, min_p, structured outputs
 (response_format, vLLM's guided_regex) -- each answer the one `ar` gives through the Python API with the same
-parameters, from `sd` and `amusd` servers; strategies that cannot honour one refuse it with a 400 naming it."""
+parameters, from `sd` and `amusd` servers; strategies that cannot honour one refuse it with a 400 naming it.
+Streamed, each chunk carries its own tokens' logprobs; the request's acceptance per draft position is in its usage
+and on /metrics."""
 
 import json
 import re
@@ -16,14 +18,6 @@ PROMPT = "def fib(n):\n    return"
 TOKENS = 16
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=1.5)
 EXTRA = dict(repetition_penalty=1.5, min_p=0.05)
-
-
-@pytest.fixture(scope="module")
-def sd_server(long_pair):
-    server = Server(long_pair, "sd", "--api-key", KEY, "--lookahead", "4", "--no-adaptive")
-    yield server
-    code, err = server.stop()
-    assert code == 0, err
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +51,32 @@ def test_chat_logprobs_are_ars(sd_server, ar_engine):
     streamed = client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=TOKENS, logprobs=True, top_logprobs=2, stream=True
     )
-    gathered = [
-        entry
-        for chunk in streamed
-        if chunk.choices and chunk.choices[0].logprobs
-        for entry in chunk.choices[0].logprobs.content
+    chunks = [chunk.choices[0] for chunk in streamed if chunk.choices]
+    gathered = [entry for c in chunks if c.logprobs for entry in c.logprobs.content]
+    assert [(c.token, c.logprob, c.top_logprobs) for c in gathered] == [
+        (c.token, c.logprob, c.top_logprobs) for c in content
     ]
-    assert [c.logprob for c in gathered] == [c.logprob for c in content]
+    # each chunk carries the logprobs of the tokens of its delta, not all on the last one
+    with_text = [c for c in chunks if c.delta.content]
+    assert len(with_text) > 1 and all(c.logprobs for c in with_text)
+    assert all("".join(e.token for e in c.logprobs.content) == c.delta.content for c in with_text)
+
+
+def test_streamed_completion_logprobs_are_the_whole_answers_chunk_by_chunk(sd_server):
+    client = sd_server.client()
+    # printable ASCII, so that each token's text is its own (the tiny tokenizer's bytes above 127 are half characters)
+    ascii_only = {"guided_regex": "[ -~\n]*"}
+    ask = dict(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS, logprobs=2, echo=True, extra_body=ascii_only
+    )
+    whole = client.completions.create(**ask).choices[0]
+    chunks = [chunk.choices[0] for chunk in client.completions.create(stream=True, **ask)]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[0].text == PROMPT  # the echo first, with the prompt's logprobs
+    scored = [c for c in chunks if c.logprobs]
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in scored for x in getattr(c.logprobs, name)] == getattr(whole.logprobs, name), name
+    assert all("".join(c.logprobs.tokens) == c.text for c in scored) and len(scored) > 2
 
 
 def test_completions_echo_with_logprobs_scores_the_prompt(sd_server, ar_engine):
@@ -157,3 +170,25 @@ def test_what_a_strategy_cannot_honour_is_a_400_naming_it(amusd_server, sd_serve
         sd.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="regex"):
         sd.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"guided_regex": "[ab"})
+
+
+def test_acceptance_per_position_in_usage_and_metrics(sd_server):
+    """vLLM's spec_decode_num_accepted_tokens_per_pos on /metrics, and the request's acceptance in its usage: the
+    positions sum to the accepted drafts, and in a chain a draft is kept only after every one before it."""
+    name = "paraspec:spec_decode_num_accepted_tokens_per_pos_total"
+    before = [sd_server.metric(name, position=str(p)) for p in range(4)]
+    accepted_before = sd_server.metric("paraspec:spec_decode_num_accepted_tokens_total")
+    reply = sd_server.client().completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=48, n=2)
+    spec = reply.usage.model_extra["spec_decode"]
+    figures = reply.model_extra["paraspec"]
+    assert spec["num_accepted_tokens"] == figures["accepted"] > 0 and spec["num_draft_tokens"] == figures["drafted"]
+    assert spec["num_drafts"] == figures["rounds"] and spec["acceptance_rate"] == pytest.approx(
+        figures["acceptance_rate"]
+    )
+    per_position = spec["num_accepted_tokens_per_pos"]
+    assert sum(per_position) == spec["num_accepted_tokens"] and len(per_position) <= 4  # lookahead 4
+    assert per_position == sorted(per_position, reverse=True)
+    after = [sd_server.metric(name, position=str(p)) for p in range(4)]
+    assert [a - b for a, b in zip(after, before)] == per_position + [0] * (4 - len(per_position))
+    accepted = sd_server.metric("paraspec:spec_decode_num_accepted_tokens_total") - accepted_before
+    assert sum(after) - sum(before) == accepted == spec["num_accepted_tokens"]

@@ -5,7 +5,6 @@ through the official `openai` client."""
 
 import json
 
-import openai
 import pytest
 
 from paraspec.models.cache import cache_dir
@@ -249,22 +248,33 @@ def test_tools_reach_the_template_and_calls_come_back(qwen_server, qwen_tokenize
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason != "tool_calls"
 
 
-BAD_TOOLS = [  # (path, body changes, the param named, words of the message)
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "forces a tool call"),
-    (
-        "/v1/chat/completions",
-        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-        "tool_choice",
-        "forces a tool call",
-    ),
-    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'auto' or 'none'"),
+@pytest.mark.real_pair
+def test_strict_and_forced_calls_on_the_reference_model(qwen_server):
+    """A strict tool's call follows its schema (here closed: the city and a unit of two); tool_choice "required"
+    gives calls of the offered tool."""
+    client = qwen_server.client()
+    closed = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": closed, "strict": True}}]
+    reply = client.chat.completions.create(model=MODEL, messages=SHOT, tools=strict, temperature=0, max_tokens=60)
+    (call,) = reply.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city", "unit"} and arguments["unit"] in "CF"
+    required = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60
+    )
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and calls
+    assert all(c.function.name == "get_weather" and "city" in json.loads(c.function.arguments) for c in calls)
+
+
+BAD_TOOLS = [  # (path, body changes, the param named, words of the message); forced calls: test_tool_choice.py
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'auto', 'none'"),
     ("/v1/chat/completions", {"tools": TOOLS}, "tools", "does not render tools"),  # the tiny model's template
-    (
-        "/v1/chat/completions",
-        {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
-        "tools[0].function.strict",
-        "arguments forced to match",
-    ),
     ("/v1/chat/completions", {"tools": [{"type": "code_interpreter"}]}, "tools[0].type", "'function'"),
     (
         "/v1/chat/completions",
@@ -292,8 +302,3 @@ def test_what_cannot_be_served_is_a_400(tiny_server, path, changes, param, words
     status, reply = server.post(path, body)
     assert status == 400, reply
     assert reply["error"]["param"] == param and words in reply["error"]["message"], reply
-
-
-def test_the_openai_client_sees_tool_choice_required_refused(tiny_server):
-    with pytest.raises(openai.BadRequestError, match="forces a tool call"):
-        tiny_server.client().chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
