@@ -69,9 +69,8 @@ __all__ = [
 # why a strategy without the capability refuses a request's parameter (Engine.check_params)
 REFUSALS = {
     "processors": "does not apply logit_bias or penalties; drop them",
-    "logprobs": "does not report logprobs (its target runs in a worker); drop logprobs",
-    "structured": "does not apply structured outputs (its target's rows are judged in workers that keep no grammar "
-    "state); drop structured",
+    "logprobs": "does not report logprobs; drop logprobs",
+    "structured": "does not apply structured outputs; drop structured",
 }
 
 

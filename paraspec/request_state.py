@@ -78,6 +78,7 @@ class RequestState:
     # with params.logprobs: each output token's TokenLogprob, from the target's rows observed before its commit
     logprobs: list[TokenLogprob] | None = None
     _logprob_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _logprobs_from_worker: bool = field(default=False, repr=False)  # expect_worker_logprobs
     # with params.prompt_logprobs: each prompt token's TokenLogprob given the tokens before it (the first: None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # with params.structured: the grammar's state after the committed output (the Engine builds it; its end ids are
@@ -146,7 +147,7 @@ class RequestState:
             self.tokens.append(token)
             if self.grammar is not None:
                 self.grammar.consume(token)  # not an end token: the request ends there
-            if self.logprobs is not None:
+            if self.logprobs is not None and not self._logprobs_from_worker:
                 self.logprobs.append(self._logprob_of(len(self.tokens) - 1, token))
             if token in self.stop_ids:
                 self.finish_reason = "stop"
@@ -170,6 +171,21 @@ class RequestState:
                 f"no target row was observed for output token {index}: this strategy cannot report logprobs"
             )
         return token_logprob(row, token, self.params.logprobs or 0)
+
+    def expect_worker_logprobs(self) -> None:
+        """The target's rows stay in a worker that computes each committed token's TokenLogprob there and reports them
+        when the request ends (amusd's verifier): commits stop looking for rows observed here (worker_logprobs)."""
+        self._logprobs_from_worker = True
+
+    def worker_logprobs(self, reported: list[TokenLogprob]) -> None:
+        """The worker's TokenLogprobs of the tokens it committed, in order; the output keeps those of its tokens (a
+        stop token or string may have ended it before the worker's last commit)."""
+        if self.logprobs is None:
+            return
+        kept = reported[: len(self.tokens)]
+        if [lp.token for lp in kept] != self.tokens:
+            raise RuntimeError("the worker's logprobs are not those of the committed tokens")
+        self.logprobs = list(kept)
 
     def settle_in_hand(self, draft: int | None, q, target) -> tuple[int, bool]:
         """verify.judge_in_hand on this run, counted: p for the next position is in hand after a full acceptance,

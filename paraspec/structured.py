@@ -8,6 +8,12 @@ the target's rows, through llguidance (benchmarks/grammar_mask.py measures it ag
     matcher.mask_tree(logits, tokens, parents)   a token tree's rows: row 0 at the output, row i + 1 after node i's path
     matcher.consume(token)                       a committed token (RequestState.commit): the state follows the
                                                  output only
+    matcher.forced(limit)                        the tokens the grammar forces after the committed output (drafted
+                                                 first: drafters/forced.py)
+    matcher.ahead(tokens)                        a block run in the state after the output and some drafts, rolled back
+    matcher.follow(tokens)                       a draft worker's matcher: the state after its cache's output
+                                                 (drafts included), rolled back with the cache
+    WorkerGrammar(folder, structured, end_ids)   what a worker builds its matcher from (a matcher does not pickle)
 
 The matcher's state is the committed output's: masking a round's rows consumes its drafts and rolls them back, so
 rejected drafts never reach it. A draft the grammar forbids stays in the rows and is rejected like any other (the
@@ -20,10 +26,12 @@ EOS is never allowed unless it ends the request. The matcher never consumes an e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import weakref
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -97,6 +105,36 @@ def _template(tokenizer, n_vocab: int, kind: str, spec: str):
     return ll_tokenizer, templates[(kind, spec)]
 
 
+@functools.lru_cache(maxsize=4)
+def tokenizer_at(folder: str):
+    """A checkpoint folder's tokenizer, loaded once per process (a worker's grammar); None where it has none (a
+    weights-only checkpoint, a simulated model, a folder this node does not have)."""
+    from paraspec.models.loader import load_tokenizer_if_any
+
+    return load_tokenizer_if_any(folder)
+
+
+@dataclass(frozen=True)
+class WorkerGrammar:
+    """A request's constraint as a worker gets it (amusd's verifier, the drafters of amusd and dsi): the target's
+    checkpoint folder, whose tokenizer the Engine's matcher uses too, SamplingParams.structured, the ids that end the
+    request."""
+
+    folder: str
+    structured: tuple[str, str]
+    end_ids: tuple[int, ...]
+
+    def matcher(self, vocab_size: int) -> GrammarMatcher | None:
+        """The request's matcher in this process; None where this node has no tokenizer in `folder` (a drafter may
+        then draft unmasked: its q is still the one it drew from)."""
+        tokenizer = tokenizer_at(self.folder)
+        return (
+            None
+            if tokenizer is None
+            else GrammarMatcher.for_request(tokenizer, self.structured, vocab_size, self.end_ids)
+        )
+
+
 class GrammarMatcher:
     """One request's grammar state, over the target's `vocab_size` ids."""
 
@@ -108,6 +146,7 @@ class GrammarMatcher:
         ll_eos = [t for t in ll_tokenizer.eos_tokens if t not in self.end_ids and t < vocab_size]
         self._foreign_eos = torch.tensor(ll_eos, dtype=torch.long)
         self._bits = torch.zeros((ll_tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        self._followed: list[int] = []  # the tokens `follow` consumed
 
     @classmethod
     def for_request(
@@ -188,6 +227,24 @@ class GrammarMatcher:
             self.matcher.rollback(len(tokens))
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
+    def follow(self, tokens: Sequence[int]) -> None:
+        """Move the state to the longest prefix of `tokens` (an output, drafts included) that the grammar allows, up to
+        the first end token: what a draft worker's cache holds. What no longer matches the tokens followed last is
+        rolled back (the draft rolled back its cache); what follows it is consumed. Not mixed with `consume`."""
+        followed = self._followed
+        keep = len(followed)
+        if list(tokens[:keep]) != followed:  # (one comparison in C in the usual case: the cache grew)
+            keep = next((i for i, (a, b) in enumerate(zip(followed, tokens)) if a != b), min(keep, len(tokens)))
+        if keep < len(followed):
+            self.matcher.rollback(len(followed) - keep)
+            del followed[keep:]
+        for token in tokens[keep:]:
+            if token in self.end_ids or self.matcher.validate_tokens([token]) < 1:
+                break  # no accepted path goes past it: later drafts masked in the state before it (q still theirs)
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"the {self.kind} matcher refused a valid token: {self.matcher.get_error()}")
+            followed.append(token)
+
     def consume(self, token: int) -> None:
         """A committed token that does not end the request (RequestState.commit): the state moves past it."""
         if token in self.end_ids:
@@ -197,6 +254,29 @@ class GrammarMatcher:
                 f"token {token} was committed where the {self.kind} constraint forbids it (a strategy that does not "
                 f"mask its rows): {self.matcher.get_error()}"
             )
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces after the committed output: llguidance's fast-forward tokens (its
+        forced bytes as tokens, less any last token a longer one could still replace: forced bytes are not always
+        forced tokens), cut before an end token or an id the target does not have. The state does not move."""
+        tokens: list[int] = []
+        for token in self.matcher.compute_ff_tokens() if limit > 0 else ():
+            if len(tokens) == limit or token in self.end_ids or token >= self.vocab_size:
+                break
+            tokens.append(token)
+        return tokens
+
+    @contextlib.contextmanager
+    def ahead(self, tokens: Sequence[int]):
+        """The state after the committed output and `tokens` (drafts the grammar allows, e.g. `forced`'s) while the
+        block runs, rolled back after it: a drafter continuing those drafts masks its own there."""
+        if tokens and not self.matcher.consume_tokens(list(tokens)):
+            raise RuntimeError(f"the {self.kind} matcher refused drafts it allows: {self.matcher.get_error()}")
+        try:
+            yield
+        finally:
+            if tokens:
+                self.matcher.rollback(len(tokens))
 
     def _row(self, width: int) -> torch.Tensor:
         if width != self.vocab_size:

@@ -87,7 +87,7 @@ def serve_a_dsi_chunk(model):
     from paraspec.trace import Trace
 
     ctx = SimpleNamespace(trace=Trace(), device=Device("cuda"))
-    serve_chunk(model, ctx, 0, [1, 2, 3], 2, greedy=True, margins=False)
+    serve_chunk(model, ctx, 0, [1, 2, 3], 2, send_logits=False, margins=False)
     assert [e.kind for e in ctx.trace.events] == ["prefill"]
 
 

@@ -19,6 +19,7 @@ from paraspec.drafters.model import ModelDrafter
 from paraspec.request_state import common_prefix
 from paraspec.runtime.channels import ChannelFull, ChannelStopped
 from paraspec.sampling import SamplingParams, make_generator
+from paraspec.structured import WorkerGrammar
 from paraspec.trace import Trace
 
 CHANNEL = "tokens"  # the first drafter's channel (dsi's further drafters: tokens1, tokens2, ...)
@@ -35,12 +36,15 @@ def draft_loop(
     channel_name: str = CHANNEL,
     label: str = "draft",
     prompt_length: int = 0,
+    grammar: WorkerGrammar | None = None,
 ) -> dict:
     """Runs in the draft worker (`draft`: the worker's model) until the channel stops (the request ended or a
-    worker failed). `channel_name` and `label` (its trace row) tell several drafters apart (dsi's drafters)."""
+    worker failed). `channel_name` and `label` (its trace row) tell several drafters apart (dsi's drafters).
+    `grammar`: the request's structured output, which masks each draft on the output its cache holds."""
     channel = ctx.channels[channel_name]
     drafter = ModelDrafter(draft, vocab_size)
     drafter.prompt_length = prompt_length  # the request's penalties count the output after it
+    drafter.grammar = None if grammar is None else grammar.matcher(vocab_size)
     generator = make_generator(None if seed is None else seed + 1)
     trace = Trace(t0=t0)
     device = f"{label}:{ctx.device}"
@@ -79,8 +83,7 @@ def draft_loop(
             ):
                 continue
             start = trace.now()
-            cached.extend(feed)  # the drafter feeds what it has not cached: exactly `feed` (no copy)
-            proposal = drafter.propose(cached, 1, params, generator)
+            proposal = draft_next(drafter, cached, feed, params, generator)
             fed += len(feed)
             trace.add(device, "draft", start, trace.now(), len(feed))
             drafted += 1
@@ -102,6 +105,15 @@ def draft_loop(
         "cached": list(cached),
         "trace": trace.to_dict(),
     }
+
+
+def draft_next(drafter: ModelDrafter, cached: list[int], feed: list[int], params: SamplingParams, generator):
+    """Feed what the cache lacks (`feed`, appended to `cached`) and draw the next token with its q; a structured
+    output's state first follows the cache's output, rolled back with the cache where the verifier disagreed."""
+    cached.extend(feed)  # the drafter feeds what it has not cached: exactly `feed` (no copy)
+    if drafter.grammar is not None:
+        drafter.grammar.follow(cached[drafter.prompt_length :])
+    return drafter.propose(cached, 1, params, generator)
 
 
 def roll_back_to(sequence, drafter: ModelDrafter, cached: list[int], trace: Trace, device: str) -> int:

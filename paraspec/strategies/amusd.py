@@ -18,6 +18,11 @@ rather than dropped. A draft judged at once from a distribution in hand counts t
 rollback when rejected), not as a round: no forward verified it. Every drafted token is judged against exactly the
 prefix it was drafted from: a token is published only under the version it was drafted at, and any change to an earlier
 position bumps the version and drops it.
+
+A request's processors, grammar and logprobs: the verifier adjusts its rows as the caller's RequestState would (the
+grammar's mask on the committed output, then bias and penalties) and computes each committed token's logprobs from the
+raw row that committed it, reported when the request ends; the draft worker masks and adjusts its own q the same way,
+its grammar's state following its cache (rolled back with it), so q is always the distribution it drew from.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from functools import partial
 import torch
 
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
-from paraspec.request_state import RequestState, top2_margins
+from paraspec.request_state import RequestState, TokenLogprob, token_logprob, top2_margins
 from paraspec.runtime.channels import ChannelStopped
 from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, adjust_logits, make_generator
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.strategies.registry import register
+from paraspec.structured import GrammarMatcher, WorkerGrammar
 from paraspec.trace import Trace
 from paraspec.verify import judge_in_hand, verify_chain
 
@@ -52,8 +58,6 @@ class AMUSD(WorkerStrategy):
             "drafter costs microseconds, so there is nothing to overlap (use sd with the same draft, or dsi to put it "
             "beside a draft model)"
         ),
-        logprobs=False,  # its verifier's rows stay in the target worker
-        structured=False,  # its verifier (a worker) keeps no grammar state, nor does its draft loop
     )
 
     def setup(self, placement: Placement) -> None:
@@ -66,6 +70,7 @@ class AMUSD(WorkerStrategy):
             drafts=("draft",),
         )
         self.target, self.draft_models = self.remote("target"), [self.remote("draft")]
+        self.tokenizer_folder = str(placement.target)  # the workers' grammars: the Engine's tokenizer
         self.channel = runtime.channel(
             CHANNEL,
             capacity=min(self.target.max_context, self.draft_models[0].max_context),
@@ -74,7 +79,11 @@ class AMUSD(WorkerStrategy):
         )
 
     def decode(self, run: RequestState):
-        return run_request(run, self.runtime, self.channel, self.options["max_ahead"], self.options["verify_chunk"])
+        grammar = None
+        if run.params.structured is not None:
+            grammar = WorkerGrammar(self.tokenizer_folder, run.params.structured, tuple(sorted(run.stop_ids)))
+        options = self.options
+        return run_request(run, self.runtime, self.channel, options["max_ahead"], options["verify_chunk"], grammar)
 
 
 def verify_loop(
@@ -87,8 +96,13 @@ def verify_loop(
     verify_chunk: int,
     seed: int | None,
     record_margins: bool = False,
+    grammar: WorkerGrammar | None = None,
 ) -> dict:
-    """Runs in the target worker: verifies drafts and commits tokens until the request is done (or cancelled)."""
+    """Runs in the target worker: verifies drafts and commits tokens until the request is done (or cancelled).
+    `grammar`: the request's structured output, masking the target's rows as the caller's RequestState would."""
+    matcher = None if grammar is None else grammar.matcher(target.vocab_size)
+    if grammar is not None and matcher is None:
+        raise RuntimeError(f"the target worker finds no tokenizer in {grammar.folder}: it cannot apply structured")
     verifier = Verifier(
         target,
         ctx,
@@ -99,6 +113,7 @@ def verify_loop(
         verify_chunk,
         make_generator(seed),
         margins={} if record_margins else None,
+        grammar=matcher,
     )
     try:
         verifier.run_to_end()
@@ -116,7 +131,11 @@ class Verifier:
     own. It keeps what verifying needs and no RequestState: the verified sequence V (prompt included), where it ends
     (a stop token, or `end`: the token budget or the context), the generator that rejection sampling draws from, and
     its verdicts, which the caller's RequestState counts (`count_verdicts`). The caller's RequestState.commit applies
-    the stop rules to the stream, so tokens committed here after a stop token in the same commit are cut there."""
+    the stop rules to the stream, so tokens committed here after a stop token in the same commit are cut there.
+
+    The rows are the caller's: a structured output's grammar (its state the committed output's) masks them first,
+    then the request's bias and penalties (`adjust`), as RequestState.adjust does for sd; with SamplingParams.logprobs
+    each committed token's TokenLogprob comes from the raw row that committed it, reported at the end."""
 
     def __init__(
         self,
@@ -129,6 +148,7 @@ class Verifier:
         verify_chunk: int,
         generator: torch.Generator,
         margins: dict[int, float] | None = None,
+        grammar: GrammarMatcher | None = None,
     ):
         self.target, self.ctx, self.params, self.verify_chunk = target, ctx, params, verify_chunk
         self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace  # the trace's rows: target:<device>
@@ -142,6 +162,8 @@ class Verifier:
         self.verdicts: list[tuple[int, int, bool]] = []  # (drafted, accepted, by a forward of its own)
         self.margins = margins  # the target's top-2 margins by output index, if asked
         self.judged_at_once = self.bonus = 0  # tokens judged from a distribution already in hand
+        self.grammar = grammar  # the committed output's state
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
     @property
     def done(self) -> bool:
@@ -158,11 +180,21 @@ class Verifier:
             else:
                 in_hand = self.verify_next_chunk()
 
-    def commit(self, tokens: list[int]) -> None:
-        """Append verified tokens to V and the channel (which bumps its version on a mismatch: Algorithm 1's R)."""
+    def commit(self, tokens: list[int], rows: torch.Tensor) -> None:
+        """Append verified tokens to V and the channel (which bumps its version on a mismatch: Algorithm 1's R);
+        `rows`: the target's raw logits that committed them (their logprobs). The grammar follows V up to a stop."""
         self.channel.commit(tokens, start=len(self.sequence))
         self.sequence += tokens
-        self.stop_token_seen |= not self.stop_ids.isdisjoint(tokens)
+        if self.logprobs is not None:
+            n = self.params.logprobs or 0
+            logprobs = torch.log_softmax(rows.float().reshape(-1, rows.shape[-1]), -1)
+            self.logprobs += [token_logprob(row, token, n) for row, token in zip(logprobs, tokens)]
+        for token in tokens:
+            if self.stop_token_seen:
+                break  # the request ends at the stop token: nothing after it is verified against the grammar
+            if self.grammar is not None:
+                self.grammar.consume(token)
+            self.stop_token_seen = token in self.stop_ids
 
     def settle_in_hand(self, logits: torch.Tensor) -> None:
         """A full acceptance (or the prefill) left p for the next position in hand: judge the draft's token there
@@ -180,7 +212,7 @@ class Verifier:
             self.verdicts.append((1, verdict, False))  # judged, but no forward of its own verified it
         self.judged_at_once += verdict is not None
         self.bonus += verdict is None
-        self.commit([token])
+        self.commit([token], logits)
 
     def verify_next_chunk(self) -> torch.Tensor | None:
         """Lines 17-26: wait for drafts past p_v, verify them in one forward, commit; p for the position after the
@@ -196,14 +228,16 @@ class Verifier:
         self.target.rollback(position + accepted)
         self.verdicts.append((len(drafts), accepted, True))
         if accepted == len(drafts):
-            self.commit(drafts)
+            self.commit(drafts, logits[:accepted])
             return logits[-1]
-        self.commit(drafts[:accepted] + [correction])
+        self.commit(drafts[:accepted] + [correction], logits[: accepted + 1])
         return None
 
     def adjust(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
-        """The request's logit bias and penalties on the target's rows (row i after V and drafts[:i]), as
-        RequestState.adjust does in the caller; the raw rows stay in hand for the next position."""
+        """The grammar's mask, then the request's logit bias and penalties on the target's rows (row i after V and
+        drafts[:i]), as RequestState.adjust does in the caller; the raw rows stay in hand for the next position."""
+        if self.grammar is not None:
+            logits = self.grammar.mask_rows(logits, drafts)
         prompt, output = self.sequence[: self.prompt_length], self.sequence[self.prompt_length :]
         return adjust_logits(logits, self.params, prompt, output, drafts)
 
@@ -228,13 +262,23 @@ class Verifier:
             "margins": self.margins,
             "judged_at_once": self.judged_at_once,
             "bonus": self.bonus,
+            "logprobs": self.logprobs,
         }
 
 
-def run_request(run: RequestState, runtime, channel, max_ahead: int = 16, verify_chunk: int = 8):
+def run_request(
+    run: RequestState,
+    runtime,
+    channel,
+    max_ahead: int = 16,
+    verify_chunk: int = 8,
+    grammar: WorkerGrammar | None = None,
+):
     """Caller side: start both loops, stream committed tokens, then count the verifier's verdicts and fold both
-    workers' reports and traces into `run`."""
+    workers' reports and traces into `run` (the logprobs the verifier computed among them). `grammar`: the request's
+    structured output, for the verifier's rows and the drafter's q."""
     channel.reset(run.prompt_ids)
+    run.expect_worker_logprobs()
     target, draft = runtime["target"], runtime["draft"]
     verify = target.start_loop(
         verify_loop,
@@ -246,6 +290,7 @@ def run_request(run: RequestState, runtime, channel, max_ahead: int = 16, verify
         verify_chunk=verify_chunk,
         seed=run.params.seed,
         record_margins=run.margins is not None,
+        grammar=grammar,
     )
     drafting = draft.start_loop(
         draft_loop,
@@ -255,6 +300,7 @@ def run_request(run: RequestState, runtime, channel, max_ahead: int = 16, verify
         vocab_size=target.info.vocab_size,
         seed=run.params.seed,
         t0=run.trace.t0,
+        grammar=grammar,
     )
     seen = len(run.prompt_ids)
     finished = False
@@ -276,6 +322,7 @@ def run_request(run: RequestState, runtime, channel, max_ahead: int = 16, verify
             channel.stop("cancelled by the caller")
         verify_report, draft_report = runtime.gather(verify, drafting)
     count_verdicts(run, verify_report)
+    run.worker_logprobs(verify_report["logprobs"] or [])
     run.merge_worker_reports({"draft": draft_report}, verify.events, target=verify_report)
 
 

@@ -38,6 +38,12 @@ sampling, each draft is judged with the q of the drafter that sampled it; which 
 on timing and on tokens already drafted, never on the draft being judged. Rejection sampling consumes the
 run's generator in the order positions are judged, so sampling is lossless.
 
+A request's bias, penalties and grammar are functions of the tokens before each row, and a chunk is judged only once
+everything before it is committed: the servers send their raw rows back (`with_rows`) and the caller adjusts them on
+the committed output and the chunk's drafts (RequestState.adjust, as sd does), records them for logprobs, and judges;
+the row kept after a full acceptance is adjusted when its position is judged. The draft workers mask and adjust their
+q the same way on their own caches (draft_loop), so q stays the distribution each draft was drawn from.
+
 N = 1 versus AMUSD (`amusd.py`): both run the same drafter and judge the position after a full acceptance
 from the distribution already in hand. AMUSD's verifier is a loop in the target worker that takes whatever has
 been drafted (1 to `verify_chunk` tokens) the moment it is free; DSI's caller waits for a full chunk of
@@ -64,6 +70,7 @@ from paraspec.runtime.channels import ChannelStopped, TokenChannel
 from paraspec.runtime.devices import sync
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
+from paraspec.structured import WorkerGrammar
 from paraspec.trace import Trace, TraceEvent
 from paraspec.verify import greedy_match, verify_chain
 
@@ -78,17 +85,7 @@ class DSI(WorkerStrategy):
     name = "dsi"
     summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
     option_names = ("lookahead", "max_ahead") + DRAFTER_OPTIONS
-    # its servers judge greedy chunks by their own argmax, before any request's bias or penalties could apply
-    caps = Capabilities(
-        drafts="several",
-        model_free=True,
-        runtime_kinds=WITH_RAY,
-        in_workers=True,
-        across_nodes=True,
-        processors=False,
-        logprobs=False,  # its servers' rows stay in the target workers
-        structured=False,  # as with processors: its servers judge by their own argmax, with no grammar state
-    )
+    caps = Capabilities(drafts="several", model_free=True, runtime_kinds=WITH_RAY, in_workers=True, across_nodes=True)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -123,6 +120,7 @@ class DSI(WorkerStrategy):
         # every drafter in the given order: a model's channel index, or a model-free Drafter (run in the caller)
         self.draft_specs = list(placement.draft_specs)
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
+        self.tokenizer_folder = str(placement.target)  # the drafters' grammars: the Engine's tokenizer
 
     def decode(self, run: RequestState):
         return run_request(
@@ -134,6 +132,9 @@ class DSI(WorkerStrategy):
             self.options["lookahead"],
             self.options["max_ahead"],
             self.order,
+            None
+            if run.params.structured is None
+            else WorkerGrammar(self.tokenizer_folder, run.params.structured, tuple(sorted(run.stop_ids))),
         )
 
 
@@ -155,17 +156,18 @@ def first_agreeing(drafts: list[np.ndarray | None], speculated: np.ndarray, end:
     return None
 
 
-def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, greedy: bool, margins: bool) -> dict:
+def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, send_logits: bool, margins: bool) -> dict:
     """Runs in a target server: catch up and verify in one forward. The cache keeps its first `keep` tokens,
     then `tokens` (catch-up + the token before the chunk + the chunk) are fed; the last `rows` rows are the
-    target's predictions for the chunk's positions and the one after it."""
+    target's predictions for the chunk's positions and the one after it: their argmax, and with `send_logits` the
+    rows themselves (the caller samples from them, adjusts them to the request, or reports their logprobs)."""
     with ctx.trace.span("prefill" if keep == 0 else "verify", len(tokens)):  # an empty cache: the prompt
         target.rollback(keep)
         logits = target.forward(tokens, last_n=rows)[-rows:]
         sync(ctx.device)  # the event ends when the GPU has run the forward, not when it was queued
     return {
         "argmax": logits.argmax(-1).tolist(),
-        "logits": None if greedy else logits,
+        "logits": logits if send_logits else None,
         "margins": top2_margins(logits) if margins else None,
     }
 
@@ -243,7 +245,7 @@ class _Row:
     """The target's prediction for one position, kept after a full acceptance."""
 
     argmax: int
-    logits: torch.Tensor | None  # sampling only
+    logits: torch.Tensor | None  # the raw row, where the servers send rows (_Orchestrator.with_rows)
 
 
 def _notify_when_done(handle, server: int, events: queue.SimpleQueue) -> None:
@@ -290,6 +292,11 @@ class _Orchestrator:
         ]
         self.all_local = all(d.local for d in self.drafters)
         self.sampling = not run.params.greedy
+        # the servers send their rows back where the argmax alone cannot judge: sampling, a request's bias,
+        # penalties or grammar (applied here, on the committed output: RequestState.adjust), or its logprobs
+        self.with_rows = (
+            self.sampling or run.params.adjusts_logits or run.grammar is not None or run.logprobs is not None
+        )
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.chunks: deque[_Chunk] = deque()  # in flight, in sequence order
         self.replied: set[int] = set()  # ids of handles whose reply arrived
@@ -310,7 +317,7 @@ class _Orchestrator:
             keep=keep,
             tokens=[int(t) for t in sequence[keep:end]],
             rows=end - start + 1,
-            greedy=not self.sampling,
+            send_logits=self.with_rows,
             margins=self.run.margins is not None,
         )
         server.cached = np.array(sequence[:end], np.int64)
@@ -417,25 +424,23 @@ class _Orchestrator:
         position = len(run.sequence)
         skip = position - chunk.start
         drafts = chunk.tokens[skip:]
-        if reply["margins"] is not None and run.margins is not None:  # asked for where run.margins is a dict
+        rows = None if reply["logits"] is None else reply["logits"][skip:]  # after the committed output, then drafts
+        if rows is not None:
+            run.observe_target(position - len(run.prompt_ids), rows)  # logprobs, margins: the last observation wins
+        elif reply["margins"] is not None and run.margins is not None:  # asked for where run.margins is a dict
             for r, gap in enumerate(reply["margins"][skip:]):
                 run.margins.setdefault(position - len(run.prompt_ids) + r, gap)
-        if self.sampling:
-            logits = reply["logits"][skip:]
-            correction: int | None
-            accepted, correction = (
-                verify_chain(drafts, None if chunk.q is None else chunk.q[skip:], logits, run.params, run.generator)
-                if drafts
-                else (0, None)
-            )
+        correction: int | None
+        if rows is not None:
+            q = None if chunk.q is None else chunk.q[skip:]
+            adjusted = run.adjust(rows, drafts)  # grammar, bias, penalties: row i after the output and drafts[:i]
+            accepted, correction = verify_chain(drafts, q, adjusted, run.params, run.generator) if drafts else (0, None)
         else:
             accepted, correction = greedy_match(drafts, reply["argmax"][skip:])
         run.count_round(len(drafts), accepted, verified=not chunk.prefill)  # the prompt's forward is no round
         if accepted == len(drafts):
             # Alg. 1: the forward also computed p for the position after the chunk; keep it for the next step
-            self.next_row = _Row(
-                reply["argmax"][skip + accepted], reply["logits"][skip + accepted] if self.sampling else None
-            )
+            self.next_row = _Row(reply["argmax"][skip + accepted], None if rows is None else rows[accepted])
             return self.commit(drafts)
         assert correction is not None  # a rejected draft always comes with the target's token
         return self.commit(drafts[:accepted] + [correction])
@@ -446,7 +451,8 @@ class _Orchestrator:
         run = self.run
         self.next_row = None
         draft, q, drafter = self.draft_at(len(run.sequence))
-        token, judged = run.settle_in_hand(draft, q, row.logits if self.sampling else row.argmax)
+        # judged on the output committed by now: the row adjusted to it (RequestState.adjust), or the bare argmax
+        token, judged = run.settle_in_hand(draft, q, row.argmax if row.logits is None else run.adjust(row.logits))
         self.bonus += not judged
         if judged:
             self.judged_at_once += 1
@@ -522,10 +528,12 @@ def run_request(
     lookahead: int,
     max_ahead: int,
     order: list | None = None,
+    grammar: WorkerGrammar | None = None,
 ):
     """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
     Drafter drafter_names[i] drafts into the channel channel_names[i]; `order` puts them and the model-free
-    drafters in priority order (_Orchestrator)."""
+    drafters in priority order (_Orchestrator). `grammar`: the request's structured output, for the drafters' q (the
+    target's rows are masked here, by `run`)."""
     channels = [runtime.channels[name] for name in channel_names]
     local = [d for d in order or [] if not isinstance(d, int)]
     for drafter in local:
@@ -545,6 +553,8 @@ def run_request(
                 t0=run.trace.t0,
                 channel_name=channel_names[i],
                 label=drafter_names[i],
+                prompt_length=len(run.prompt_ids),
+                grammar=grammar,
             )
         )
     finished = False

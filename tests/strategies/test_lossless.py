@@ -233,7 +233,9 @@ PROCESSORS = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalt
 WITH_PROCESSORS = [name for name in SPECULATIVE if STRATEGIES[name].caps.processors]
 
 
-@pytest.mark.parametrize("name,draft", [(name, "model") for name in WITH_PROCESSORS] + [("sd", "suffix")])
+@pytest.mark.parametrize(
+    "name,draft", [(name, "model") for name in WITH_PROCESSORS] + [("sd", "suffix"), ("dsi", "suffix")]
+)
 def test_greedy_with_bias_and_penalties_equals_ar(ar_engine, qwen2_target, qwen2_partial, name, draft):
     params = SamplingParams(max_new_tokens=40, **PROCESSORS)
     reference = ar_engine.generate(PROMPT, params).token_ids
@@ -246,7 +248,7 @@ def test_greedy_with_bias_and_penalties_equals_ar(ar_engine, qwen2_target, qwen2
 
 
 # ar is the reference the others are held to: its own sampling is checked against the exact joint too
-@pytest.mark.parametrize("name", ["ar", "sd", "amusd", "tree"])
+@pytest.mark.parametrize("name", ["ar", "sd", "amusd", "tree", "dsi"])
 def test_sampling_with_bias_and_penalties_matches_target_distribution(slow_target_pair, name):
     """Penalties make the second token's distribution depend on the first (x1 is penalised at x2): the target's
     rows and the draft's q are adjusted on their own contexts, and the joint still follows the target's."""
@@ -262,11 +264,35 @@ def test_sampling_with_bias_and_penalties_matches_target_distribution(slow_targe
     assert_matches(counts, joint)
 
 
-def test_dsi_refuses_bias_and_penalties(qwen2_target, qwen2_partial):
-    with engine("dsi", qwen2_target, qwen2_partial) as e:
-        with pytest.raises(ValueError, match="'dsi' does not apply logit_bias or penalties; drop them or use one of"):
-            e.generate(PROMPT, SamplingParams(max_new_tokens=4, presence_penalty=1.0))
-        assert e.generate(PROMPT, SamplingParams(max_new_tokens=4)).token_ids  # the engine still serves
+class Plain(LocalStrategy):
+    """A toy strategy that declares none of a request's processors, logprobs or grammar (every registered strategy
+    applies them): the Engine refuses them by name before decoding."""
+
+    name = "toy-plain"
+    summary = "test-only"
+    caps = Capabilities(drafts="none", processors=False, logprobs=False, structured=False)
+
+    def decode(self, run):
+        raise AssertionError("a refused request never reaches decode")
+
+
+EVERY = "ar, sd, amusd, dsi, tree, easyspec"  # the registered strategies, each applying all of them
+
+
+def test_a_strategy_without_a_capability_refuses_its_parameters(qwen2_target):
+    register(Plain)
+    try:
+        with Engine(qwen2_target, strategy=Plain.name, dtype="float32") as e:
+            for asked, words in [
+                (dict(presence_penalty=1.0), "does not apply logit_bias or penalties; drop them"),
+                (dict(logprobs=1), "does not report logprobs; drop logprobs"),
+                (dict(prompt_logprobs=1), "does not report logprobs; drop logprobs"),
+                (dict(structured=("regex", "[ab]+")), "does not apply structured outputs; drop structured"),
+            ]:
+                with pytest.raises(ValueError, match=f"'toy-plain' {words} or use one of {EVERY}"):
+                    e.generate(PROMPT, SamplingParams(max_new_tokens=4, **asked))
+    finally:
+        unregister(Plain.name)
 
 
 def test_a_bias_beyond_the_vocabulary_is_refused(ar_engine):
