@@ -116,8 +116,9 @@ def test_penalties_and_bias_give_ars_answer(request, ar_engine, strategy):
     assert reply.choices[0].model_extra["token_ids"] == want.token_ids
 
 
-def test_a_regex_and_a_json_object_constrain_the_answer(sd_server, ar_engine):
-    client = sd_server.client()
+@pytest.mark.parametrize("strategy", ["sd", "amusd"])
+def test_a_regex_and_a_json_object_constrain_the_answer(request, ar_engine, strategy):
+    client = request.getfixturevalue(f"{strategy}_server").client()
     regex = r"[a-z][a-z ]{5,20}\."
     reply = client.completions.create(
         model=MODEL,
@@ -142,20 +143,24 @@ def test_a_regex_and_a_json_object_constrain_the_answer(sd_server, ar_engine):
         assert chat.choices[0].message.content.lstrip().startswith("{")
 
 
-def test_what_a_strategy_cannot_honour_is_a_400_naming_it(amusd_server, sd_server):
+def test_amusd_reports_ars_logprobs(amusd_server, ar_engine):
+    """amusd's target worker scores the tokens it commits: the same numbers as ar's, streamed or not."""
+    want = ar_engine.generate(PROMPT, SamplingParams(max_new_tokens=TOKENS, logprobs=1))
     client = amusd_server.client()
-    with pytest.raises(openai.BadRequestError, match="'amusd' does not report logprobs"):
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=1)
-    with pytest.raises(openai.BadRequestError, match="'amusd' does not apply structured outputs"):
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"guided_regex": "a+"})
-    for extra, param in [
-        ({"logprobs": 1}, "logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-    ]:
-        status, reply = amusd_server.post(
-            "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **extra}
-        )
-        assert status == 400 and reply["error"]["param"] == param, reply  # the request's name for it
+    reply = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS, logprobs=1, extra_body={"return_token_ids": True}
+    )
+    assert reply.choices[0].model_extra["token_ids"] == want.token_ids
+    got = reply.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-4)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS, logprobs=1, stream=True
+    )
+    gathered = [lp for chunk in streamed for c in chunk.choices if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert gathered == got.token_logprobs
+
+
+def test_what_cannot_be_honoured_is_a_400_naming_it(sd_server):
     sd = sd_server.client()
     with pytest.raises(openai.BadRequestError, match="one structured output at a time"):
         sd.completions.create(
