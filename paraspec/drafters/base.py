@@ -58,6 +58,9 @@ class Drafter:
     timings: Sequence[tuple[int, float]] = ()  # a draft model: (width, seconds) of the forwards of its last proposal
     prompt_length = 0  # the request's prompt length (DraftPolicy.begin): where a draft's penalties start counting
     grammar: GrammarMatcher | None = None  # the request's structured-output state (DraftPolicy.begin; its grammar)
+    # the last tokens of the sequence a proposal continues that are drafts, not committed (the grammar's forced
+    # tokens, drafters/forced.py): a drafter that indexes the sequence leaves them out, so a rejected one never enters
+    uncommitted = 0
 
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""
@@ -101,6 +104,10 @@ class Drafter:
         sequence it continued, whoever drafted them: a drafter's memory judges its last proposal by them."""
         if self.memory is not None:
             self.memory.committed(prefix_len, tokens)
+
+    def rollback(self, length: int) -> None:
+        """The committed sequence is `length` tokens: a drafter with a cache (a draft model's) keeps that much of it
+        (its proposal continued forced tokens the target did not keep)."""
 
     def behind(self, sequence: list[int]) -> int:
         """Tokens of `sequence` the drafter must feed before it can draft (a draft model's catch-up; 0 for one

@@ -120,8 +120,8 @@ class NGramDrafter(Drafter):
     ) -> Proposal:
         if k <= 0:
             return Proposal([])
-        self.index.sync(sequence)
-        tokens, self.last_match = self.index.lookup(k)
+        self.index.sync(sequence[: len(sequence) - self.uncommitted])  # the committed tokens only
+        tokens, self.last_match = self.index.lookup(k, sequence)
         cap, _ = self.memory.consult(sequence, self.last_match, tokens) if self.memory else (None, False)
         tokens = tokens if cap is None else tokens[:cap]
         return Proposal(tokens)  # q = None: point masses

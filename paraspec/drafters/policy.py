@@ -14,12 +14,17 @@ Each round the drafters are asked in order and the first with a proposal drafts 
 After every round each drafter hears what was committed (`Drafter.committed`), whoever drafted it: a model-free
 drafter judges its own last proposal by it (drafters/memory.py).
 
+Under a grammar (structured outputs), the tokens it forces next come first and the drafters continue after them
+(drafters/forced.py); the rule sizes only the drafter's part, and judges it only where the target kept them all.
+
 q is each proposal's own (None, point masses, for a model-free drafter, the draft model's distributions otherwise), and
 a round's drafts all come from one drafter, so acceptance divides by exactly what was drawn from. Which drafter
 drafts, and how much, depends only on the sequence and on rounds already verified (lossless).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -37,6 +42,7 @@ from paraspec.drafters.adaptive import (
     match_bucket,
 )
 from paraspec.drafters.base import Drafter, Proposal
+from paraspec.drafters.forced import graft_tree, join_chain
 from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 from paraspec.structured import GrammarMatcher
@@ -44,6 +50,7 @@ from paraspec.structured import GrammarMatcher
 
 class DraftPolicy(Drafter):
     _asked: int | None
+    _forced: list[int]
 
     def __init__(
         self,
@@ -68,6 +75,7 @@ class DraftPolicy(Drafter):
         self.decisions: list[dict] = []  # one per round: who drafted, k*, alpha (the trace's "plan")
         # many requests at once: () -> the rows each other request brings to the target's step (batching.py)
         self.shared = None
+        self.grammar: GrammarMatcher | None = None  # the request's structured-output state (begin)
         self._start_round()
 
     @property
@@ -88,6 +96,7 @@ class DraftPolicy(Drafter):
         answers are the target's whatever the lengths; an unseeded request promises no repeat. `grammar`: the
         request's structured-output state (RequestState.grammar), which a draft model masks its chains with."""
         self._fixed = self.auto and not params.greedy and params.seed is not None
+        self.grammar = grammar
         for d in self.drafters:
             d.prompt_length, d.grammar = prompt_length, grammar
 
@@ -116,10 +125,27 @@ class DraftPolicy(Drafter):
         pending: int = 1,
         remaining: int | None = None,
     ) -> Proposal:
-        """Up to k tokens from the first drafter that drafts this round. `pending`: the committed tokens the
-        target has not cached (they go into the same verification forward); `remaining`: the tokens the request
-        may still add (a draft model's catch-up must pay for itself within them)."""
+        """Up to k tokens: the grammar's forced tokens, then the first drafter's that drafts this round after them.
+        `pending`: the committed tokens the target has not cached (they go into the same verification forward);
+        `remaining`: the tokens the request may still add (a draft model's catch-up must pay for itself within them)."""
         self._start_round(len(sequence))
+        forced = self._forced_tokens(k)
+        with self._after(forced):
+            proposal = self._propose_chain(
+                sequence + forced, k - len(forced), params, generator, pending + len(forced), _less(remaining, forced)
+            )
+        return join_chain(forced, proposal)
+
+    def _propose_chain(
+        self,
+        sequence: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        pending: int,
+        remaining: int | None,
+    ) -> Proposal:
+        """Up to k tokens from the first drafter that drafts this round."""
         if k <= 0:
             return Proposal([])
         for i, drafter in enumerate(self.drafters):
@@ -155,9 +181,23 @@ class DraftPolicy(Drafter):
         pending: int = 1,
         remaining: int | None = None,
     ) -> TokenTree:
-        """A tree from the first drafter that drafts this round; adaptive: its depth is k*, with a tree of
-        depth k costed as min(budget, k * width) nodes."""
+        """A trunk of the grammar's forced tokens, then a tree after them from the first drafter that drafts this
+        round; adaptive: its depth is k*, with a tree of depth k costed as min(budget, k * width) nodes."""
         self._start_round(len(sequence))
+        forced = self._forced_tokens(min(depth, budget))
+        n, remaining = len(forced), _less(remaining, forced)
+        with self._after(forced):
+            tree = self._propose_tree(
+                sequence + forced, (width, depth - n, budget - n), params, generator, pending + n, remaining
+            )
+        return graft_tree(forced, tree)
+
+    def _propose_tree(self, sequence: list[int], shape: tuple[int, int, int], params, generator, pending, remaining):
+        """A tree of `shape` (width, depth, budget) from the first drafter that drafts this round (none where depth or
+        budget is spent)."""
+        width, depth, budget = shape
+        if depth <= 0 or budget <= 0:
+            return TokenTree()
         for i, drafter in enumerate(self.drafters):
             if not self.adaptive:
                 tree = drafter.propose_tree(sequence, width, depth, budget, params, generator)
@@ -180,8 +220,31 @@ class DraftPolicy(Drafter):
                 return tree
         return TokenTree()
 
+    def _forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the request's grammar forces next (none without one)."""
+        return [] if self.grammar is None else self.grammar.forced(limit)
+
+    @contextlib.contextmanager
+    def _after(self, forced: list[int]):
+        """The drafters propose after the forced tokens: the grammar's state moved past them, each drafter told that
+        the sequence ends in that many uncommitted tokens; both restored after."""
+        self._forced = forced
+        if not forced:
+            yield
+            return
+        assert self.grammar is not None  # forced tokens come from it
+        with self.grammar.ahead(forced):
+            for d in self.drafters:
+                d.uncommitted = len(forced)
+            try:
+                yield
+            finally:
+                for d in self.drafters:
+                    d.uncommitted = 0
+
     def _start_round(self, prefix_len: int | None = None) -> None:
         self._prefix_len = prefix_len  # the length of the sequence this round's proposals continue
+        self._forced = []  # the grammar's forced tokens the round drafted first (the drafters' after them)
         self._used: int | None = None  # the drafter that drafted the round
         self._buckets: list[int] = []  # the acceptance bucket of each drafted token
         self._accepted = 0
@@ -334,19 +397,31 @@ class DraftPolicy(Drafter):
 
     # -- after verification -----------------------------------------------------------------------------------
     def accept(self, prefix_len: int, path: list[int]) -> None:
-        if self._used is not None:
-            self._accepted = len(path)
-            self.drafters[self._used].accept(prefix_len, path)
+        """Verification kept `path` (see Drafter.accept) of the round's proposal: the forced tokens, then the
+        drafter's."""
+        f = len(self._forced)
+        self._accepted = len(path) - f  # the drafter's tokens kept; < 0: a forced token was not, nor any of them
+        if self._used is None:
+            return
+        drafter = self.drafters[self._used]
+        if self._accepted < 0:
+            drafter.rollback(prefix_len + len(path))  # a draft model's cache took the forced tokens the target did not
+        else:
+            drafter.accept(prefix_len + f, [node - f for node in path[f:]])
 
     def observe(self, verify_width: int, verify_s: float, committed: list[int]) -> None:
-        """Feedback after the round: the verification's width and seconds, and the tokens it committed."""
-        if self._prefix_len is not None:
+        """Feedback after the round: the verification's width and seconds, and the tokens it committed. The drafters'
+        proposals continued the forced tokens: they hear and are judged by what came after them, if the target kept
+        them all."""
+        f = len(self._forced)
+        after = committed[f:] if committed[:f] == self._forced else None
+        if self._prefix_len is not None and after is not None:
             for d in self.drafters:
-                d.committed(self._prefix_len, committed)
+                d.committed(self._prefix_len + f, after)
         if not self.adaptive:
             return
         self._cost.observe(verify_width, verify_s)
-        if self._used is not None:
+        if self._used is not None and self._accepted >= 0:
             judged = self._buckets[: self._accepted + 1]  # the accepted drafts and the first rejected one
             # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next
             # slot as a rejection would: the rule's a_j is then the chance that slot j is drafted and accepted,
@@ -363,11 +438,11 @@ class DraftPolicy(Drafter):
                 state.probe_after = PROBE_START if self._accepted else 2 * state.probe_after
             if self._trial:
                 state.trial_k = 2 * state.trial_k if self._accepted == len(self._buckets) and not declined else 1
-        if self._would is not None:  # what a model-free drafter would have drafted next
+        if self._would is not None and after is not None:  # what a model-free drafter would have drafted next
             i, position, token = self._would
             # judged only if the target's token at that position is committed: every draft before it accepted
-            if position == (self._accepted if self._used == i else 0) and position < len(committed):
-                self.stats(i, self.buckets(i, position + 1)[position]).observe(1, int(committed[position] == token))
+            if position == (self._accepted if self._used == i else 0) and position < len(after):
+                self.stats(i, self.buckets(i, position + 1)[position]).observe(1, int(after[position] == token))
 
     def report(self) -> dict:
         """Per drafter: its acceptance estimates now; the rounds by k* (the rule's decisions); the costs."""
@@ -393,6 +468,11 @@ class DraftPolicy(Drafter):
             return drafter.name
         source = drafter.sources[bucket // SOURCE_STRIDE]
         return "/".join(filter(None, (drafter.name, source, bucket_label(bucket % SOURCE_STRIDE))))
+
+
+def _less(remaining: int | None, forced: list[int]) -> int | None:
+    """The tokens a request may still add after the forced ones."""
+    return None if remaining is None else remaining - len(forced)
 
 
 def _truncate(proposal: Proposal, k: int) -> Proposal:

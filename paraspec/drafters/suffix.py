@@ -199,9 +199,10 @@ class SuffixDrafter(Drafter):
 
     def _match(self, sequence: list[int]) -> tuple[_Node | None, int, bool]:
         """The deeper of the two tries' matches: (node, length, whether it is the request's)."""
+        committed = sequence[: len(sequence) - self.uncommitted]  # the trie takes committed tokens only
         if self.prompt_len is None:
-            self.prompt_len = len(sequence)
-        self.request.sync(sequence)
+            self.prompt_len = len(committed)
+        self.request.sync(committed)
         longest = self.depth // 2
         mine = self.request.trie.match(sequence, longest)
         theirs = self.cache.match(sequence, longest)
