@@ -90,17 +90,28 @@ SLOW_TESTS = {
 }
 
 
+def xdist_group(item, path: str) -> str:
+    """Which pytest-xdist worker runs a test (`--dist loadgroup`): the reference pair's tests on one (one engine
+    alive at a time: fp32 takes ~10 GB), the Ray tests on one (one cluster), any other test with its module (its
+    module-scoped fixtures, such as a server, set up once)."""
+    if item.get_closest_marker("real_pair"):
+        return "real_pair"
+    if "ray_cluster" in getattr(item, "fixturenames", ()) or path.endswith(RAY_FILES):
+        return "ray"
+    return item.nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.as_posix()
         name = getattr(item, "originalname", None) or item.name
-        if item.get_closest_marker("real_pair"):  # one reference-pair engine alive at a time (fp32: ~10 GB)
-            item.add_marker(pytest.mark.xdist_group("real_pair"))
-        elif "ray_cluster" in getattr(item, "fixturenames", ()) or path.endswith(RAY_FILES):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item, path)))
         slow = "/tests/server/" in path or path.endswith(SLOW_FILES) or name in SLOW_TESTS
         if slow or any(word in name for word in SLOW_WORDS):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the long groups first, so that no worker ends with one alone
+        order = {"real_pair": 0, "ray": 1}
+        items.sort(key=lambda item: min((order.get(m.args[0], 2) for m in item.iter_markers("xdist_group")), default=2))
 
 
 @pytest.fixture(scope="session")
