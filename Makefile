@@ -40,11 +40,14 @@ lint: setup
 	$(PYTHON) -m ruff format --check paraspec tests benchmarks scripts
 	$(PYTHON) -m mypy
 
-# Unit tests on tiny random models (tiny GGUF files on llama.cpp included), then the real-pair tests.
-# TEST_ARGS: more pytest options, e.g. TEST_ARGS="-n 2 --dist loadgroup" (pytest-xdist; the Ray tests share a worker).
+# Unit tests on tiny random models (tiny GGUF files on llama.cpp included) and the real-pair tests, in
+# TEST_WORKERS pytest-xdist processes (0: in this one): the tiny models' tests run torch on one thread, so a second
+# worker keeps the second core busy. A module's tests share a worker; the reference pair's and the Ray tests have
+# one each (tests/conftest.py). TEST_ARGS: more pytest options.
+TEST_WORKERS ?= 2
 TEST_ARGS ?=
 test: setup models peer lint
-	$(PYTHON) -m pytest -q $(TEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(TEST_ARGS)
 
 # The inner loop: a representative subset of the tiny-model tests (no download): the greedy lossless suite of
 # every strategy, the unit and tiny GGUF tests; not the `slow` ones (chi-square sampling checks, Ray nodes, the
