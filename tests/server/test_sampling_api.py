@@ -157,7 +157,9 @@ def test_amusd_reports_ars_logprobs(amusd_server, ar_engine):
         model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS, logprobs=1, stream=True
     )
     gathered = [lp for chunk in streamed for c in chunk.choices if c.logprobs for lp in c.logprobs.token_logprobs]
-    assert gathered == got.token_logprobs
+    # (not bitwise: amusd's verification widths follow the two workers' timing, and the native decoder's rows
+    # round differently at other widths -- the tokens do not change)
+    assert gathered == pytest.approx(got.token_logprobs, abs=1e-4)
 
 
 def test_what_cannot_be_honoured_is_a_400_naming_it(sd_server):
