@@ -42,12 +42,12 @@ lint: setup
 
 # Unit tests on tiny random models (tiny GGUF files on llama.cpp included) and the real-pair tests, in
 # TEST_WORKERS pytest-xdist processes (0: in this one): the tiny models' tests run torch on one thread, so a second
-# worker keeps the second core busy. A module's tests share a worker; the reference pair's and the Ray tests have
-# one each (tests/conftest.py). TEST_ARGS: more pytest options.
+# worker keeps the second core busy; a file's tests run on one worker (its module fixtures set up once; the
+# longest files first, tests/conftest.py). TEST_ARGS: more pytest options.
 TEST_WORKERS ?= 2
 TEST_ARGS ?=
 test: setup models peer lint
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(TEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(TEST_ARGS)
 
 # The inner loop: a representative subset of the tiny-model tests (no download): the greedy lossless suite of
 # every strategy, the unit and tiny GGUF tests; not the `slow` ones (chi-square sampling checks, Ray nodes, the

@@ -44,8 +44,8 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # children exec'd from here get SIG_DFL
 
 
-# tests that join the session's Ray cluster (ray_cluster, some through request.getfixturevalue): under pytest-xdist
-# (`--dist loadgroup`) they share one worker, so one cluster is started; the reference pair's tests share another
+# tests that join the session's Ray cluster (ray_cluster, some through request.getfixturevalue); under pytest-xdist
+# each worker that runs one starts its own cluster
 RAY_FILES = ("test_multinode.py", "runtime/test_ray.py", "runtime/test_channel_processes.py")
 
 
@@ -90,28 +90,20 @@ SLOW_TESTS = {
 }
 
 
-def xdist_group(item, path: str) -> str:
-    """Which pytest-xdist worker runs a test (`--dist loadgroup`): the reference pair's tests on one (one engine
-    alive at a time: fp32 takes ~10 GB), the Ray tests on one (one cluster), any other test with its module (its
-    module-scoped fixtures, such as a server, set up once)."""
-    if item.get_closest_marker("real_pair"):
-        return "real_pair"
-    if "ray_cluster" in getattr(item, "fixturenames", ()) or path.endswith(RAY_FILES):
-        return "ray"
-    return item.nodeid.split("::")[0]
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.as_posix()
         name = getattr(item, "originalname", None) or item.name
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item, path)))
         slow = "/tests/server/" in path or path.endswith(SLOW_FILES) or name in SLOW_TESTS
         if slow or any(word in name for word in SLOW_WORDS):
             item.add_marker(pytest.mark.slow)
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the long groups first, so that no worker ends with one alone
-        order = {"real_pair": 0, "ray": 1}
-        items.sort(key=lambda item: min((order.get(m.args[0], 2) for m in item.iter_markers("xdist_group")), default=2))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (`make test`: --dist loadfile) the longest files first, so that no
+        # worker ends with one alone: the reference pair's (one worker runs a file: its module fixtures once), Ray's
+        items.sort(key=lambda item: 0 if item.get_closest_marker("real_pair") else 1 if is_ray(item) else 2)
+
+
+def is_ray(item) -> bool:
+    return "ray_cluster" in getattr(item, "fixturenames", ()) or item.path.as_posix().endswith(RAY_FILES)
 
 
 @pytest.fixture(scope="session")
