@@ -97,8 +97,8 @@ def pytest_collection_modifyitems(config, items):
         slow = "/tests/server/" in path or path.endswith(SLOW_FILES) or name in SLOW_TESTS
         if slow or any(word in name for word in SLOW_WORDS):
             item.add_marker(pytest.mark.slow)
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # (`make test`: --dist loadfile) the longest files first, so that no
-        # worker ends with one alone: the reference pair's (one worker runs a file: its module fixtures once), Ray's
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` (--dist loadfile: a file on one worker): the longest
+        # files first, the reference pair's then Ray's, so that no worker ends the run with one of them alone
         items.sort(key=lambda item: 0 if item.get_closest_marker("real_pair") else 1 if is_ray(item) else 2)
 
 
