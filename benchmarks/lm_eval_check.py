@@ -32,19 +32,18 @@ import argparse
 import glob
 import json
 import os
-import queue
-import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.served import ServeProcess  # noqa: E402 -- after the path
+
 TASKS = ROOT / "benchmarks" / "lm_eval_task"
 MODEL = "paraspec-target"
 TOLERANCE = 1e-4
@@ -60,57 +59,6 @@ ENDPOINTS = {
     "completions": ("local-completions", ["paraspec_mc", "paraspec_gen"], []),
     "chat": ("local-chat-completions", ["paraspec_gen"], ["--apply_chat_template"]),
 }
-
-
-class Server:
-    """`paraspec serve` on a free loopback port; stdout and stderr drained into a log file (a full pipe would stall
-    the server), the URL taken from its first line."""
-
-    def __init__(self, flags: list[str], threads: int, log: Path, start_timeout: float = 900):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "paraspec", "serve", "--port", "0", "--served-model-name", MODEL, *flags]
-        self.command = cmd
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(log, "w")  # closed in stop()
-        self.process = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            start_new_session=True,
-        )
-        lines: queue.Queue[str] = queue.Queue()
-
-        def drain() -> None:
-            for line in self.process.stdout:
-                lines.put(line)
-                self.log.write(line)
-                self.log.flush()
-            lines.put("")
-
-        threading.Thread(target=drain, daemon=True).start()
-        try:
-            first = lines.get(timeout=start_timeout)
-        except queue.Empty:
-            first = ""
-        match = re.search(r"at (http://\S+)/v1", first)
-        if not match:
-            self.stop()
-            raise RuntimeError(f"paraspec serve did not start: {first!r}; see {log}")
-        self.url = match.group(1)
-
-    def stop(self, timeout: float = 60) -> int | None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
-        return self.process.returncode
 
 
 def run_lm_eval(
@@ -211,7 +159,7 @@ def check_refusal(strategy: str, flags: list[str], threads: int, tokenizer: str,
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(tokenizer)("Question: What is 2 + 2?\nAnswer: 4")["input_ids"]
-    server = Server(flags, threads, log)
+    server = ServeProcess(flags, threads, log, MODEL)
     try:
         body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}
         request = urllib.request.Request(
@@ -268,7 +216,7 @@ def main() -> int:
     for strategy in strategies:
         flags = ["--target", args.target] + [f.format(draft=args.draft) for f in VARIANTS[strategy]] + args.serve_arg
         start = time.perf_counter()
-        server = Server(flags, args.threads, args.out / strategy / "serve.log")
+        server = ServeProcess(flags, args.threads, args.out / strategy / "serve.log", MODEL)
         print(f"{strategy}: {' '.join(server.command[1:])} at {server.url} ({time.perf_counter() - start:.0f} s)")
         try:
             for endpoint in endpoints:

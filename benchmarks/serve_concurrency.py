@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -28,40 +24,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.served import ServeProcess  # noqa: E402 -- after the path
 
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 
 class ParaspecServer:
-    """`paraspec serve` in a subprocess on a free port; stopped with SIGTERM."""
+    """`paraspec serve` (served.py) seen through its OpenAI-compatible /v1; its log beside the results."""
 
-    def __init__(self, name: str, flags: list[str], threads: int):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paraspec", "serve", "--port", "0", "--served-model-name", "bench", *flags],
-            cwd=ROOT,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
-        line = self.proc.stdout.readline()
-        match = re.search(r"at (http://\S+)/v1", line)
-        if not match:
-            self.close()
-            raise SystemExit(f"{name}: paraspec serve did not start: {line!r}")
-        self.url = match.group(1) + "/v1"
-        self.extra = None
+    def __init__(self, name: str, flags: list[str], threads: int, log: Path):
+        self.name, self.extra = name, None
+        self.server = ServeProcess(flags, threads, log)
+        self.url = self.server.url + "/v1"
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        self.server.stop()
 
 
 class PeerServer:
@@ -208,7 +185,8 @@ def main(argv=None) -> int:
         for name in args.servers:
             print(f"starting {name}", file=sys.stderr, flush=True)
             if name in paraspec_flags:
-                servers.append(ParaspecServer(f"paraspec {name}", paraspec_flags[name], args.threads))
+                log = Path(args.out).with_name(f"serve_concurrency-{name}.log")
+                servers.append(ParaspecServer(f"paraspec {name}", paraspec_flags[name], args.threads, log))
             else:
                 binaries = peer_binaries()
                 slots = 8 if name.endswith("np8") else None
