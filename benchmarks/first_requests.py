@@ -1,12 +1,13 @@
 """Concurrent first requests on a fresh Engine: each one's TTFT (issue 48's stall).
 
-    python benchmarks/first_requests.py [--callers 4] [--draft suffix] [--max-tokens 32] [--per-sequence-timing]
+    python benchmarks/first_requests.py [--callers 4] [--draft suffix] [--max-tokens 32]
 
 A fresh Engine (reference target, llama.cpp, `sd` with the adaptive rule, max_num_seqs = callers), then `callers`
 HumanEval requests at once from as many threads: prints each request's TTFT and the Engine's start-up seconds.
-The rule's forward costs are timed once per model when the Engine starts and shared by its sequences
-(Strategy.cost_tables); `--per-sequence-timing` makes every sequence time its own at its first request, as before,
-while the other requests wait in the Batcher.
+The rule's forward costs are timed once per model when the Engine starts and shared by its seats
+(LocalStrategy.cost_tables). (Until 2026-11-29 a `--per-sequence-timing` flag replayed the old stall, every
+sequence timing its own costs at its first request; with the Scheduler owning every model call that replay would
+run forwards outside its steps, so it is gone: docs/results/ keeps the before/after figures.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from paraspec import Engine, SamplingParams
 from paraspec.bench.datasets import load_prompts
-from paraspec.strategies.base import LocalStrategy
 
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
@@ -27,16 +27,7 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=4)
     parser.add_argument("--draft", default="suffix", help="suffix, ngram or model (the 0.5B draft)")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--per-sequence-timing", action="store_true")
     args = parser.parse_args()
-    if args.per_sequence_timing:
-        measure = LocalStrategy.forward_cost
-
-        def own_timing(self, key, model, widths, last_only=False):
-            self.cost_tables = {}  # this sequence's own table: timed now, as before
-            return measure(self, key, model, widths, last_only)
-
-        LocalStrategy.forward_cost = own_timing
     draft = DRAFT if args.draft == "model" else args.draft
     prompts = [p.as_input(True) for p in load_prompts("humaneval", args.callers)]
     start = time.perf_counter()
@@ -52,7 +43,7 @@ def main() -> None:
         wall = time.perf_counter() - begin
     ttfts = sorted(r.stats.ttft_s for r in results)
     print(
-        f"{'per-sequence timing' if args.per_sequence_timing else 'shared timing'}: engine built in {built:.1f} s; "
+        f"engine built in {built:.1f} s; "
         f"{args.callers} first requests: TTFT " + ", ".join(f"{t:.1f}" for t in ttfts) + f" s; all done in {wall:.1f} s"
     )
 

@@ -9,10 +9,11 @@ import time
 import weakref
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 from paraspec.errors import StreamCancelled
 from paraspec.request_state import RequestState, TokenLogprob
-from paraspec.stats import GenerationStats
+from paraspec.stats import GenerationStats, compute_stats
 from paraspec.trace import Trace
 
 _numbers = itertools.count(1)
@@ -32,6 +33,9 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended_by: str | None = None  # why another thread ended it, if not by cancel()
     result: GenerationResult | None = None
+    admitted: float | None = None  # perf_counter() when the gate admitted it (queue time: admitted - queued)
+    queued: float = field(default_factory=time.perf_counter)
+    seat: Any = None  # the Seat it decodes on (RequestGate), while it runs
 
     def __str__(self) -> str:
         opened = time.strftime("%H:%M:%S", time.localtime(self.opened))
@@ -64,6 +68,23 @@ class GenerationResult:
     worker_reports: dict = field(default_factory=dict, repr=False)  # raw counters of worker loops
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # with SamplingParams.logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)  # .prompt_logprobs
+
+    @classmethod
+    def of(cls, run: RequestState, text: str, strategy: str, start: float) -> GenerationResult:
+        """A request's result as it ended (done, cancelled, or cut short), `start` its perf_counter() start."""
+        total = time.perf_counter() - start
+        return cls(
+            text,
+            list(run.tokens),
+            compute_stats(run, strategy, total),
+            run.trace,
+            run.finish_reason or "length",
+            run.prompt_ids,
+            run.margins,
+            run.worker_reports,
+            run.logprobs,
+            run.prompt_logprobs,
+        )
 
 
 class Stream:
@@ -100,6 +121,12 @@ class Stream:
     def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         """With SamplingParams.prompt_logprobs, the prompt's, known from the first delta on."""
         return self._run.prompt_logprobs if self._run is not None else None
+
+    @property
+    def queue_s(self) -> float:
+        """Seconds it waited in the Engine's line (so far, if it still waits or never got its turn)."""
+        request = self._request
+        return (request.admitted or time.perf_counter()) - request.queued
 
     @property
     def result(self) -> GenerationResult | None:

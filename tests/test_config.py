@@ -21,7 +21,7 @@ class Plain(LocalStrategy):
     name = "test-plain"
     caps = Capabilities(drafts="none", backends=("native",), why_not_across_nodes="it is a test")
 
-    def decode(self, run):
+    def decode(self, run, seat=None):
         raise AssertionError("never decoded")
 
 
@@ -31,7 +31,7 @@ class Pair(LocalStrategy):
     name = "test-pair"
     caps = Capabilities(drafts="several", model_free=True)
 
-    def decode(self, run):
+    def decode(self, run, seat=None):
         raise AssertionError("never decoded")
 
 

@@ -255,8 +255,8 @@ def test_in_process_pinning_is_undone_by_close(qwen2_target):
 def test_each_checkpoint_is_resolved_once_and_the_draft_order_kept(qwen2_target, qwen2_partial, monkeypatch):
     """EngineConfig reads no checkpoint, also for backend "auto"; the Engine resolves them all in one call, each
     once, before the strategy loads anything."""
-    import paraspec.engine as engine_module
     import paraspec.models.loader as loader
+    import paraspec.placement as engine_module
     from paraspec.config import EngineConfig
     from paraspec.drafters import DraftSpec
 

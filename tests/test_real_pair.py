@@ -177,7 +177,7 @@ BATCHED_TOKENS = (40, 16)  # two lengths per prompt: requests leave the batch wh
 
 @pytest.mark.parametrize("name", ["ar", "sd", "sd-ngram"])
 def test_llamacpp_batched_requests_equal_ar_alone(llamacpp_reference, name):
-    """Four callers at once on one Engine (max_num_seqs=4: their forwards shared, batching.py), each prompt twice
+    """Four callers at once on one Engine (max_num_seqs=4: their forwards shared, scheduler.py), each prompt twice
     with different lengths: every answer is ar's alone, bitwise, where the probe found batched rows exact."""
     import threading
 

@@ -110,7 +110,7 @@ def best_length(
     tokens per second). Ties go to the shorter draft. `alpha`: one acceptance for every position, or one per
     position (then max_k is at most its length).
 
-    Many requests at once (batching.py): `shared` = the rows each other request brings to this verification's
+    Many requests at once (scheduler.py): `shared` = the rows each other request brings to this verification's
     step. The step then costs verify_s(rows + pending + k) -- the cost table by rows -- and commits their
     tokens too (a request's r rows commit what r - 1 drafts at this acceptance would: E(r - 1)), so k maximises
     (their tokens + E(k)) / (k * draft_s + verify_s(rows + pending + k)): each extra row of mine slows every

@@ -73,7 +73,7 @@ class DraftPolicy(Drafter):
         # continues (match_bucket), a model drafter's in bucket 0 (one for every position); kept across requests
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.decisions: list[dict] = []  # one per round: who drafted, k*, alpha (the trace's "plan")
-        # many requests at once: () -> the rows each other request brings to the target's step (batching.py)
+        # many requests at once: () -> the rows each other request brings to the target's step (scheduler.py)
         self.shared = None
         self.grammar: GrammarMatcher | None = None  # the request's structured-output state (begin)
         self._start_round()

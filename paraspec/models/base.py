@@ -81,9 +81,49 @@ class _Sequences(Protocol):
     def vocab_size(self) -> int: ...
 
 
+@runtime_checkable
+class Sequences(Protocol):
+    """What a model of several sequences offers the Scheduler (scheduler.py): llama.cpp's (LlamaCppModel with
+    n_seqs > 1) and the native decoder's dynamic forward (NativeSequences). The Model protocol's methods take a
+    `sequence_id`; beside them:
+
+        n_seqs, n_batch       sequences held; tokens one forward may carry
+        exact                 its rows are the target's exact configuration (a draft's may not be: llama.cpp's
+                              fastest kernels)
+        batch_exact           the load-time probe's verdict: a row's logits are the same alone and beside other
+                              sequences' rows, for forwards of min_shared_width..exact_width tokens each
+        length_of(s)          tokens cached for sequence s
+        check_forward(t, s)   raise the ValueError a forward of tokens t on sequence s would (room, vocabulary)
+        forward_batch(items)  one forward of several sequences' tokens: [(sequence_id, tokens, outputs)] -> rows
+        move_sequence(a, b)   sequence a's cache becomes b's, bitwise; a is left empty
+    """
+
+    n_seqs: int
+    n_batch: int
+    exact: bool
+    batch_exact: bool
+    exact_width: int
+    min_shared_width: int
+
+    def length_of(self, sequence_id: int) -> int: ...
+    def check_forward(self, token_ids: list[int], sequence_id: int) -> None: ...
+    def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list: ...
+    def move_sequence(self, src: int, dst: int) -> None: ...
+
+
 class SequenceChecks:
     """The checks a model of several sequences (llama.cpp's, models/native/sequences.py) runs before a forward of one
-    of them; it has `_lengths` (cached tokens per sequence), `max_context` and `vocab_size`."""
+    of them, and its length per sequence; it has `_lengths` (cached tokens per sequence), `max_context` and
+    `vocab_size`."""
+
+    def length_of(self: _Sequences, sequence_id: int) -> int:
+        return self._lengths[sequence_id]
+
+    def check_forward(self, token_ids: list[int], sequence_id: int) -> None:
+        """The ValueError a forward of `token_ids` on `sequence_id` would raise: no room left, ids outside the
+        vocabulary (the Scheduler raises it in the asking request, not in the step)."""
+        self._check_room(len(token_ids), sequence_id)
+        self._check_vocabulary(token_ids)
 
     def _check_room(self: _Sequences, n: int, sequence_id: int = 0) -> None:
         if self._lengths[sequence_id] + n > self.max_context:

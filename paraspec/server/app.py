@@ -11,7 +11,7 @@ acceptance_rate, mean_accepted_length, ttft_s, tpot_ms, draft_s, verify_s, ...),
 a speculative strategy's `usage` has `spec_decode` (drafts, accepted tokens, per draft position). Streamed logprobs:
 each chunk carries those of the tokens whose text it carries. Streams are server-sent events (`data: {json}` ...
 `data: [DONE]`); an error after the stream started is one `data: {"error": {...}}` event, as vLLM and OpenAI send
-it. Up to the engine's max_num_seqs generations run at once, their forwards batched (queue.py, batching.py).
+it. Up to the engine's max_num_seqs generations run at once, their forwards batched (queue.py, scheduler.py).
 
 Choices: every choice (n per prompt; a list of prompts on /v1/completions) is a generation of its own in the queue,
 so that they run batched; choice j of prompt p has index p * n + j, and with a seed s the seed s + j (mod 2**64), so
@@ -168,8 +168,7 @@ class ServedModel:
         return {"status": "ok"}
 
     async def prometheus(self):
-        if self.engine.batch_stats is not None:
-            self.metrics.batching(self.engine.batch_stats)
+        self.metrics.engine(self.engine)
         return PlainTextResponse(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def models(self):

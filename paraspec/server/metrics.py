@@ -144,6 +144,7 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, queue included", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting in the queue", LATENCY_BUCKETS)
         self.restarts = counter("worker_restarts", "Worker restarts after a worker fault").labels(**labels)
+        self._restarts_seen = 0
         self._lock = threading.Lock()
         self._totals = dict(drafted=0, accepted=0, rounds=0, verified=0)
 
@@ -178,8 +179,18 @@ class ServerMetrics:
             if t["rounds"]:
                 self._mean_accepted.set(t["verified"] / t["rounds"])
 
+    def engine(self, engine) -> None:
+        """What the Engine counts, read when /metrics is rendered: its generations running and in line, its worker
+        restarts, its Scheduler's counters (scheduler.BatchStats)."""
+        self.running.set(engine.running)
+        self.waiting.set(engine.waiting)
+        self.restarts.inc(engine.restarts - self._restarts_seen)
+        self._restarts_seen = engine.restarts
+        if engine.batch_stats is not None:
+            self.batching(engine.batch_stats)
+
     def batching(self, stats) -> None:
-        """The engine's Batcher counters (batching.BatchStats), read when /metrics is rendered."""
+        """The Scheduler's counters (scheduler.BatchStats)."""
         self.batch_rows.set(stats.last_rows)
         self.batch_forwards.set(stats.steps)
         shared = sum(stats.widths.values())

@@ -1,16 +1,17 @@
-"""The FIFO in front of one Engine: up to its max_num_seqs generations at once (batched, each answer as if
-alone; 1 for strategies that do not batch), a bounded number waiting, cancellation of one request.
+"""The server's jobs on one Engine: a bounded number of them, cancellation of one. Which job runs when is the
+Engine's decision (its RequestGate admits them in arrival order, up to its max_num_seqs at once: batched, each
+answer as if alone; 1 for strategies that do not batch); the queue only refuses a request when running and waiting
+jobs would exceed max_num_seqs + max_queue.
 
 A request is one or more jobs (its choices: n per prompt), admitted together or not at all: when they do not all
 fit in the free slots and the free places of the queue, the request is refused whole (QueueFull), never answered in
 part. Its jobs share one event queue, their events tagged with the choice's index.
 
-Each admitted request runs in a thread of its own (the Engine is synchronous); its text deltas reach the event
-loop through an asyncio queue. A job is cancelled (client gone, --request-timeout, shutdown) with its own
-Stream.cancel(), which ends that generation within one round, workers included, and no other; the engine's slot
-is handed to the next request only when the thread has ended. A worker fault (WorkerError) is reported to its
-request first; then, still holding the slot, the workers are restarted (/health says 503 until they are back) and
-the next request in line runs on the new ones.
+Each job runs in a thread of its own (the Engine is synchronous), waiting there for its turn; its text deltas reach
+the event loop through an asyncio queue. A job is cancelled (client gone, --request-timeout, shutdown) with its own
+Stream.cancel(), which takes it out of the line or ends its generation within one round, workers included, and no
+other. A worker fault (WorkerError) is reported to its request; the Engine (restart_on_fault) restarts the workers
+(/health says 503 until they are back) and the next request in line runs on the new ones.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from paraspec.runtime.errors import WorkerError
 from paraspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,12 +84,15 @@ class GenerationQueue:
         self.metrics = metrics
         self.max_queue = max_queue
         self.request_timeout = request_timeout
-        self.running: set[Job] = set()
-        self.waiting = 0
-        self.restarting = False
+        self.jobs: set[Job] = set()  # started, not finished: running or in the Engine's line
         self.closing = False
-        self._slot = asyncio.Semaphore(engine.max_num_seqs)  # FIFO: waiters acquire in arrival order
         self._loop: asyncio.AbstractEventLoop | None = None
+        engine.restart_on_fault = True  # a worker fault: the Engine restarts its workers, the line waits for them
+
+    @property
+    def waiting(self) -> int:
+        """Jobs in the Engine's line."""
+        return self.engine.waiting
 
     @property
     def capacity(self) -> int:
@@ -98,50 +100,22 @@ class GenerationQueue:
         return self.engine.max_num_seqs + self.max_queue
 
     def room(self) -> int:
-        """How many jobs could be admitted now: the free slots (those not promised to waiting jobs) and the free
-        places of the queue."""
-        free_slots = max(0, self.engine.max_num_seqs - len(self.running) - self.waiting)
-        return free_slots + max(0, self.max_queue - self.waiting)
+        """How many more jobs fit now: the free slots and the free places of the queue."""
+        return self.capacity - len(self.jobs)
 
     async def start(self, jobs: list[Job]) -> None:
-        """Wait for the engine (FIFO) and start every job of one request; QueueFull when they do not all fit now,
-        nothing started. If one cannot start (shutdown), the others are cancelled and ShuttingDown raised."""
+        """Start every job of one request (each waits for its turn in the Engine's line); QueueFull when they do not
+        all fit now, nothing started."""
         if self.closing:
             raise ShuttingDown()
         if len(jobs) > self.room():
             raise QueueFull()
         self._loop = asyncio.get_running_loop()
-        self.waiting += len(jobs)  # reserved at once: no other request takes their places while they wait
+        for job in jobs:
+            self.jobs.add(job)
+            timer = self._loop.call_later(self.request_timeout, job.cancel, "timeout") if self.request_timeout else None
+            threading.Thread(target=self._run, args=(job, timer), daemon=True, name="paraspec-request").start()
         self.metrics.waiting.set(self.waiting)
-        queued = time.perf_counter()
-        try:
-            outcomes = await asyncio.gather(*(self._admit(job, queued) for job in jobs), return_exceptions=True)
-        except asyncio.CancelledError:  # the request's handler is gone: so are the choices that started
-            for job in jobs:
-                job.cancel("disconnect")
-            raise
-        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if failure is not None:
-            for job in jobs:
-                job.cancel("shutdown")
-            raise failure
-
-    async def _admit(self, job: Job, queued: float) -> None:
-        assert self._loop is not None  # set by start()
-        try:
-            await self._slot.acquire()
-        finally:
-            self.waiting -= 1
-            self.metrics.waiting.set(self.waiting)
-        job.queue_s = time.perf_counter() - queued
-        self.metrics.queue_time.observe(job.queue_s)
-        if self.closing:
-            self._slot.release()
-            raise ShuttingDown()
-        self.running.add(job)
-        self.metrics.running.set(len(self.running))
-        timer = self._loop.call_later(self.request_timeout, job.cancel, "timeout") if self.request_timeout else None
-        threading.Thread(target=self._run, args=(job, timer), daemon=True, name="paraspec-request").start()
 
     def _emit(self, job: Job, kind: str, value=None) -> None:
         try:
@@ -151,8 +125,7 @@ class GenerationQueue:
             pass
 
     def _run(self, job: Job, timer) -> None:
-        """(request thread) Run the generation, then hand the engine to the next request."""
-        fault = False
+        """(request thread) Wait for the Engine's turn, run the generation, report it."""
         try:
             stream = job.stream_handle = self.engine.stream(job.prompt_ids, job.params)
             if job.cancelled.is_set():  # cancelled before the engine had the request: stop it at once
@@ -165,21 +138,12 @@ class GenerationQueue:
                     self._emit(job, "delta", Delta(delta, stream.token_ids[tokens:], new_logprobs, first))
                     tokens, logprobs = len(stream.token_ids), logprobs + len(new_logprobs or ())
             job.result = stream.result
-        except Exception as e:  # noqa: BLE001 -- reported to the client; a worker fault restarts the workers
+        except Exception as e:  # noqa: BLE001 -- reported to the client
             job.error = e
-            fault = isinstance(e, WorkerError) and self.engine.health() is not None and not self.closing
-            self.restarting = fault
             log.error("request failed: %s", e)
         finally:
+            job.queue_s = job.stream_handle.queue_s if job.stream_handle is not None else 0.0
             self._emit(job, "end")
-        if fault:
-            try:
-                self.engine.restart_workers()
-                self.metrics.restarts.inc()
-            except Exception as e:  # noqa: BLE001 -- /health keeps saying why
-                log.error("restarting the workers failed: %s", e)
-            finally:
-                self.restarting = False
         try:
             assert self._loop is not None  # set by start(), before any job runs
             self._loop.call_soon_threadsafe(self._finished, job, timer)
@@ -190,6 +154,7 @@ class GenerationQueue:
         """(event loop) Count the generation, release the engine to the next request."""
         if timer is not None:
             timer.cancel()
+        self.metrics.queue_time.observe(job.queue_s)
         if job.result is not None:
             reason = job.result.finish_reason
             self.metrics.generation(
@@ -197,20 +162,16 @@ class GenerationQueue:
                 job.reason if reason == "cancelled" and job.reason else "length" if reason == "context" else reason,
             )
             self.metrics.e2e.observe(job.queue_s + job.result.stats.total_s)
-        self.running.discard(job)
-        self.metrics.running.set(len(self.running))
+        self.jobs.discard(job)
         job.finished.set()
-        self._slot.release()
 
     def shutdown(self) -> None:
         """(event loop) Refuse new requests and end the running ones with an error."""
         self.closing = True
-        for job in list(self.running):
+        for job in list(self.jobs):
             job.cancel("shutdown")
 
     def health(self) -> str | None:
         if self.closing:
             return "the server is shutting down"
-        if self.restarting:
-            return "the workers are restarting after a fault"
         return self.engine.health()

@@ -78,7 +78,7 @@ class AMUSD(WorkerStrategy):
             q_window=64,
         )
 
-    def decode(self, run: RequestState):
+    def decode(self, run: RequestState, seat=None):  # one request at a time, on its workers: no seat
         grammar = None
         if run.params.structured is not None:
             grammar = WorkerGrammar(self.tokenizer_folder, run.params.structured, tuple(sorted(run.stop_ids)))

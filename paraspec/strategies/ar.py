@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from paraspec.request_state import RequestState
 from paraspec.sampling import next_token
-from paraspec.strategies.base import Capabilities, LocalStrategy
+from paraspec.strategies.base import Capabilities, LocalStrategy, Seat
 from paraspec.strategies.registry import register
 
 
@@ -14,8 +14,8 @@ class AR(LocalStrategy):
     summary = "autoregressive decoding of the target"
     caps = Capabilities(drafts="none", batches=True)
 
-    def decode(self, run: RequestState):
-        target = self.target
+    def decode(self, run: RequestState, seat: Seat | None = None):
+        target = (seat or self.seat).target
         on = getattr(target, "device", None)  # llama.cpp and simulated models have none: they return when done
         with run.timed("target", "prefill", len(run.prompt_ids), on=on):
             logits = target.prefill(run.prompt_ids)

@@ -2,7 +2,7 @@
 request in flight (`RequestState`) and the rules for committing tokens are in paraspec/request_state.py.
 
     Strategy.setup(placement)  load the models (here or in workers it starts), open its channels
-    Strategy.decode(run)       a generator yielding the token ids of each commit
+    Strategy.decode(run, seat) a generator yielding the token ids of each commit, decoding on `seat`'s models
     Strategy.set_options(o)    new options between requests: stored, and what was built from the old ones rebuilt
     Strategy.cancel()          (any thread) wake a decode() blocked on its workers so it ends soon
     Strategy.health()          why a request would fail now because of its workers, or None
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -60,8 +60,8 @@ class Capabilities:
     processors: bool = True  # applies a request's logit bias and penalties (SamplingParams.adjusts_logits)
     logprobs: bool = True  # reports each output token's target logprobs (RequestState.observe_target, every row)
     structured: bool = True  # masks the target's rows to SamplingParams.structured's grammar (RequestState.grammar)
-    batches: bool = False  # its loop runs in the caller on the models alone: requests may
-    # share forwards (Engine max_num_seqs, batching.py; llama.cpp)
+    batches: bool = False  # its loop runs in the caller on a Seat's models alone: requests may
+    # share forwards (Engine max_num_seqs, scheduler.py; llama.cpp and the native decoder)
 
     def __post_init__(self):
         if self.drafts not in DRAFT_COUNTS:
@@ -76,6 +76,19 @@ class Capabilities:
 
 
 # -- the Strategy interface -------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Seat:
+    """What one request decodes on. Alone: the strategy's own models (`Strategy.seat`). With several requests at once
+    (scheduler.py) one Seat per sequence: a view of that sequence of each model, whose forwards the Scheduler runs
+    in the step every running request shares, and `load`, the rows each other request brings to that step (what the
+    adaptive rule prices a step by). A strategy keeps per Seat what must persist across its requests (sd's and
+    tree's drafters: LocalStrategy.kept_policy); the Seat itself is never copied or patched."""
+
+    target: Any
+    draft_models: list
+    load: Callable[[], list[int]] | None = None  # None: the request has its forwards alone
 
 
 @dataclass
@@ -146,6 +159,7 @@ class Strategy(abc.ABC):
         self.draft_models: list = []  # the draft models (model-free drafters are not models)
         self.draft_specs: list = []  # every draft as given (DraftSpecs): checkpoints and model-free names, in order
         self.runtime: Runtime | None = None  # the Runtime of its workers, if it has any
+        self._own_seat: Seat | None = None
 
     def set_options(self, options: dict) -> None:
         """New options between requests (Engine.set_options, checked by EngineConfig), read from the next decode()
@@ -157,8 +171,17 @@ class Strategy(abc.ABC):
         """Load the models (set target and drafts) and start whatever workers and channels it needs."""
 
     @abc.abstractmethod
-    def decode(self, run: RequestState) -> Generator[list[int], None, None]:
-        """Decode one request; yield the tokens of each commit (RequestState.commit's return value)."""
+    def decode(self, run: RequestState, seat: Seat | None = None) -> Generator[list[int], None, None]:
+        """Decode one request on `seat`'s models (None: the strategy's own, `self.seat`); yield the tokens of each
+        commit (RequestState.commit's return value)."""
+
+    @property
+    def seat(self) -> Seat:
+        """The strategy's own models as a Seat: where a request decodes when requests run one at a time."""
+        own = self._own_seat
+        if own is None or own.target is not self.target or own.draft_models != self.draft_models:
+            own = self._own_seat = Seat(self.target, list(self.draft_models))  # (re)loaded models: a new seat
+        return own
 
     def make_drafters(self, for_model, models=None) -> list:
         """One entry per draft spec, in order: `for_model(model)` for the next draft model (of `models`, default
@@ -207,10 +230,10 @@ class Strategy(abc.ABC):
             self.runtime.close()
         self.target, self.draft_models = None, []
 
-    def score_prompt(self, prompt_ids: list[int], n: int) -> list[TokenLogprob | None]:
-        """Each prompt token's log-probability under the target given the tokens before it (the first has none),
-        from one forward over the prompt; the cache is emptied after, so decoding starts as it does without."""
-        target = self.target
+    def score_prompt(self, prompt_ids: list[int], n: int, seat: Seat | None = None) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability under the target (`seat`'s) given the tokens before it (the first has
+        none), from one forward over the prompt; the cache is emptied after, so decoding starts as it does without."""
+        target = (seat or self.seat).target
         target.rollback(0)
         rows = torch.log_softmax(target.forward(list(prompt_ids), last_n=len(prompt_ids)).float(), -1)
         target.rollback(0)
@@ -222,8 +245,14 @@ class LocalStrategy(Strategy):
     (when every device is a CPU core set)."""
 
     _pinning = None
-    policy = None  # the kept drafters (sd, tree): the suffix cache and the learned costs
-    # persist across requests; built from the options
+
+    def __init__(self, options: dict):
+        super().__init__(options)
+        # the kept drafters (sd, tree: the suffix cache, the learned costs), one DraftPolicy per Seat, persisting
+        # across that seat's requests; built from the options
+        self.policies: dict[Seat, Any] = {}
+        self.cost_tables: dict = {}  # the models' forward costs by width, timed once (make_policy)
+        self.step_rows = 0  # the widest step a verification shares with other requests' rows (0: alone)
 
     def setup(self, placement: Placement) -> None:
         devices = placement.target_devices + (placement.draft_devices if placement.draft_checkpoints else [])
@@ -232,58 +261,66 @@ class LocalStrategy(Strategy):
             self._pinning = current_pinning()
             apply_device(Device("cpu", cores=tuple(cores)))
         self.target = placement.load_here(placement.target, placement.target_devices[0])
-        # the models' forward costs by width (make_policy), timed once: an Engine's sequences, copies of this
-        # strategy, share this dict (a copy of a table each), so no request's first round waits on another's timing
-        self.cost_tables: dict = {}
+        # with several sequences (placement.load's n_seqs) a verification shares its step with the other requests'
+        # rows, up to the target's exact width where its rows may share a forward: the cost table reaches that far
+        batched = placement.load.get("n_seqs", 1) > 1
+        self.step_rows = self.target.exact_width if batched and self.target.batch_exact else 0
         self.draft_specs = list(placement.draft_specs)
         self.draft_models = [
             placement.load_here(d, placement.draft_devices[0], draft=True) for d in placement.draft_checkpoints
         ]
 
-    def build_policy(self) -> None:
-        """Build `policy` from the options (sd, tree: make_policy with their drafters)."""
+    def build_policy(self, seat: Seat):
+        """A DraftPolicy for `seat` from the options (sd, tree: make_policy with their drafters)."""
         raise NotImplementedError
 
-    def kept_policy(self):
-        """The kept drafters: built at setup() (sd, tree) and again by set_options(); here if a build failed."""
-        if self.policy is None:
-            self.build_policy()
-        return self.policy
+    def kept_policy(self, seat: Seat | None = None):
+        """`seat`'s kept drafters (default: the strategy's own seat): built at setup() for its own seat (timing the
+        costs), at a seat's first request for the others, and again after set_options()."""
+        seat = seat or self.seat
+        policy = self.policies.get(seat)
+        if policy is None:
+            policy = self.policies[seat] = self.build_policy(seat)
+        return policy
+
+    @property
+    def policy(self):
+        """The own seat's kept drafters (requests one at a time), or None before they are built."""
+        return self.policies.get(self.seat) if self.policies else None
 
     def set_options(self, options: dict) -> None:
         """The kept drafters were built with the drafters' options (ngram sizes, suffix depth, cache, factor, ...)
-        and the adaptive rule's calibration: dropped and built again with the new options, now rather than in the
-        next request (the suffix cache and the learned costs start afresh)."""
+        and the adaptive rule's calibration: dropped (every seat's) and the own seat's built again with the new
+        options, now rather than in the next request (the suffix cache and the learned costs start afresh)."""
         super().set_options(options)
-        if self.policy is not None:
-            self.policy.close()
-            self.policy = None
-            self.build_policy()
+        if self.policies:
+            for policy in self.policies.values():
+                policy.close()
+            self.policies.clear()
+            self.kept_policy()
 
-    def make_policy(self, for_model, widest: int) -> None:
-        """Build the kept drafters (`make_drafters`) in order; with the `adaptive` option, time the target's
-        verification widths up to `widest` + 1 and each draft model's forwards (its drafts and catch-ups) now, at
-        start-up, not in the first request. adaptive=None (auto): the same, the rule standing aside for seeded
-        sampled requests (DraftPolicy.begin)."""
+    def make_policy(self, for_model, widest: int, seat: Seat):
+        """`seat`'s kept drafters (`make_drafters` on its draft models) in order; with the `adaptive` option, the
+        target's verification widths up to `widest` + 1 (and the widest shared step) and each draft model's forwards
+        (its drafts and catch-ups) timed once, at start-up (the own seat's policy, built by setup()), not in a first
+        request. adaptive=None (auto): the same, the rule standing aside for seeded sampled requests
+        (DraftPolicy.begin)."""
         from paraspec.drafters import DraftPolicy
         from paraspec.drafters.adaptive import DRAFT_WIDTHS, calibration_widths
 
-        drafters = self.make_drafters(for_model)
+        drafters = self.make_drafters(for_model, seat.draft_models)
         if self.options["adaptive"] is False:
-            self.policy = DraftPolicy(drafters)
-            return
-        # a batched request's verification shares its step with the others' rows: the cost table covers them (timed
-        # by the Engine's strategy on the model of several sequences, before any request, for every sequence)
-        model = getattr(self.target, "model", self.target)  # a sequence's model (batching.py), or the model
-        rows = model.exact_width if getattr(model, "n_seqs", 1) > 1 and model.batch_exact else 0
-        cost = self.forward_cost("target", self.target, calibration_widths(max(widest, rows - 1)))
+            return DraftPolicy(drafters)
+        cost = self.forward_cost("target", self.target, calibration_widths(max(widest, self.step_rows - 1)))
+        models = iter(self.draft_models)  # timed on the models themselves, not on a seat's views of them
         draft_costs = {
-            i: self.forward_cost(f"draft{i}", d.model, DRAFT_WIDTHS, last_only=True)
+            i: self.forward_cost(f"draft{i}", next(models), DRAFT_WIDTHS, last_only=True)
             for i, d in enumerate(drafters)
             if not d.free
         }
-        self.policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
-        self.policy.shared = getattr(self.target, "shared_load", None)
+        policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
+        policy.shared = seat.load
+        return policy
 
     def forward_cost(self, key: str, model, widths, last_only: bool = False):
         """`model`'s forward cost at `widths` (ForwardCost.measure), timed the first time a policy needs it and then
@@ -297,7 +334,9 @@ class LocalStrategy(Strategy):
 
     def close(self) -> None:
         super().close()
-        self.policy = None
+        for policy in self.policies.values():
+            policy.close()
+        self.policies.clear()
         if self._pinning is not None:
             set_pinning(*self._pinning)
             self._pinning = None

@@ -122,7 +122,7 @@ class DSI(WorkerStrategy):
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
         self.tokenizer_folder = str(placement.target)  # the drafters' grammars: the Engine's tokenizer
 
-    def decode(self, run: RequestState):
+    def decode(self, run: RequestState, seat=None):  # one request at a time, on its workers: no seat
         return run_request(
             run,
             self.runtime,

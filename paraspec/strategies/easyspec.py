@@ -27,7 +27,7 @@ from __future__ import annotations
 from paraspec.drafters import DraftPolicy
 from paraspec.drafters.layer_parallel import DeviceGroupDrafter, LayerParallelDrafter
 from paraspec.models.native.layer_parallel import layer_parallel_groups, parse_layer_groups
-from paraspec.strategies.base import WITH_RAY, Capabilities, Placement
+from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, Seat
 from paraspec.strategies.registry import register
 from paraspec.strategies.tree import TREE_BACKENDS, TreeStrategy
 
@@ -65,7 +65,7 @@ class EasySpec(TreeStrategy):
             else layer_parallel_groups(o["layer_parallel_size"], n_layers)
         )
 
-    def round_policy(self) -> DraftPolicy:
+    def round_policy(self, seat: Seat) -> DraftPolicy:
         return DraftPolicy([self.drafter()])  # one drafter, at the fixed tree shape
 
     def drafter(self) -> LayerParallelDrafter:

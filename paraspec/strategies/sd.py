@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from paraspec.drafters import DraftPolicy, ModelDrafter, Proposal
 from paraspec.request_state import RequestState
-from paraspec.strategies.base import Capabilities, LocalStrategy, Placement
+from paraspec.strategies.base import Capabilities, LocalStrategy, Placement, Seat
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_chain
@@ -38,12 +38,15 @@ class SD(LocalStrategy):
         super().setup(placement)
         self.kept_policy()
 
-    def build_policy(self) -> None:
+    def build_policy(self, seat: Seat) -> DraftPolicy:
         confidence = self.options["draft_confidence"]
-        self.make_policy(lambda m: ModelDrafter(m, self.target.vocab_size, confidence), self.options["lookahead"])
+        return self.make_policy(
+            lambda m: ModelDrafter(m, self.target.vocab_size, confidence), self.options["lookahead"], seat
+        )
 
-    def decode(self, run: RequestState):
-        yield from chain_rounds(run, self.target, self.kept_policy(), self.options["lookahead"])
+    def decode(self, run: RequestState, seat: Seat | None = None):
+        seat = seat or self.seat
+        yield from chain_rounds(run, seat.target, self.kept_policy(seat), self.options["lookahead"])
 
 
 def chain_rounds(run: RequestState, target, policy: DraftPolicy, lookahead: int):

@@ -24,7 +24,7 @@ import torch
 
 from paraspec.drafters import DraftPolicy, ModelDrafter, TokenTree
 from paraspec.request_state import RequestState
-from paraspec.strategies.base import Capabilities, LocalStrategy
+from paraspec.strategies.base import Capabilities, LocalStrategy, Seat
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_tree
@@ -106,14 +106,14 @@ class TreeStrategy(LocalStrategy):
     option_names: ClassVar[tuple[str, ...]] = ("tree_width", "tree_depth", "tree_budget")  # extended below
     caps = Capabilities(backends=TREE_BACKENDS)
 
-    def round_policy(self) -> DraftPolicy:
+    def round_policy(self, seat: Seat) -> DraftPolicy:
         """Who drafts the rounds: tree's kept DraftPolicy, easyspec's layer-parallel drafter alone."""
         raise NotImplementedError
 
-    def decode(self, run: RequestState):
-        o = self.options
+    def decode(self, run: RequestState, seat: Seat | None = None):
+        o, seat = self.options, seat or self.seat
         yield from tree_rounds(
-            run, self.target, self.round_policy(), o["tree_width"], o["tree_depth"], o["tree_budget"]
+            run, seat.target, self.round_policy(seat), o["tree_width"], o["tree_depth"], o["tree_budget"]
         )
 
 
@@ -130,11 +130,13 @@ class Tree(TreeStrategy):
         super().setup(placement)
         self.kept_policy()
 
-    def build_policy(self) -> None:
+    def build_policy(self, seat: Seat) -> DraftPolicy:
         o = self.options
-        self.make_policy(
-            lambda m: ModelDrafter(m, self.target.vocab_size), min(o["tree_budget"], o["tree_width"] * o["tree_depth"])
+        return self.make_policy(
+            lambda m: ModelDrafter(m, self.target.vocab_size),
+            min(o["tree_budget"], o["tree_width"] * o["tree_depth"]),
+            seat,
         )
 
-    def round_policy(self) -> DraftPolicy:
-        return self.kept_policy()
+    def round_policy(self, seat: Seat) -> DraftPolicy:
+        return self.kept_policy(seat)

@@ -22,7 +22,7 @@ def tokens(seed: int, n: int) -> list[int]:
 def test_batched_rows_equal_alone_exactly_where_the_probe_says(qwen2_target, kind):
     """Contexts and tokens other than the probe's: rows shared by 4 sequences against each alone. Where the
     verdict admits the width, bitwise; where it does not, the rows really differ somewhere (the verdict is not
-    just cautious) or are the same -- either way the Batcher keeps them alone."""
+    just cautious) or are the same -- either way the Scheduler keeps them alone."""
     m = model(qwen2_target)
     prompts = [tokens(s, p) for s, p in zip(range(4), (23, 4, 31, 10))]
     widths = [1, 1, 1, 1] if kind == "decode" else [2, 5, 3, 8]

@@ -1,4 +1,4 @@
-"""Many callers at once (Engine max_num_seqs, batching.py): requests share each forward, and every answer is
+"""Many callers at once (Engine max_num_seqs, scheduler.py): requests share each forward, and every answer is
 bit-identical to the same request run alone -- on an Engine of one sequence, one request at a time.
 
 N concurrent requests (different prompts, lengths, stop strings and max tokens; N = 1..8 on 4 sequences, so
@@ -221,10 +221,11 @@ def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend
         want = [one.generate(PROMPTS[i], params(i, False)) for i in range(4)]
     with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
         assert_same(together(e, 4, False), want)
-        sequence_strategies = [s for s in e._sequence_strategies if s.policy is not None]
-        assert sequence_strategies  # each sequence's rule asks its own sequence's step for the load
-        for s in sequence_strategies:
-            assert s.policy.shared == s.target.shared_load and isinstance(s.policy.shared(), list)
+        seats = [seat for seat in e.scheduler.seats if seat in e.strategy.policies]
+        assert seats  # each seat's rule asks its own sequence's step for the load
+        for seat in seats:
+            policy = e.strategy.policies[seat]
+            assert policy.shared == seat.target.shared_load and isinstance(policy.shared(), list)
         assert_same(together(e, 4, False), want)
 
 
@@ -244,12 +245,12 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
         at_start = list(timed)
         together(e, 4, False)
-        sequence_strategies = [s for s in e._sequence_strategies if s.policy is not None]
-        tables = [s.policy.cost for s in sequence_strategies] + [e.strategy.policy.cost]
+        seats = [seat for seat in e.scheduler.seats if seat in e.strategy.policies]
+        tables = [e.strategy.policies[seat].cost for seat in seats] + [e.strategy.policy.cost]
         widest_step = e.target.exact_width
     assert len(at_start) == 2 and timed == at_start  # the target's and the draft model's, at start-up only
     assert at_start[0] >= widest_step - 1  # the target's table reaches the widest shared step
-    assert len(sequence_strategies) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
+    assert len(seats) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "seeded"])
@@ -264,3 +265,31 @@ def test_a_fast_drafts_rows_are_shared_unless_the_answer_must_repeat(gguf_pair, 
         assert_same(together(e, 4, sampling), want)
         widths = dict(e.batch_stats.widths)
     assert (max(widths, default=0) >= 2) == (not sampling), widths
+
+
+def test_the_scheduler_thread_runs_every_forward_and_each_seat_keeps_its_own_drafters(gguf_pair, monkeypatch):
+    """One owner of the steps: every forward of the target and the draft runs in the Scheduler's thread, never in
+    a request's; each seat's kept drafters draft on that seat's view of the draft model, and no strategy is copied."""
+    want = alone(gguf_pair, "sd-model", 4, False)
+    threads: set[str] = set()
+    with engine(gguf_pair, "sd-model", 4) as e:
+        for model in (e.target, *e.draft_models):
+            for name in ("forward_batch", "forward", "prefill"):
+                monkeypatch.setattr(model, name, spied(getattr(model, name), threads))
+        assert_same(together(e, 4, False), want)
+        seats = [seat for seat in e.scheduler.seats if seat in e.strategy.policies]
+        assert len(seats) >= 2
+        for seat in seats:
+            (drafter,) = e.strategy.policies[seat].drafters
+            assert drafter.model is seat.draft_models[0] and seat.draft_models[0].model is e.draft_models[0]
+    assert threads == {"paraspec-scheduler"}, threads
+
+
+def spied(method, threads: set[str]):
+    """`method`, noting the name of each thread that calls it."""
+
+    def spy(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return method(*args, **kwargs)
+
+    return spy

@@ -272,7 +272,7 @@ class Plain(LocalStrategy):
     summary = "test-only"
     caps = Capabilities(drafts="none", processors=False, logprobs=False, structured=False)
 
-    def decode(self, run):
+    def decode(self, run, seat=None):
         raise AssertionError("a refused request never reaches decode")
 
 
@@ -331,7 +331,7 @@ class Echo(LocalStrategy):
     summary = "test-only"
     caps = Capabilities(drafts="none")
 
-    def decode(self, run):
+    def decode(self, run, seat=None):
         from paraspec.verify import verify_chain
 
         self.target.rollback(0)

@@ -235,8 +235,8 @@ class LlamaCppModel(SequenceChecks):
         exact=False: a draft model's configuration (its numbers never reach the output: acceptance judges its tokens
         against the target's): llama.cpp's fastest kernels for every shape -- weight repacking, llamafile's tinyBLAS
         where the build gates it per context (`tinyblas`), flash attention -- with no probe, forwards never split and
-        prompts in whole chunks; `batch_exact` stays False (a row depends on the rows beside it), so the Batcher
-        shares its forwards only between requests that do not promise to repeat (batching.Member.repeatable). The
+        prompts in whole chunks; `batch_exact` stays False (a row depends on the rows beside it), so the Scheduler
+        shares its forwards only between requests that do not promise to repeat (scheduler.Member.repeatable). The
         target keeps the exact configuration."""
         if not isinstance(n_seqs, int) or n_seqs < 1:
             raise ValueError(f"n_seqs must be a positive integer, got {n_seqs!r}")
@@ -268,7 +268,7 @@ class LlamaCppModel(SequenceChecks):
         self._lengths = [0] * n_seqs
         self.exact_width = PROBE_WIDTH
         self.batch_exact = n_seqs == 1  # several sequences in one forward: as alone (the probe's verdict)
-        self.min_shared_width = 1  # the narrowest ask that shares a forward (the Batcher reads it)
+        self.min_shared_width = 1  # the narrowest ask that shares a forward (the Scheduler reads it)
         self.forward_widths: dict[int, int] = {}  # sub-forward width -> count (what the split really ran)
         self._probe = probe and exact
         try:
@@ -464,7 +464,7 @@ class LlamaCppModel(SequenceChecks):
 
     def move_sequence(self, src: int, dst: int) -> None:
         """Sequence `src`'s cache becomes sequence `dst`'s (whose own is dropped) and `src` is empty: a byte copy of
-        its cache, cells in the same places, so its next rows are bitwise what they would have been. The Batcher
+        its cache, cells in the same places, so its next rows are bitwise what they would have been. The Scheduler
         keeps the running sequences 0, 1, 2, ... (one micro-batch) with it when a request leaves a gap."""
         if not (0 <= src < self.n_seqs and 0 <= dst < self.n_seqs) or src == dst:
             raise ValueError(f"move_sequence({src}, {dst}): two different sequences of {self.n_seqs}")
@@ -574,7 +574,7 @@ class LlamaCppSequence:
 
     @property
     def length(self) -> int:
-        return self.model._lengths[self.sequence_id]
+        return self.model.length_of(self.sequence_id)
 
     def rollback(self, length: int) -> None:
         self.model.rollback(length, self.sequence_id)
@@ -702,7 +702,7 @@ def measure_exact_width(
 
 def probe_batch(model: LlamaCppModel, width: int) -> list[dict]:
     """measure_batch_exact (models/base.py) on a llama.cpp context of several sequences: verify-like steps of
-    1..BATCH_PROBE_WIDTH tokens each, one-token steps among them (the Batcher shares asks of 1..exact_width tokens
+    1..BATCH_PROBE_WIDTH tokens each, one-token steps among them (the Scheduler shares asks of 1..exact_width tokens
     here: min_shared_width 1)."""
     return measure_batch_exact(model, min(width, BATCH_PROBE_WIDTH), BATCH_PROBE_PROMPTS, shortest=1)
 

@@ -1,8 +1,8 @@
 """The native decoder with several sequences: one KV cache per request, their rows in one forward.
 
 `NativeSequences(decoder, max_context, n_seqs=N)` is a NativeModel whose methods take `sequence_id` (which request's
-cache) and which adds what the Batcher (batching.py) drives: `forward_batch([(sequence_id, tokens, outputs)])` runs the
-rows of several sequences through every row-wise part of the model at once -- embeddings, norms, the q/k/v, o and
+cache) and which adds what the Scheduler (scheduler.py) drives: `forward_batch([(sequence_id, tokens, outputs)])` runs
+the rows of several sequences through every row-wise part of the model at once -- embeddings, norms, the q/k/v, o and
 MLP products, the LM head -- and attention per sequence over its own cache, exactly as that sequence's forward
 alone computes it. So a row's logits equal its logits alone wherever the products of this CPU (or GPU) give a row
 the same bits whatever the number of rows beside it; the load-time probe (`measure_batch_exact`) checks that for
@@ -90,7 +90,7 @@ class NativeSequences(SequenceChecks, NativeModel):
         last_n: int | None = None,
         sequence_id: int = 0,
     ) -> torch.Tensor:
-        self._use(sequence_id)  # the Batcher checked room and vocabulary when the forward was asked
+        self._use(sequence_id)  # the Scheduler checked room and vocabulary when the forward was asked
         return super().forward(token_ids, positions, tree_mask, last_n)
 
     def keep_path(self, prefix_len: int, slots: list[int], sequence_id: int = 0) -> None:

@@ -1,0 +1,334 @@
+"""Many requests at once: one Scheduler owns the steps. Each request decodes on a Seat (one sequence of each model,
+strategies/base.py) with its strategy's own loop, unchanged, in its own thread; every forward it asks of a model
+is handed to the Scheduler, whose thread runs the step:
+
+    requests join (their seat's sequences: their KV caches, their rollbacks) and leave (a later request moves into
+    the gap, keeping the running sequences 0, 1, 2, ...)
+    each step (the scheduler's thread, once every request that is computing has asked):
+        schedule   per model, the asks that may share a forward (a few tokens on a sequence that has its prompt,
+                   rows the load-time probe found exact beside others) packed into as few forwards as the width
+                   allows; the others (a prompt, a width outside the probe's) alone
+        run        one forward per group (one llama_decode; one pass of the native decoder)
+        hand back  each ask its rows; its request goes on with its own acceptance, sampling and commit
+    a request waiting on its reader (a stream not being read) is idle: the steps do not wait for it
+
+Admission (which request gets which seat, how many run) is the Engine's RequestGate, and nothing else's.
+
+Why every answer is bit-identical to the same request run alone: a request's loop, its generator and its drafters
+are its own, and a row's logits do not depend on which rows share its forward -- where the load-time probe found
+so for these kernels on this CPU (models.base.Sequences: batch_exact, min_shared_width, exact_width, measured with
+forwards of the widths this scheduler builds). Where it did not, every ask runs alone: requests still interleave,
+one forward each. A draft on llama.cpp's fastest kernels (not batch-invariant) shares its forwards too, except a
+seeded sampled request's (Member.repeatable): a greedy answer is the target's whatever the draft proposed, and
+only a seeded one promises to repeat.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from paraspec.models.base import Sequences
+from paraspec.strategies.base import Seat
+
+
+@dataclass(eq=False)
+class _Ask:
+    model: Sequences
+    sequence_id: int
+    tokens: list[int]
+    outputs: int  # rows wanted: the last `outputs` tokens'
+    alone: bool  # a prompt, or a width the probe did not find exact beside others
+    prefill: bool = False
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Member:
+    """One running request: its seat, whether it is computing (its forwards are awaited) and what it asks now."""
+
+    seat: Seat
+    # its answer must repeat as alone (a seeded sampled request): on a model whose rows depend on which rows share
+    # their forward (a draft on llama.cpp's fastest kernels) its forwards run alone; a greedy answer is the target's
+    # whatever the draft proposed, and an unseeded one promises no repeat, so theirs are shared
+    repeatable: bool = False
+    computing: bool = True
+    ask: _Ask | None = None
+    rows: dict = field(default_factory=dict)  # per model (id): tokens of its last shareable ask
+
+
+@dataclass
+class BatchStats:
+    steps: int = 0  # forwards shared by several requests' asks, and forwards run alone
+    shared_rows: int = 0  # rows of the shared forwards
+    last_rows: int = 0  # rows of the last step's forwards (/metrics: batch rows per step)
+    widths: dict = field(default_factory=dict)  # requests per shared forward -> count
+    moves: int = 0  # requests moved to a lower sequence when another left
+
+
+class Scheduler:
+    """The steps of one Engine's requests over its models of several sequences (see the module docstring)."""
+
+    def __init__(self, target: Sequences, draft_models: list[Sequences]):
+        self._cv = threading.Condition()
+        self._members: list[Member] = []
+        self._stepping = False
+        self._closed = False
+        self._lock = threading.Lock()  # one call into the models at a time (a step, a rollback, a move)
+        self.stats = BatchStats()
+        self.seats = []
+        for sequence_id in range(target.n_seqs):
+            view = SequenceView(self, target, sequence_id)
+            drafts = [SequenceView(self, m, sequence_id) for m in draft_models]
+            self.seats.append(Seat(view, drafts, load=view.shared_load))
+        # the steps run here; started by the thread that set the models up, so it inherits its core pinning
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="paraspec-scheduler")
+        self._thread.start()
+
+    # -- membership ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def order(seat: Seat) -> int:
+        """Where a free seat stands in line (RequestGate takes the lowest): its sequence number."""
+        return seat.target.sequence_id
+
+    def join(self, seat: Seat, repeatable: bool = False) -> Member:
+        member = Member(seat, repeatable=repeatable)
+        with self._cv:
+            for view in (seat.target, *seat.draft_models):
+                view.member = member
+            self._members.append(member)
+        return member
+
+    @contextmanager
+    def seated(self, seat: Seat, repeatable: bool = False):
+        """A request's membership of the steps while it decodes on `seat` (join, then leave however it ends)."""
+        member = self.join(seat, repeatable)
+        try:
+            yield member
+        finally:
+            self.leave(member)
+
+    def leave(self, member: Member) -> None:
+        """The request ends: the running request on the highest sequence moves into its sequences (caches copied,
+        its seat's views renumbered), so that the running sequences stay 0, 1, 2, ... and decode in one micro-batch
+        (llama.cpp puts sequences in one micro-batch only while their ids follow each other)."""
+        with self._cv:
+            if member in self._members:
+                self._members.remove(member)
+            self._cv.notify_all()  # the others may all have asked already
+            top = max(self._members, key=lambda m: self.order(m.seat), default=None)
+        if top is not None and self.order(top.seat) > self.order(member.seat):
+            self._move(top.seat, member.seat)
+
+    @contextmanager
+    def idle(self, member: Member):
+        """While a request waits on its reader, the others' steps do not wait for its ask."""
+        with self._cv:
+            member.computing = False
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                member.computing = True
+
+    def _move(self, source: Seat, target: Seat) -> None:
+        """Between steps: the request on `source` goes on on `target`'s sequences (free: its request has left), its
+        caches moved there (Sequences.move_sequence) and an ask it has posted rewritten; the two seats' views swap
+        sequence numbers."""
+        with self._between_steps():
+            for src, dst in zip((source.target, *source.draft_models), (target.target, *target.draft_models)):
+                src.model.move_sequence(src.sequence_id, dst.sequence_id)
+                if src.member is not None and src.member.ask is not None and src.member.ask.model is src.model:
+                    src.member.ask.sequence_id = dst.sequence_id
+                src.sequence_id, dst.sequence_id = dst.sequence_id, src.sequence_id
+            self.stats.moves += 1
+
+    # -- what a request's views ask ------------------------------------------------------------------------------
+    @contextmanager
+    def _between_steps(self):
+        """Hold the scheduler between steps: no step runs (none starts), no model call is in flight."""
+        with self._cv:
+            while self._stepping:
+                self._cv.wait()
+            with self._lock:
+                yield
+
+    def length(self, view: SequenceView) -> int:
+        with self._cv:  # not while its sequence moves
+            return view.model.length_of(view.sequence_id)
+
+    def rollback(self, view: SequenceView, length: int) -> None:
+        with self._between_steps():
+            view.model.rollback(length, view.sequence_id)
+
+    def keep_path(self, view: SequenceView, prefix_len: int, slots: list[int]) -> None:
+        with self._between_steps():
+            view.model.keep_path(prefix_len, slots, sequence_id=view.sequence_id)
+
+    def forward(self, view: SequenceView, tokens: list[int], outputs: int, prefill: bool = False) -> torch.Tensor:
+        """The rows a forward of `tokens` on the view's sequence gives (the last `outputs`), run in the next step."""
+        member, model = view.member, view.model
+        assert member is not None  # the Engine joins the request before it decodes
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the Engine's scheduler is closed")
+            sequence_id = view.sequence_id
+            if not prefill:  # this request's own errors, raised here, not in the step
+                model.check_forward(tokens, sequence_id)
+            exact_rows = model.batch_exact or (not model.exact and not member.repeatable)
+            shareable = (
+                not prefill
+                and exact_rows
+                and model.length_of(sequence_id) > 0
+                and model.min_shared_width <= len(tokens) <= model.exact_width
+            )
+            ask = _Ask(model, sequence_id, list(tokens), outputs, alone=not shareable, prefill=prefill)
+            member.rows[id(model)] = len(tokens) if shareable else 0
+            member.ask = ask
+            self._cv.notify_all()
+            while not ask.done:
+                self._cv.wait()
+        if ask.error is not None:
+            raise ask.error
+        assert ask.result is not None  # a step sets one of error and result
+        return ask.result
+
+    def shared_load(self, view: SequenceView) -> list[int]:
+        """The rows each other computing request brings to a step of the view's model (the tokens of its last
+        shareable ask on it): what the adaptive rule prices a busy step by (drafters/adaptive.best_length)."""
+        with self._cv:
+            rows = [m.rows.get(id(view.model), 0) for m in self._members if m is not view.member and m.computing]
+            return [r for r in rows if r]
+
+    # -- the scheduler's thread ----------------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        """A step can run: someone asked, and every request that is computing has."""
+        asked = [m for m in self._members if m.ask is not None]
+        return bool(asked) and all(m.ask is not None or not m.computing for m in self._members)
+
+    def _loop(self) -> None:
+        with self._cv:
+            while True:
+                self._cv.wait_for(lambda: self._closed or self._ready())
+                if self._closed:
+                    return
+                asks = [m.ask for m in self._members if m.ask is not None]
+                for m in self._members:
+                    m.ask = None
+                self._stepping = True
+                self._cv.release()
+                try:
+                    self._step(asks)
+                except BaseException as e:  # noqa: BLE001 -- a fault of the step itself: each asker raises it
+                    for a in asks:
+                        if not a.done:
+                            a.error, a.done = e, True
+                finally:
+                    self._cv.acquire()
+                    self._stepping = False
+                    self._cv.notify_all()
+
+    def _step(self, asks: list[_Ask]) -> None:
+        """Run every ask of this step: the shareable ones of each model in as few forwards as their widths allow,
+        the rest alone. An error fails the asks of the forward that raised it (each one's request raises it)."""
+        with self._lock:
+            rows = 0
+            for model in {id(a.model): a.model for a in asks}.values():
+                shared = [a for a in asks if a.model is model and not a.alone]
+                for group in _groups(shared, model.exact_width, model.n_batch):
+                    self._run(
+                        group,
+                        lambda g=group, m=model: m.forward_batch([(a.sequence_id, a.tokens, a.outputs) for a in g]),
+                    )
+                    width = sum(len(a.tokens) for a in group)
+                    rows += width
+                    self.stats.shared_rows += width
+                    self.stats.widths[len(group)] = self.stats.widths.get(len(group), 0) + 1
+                    self.stats.steps += 1
+            for a in asks:
+                if a.alone:
+                    run = (
+                        (lambda a=a: [a.model.prefill(a.tokens, a.sequence_id)[None]])
+                        if a.prefill
+                        else (lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, sequence_id=a.sequence_id)])
+                    )
+                    self._run([a], run)
+                    rows += len(a.tokens)
+                    self.stats.steps += 1
+            self.stats.last_rows = rows
+
+    @staticmethod
+    def _run(group: list[_Ask], forward) -> None:
+        try:
+            for a, result in zip(group, forward()):
+                a.result = result
+        except BaseException as e:  # noqa: BLE001 -- handed to each asking request, raised there
+            for a in group:
+                a.error = e
+        for a in group:
+            a.done = True
+
+    def close(self) -> None:
+        """Stop the scheduler's thread (the Engine's requests have ended); idempotent."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(10)
+
+
+def _groups(asks: list[_Ask], width: int, n_batch: int) -> list[list[_Ask]]:
+    """Asks packed in order into forwards of at most `width` rows (the probed exact width) and n_batch tokens."""
+    groups: list[list[_Ask]] = []
+    rows = 0
+    for a in asks:
+        if not groups or rows + len(a.tokens) > min(width, n_batch):
+            groups.append([])
+            rows = 0
+        groups[-1].append(a)
+        rows += len(a.tokens)
+    return groups
+
+
+class SequenceView:
+    """The Model protocol on one sequence of a model of several, its forwards run by the Scheduler in the step of
+    every running request: what a Seat holds as its target (or draft model)."""
+
+    def __init__(self, scheduler: Scheduler, model: Sequences, sequence_id: int):
+        self.scheduler, self.model, self.sequence_id = scheduler, model, sequence_id
+        self.member: Member | None = None  # the request decoding on it now (Scheduler.join)
+        self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
+
+    @property
+    def length(self) -> int:
+        return self.scheduler.length(self)
+
+    def rollback(self, length: int) -> None:
+        self.scheduler.rollback(self, length)
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        return self.scheduler.forward(self, token_ids, 1, prefill=True)[0]
+
+    def forward(self, token_ids: list[int], positions=None, tree_mask=None, last_n: int | None = None) -> torch.Tensor:
+        if tree_mask is not None or positions is not None:
+            raise ValueError(
+                "several requests at once take consecutive positions only (no token trees); use max_num_seqs=1"
+            )
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        outputs = len(token_ids) if last_n is None else min(last_n, len(token_ids))
+        return self.scheduler.forward(self, token_ids, outputs)
+
+    def shared_load(self) -> list[int]:
+        return self.scheduler.shared_load(self)
+
+    def keep_path(self, prefix_len: int, slots: list[int]) -> None:
+        self.scheduler.keep_path(self, prefix_len, slots)
