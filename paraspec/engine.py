@@ -171,7 +171,6 @@ class Engine:
         """Refuse what this Engine cannot honour (a RefusedParameter naming it and the fix; request_checks.py)."""
         check_params(params, self.strategy, self.tokenizer, self.target.vocab_size)
 
-    # -- generation ----------------------------------------------------------------------------------------
     def stream(self, prompt, params: SamplingParams | None = None) -> Stream:
         """A Stream of text deltas as tokens are committed; its `result` once it has ended. The request starts at
         the first next(); close() (or dropping the stream) cancels it, cancel() from any thread."""
@@ -199,7 +198,7 @@ class Engine:
                     yield delta
         if request.ended_by is not None and run.finish_reason == "cancelled":  # engine.close(), another thread
             raise StreamCancelled(f"{request} was cancelled: {request.ended_by}")
-        delta = text.update(request.result.text, final=True)
+        delta = text.update(request.result.text if request.result else "", final=True)
         if delta:
             yield delta
 
@@ -212,6 +211,7 @@ class Engine:
         with closing(self._run(run, request)) as steps:
             for _ in steps:
                 pass
+        assert request.result is not None  # set however the run ended
         return request.result
 
     def _run(self, run: RequestState, request: Request) -> Generator[list[int], None, None]:

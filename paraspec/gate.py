@@ -146,7 +146,7 @@ class RequestGate:
         with self.cv:
             self.cv.notify_all()
 
-    def release(self, request: Request) -> None:
+    def release(self, request: Request | None) -> None:
         with self.cv:
             if request in self.active:
                 self.active.remove(request)

@@ -126,8 +126,11 @@ class Scheduler:
             self._move(top.seat, member.seat)
 
     @contextmanager
-    def idle(self, member: Member):
+    def idle(self, member: Member | None):
         """While a request waits on its reader, the others' steps do not wait for its ask."""
+        if member is None:
+            yield
+            return
         with self._cv:
             member.computing = False
             self._cv.notify_all()

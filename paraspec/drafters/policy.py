@@ -25,6 +25,7 @@ drafts, and how much, depends only on the sequence and on rounds already verifie
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -74,7 +75,7 @@ class DraftPolicy(Drafter):
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.decisions: list[dict] = []  # one per round: who drafted, k*, alpha (the trace's "plan")
         # many requests at once: () -> the rows each other request brings to the target's step (scheduler.py)
-        self.shared = None
+        self.shared: Callable[[], list[int]] | None = None
         self.grammar: GrammarMatcher | None = None  # the request's structured-output state (begin)
         self._start_round()
 

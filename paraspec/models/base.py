@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -100,6 +100,9 @@ class Sequences(Protocol):
 
     n_seqs: int
     n_batch: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
     exact: bool
     batch_exact: bool
     exact_width: int
@@ -109,6 +112,12 @@ class Sequences(Protocol):
     def check_forward(self, token_ids: list[int], sequence_id: int) -> None: ...
     def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list: ...
     def move_sequence(self, src: int, dst: int) -> None: ...
+    def rollback(self, length: int, sequence_id: int = 0) -> None: ...
+    def keep_path(self, prefix_len: int, slots: list[int], sequence_id: int = 0) -> None: ...
+    def prefill(self, token_ids: list[int], sequence_id: int = 0) -> Any: ...
+    def forward(
+        self, token_ids: list[int], positions=None, tree_mask=None, last_n=None, sequence_id: int = 0
+    ) -> Any: ...
 
 
 class SequenceChecks:
@@ -119,7 +128,7 @@ class SequenceChecks:
     def length_of(self: _Sequences, sequence_id: int) -> int:
         return self._lengths[sequence_id]
 
-    def check_forward(self, token_ids: list[int], sequence_id: int) -> None:
+    def check_forward(self: Any, token_ids: list[int], sequence_id: int) -> None:
         """The ValueError a forward of `token_ids` on `sequence_id` would raise: no room left, ids outside the
         vocabulary (the Scheduler raises it in the asking request, not in the step)."""
         self._check_room(len(token_ids), sequence_id)
