@@ -227,18 +227,18 @@ def test_a_checkpoint_missing_on_a_node_is_named(ray_cluster, qwen2_target, qwen
     not have it: every node here shares this host's files, so the copy is removed before the workers load it."""
     import shutil
 
-    from paraspec.engine import Engine as EngineClass
+    import paraspec.engine as engine_module
 
     copy = tmp_path / "draft-only-on-the-caller"
     shutil.copytree(qwen2_partial, copy)
-    real = EngineClass._check_vocabularies
+    real = engine_module.check_vocabularies
 
-    def checked_then_gone(engine):
-        late = real(engine)
+    def checked_then_gone(placement, tokenizer):
+        late = real(placement, tokenizer)
         shutil.rmtree(copy)
         return late
 
-    monkeypatch.setattr(EngineClass, "_check_vocabularies", checked_then_gone)
+    monkeypatch.setattr(engine_module, "check_vocabularies", checked_then_gone)
     before = own_segments()
     with pytest.raises(Exception, match=r"on node 'box-b'.*(same path|shared filesystem)") as err:
         Engine(
