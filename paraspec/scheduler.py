@@ -7,7 +7,9 @@ is handed to the Scheduler, whose thread runs the step:
     each step (the scheduler's thread, once every request that is computing has asked):
         schedule   per model, the asks that may share a forward (a few tokens on a sequence that has its prompt,
                    rows the load-time probe found exact beside others) packed into as few forwards as the width
-                   allows; the others (a prompt, a width outside the probe's) alone
+                   allows; the others (a width outside the probe's) alone; a prompt's next chunk alone (its
+                   prompt_steps: the same forwards as alone, so the same KV cache, but no request waits for a whole
+                   prompt: the others' steps run between its chunks)
         run        one forward per group (one llama_decode; one pass of the native decoder)
         hand back  each ask its rows; its request goes on with its own acceptance, sampling and commit
     a request waiting on its reader (a stream not being read) is idle: the steps do not wait for it
@@ -26,6 +28,7 @@ only a seeded one promises to repeat.
 from __future__ import annotations
 
 import threading
+from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -42,7 +45,8 @@ class _Ask:
     tokens: list[int]
     outputs: int  # rows wanted: the last `outputs` tokens'
     alone: bool  # a prompt, or a width the probe did not find exact beside others
-    prefill: bool = False
+    prompt: int = 0  # its first `prompt` tokens are a prompt into the empty cache, run one forward per step
+    steps: Generator | None = None  # the prompt's forwards still to run (Sequences.prompt_steps)
     result: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
@@ -69,6 +73,7 @@ class BatchStats:
     last_rows: int = 0  # rows of the last step's forwards (/metrics: batch rows per step)
     widths: dict = field(default_factory=dict)  # requests per shared forward -> count
     moves: int = 0  # requests moved to a lower sequence when another left
+    prompt_steps: int = 0  # forwards of prompts (a prompt's chunks, one per step)
 
 
 class Scheduler:
@@ -122,7 +127,9 @@ class Scheduler:
                 self._members.remove(member)
             self._cv.notify_all()  # the others may all have asked already
             top = max(self._members, key=lambda m: self.order(m.seat), default=None)
-        if top is not None and self.order(top.seat) > self.order(member.seat):
+            # not in the middle of its prompt: its remaining forwards are bound to its sequence (prompt_steps)
+            prompting = top is not None and top.ask is not None and top.ask.steps is not None and not top.ask.done
+        if top is not None and self.order(top.seat) > self.order(member.seat) and not prompting:
             self._move(top.seat, member.seat)
 
     @contextmanager
@@ -181,17 +188,21 @@ class Scheduler:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the Engine's scheduler is closed")
-            sequence_id = view.sequence_id
+            sequence_id, empty = view.sequence_id, model.length_of(view.sequence_id) == 0
             if not prefill:  # this request's own errors, raised here, not in the step
                 model.check_forward(tokens, sequence_id)
+            # into an empty cache, the tokens before the first wanted row are a prompt (sd's first round: the prompt
+            # and the drafts in one forward), run as the model's own forward runs it: its prompt_steps, then the rest
+            prompt = len(tokens) if prefill else len(tokens) - outputs + 1 if empty and model.splits_prompts else 0
             exact_rows = model.batch_exact or (not model.exact and not member.repeatable)
             shareable = (
-                not prefill
-                and exact_rows
-                and model.length_of(sequence_id) > 0
-                and model.min_shared_width <= len(tokens) <= model.exact_width
+                prompt <= 1 and exact_rows and not empty and model.min_shared_width <= len(tokens) <= model.exact_width
             )
-            ask = _Ask(model, sequence_id, list(tokens), outputs, alone=not shareable, prefill=prefill)
+            ask = _Ask(
+                model, sequence_id, list(tokens), outputs, alone=not shareable, prompt=prompt if prompt > 1 else 0
+            )
+            if prefill:
+                ask.prompt = len(tokens)
             member.rows[id(model)] = len(tokens) if shareable else 0
             member.ask = ask
             self._cv.notify_all()
@@ -211,9 +222,10 @@ class Scheduler:
 
     # -- the scheduler's thread ----------------------------------------------------------------------------------
     def _ready(self) -> bool:
-        """A step can run: someone asked, and every request that is computing has."""
-        asked = [m for m in self._members if m.ask is not None]
-        return bool(asked) and all(m.ask is not None or not m.computing for m in self._members)
+        """A step can run: someone asked, and every request that is computing has (a prompt's ask stays asked
+        until its last chunk has run)."""
+        asked = [m for m in self._members if m.ask is not None and not m.ask.done]
+        return bool(asked) and all(m in asked or not m.computing for m in self._members)
 
     def _loop(self) -> None:
         with self._cv:
@@ -221,9 +233,7 @@ class Scheduler:
                 self._cv.wait_for(lambda: self._closed or self._ready())
                 if self._closed:
                     return
-                asks = [m.ask for m in self._members if m.ask is not None]
-                for m in self._members:
-                    m.ask = None
+                asks = [m.ask for m in self._members if m.ask is not None and not m.ask.done]
                 self._stepping = True
                 self._cv.release()
                 try:
@@ -255,16 +265,30 @@ class Scheduler:
                     self.stats.widths[len(group)] = self.stats.widths.get(len(group), 0) + 1
                     self.stats.steps += 1
             for a in asks:
-                if a.alone:
-                    run = (
-                        (lambda a=a: [a.model.prefill(a.tokens, a.sequence_id)[None]])
-                        if a.prefill
-                        else (lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, sequence_id=a.sequence_id)])
-                    )
-                    self._run([a], run)
+                if a.prompt:
+                    rows += self._prompt_step(a)
+                elif a.alone:
+                    self._run([a], lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, sequence_id=a.sequence_id)])
                     rows += len(a.tokens)
-                    self.stats.steps += 1
+                self.stats.steps += a.alone
             self.stats.last_rows = rows
+
+    def _prompt_step(self, a: _Ask) -> int:
+        """The next forward of a prompt's ask; after its last, the tokens after the prompt (as the model's forward
+        runs them) and the ask is done. Returns the rows it carried."""
+        before = a.model.length_of(a.sequence_id)
+        try:
+            if a.steps is None:
+                a.steps = a.model.prompt_steps(a.tokens[: a.prompt], a.sequence_id)
+            next(a.steps)
+        except StopIteration as finished:  # the prompt's last row [1, vocab], then the rows of the tokens after it
+            rest = a.tokens[a.prompt :]
+            after = [a.model.forward(rest, last_n=a.outputs - 1, sequence_id=a.sequence_id)] if rest else []
+            a.result, a.done = torch.cat([finished.value, *after]), True
+        except BaseException as e:  # noqa: BLE001 -- handed to the asking request, raised there
+            a.error, a.done = e, True
+        self.stats.prompt_steps += 1
+        return max(0, a.model.length_of(a.sequence_id) - before)
 
     @staticmethod
     def _run(group: list[_Ask], forward) -> None:

@@ -10,6 +10,7 @@ caller's device.
 from __future__ import annotations
 
 import json
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -95,6 +96,10 @@ class Sequences(Protocol):
         length_of(s)          tokens cached for sequence s
         check_forward(t, s)   raise the ValueError a forward of tokens t on sequence s would (room, vocabulary)
         forward_batch(items)  one forward of several sequences' tokens: [(sequence_id, tokens, outputs)] -> rows
+        prompt_steps(t, s)    a prompt's forwards into sequence s, one per next() (a generator returning the logits
+                              [1, vocab] of its last token): the same forwards alone and batched
+        splits_prompts        its forward into an empty cache runs the tokens before the first wanted row as a
+                              prompt (prompt_steps), then the rest (llama.cpp); else as one forward (native)
         move_sequence(a, b)   sequence a's cache becomes b's, bitwise; a is left empty
     """
 
@@ -107,6 +112,7 @@ class Sequences(Protocol):
     batch_exact: bool
     exact_width: int
     min_shared_width: int
+    splits_prompts: bool
 
     def length_of(self, sequence_id: int) -> int: ...
     def check_forward(self, token_ids: list[int], sequence_id: int) -> None: ...
@@ -115,6 +121,7 @@ class Sequences(Protocol):
     def rollback(self, length: int, sequence_id: int = 0) -> None: ...
     def keep_path(self, prefix_len: int, slots: list[int], sequence_id: int = 0) -> None: ...
     def prefill(self, token_ids: list[int], sequence_id: int = 0) -> Any: ...
+    def prompt_steps(self, token_ids: list[int], sequence_id: int = 0) -> Generator[None, None, Any]: ...
     def forward(
         self, token_ids: list[int], positions=None, tree_mask=None, last_n=None, sequence_id: int = 0
     ) -> Any: ...

@@ -159,3 +159,35 @@ def test_an_inexact_batch_verdict_is_said(gguf_pair, monkeypatch, tmp_path, caps
     assert model.batch_exact is False
     assert "one sequence per forward" in capsys.readouterr().err
     model.close()
+
+
+@pytest.mark.parametrize("kernels", ["repacked", "plain"])
+def test_a_prompt_in_steps_between_other_sequences_forwards_leaves_the_alone_kv(gguf_pair, kernels):
+    """prompt_steps: a prompt's forwards one per next(), other sequences decoding between them (as the Scheduler runs
+    them), leave the KV cache the same prompt leaves alone on a context of one sequence: the logits of the prompt's
+    last token and of the tokens decoded after it are bitwise equal (a chunk decoded with other boundaries, or
+    beside other rows, would not be: PROMPT_CHUNK vs n_batch chunks differ by ~0.5 on the reference pair)."""
+    prompt = [(11 * j) % 180 + 3 for j in range(3 * llamacpp.PROMPT_CHUNK + 5)]
+    after = [[40], [41, 42, 43], [9]]
+    expected = alone(gguf_pair["target"], prompt, after, kernels)
+    model = LlamaCppModel(gguf_pair["target"], 512, (), n_threads=2, probe=False, kernels=kernels, n_seqs=3)
+    try:
+        for sequence_id in (1, 2):
+            model.prefill(PROMPTS[sequence_id], sequence_id)
+        steps, forwards = model.prompt_steps(prompt, 0), 0
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                last = done.value
+                break
+            forwards += 1
+            model.forward([forwards % 50 + 1], sequence_id=1)  # the others' steps between the prompt's forwards
+            model.forward([forwards % 40 + 2, 7], sequence_id=2)
+        # several forwards; one on the plain kernels' fast prefill (the head on the repacked copy, then the last token)
+        assert forwards == 1 if model.fast_prefills else forwards >= 3
+        got = [last] + [model.forward(step, sequence_id=0) for step in after]
+    finally:
+        model.close()
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)

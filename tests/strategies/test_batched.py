@@ -293,3 +293,61 @@ def spied(method, threads: set[str]):
         return method(*args, **kwargs)
 
     return spy
+
+
+def test_a_long_prompt_runs_in_chunks_between_the_other_requests_steps(gguf_pair, monkeypatch):
+    """A newcomer's prompt (several PROMPT_CHUNKs) does not stall the running requests: the Scheduler runs one of its
+    forwards per step, the others' steps between them; its KV cache is the one the same forwards give alone, so
+    every answer is the answer alone (an Engine of one sequence)."""
+    from paraspec.models.llamacpp.model import PROMPT_CHUNK
+
+    long_prompts = [[(7 * i + 3 * j) % 190 + 5 for j in range(3 * PROMPT_CHUNK + 9)] for i in range(3)]
+    short = PROMPTS[0]
+    prompts = [short] + long_prompts
+    limits = [SamplingParams(max_new_tokens=40)] + [SamplingParams(max_new_tokens=8)] * 3
+    with engine(gguf_pair, "sd-ngram", 1) as one:
+        want = [one.generate(p, s) for p, s in zip(prompts, limits)]
+    with engine(gguf_pair, "sd-ngram", 4) as e:
+        calls: list[tuple[str, int]] = []  # (what ran, how many rows)
+        target = e.target
+        for name in ("forward_batch", "forward"):
+            original = getattr(target, name)
+
+            def spy(*args, _original=original, _name=name, **kwargs):
+                rows = sum(len(t) for _, t, _ in args[0]) if _name == "forward_batch" else len(args[0])
+                calls.append((_name, rows))
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(target, name, spy)
+        chunks = []
+        original_steps = target.prompt_steps
+
+        def counted_steps(tokens, sequence_id=0):
+            steps = original_steps(tokens, sequence_id)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+                chunks.append(len(calls))  # where a prompt's forward ended, among the other calls
+                yield
+
+        monkeypatch.setattr(target, "prompt_steps", counted_steps)
+        results = [None] * 4
+
+        def call(i):
+            results[i] = e.generate(prompts[i], limits[i])
+
+        first = threading.Thread(target=call, args=(0,))
+        first.start()
+        while not e.target.length_of(0):  # the short request is decoding before the long ones arrive
+            pass
+        others = [threading.Thread(target=call, args=(i,)) for i in (1, 2, 3)]
+        for t in others:
+            t.start()
+        for t in [first, *others]:
+            t.join(120)
+        assert_same(results, want)
+        assert e.batch_stats.prompt_steps >= 3 * 4  # each long prompt took several steps
+    # between two forwards of one long prompt the running request's own steps ran (forwards of the target)
+    assert any(b - a > 0 for a, b in zip(chunks, chunks[1:])), (chunks, calls)

@@ -25,9 +25,9 @@ strategy on such a backend would not return `ar`'s tokens. So this backend:
    compute-bound on CPUs, so a split costs little; with width 1 it would cost the speculation, and the probe's
    result is reported (`exact_width`) so that a user sees it.
 
-The prompt's prefill is one forward (chunked by n_batch) in every strategy alike, so its KV cache is the same
-(with flash attention on, a last chunk of 64+ tokens leaves its last token to a forward of its own: see
-`_prefill_chunks`).
+The prompt's prefill is the same forwards in every strategy and whatever runs beside it -- chunks of PROMPT_CHUNK
+tokens (`prompt_steps`: a Scheduler runs one chunk per step, between the other requests' steps), so its KV cache is
+the same (with flash attention on, a last chunk of 64+ tokens leaves its last token to a forward of its own).
 On the repacked kernels it runs on the model's own context. On the plain ones it does not have to be
 batch-invariant, only the same everywhere, so all but its last token run on a second copy of the weights with
 repacking on (`fast_prefill`, default; `PARASPEC_LLAMACPP_FAST_PREFILL=0` turns it off): llama.cpp's own
@@ -55,6 +55,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,10 @@ BATCH_PROBE_WIDTH = 4  # several sequences' verify-like steps in the batch probe
 BATCH_PROBE_PROMPTS = (37, 5, 150, 90, 12, 64, 21, 120)  # the batch probe's context lengths, one per sequence
 TILED_MIN_ROWS = 8  # llama.cpp's tiled K-quant matmul takes products of this many activation rows and more
 FLASH_TILE_ROWS = 64  # llama.cpp's flash attention takes forwards of this many rows through its tiled pass
+# a prompt's forwards (prompt_steps): on the prompt kernels, as fast alone as whole n_batch chunks where measured
+# (docs/results/2026-11-29-zen4-prompt-chunks.md), and short enough that a Scheduler can put the other requests'
+# steps between them instead of stalling them for a whole prompt
+PROMPT_CHUNK = 64
 # weight repacking on (llama.cpp's default kernels; exact with the patched build) or off (exact with any build
 # without llamafile): LlamaCppModel's `kernels`, chosen by measurement unless asked for (PARASPEC_LLAMACPP_KERNELS)
 KERNELS = ("repacked", "plain")
@@ -204,6 +209,7 @@ def _kernels_asked(kernels: str | None) -> str:
 
 
 class LlamaCppModel(SequenceChecks):
+    splits_prompts = True  # a forward into an empty cache: its prompt's forwards, then the rest (forward())
     """One llama.cpp context over one GGUF model, KV cache = llama.cpp's memory; the Model protocol runs on
     sequence 0. With n_seqs > 1 the context holds that many sequences, each with a KV cache of its own (not
     llama.cpp's unified cache: attention over another sequence's cells would change a row's summation), each
@@ -394,14 +400,29 @@ class LlamaCppModel(SequenceChecks):
             self._lengths[sequence_id] = length
 
     def prefill(self, token_ids: list[int], sequence_id: int = 0) -> torch.Tensor:
-        """The prompt in one forward (chunks of n_batch), exactly as every strategy runs it."""
+        """The prompt into the emptied cache, exactly as every strategy runs it: its prompt_steps, one after another."""
+        steps = self.prompt_steps(token_ids, sequence_id)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value[-1]
+
+    def prompt_steps(self, token_ids: list[int], sequence_id: int = 0) -> Generator[None, None, torch.Tensor]:
+        """The prompt's forwards into the emptied cache, one per next() (a Scheduler runs one per step); returns the
+        logits [1, vocab] of its last token. The same forwards alone and batched, so the same KV cache.
+
+        Strategies re-feed a prompt's last token (dsi's servers roll back to it to get the first chunk's row), so
+        its KV and logits must be what a one-token forward gives. Where the prompt's kernels differ from one-token
+        ones -- the repacked copy of the fast prefill, or flash attention's tiled pass for a last chunk of 64+
+        tokens -- all but the last token go first and the last one alone, here."""
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         if self._follow_torch:
             self._set_threads(torch.get_num_threads())
         self._clear(sequence_id)
         self._check_room(len(token_ids), sequence_id)
-        return self._prefill_chunks(token_ids, sequence_id)[-1]
+        return (yield from self._prompt_forwards(token_ids, sequence_id))
 
     def _clear(self, sequence_id: int) -> None:
         if self.n_seqs == 1:
@@ -410,30 +431,28 @@ class LlamaCppModel(SequenceChecks):
             raise RuntimeError(f"llama.cpp refused to clear sequence {sequence_id} of the KV cache")
         self._lengths[sequence_id] = 0
 
-    def _prefill_chunks(self, token_ids: list[int], sequence_id: int = 0) -> torch.Tensor:
-        """Decode a prompt into the empty cache in n_batch chunks; the logits [1, vocab] of its last token.
-
-        Strategies re-feed a prompt's last token (dsi's servers roll back to it to get the first chunk's row), so
-        its KV and logits must be what a one-token forward gives. Where the prompt's kernels differ from one-token
-        ones -- the repacked copy of the fast prefill, or flash attention's tiled pass for a last chunk of 64+
-        tokens -- all but the last token go first and the last one alone, here."""
-        head, chunk = token_ids[:-1], (len(token_ids) - 1) % self.n_batch + 1
-        if not self.exact:  # a draft: its prompt in whole chunks, on whatever kernels are fastest
-            return self._decode_chunks(token_ids, sequence_id, outputs=1)
-        if head and self._fast is not None:
-            self._fast.prefill(head, self.n_batch, into=self, sequence_id=sequence_id)
+    def _prompt_forwards(self, token_ids: list[int], sequence_id: int) -> Generator[None, None, torch.Tensor]:
+        head, chunk = token_ids[:-1], (len(token_ids) - 1) % PROMPT_CHUNK + 1
+        if not self.exact:  # a draft: on whatever kernels are fastest, no one-token last forward
+            return (yield from self._chunks(token_ids, sequence_id, outputs=1))
+        if head and self._fast is not None:  # one step: the head on the repacked copy, copied in
+            self._fast.prefill(head, PROMPT_CHUNK, into=self, sequence_id=sequence_id)
             self._lengths[sequence_id] = len(head)
             self.fast_prefills += 1
         elif head and self.flash_attention and chunk >= FLASH_TILE_ROWS:
-            self._decode_chunks(head, sequence_id, outputs=0)
+            yield from self._chunks(head, sequence_id, outputs=0)
         else:
-            return self._decode_chunks(token_ids, sequence_id, outputs=1)
+            return (yield from self._chunks(token_ids, sequence_id, outputs=1))
+        yield
         return self._decode(token_ids[-1:], outputs=1, sequence_id=sequence_id)
 
-    def _decode_chunks(self, token_ids: list[int], sequence_id: int, outputs: int) -> torch.Tensor:
-        """token_ids in n_batch chunks; the last chunk's logits for its last `outputs` tokens."""
-        for start in range(0, len(token_ids), self.n_batch):
-            chunk = token_ids[start : start + self.n_batch]
+    def _chunks(self, token_ids: list[int], sequence_id: int, outputs: int) -> Generator[None, None, torch.Tensor]:
+        """token_ids in PROMPT_CHUNK forwards, a yield between two; the last one's logits for its last `outputs`
+        tokens."""
+        for start in range(0, len(token_ids), PROMPT_CHUNK):
+            if start:
+                yield
+            chunk = token_ids[start : start + PROMPT_CHUNK]
             out = self._decode(
                 chunk, outputs=outputs if start + len(chunk) == len(token_ids) else 0, sequence_id=sequence_id
             )
@@ -499,10 +518,10 @@ class LlamaCppModel(SequenceChecks):
         want = n if last_n is None else min(last_n, n)
         pieces, first = [], 0
         if length == 0 and n - want + 1 > 1:
-            # into an empty cache: the tokens up to the first wanted row are a prompt, decoded in n_batch chunks
+            # into an empty cache: the tokens up to the first wanted row are a prompt, decoded in PROMPT_CHUNK chunks
             # exactly as prefill() decodes one (same chunks, same output row), so every strategy's prompt KV and
             # first logits are ar's, without paying exact-width pieces for hundreds of prompt tokens
-            pieces.append(self._prefill_chunks(token_ids[: n - want + 1], sequence_id))
+            pieces.append(self.prefill(token_ids[: n - want + 1], sequence_id)[None])
             first = n - want + 1
         for start in range(first, n, self.exact_width):
             chunk = token_ids[start : start + self.exact_width]

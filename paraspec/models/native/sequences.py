@@ -16,6 +16,7 @@ Engine padding forwards runs one request at a time.
 from __future__ import annotations
 
 import sys
+from collections.abc import Generator
 from typing import cast
 
 import torch
@@ -29,6 +30,7 @@ PROBE_PROMPTS = (9, 5, 17, 12, 3, 14, 7, 11)  # the probe's context lengths, one
 
 class NativeSequences(SequenceChecks, NativeModel):
     exact = True  # one configuration for targets and drafts (llama.cpp's drafts run others: LlamaCppModel.exact)
+    splits_prompts = False  # a forward into an empty cache is one forward (models.base.Sequences)
 
     def __init__(self, decoder, max_context: int, eos_token_ids: tuple[int, ...] = (), n_seqs: int = 2):
         if n_seqs < 2:
@@ -81,6 +83,12 @@ class NativeSequences(SequenceChecks, NativeModel):
     def prefill(self, token_ids: list[int], sequence_id: int = 0) -> torch.Tensor:
         self.rollback(0, sequence_id)
         return self.forward(token_ids, last_n=1, sequence_id=sequence_id)[-1]
+
+    def prompt_steps(self, token_ids: list[int], sequence_id: int = 0) -> Generator[None, None, torch.Tensor]:
+        """The prompt in one step: one forward, as a request alone (NativeModel's prefill) decodes it; the logits
+        [1, vocab] of its last token."""
+        return self.prefill(token_ids, sequence_id)[None]
+        yield  # a generator of one step
 
     def forward(
         self,
