@@ -308,6 +308,11 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(10)
+        with self._cv:  # an ask no step will run (a request still decoding when the Engine closed) raises
+            for m in self._members:
+                if m.ask is not None and not m.ask.done:
+                    m.ask.error, m.ask.done = RuntimeError("the Engine was closed while this forward waited"), True
+            self._cv.notify_all()
 
 
 def _groups(asks: list[_Ask], width: int, n_batch: int) -> list[list[_Ask]]:
