@@ -217,9 +217,8 @@ class Engine:
     def _run(self, run: RequestState, request: Request) -> Generator[list[int], None, None]:
         """A request's life: admitted by the gate (in line until then), decoded on its seat (the commits), its
         result set however it ends (done, closed, cancelled: the text it had), its seat let go."""
-        start = run.trace.t0 = time.perf_counter()
         if self._gate.acquire(request) is None:  # cancelled while it waited: nothing ran
-            run.finish_reason, request.result = "cancelled", self._finish(run, start)
+            run.finish_reason, request.result = "cancelled", self._finish(run, time.perf_counter())
             return
         start = run.trace.t0 = time.perf_counter()
         try:
@@ -279,7 +278,7 @@ class Engine:
         thread left open as a stream is closed. Any request afterwards raises EngineClosed."""
         if not getattr(self, "_parts", None):  # __init__ failed before anything started
             return
-        self._gate.close("the Engine was closed (engine.close())", timeout, wake=lambda: self.strategy.cancel())
+        self._gate.close("the Engine was closed (engine.close())", timeout, wake=self.strategy.cancel)
         _close_parts(self._parts)
         self._finalizer.detach()
 

@@ -32,7 +32,6 @@ class RequestGate:
         self.cv = threading.Condition()  # guards everything below
         self.active: list[Request] = []
         self.line: list[Request] = []  # waiting, in the order they are admitted
-        self.taken: dict[int, object] = {}  # request number -> its seat
         self.closed = False
         self.failure: BaseException | None = None  # a dead or stuck worker: refused until restart_workers()
 
@@ -42,7 +41,6 @@ class RequestGate:
         with self.cv:
             self.seats = list(seats)
             self.order = order or self.seats.index
-            self.taken.clear()
 
     @property
     def capacity(self) -> int:
@@ -112,12 +110,9 @@ class RequestGate:
         self.line.remove(request)
         self.active.append(request)
         request.admitted = time.perf_counter()
-        if not request.exclusive:
-            taken = set(map(id, self.taken.values()))
-            free = [s for s in self.seats if id(s) not in taken]
-            request.seat = min(free, key=self.order) if free else None
-            if request.seat is not None:
-                self.taken[request.number] = request.seat
+        if not request.exclusive:  # _room_for: a seat is free (one per running generation)
+            taken = {id(a.seat) for a in self.active if not a.exclusive and a is not request}
+            request.seat = min((s for s in self.seats if id(s) not in taken), key=self.order)
         self.cv.notify_all()
 
     def _refuse_or_wait(self, request: Request, deadline: float | None) -> None:
@@ -150,7 +145,6 @@ class RequestGate:
         with self.cv:
             if request in self.active:
                 self.active.remove(request)
-                self.taken.pop(request.number, None)
                 self.cv.notify_all()
 
     def claim(self, request: Request, refusal: str) -> Request:

@@ -191,18 +191,15 @@ class Scheduler:
             sequence_id, empty = view.sequence_id, model.length_of(view.sequence_id) == 0
             if not prefill:  # this request's own errors, raised here, not in the step
                 model.check_forward(tokens, sequence_id)
-            # into an empty cache, the tokens before the first wanted row are a prompt (sd's first round: the prompt
+            # into an empty cache, the tokens up to the first wanted row are a prompt (sd's first round: the prompt
             # and the drafts in one forward), run as the model's own forward runs it: its prompt_steps, then the rest
-            prompt = len(tokens) if prefill else len(tokens) - outputs + 1 if empty and model.splits_prompts else 0
+            head = len(tokens) - outputs + 1
+            prompt = len(tokens) if prefill else head if empty and model.splits_prompts and head > 1 else 0
             exact_rows = model.batch_exact or (not model.exact and not member.repeatable)
             shareable = (
-                prompt <= 1 and exact_rows and not empty and model.min_shared_width <= len(tokens) <= model.exact_width
+                not prompt and exact_rows and not empty and model.min_shared_width <= len(tokens) <= model.exact_width
             )
-            ask = _Ask(
-                model, sequence_id, list(tokens), outputs, alone=not shareable, prompt=prompt if prompt > 1 else 0
-            )
-            if prefill:
-                ask.prompt = len(tokens)
+            ask = _Ask(model, sequence_id, list(tokens), outputs, alone=not shareable, prompt=prompt)
             member.rows[id(model)] = len(tokens) if shareable else 0
             member.ask = ask
             self._cv.notify_all()
@@ -267,10 +264,11 @@ class Scheduler:
             for a in asks:
                 if a.prompt:
                     rows += self._prompt_step(a)
+                    self.stats.steps += 1
                 elif a.alone:
                     self._run([a], lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, sequence_id=a.sequence_id)])
                     rows += len(a.tokens)
-                self.stats.steps += a.alone
+                    self.stats.steps += 1
             self.stats.last_rows = rows
 
     def _prompt_step(self, a: _Ask) -> int:

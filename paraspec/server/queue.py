@@ -115,7 +115,6 @@ class GenerationQueue:
             self.jobs.add(job)
             timer = self._loop.call_later(self.request_timeout, job.cancel, "timeout") if self.request_timeout else None
             threading.Thread(target=self._run, args=(job, timer), daemon=True, name="paraspec-request").start()
-        self.metrics.waiting.set(self.waiting)
 
     def _emit(self, job: Job, kind: str, value=None) -> None:
         try:

@@ -286,7 +286,7 @@ class LocalStrategy(Strategy):
     @property
     def policy(self):
         """The own seat's kept drafters (requests one at a time), or None before they are built."""
-        return self.policies.get(self.seat) if self.policies else None
+        return self.policies.get(self.seat)
 
     def set_options(self, options: dict) -> None:
         """The kept drafters were built with the drafters' options (ngram sizes, suffix depth, cache, factor, ...)

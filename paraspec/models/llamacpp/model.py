@@ -209,12 +209,13 @@ def _kernels_asked(kernels: str | None) -> str:
 
 
 class LlamaCppModel(SequenceChecks):
-    splits_prompts = True  # a forward into an empty cache: its prompt's forwards, then the rest (forward())
     """One llama.cpp context over one GGUF model, KV cache = llama.cpp's memory; the Model protocol runs on
     sequence 0. With n_seqs > 1 the context holds that many sequences, each with a KV cache of its own (not
     llama.cpp's unified cache: attention over another sequence's cells would change a row's summation), each
     max_context long: `sequence(i)` is the Model protocol on sequence i, and `forward_batch` decodes tokens of
-    several sequences in one llama_decode (requests batched by strategies/batched.py)."""
+    several sequences in one llama_decode (requests batched by scheduler.py)."""
+
+    splits_prompts = True  # a forward into an empty cache: its prompt's forwards, then the rest (forward())
 
     def __init__(
         self,
@@ -433,9 +434,7 @@ class LlamaCppModel(SequenceChecks):
 
     def _prompt_forwards(self, token_ids: list[int], sequence_id: int) -> Generator[None, None, torch.Tensor]:
         head, chunk = token_ids[:-1], (len(token_ids) - 1) % PROMPT_CHUNK + 1
-        if (
-            not self.exact
-        ):  # a draft: whole n_batch chunks (64-token ones cost it 8-18% more: measured), fastest kernels
+        if not self.exact:  # a draft: whole n_batch chunks (64-token ones cost it 8-18% more: measured)
             return (yield from self._chunks(token_ids, sequence_id, outputs=1, width=self.n_batch))
         if head and self._fast is not None:  # one step: the head on the repacked copy, copied in
             self._fast.prefill(head, PROMPT_CHUNK, into=self, sequence_id=sequence_id)
