@@ -151,9 +151,10 @@ def test_the_profile_says_where_a_step_goes(cpu_run):
         costs = [o["ms"] for o in eager["top_ops"]]
         assert costs and costs == sorted(costs, reverse=True)  # the costliest first
         assert "matmul" in eager["op_kinds"] and eager["op_ms"] > 0
-        # times per step, not summed over the PROFILE_STEPS steps: one step's ops took 0.8-0.9x its wall time on
-        # Zen 3, their sum over 5 steps would be ~4x; 2.5x leaves room for the profiler's own overhead
-        assert eager["op_ms"] < 2.5 * eager["wall_ms"], (eager["op_ms"], eager["wall_ms"])
+        # times per step, not summed over the PROFILE_STEPS steps (that sum would be ~PROFILE_STEPS x a step):
+        # the ops' self times fit inside the wall time of the profiled steps they ran in (measured in the same
+        # window, so a busy machine slows both; `wall_ms`, timed apart without the profiler, is no yardstick)
+        assert 0 < eager["op_ms"] <= 1.05 * eager["profiled_ms"], (eager["op_ms"], eager["profiled_ms"])
 
 
 @pytest.mark.parametrize(

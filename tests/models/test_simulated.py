@@ -42,7 +42,7 @@ def test_latency_is_slept_per_forward():
     model = SimulatedModel(SimulatedSpec(cost=ForwardCost.linear(0.02, per_token_fraction=0.5)))
     start = time.perf_counter()
     model.forward([1, 2, 3])  # 0.02 * (1 + 0.5 * 2) = 0.04 s
-    assert 0.039 < time.perf_counter() - start < 0.1
+    assert 0.039 < time.perf_counter() - start < 0.5  # slept, not skipped; the upper bound is for a loaded machine
 
 
 def test_bad_spec_names_the_fix():

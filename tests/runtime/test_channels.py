@@ -278,7 +278,7 @@ def test_timeout_returns_none_on_time(channel):
     channel.reset([1])
     start = time.perf_counter()
     assert channel.wait_for_version_change(channel.version, timeout=0.2) is None
-    assert 0.19 <= time.perf_counter() - start < 0.5
+    assert 0.19 <= time.perf_counter() - start < 1.5  # on time, not at once; the upper bound is for a loaded machine
 
 
 def test_pickle_in_same_process_is_the_same_object(channel):
