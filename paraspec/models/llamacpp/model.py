@@ -64,7 +64,6 @@ import torch
 
 from paraspec.models.base import SequenceChecks, check_batch, check_rollback, measure_batch_exact
 from paraspec.models.cpu_features import cpu_flags
-from paraspec.models.llamacpp.native_thread import on_native_thread
 
 PROBE_WIDTH = 32  # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
@@ -582,7 +581,7 @@ def _llama_decode_many(ctx, batch, items: list[tuple[int, list[int], int, int]])
             batch.logits[n] = i >= len(token_ids) - outputs
             n += 1
     batch.n_tokens = n
-    code = on_native_thread(_lib.llama_decode, ctx, batch)  # one OpenMP pool in the process (native_thread.py)
+    code = _lib.llama_decode(ctx, batch)
     if code != 0:
         where = ", ".join(f"sequence {sequence_id} at {position}" for sequence_id, _, position, _ in items)
         raise RuntimeError(f"llama_decode failed (code {code}) with {n} tokens ({where})")
