@@ -101,3 +101,51 @@ def test_timers_of_gpu_work_wait_for_the_gpu(monkeypatch, timer):
     with fake_cuda(timeline.events):
         timer(QueuedModel(timeline))
     assert timeline.unsynced_clocks() == 0, timeline.events
+
+
+# -- set-up work on a passing thread ---------------------------------------------------------------------------------
+
+
+def test_on_passing_thread_runs_on_a_thread_that_ends_and_raises_its_error():
+    import threading
+
+    from paraspec.runtime.devices import on_passing_thread
+
+    seen = []
+
+    def work(x, y=0):
+        seen.append(threading.current_thread())
+        return x + y
+
+    assert on_passing_thread(work, 2, y=3) == 5
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def fails():
+        raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        on_passing_thread(fails)
+
+
+def test_the_forward_costs_are_timed_on_a_passing_thread(monkeypatch):
+    """A pool of OpenMP threads left on the set-up thread (which lives on) throttles the forwards of the thread that
+    runs the steps, ~20% on a 2-core Zen 4 (benchmarks/openmp_pools.py): the costs are timed on a thread that ends."""
+    import threading
+    from types import SimpleNamespace
+
+    from paraspec.drafters import adaptive
+    from paraspec.strategies.base import LocalStrategy
+
+    timed_on = []
+
+    def measure(model, widths, context=32, repeats=2, last_only=False):
+        timed_on.append(threading.current_thread())
+        return adaptive.ForwardCost({w: 0.01 * w for w in widths})
+
+    monkeypatch.setattr(adaptive.ForwardCost, "measure", staticmethod(measure))
+    owner = SimpleNamespace(cost_tables={})
+    cost = LocalStrategy.forward_cost(owner, "target", object(), [1, 2])
+    assert cost.seconds == {1: 0.01, 2: 0.02} and set(owner.cost_tables) == {"target"}
+    assert len(timed_on) == 1 and timed_on[0] is not threading.current_thread() and not timed_on[0].is_alive()
+    LocalStrategy.forward_cost(owner, "target", object(), [1])  # known: not timed again
+    assert len(timed_on) == 1

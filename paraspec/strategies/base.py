@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from paraspec.request_state import RequestState, TokenLogprob, token_logprob
-from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
+from paraspec.runtime.devices import Device, apply_device, current_pinning, on_passing_thread, set_pinning
 
 if TYPE_CHECKING:
     from paraspec.runtime import Runtime
@@ -329,7 +329,10 @@ class LocalStrategy(Strategy):
 
         known = self.cost_tables.get(key)
         if known is None or not set(widths) <= set(known.seconds):
-            known = self.cost_tables[key] = ForwardCost.measure(model, widths, last_only=last_only)
+            # on a thread that ends with it: an OpenMP pool left on this (set-up) thread would throttle the pool of
+            # the thread that runs the steps (runtime.devices.on_passing_thread)
+            measured = on_passing_thread(ForwardCost.measure, model, widths, last_only=last_only)
+            known = self.cost_tables[key] = measured
         return ForwardCost(dict(known.seconds))
 
     def close(self) -> None:
