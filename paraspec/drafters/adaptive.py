@@ -27,9 +27,10 @@ still proposes its tokens for free, and whether the target's token equals the fi
 a (under sampling too: the probability that the target samples x is p(x), exactly the probability that a
 point-mass draft of x is accepted). A model drafter is not run while k* = 0; it is probed with one draft after 8,
 16, 32, ... plain rounds (doubling while the probes keep failing), so a change of text can bring it back. The
-estimates are kept across requests but faded to a quarter at each new request. In the prompt round (many pending
-tokens) the drafts must save time at the margin instead (best_length), and a draft model does not draft at all:
-the first token comes as soon as plain decoding's, and the draft reads the prompt after it, as a catch-up.
+estimates are kept across requests (and shared by the seats of a Scheduler: the pair's, not a sequence's) but
+faded to a quarter at each new request. In the prompt round (many pending tokens) the drafts must save time at the
+margin instead (best_length), and a draft model does not draft at all: the first token comes as soon as plain
+decoding's, and the draft reads the prompt after it, as a catch-up.
 
 A draft model that has not seen the latest tokens (the prompt, tokens another drafter drafted, plain rounds) must
 first feed them: a catch-up forward of D(behind) seconds (the draft's own ForwardCost) before its first draft.

@@ -320,6 +320,12 @@ class LocalStrategy(Strategy):
         }
         policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
         policy.shared = seat.load
+        own = self.policies.get(self.seat)
+        if own is not None and seat is not self.seat:
+            # the acceptance estimates are the pair's (and the text's), not a sequence's: every seat reads and adds
+            # to the own seat's, so a draft model's trial (its catch-up, its first drafts) is paid once, not once
+            # per seat while the others wait in the same steps; the costs stay each seat's (refined apart)
+            policy.acceptance = own.acceptance
         return policy
 
     def forward_cost(self, key: str, model, widths, last_only: bool = False):

@@ -254,6 +254,20 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     assert len(seats) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
 
 
+def test_the_seats_share_the_acceptance_estimates_so_a_draft_model_is_tried_once(gguf_pair):
+    """The adaptive rule's acceptance estimates are the pair's: every seat's policy reads and adds to one set, so a
+    draft model nobody has judged is tried (its catch-up paid) by the first request only, not once per seat."""
+    options = dict(strategy="sd", draft=gguf_pair["draft"], lookahead=4, adaptive=True, backend="llamacpp")
+    with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
+        together(e, 4, False)
+        seats = [seat for seat in e.scheduler.seats if seat in e.strategy.policies]
+        estimates = [e.strategy.policies[seat].acceptance for seat in seats]
+        own = e.strategy.policy.acceptance
+        judged = {key: a.judged for key, a in own.items()}
+    assert len(seats) >= 2 and all(a is own for a in estimates)
+    assert judged and all(j > 0 for j in judged.values())  # the requests' rounds were recorded there
+
+
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "seeded"])
 def test_a_fast_drafts_rows_are_shared_unless_the_answer_must_repeat(gguf_pair, sampling):
     """A draft on llama.cpp's fastest kernels is not batch-invariant: greedy requests share its forwards (their
