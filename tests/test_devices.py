@@ -129,7 +129,7 @@ def test_on_passing_thread_runs_on_a_thread_that_ends_and_raises_its_error():
 
 def test_the_forward_costs_are_timed_on_a_passing_thread(monkeypatch):
     """A pool of OpenMP threads left on the set-up thread (which lives on) throttles the forwards of the thread that
-    runs the steps, ~20% on a 2-core Zen 4 (benchmarks/openmp_pools.py): the costs are timed on a thread that ends."""
+    runs the steps (benchmarks/openmp_pools.py): the costs are timed on a thread that ends."""
     import threading
     from types import SimpleNamespace
 

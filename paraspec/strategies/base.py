@@ -335,10 +335,8 @@ class LocalStrategy(Strategy):
 
         known = self.cost_tables.get(key)
         if known is None or not set(widths) <= set(known.seconds):
-            # on a thread that ends with it: an OpenMP pool left on this (set-up) thread would throttle the pool of
-            # the thread that runs the steps (runtime.devices.on_passing_thread)
-            measured = on_passing_thread(ForwardCost.measure, model, widths, last_only=last_only)
-            known = self.cost_tables[key] = measured
+            # on a thread that ends with it, not this long-lived one (runtime.devices.on_passing_thread: OpenMP pools)
+            known = self.cost_tables[key] = on_passing_thread(ForwardCost.measure, model, widths, last_only=last_only)
         return ForwardCost(dict(known.seconds))
 
     def close(self) -> None:

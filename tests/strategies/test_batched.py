@@ -254,7 +254,7 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     assert len(seats) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
 
 
-def test_the_seats_share_the_acceptance_estimates_so_a_draft_model_is_tried_once(gguf_pair):
+def test_the_seats_share_the_acceptance_estimates(gguf_pair):
     """The adaptive rule's acceptance estimates are the pair's: every seat's policy reads and adds to one set, so a
     draft model nobody has judged is tried (its catch-up paid) by the first request only, not once per seat."""
     options = dict(strategy="sd", draft=gguf_pair["draft"], lookahead=4, adaptive=True, backend="llamacpp")
@@ -357,12 +357,8 @@ def test_a_long_prompt_runs_in_chunks_between_the_other_requests_steps(gguf_pair
         assert_same(results, want)
         assert e.batch_stats.prompt_steps >= 3 * 4  # each long prompt took several steps
     # between two forwards of one long prompt, another request's forward ran (its prompt did not hold the step)
-    between = {
-        sequence: any(event != sequence for event in events[first + 1 : last])
-        for sequence in {event for event in events if event is not None}
-        for first, last in [(events.index(sequence), len(events) - 1 - events[::-1].index(sequence))]
-    }
-    assert any(between.values()), events
+    spans = {s: (events.index(s), len(events) - 1 - events[::-1].index(s)) for s in set(events) - {None}}
+    assert any(any(e != s for e in events[a + 1 : b]) for s, (a, b) in spans.items()), events
 
 
 def noted(method, events: list):
