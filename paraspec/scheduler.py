@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paraspec.drafters.adaptive import Load
 from paraspec.models.base import Sequences
 from paraspec.strategies.base import Seat
 
@@ -47,6 +48,7 @@ class _Ask:
     alone: bool  # a prompt, or a width the probe did not find exact beside others
     prompt: int = 0  # its first `prompt` tokens are a prompt into the empty cache, run one forward per step
     steps: Generator | None = None  # the prompt's forwards still to run (Sequences.prompt_steps)
+    carried: int = 0  # rows its last prompt forward carried
     result: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
@@ -90,7 +92,7 @@ class Scheduler:
         for sequence_id in range(target.n_seqs):
             view = SequenceView(self, target, sequence_id)
             drafts = [SequenceView(self, m, sequence_id) for m in draft_models]
-            self.seats.append(Seat(view, drafts, load=view.shared_load))
+            self.seats.append(Seat(view, drafts, load=view.shared_load, split=view.step_forwards))
         # the steps run here; started by the thread that set the models up, so it inherits its core pinning
         self._thread = threading.Thread(target=self._loop, daemon=True, name="paraspec-scheduler")
         self._thread.start()
@@ -210,12 +212,27 @@ class Scheduler:
         assert ask.result is not None  # a step sets one of error and result
         return ask.result
 
-    def shared_load(self, view: SequenceView) -> list[int]:
-        """The rows each other computing request brings to a step of the view's model (the tokens of its last
-        shareable ask on it): what the adaptive rule prices a busy step by (drafters/adaptive.best_length)."""
+    def shared_load(self, view: SequenceView) -> Load:
+        """What each other computing request brings to a step of the view's model: the tokens of its last shareable
+        ask on it, or the rows of its prompt's next forward (alone; before its first, the prompt up to n_batch): what
+        the adaptive rule prices a busy step by (drafters/adaptive.best_length)."""
         with self._cv:
-            rows = [m.rows.get(id(view.model), 0) for m in self._members if m is not view.member and m.computing]
-            return [r for r in rows if r]
+            others = [m for m in self._members if m is not view.member and m.computing]
+            rows = [m.rows.get(id(view.model), 0) for m in others]
+            apart = [
+                m.ask.carried or min(m.ask.prompt, view.model.n_batch)
+                for m in others
+                if m.ask is not None and m.ask.model is view.model and m.ask.prompt and not m.ask.done
+            ]
+            return Load(tuple(r for r in rows if r), tuple(apart))
+
+    @staticmethod
+    def step_forwards(view: SequenceView, widths: list[int]) -> list[int]:
+        """The forwards (their rows) a step runs shareable asks of these widths on the view's model as: packed as
+        _step packs them, each pack as the model runs one forward_batch (Sequences.step_forwards)."""
+        model = view.model
+        packs = _groups(widths, int, model.exact_width, model.n_batch)
+        return [rows for pack in packs for rows in model.step_forwards(pack)]
 
     # -- the scheduler's thread ----------------------------------------------------------------------------------
     def _ready(self) -> bool:
@@ -251,7 +268,7 @@ class Scheduler:
             rows = 0
             for model in {id(a.model): a.model for a in asks}.values():
                 shared = [a for a in asks if a.model is model and not a.alone]
-                for group in _groups(shared, model.exact_width, model.n_batch):
+                for group in _groups(shared, lambda a: len(a.tokens), model.exact_width, model.n_batch):
                     self._run(
                         group,
                         lambda g=group, m=model: m.forward_batch([(a.sequence_id, a.tokens, a.outputs) for a in g]),
@@ -286,7 +303,8 @@ class Scheduler:
         except BaseException as e:  # noqa: BLE001 -- handed to the asking request, raised there
             a.error, a.done = e, True
         self.stats.prompt_steps += 1
-        return max(0, a.model.length_of(a.sequence_id) - before)
+        a.carried = max(0, a.model.length_of(a.sequence_id) - before)
+        return a.carried
 
     @staticmethod
     def _run(group: list[_Ask], forward) -> None:
@@ -313,16 +331,17 @@ class Scheduler:
             self._cv.notify_all()
 
 
-def _groups(asks: list[_Ask], width: int, n_batch: int) -> list[list[_Ask]]:
-    """Asks packed in order into forwards of at most `width` rows (the probed exact width) and n_batch tokens."""
-    groups: list[list[_Ask]] = []
+def _groups(items: list, rows_of, width: int, n_batch: int) -> list[list]:
+    """Asks (or their widths: `rows_of` gives an item's rows) packed in order into forwards of at most `width` rows
+    (the probed exact width) and n_batch tokens."""
+    groups: list[list] = []
     rows = 0
-    for a in asks:
-        if not groups or rows + len(a.tokens) > min(width, n_batch):
+    for item in items:
+        if not groups or rows + rows_of(item) > min(width, n_batch):
             groups.append([])
             rows = 0
-        groups[-1].append(a)
-        rows += len(a.tokens)
+        groups[-1].append(item)
+        rows += rows_of(item)
     return groups
 
 
@@ -357,8 +376,11 @@ class SequenceView:
         outputs = len(token_ids) if last_n is None else min(last_n, len(token_ids))
         return self.scheduler.forward(self, token_ids, outputs)
 
-    def shared_load(self) -> list[int]:
+    def shared_load(self) -> Load:
         return self.scheduler.shared_load(self)
+
+    def step_forwards(self, widths: list[int]) -> list[int]:
+        return self.scheduler.step_forwards(self, widths)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.scheduler.keep_path(self, prefix_len, slots)

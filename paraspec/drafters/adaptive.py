@@ -53,7 +53,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from paraspec.runtime.devices import sync
@@ -104,32 +104,65 @@ def expected_tokens(alpha: float | Sequence[float], k: int) -> float:
     return total
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the other requests bring to a step of the target (scheduler.py): `rows`, the widths of their asks that
+    share its forwards; `apart`, the rows of the forwards they run alone in it (a prompt's next chunk), which
+    commit no token."""
+
+    rows: tuple[int, ...] = ()
+    apart: tuple[int, ...] = ()
+
+
 def best_length(
-    alpha: float | Sequence[float], draft_s: float, verify_s, pending: int, max_k: int, shared: Sequence[int] = ()
+    alpha: float | Sequence[float],
+    draft_s: float,
+    verify_s,
+    pending: int,
+    max_k: int,
+    shared: Sequence[int] = (),
+    split: Callable[[list[int]], list[int]] | None = None,
+    apart: Sequence[int] = (),
 ) -> tuple[int, float]:
     """k in 0..max_k maximising expected_tokens(alpha, k) / (k * draft_s + verify_s(pending + k)); (k, its
     tokens per second). Ties go to the shorter draft. `alpha`: one acceptance for every position, or one per
     position (then max_k is at most its length).
 
     Many requests at once (scheduler.py): `shared` = the rows each other request brings to this verification's
-    step. The step then costs verify_s(rows + pending + k) -- the cost table by rows -- and commits their
-    tokens too (a request's r rows commit what r - 1 drafts at this acceptance would: E(r - 1)), so k maximises
-    (their tokens + E(k)) / (k * draft_s + verify_s(rows + pending + k)): each extra row of mine slows every
-    request in the step, so where rows cost compute (a CPU) a busy step drafts less, and where rows are nearly
-    free (a GPU's small forwards) it drafts as much as alone.
+    step, `split` the forwards the model runs a step of these per-request widths as (llama.cpp's several sequences:
+    equal rows of each per forward, Sequences.step_forwards; default one forward of them all). The step then
+    costs S(widths) = the sum of verify_s over its forwards -- the cost table by rows -- and commits the others'
+    tokens too (a request's r rows commit what r - 1 drafts at this acceptance would: E(r - 1)). A draft model's k
+    drafts are k steps of their own (its forwards go through the same steps, one at a time), each carrying the
+    others' rows and committing their tokens, so k maximises
+
+        ((1 + k') * their tokens + E(k)) / (k * draft_s + k' * (S(theirs) + A) + S(theirs + [pending + k]) + A)
+
+    with k' = k for a draft model and 0 for a model-free drafter (its drafts take no step), and A the seconds of
+    the forwards the others run alone in every step (`apart`: a prompt's chunks). Each extra row of mine
+    slows every request in the step, and every draft step holds my request back a step: where rows cost compute
+    (a CPU) a busy step drafts less, and where rows are nearly free (a GPU's small forwards) it drafts as much as
+    alone.
 
     A round with many pending tokens (the prompt round) would make any draft look free next to its prefill, so
     there the drafts must pay for themselves at the margin: k maximises the seconds saved, (E(k) - 1) * c(1) -
     (c(pending + k) - c(pending)) - k * draft_s, against decoding those tokens one by one."""
     if not isinstance(alpha, (int, float)):
         max_k = min(max_k, len(alpha))
-    shared = list(shared) if pending == 1 else []
-    rows = sum(shared)
+    shared, apart = (list(shared), list(apart)) if pending == 1 else ([], [])
+
+    def step(widths: list[int]) -> float:
+        return sum(verify_s(rows) for rows in (split(widths) if split else [sum(widths)]))
+
     others = sum(expected_tokens(alpha, min(r - 1, max_k)) for r in shared)
+    alone = sum(verify_s(rows) for rows in apart)
+    theirs = (step(shared) if shared else 0.0) + alone
     best, best_rate, best_saved = 0, -1.0, 0.0
     for k in range(max(0, max_k) + 1):
         tokens = expected_tokens(alpha, k)
-        rate = (others + tokens) / max(k * draft_s + verify_s(rows + pending + k), 1e-9)
+        waits = k if draft_s > 0 and (shared or apart) else 0  # my draft steps: steps of everyone's
+        seconds = k * draft_s + waits * theirs + step(shared + [pending + k]) + alone
+        rate = ((1 + waits) * others + tokens) / max(seconds, 1e-9)
         if pending > 1:
             saved = (tokens - 1) * verify_s(1) - (verify_s(pending + k) - verify_s(pending)) - k * draft_s
             if saved > best_saved + 1e-12:

@@ -82,13 +82,15 @@ class Capabilities:
 class Seat:
     """What one request decodes on. Alone: the strategy's own models (`Strategy.seat`). With several requests at once
     (scheduler.py) one Seat per sequence: a view of that sequence of each model, whose forwards the Scheduler runs
-    in the step every running request shares, and `load`, the rows each other request brings to that step (what the
-    adaptive rule prices a step by). A strategy keeps per Seat what must persist across its requests (sd's and
-    tree's drafters: LocalStrategy.kept_policy); the Seat itself is never copied or patched."""
+    in the step every running request shares; `load`, what each other request brings to that step, and `split`, the
+    forwards the model runs a step of such widths as (what the adaptive rule prices a step by). A strategy keeps
+    per Seat what must persist across its requests (sd's and tree's drafters: LocalStrategy.kept_policy); the Seat
+    itself is never copied or patched."""
 
     target: Any
     draft_models: list
-    load: Callable[[], list[int]] | None = None  # None: the request has its forwards alone
+    load: Callable[[], Any] | None = None  # () -> a drafters.adaptive.Load; None: the request has its forwards alone
+    split: Callable[[list[int]], list[int]] | None = None  # a step's widths -> its forwards' rows (Scheduler)
 
 
 @dataclass
@@ -319,7 +321,7 @@ class LocalStrategy(Strategy):
             if not d.free
         }
         policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
-        policy.shared = seat.load
+        policy.shared, policy.split = seat.load, seat.split
         own = self.policies.get(self.seat)
         if own is not None and seat is not self.seat:
             # the acceptance estimates are the pair's (and the text's), not a sequence's: every seat reads and adds

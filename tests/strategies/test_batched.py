@@ -15,6 +15,7 @@ import time
 import pytest
 
 from paraspec import Engine, SamplingParams
+from paraspec.drafters.adaptive import Load
 from paraspec.models.loader import load_model
 
 pytest.importorskip("llama_cpp")
@@ -226,7 +227,8 @@ def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend
         assert seats  # each seat's rule asks its own sequence's step for the load
         for seat in seats:
             policy = e.strategy.policies[seat]
-            assert policy.shared == seat.target.shared_load and isinstance(policy.shared(), list)
+            assert policy.shared == seat.target.shared_load and isinstance(policy.shared(), Load)
+            assert policy.split == seat.target.step_forwards
         assert_same(together(e, 4, False), want)
 
 
@@ -369,3 +371,47 @@ def noted(method, events: list):
         return method(*args, **kwargs)
 
     return note
+
+
+@pytest.mark.parametrize("backend", ["llamacpp", "native"])
+def test_the_load_a_request_sees_counts_a_waiting_prompt_and_the_models_micro_batches(gguf_pair, backend):
+    """What the adaptive rule prices a busy step by (Scheduler.shared_load, step_forwards): another request's
+    prompt waiting for the step is a forward run apart (it commits no token), and a step of unequal widths costs
+    the forwards the model really runs (llama.cpp: the same tokens of each sequence per micro-batch; the native
+    decoder: one forward of all rows)."""
+    from paraspec.scheduler import Scheduler
+
+    native = dict(dtype="float32", padded_width=None) if backend == "native" else {}
+    target = gguf_pair["target_hf" if backend == "native" else "target"]
+    model = load_model(target, backend=backend, n_seqs=2, **native)
+    scheduler = Scheduler(model, [])
+    try:
+        a, b = scheduler.seats
+        assert b.load() == Load() and b.split([1, 1]) == [2]  # nobody else asks; one token each: one forward
+        wide = [1, min(3, model.exact_width)]
+        assert b.split(wide) == ([2, wide[1] - 1] if backend == "llamacpp" else [sum(wide)])
+        with scheduler.seated(a), scheduler.seated(b):
+            prompt = threading.Thread(target=a.target.prefill, args=(list(range(5, 45)),))
+            prompt.start()  # its step waits for b's ask: b is computing
+            deadline = time.monotonic() + 30
+            while b.load() == Load() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert b.load() == Load(rows=(), apart=(40,))
+            b.target.prefill([7, 8, 9])  # b asks: the step runs both prompts
+            prompt.join(30)
+            assert not prompt.is_alive() and a.target.length == 40
+            # an ask of b's waiting for a's: a's load holds its rows where it shares forwards (the probe's verdict:
+            # the native decoder's one-token rows may run alone on some CPUs)
+            tokens = [11, 12][: model.min_shared_width]
+            step = threading.Thread(target=b.target.forward, args=(tokens,))
+            step.start()
+            while b.target.member.ask.tokens != tokens and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert a.load() == Load(rows=(len(tokens),) if model.batch_exact else ())
+            a.target.forward([12])
+            step.join(30)
+            assert not step.is_alive() and (a.target.length, b.target.length) == (41, 3 + len(tokens))
+    finally:
+        scheduler.close()
+        if backend == "llamacpp":
+            model.close()

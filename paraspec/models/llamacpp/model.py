@@ -484,6 +484,18 @@ class LlamaCppModel(SequenceChecks):
             at += outputs
         return [out[i] for i in range(len(items))]
 
+    def step_forwards(self, widths: list[int]) -> list[int]:
+        """The micro-batches (their rows) llama.cpp runs one forward_batch of these per-sequence widths as: with a
+        cache per sequence it takes the same number of tokens from each sequence into a micro-batch (at most n_batch
+        in all), so sequences of unequal widths cost several forwards ([1, 1, 1, 6] runs as 4 rows, then 5). Assumes
+        consecutive sequence ids (the Scheduler keeps them so)."""
+        out, left = [], sorted(w for w in widths if w > 0)
+        while left:
+            take = min(left[0], max(1, self.n_batch // len(left)))
+            out.append(take * len(left))
+            left = [w - take for w in left if w > take]
+        return out
+
     def move_sequence(self, src: int, dst: int) -> None:
         """Sequence `src`'s cache becomes sequence `dst`'s (whose own is dropped) and `src` is empty: a byte copy of
         its cache, cells in the same places, so its next rows are bitwise what they would have been. The Scheduler
