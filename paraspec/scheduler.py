@@ -124,15 +124,18 @@ class Scheduler:
         """The request ends: the running request on the highest sequence moves into its sequences (caches copied,
         its seat's views renumbered), so that the running sequences stay 0, 1, 2, ... and decode in one micro-batch
         (llama.cpp puts sequences in one micro-batch only while their ids follow each other)."""
-        with self._cv:
+        # one hold between steps for the choice and the move: a step run between them could start the chosen
+        # request's prompt, whose remaining forwards are bound to its sequence (prompt_steps), or another request
+        # could leave and move it first
+        with self._between_steps():
             if member in self._members:
                 self._members.remove(member)
             self._cv.notify_all()  # the others may all have asked already
             top = max(self._members, key=lambda m: self.order(m.seat), default=None)
             # not in the middle of its prompt: its remaining forwards are bound to its sequence (prompt_steps)
             prompting = top is not None and top.ask is not None and top.ask.steps is not None and not top.ask.done
-        if top is not None and self.order(top.seat) > self.order(member.seat) and not prompting:
-            self._move(top.seat, member.seat)
+            if top is not None and self.order(top.seat) > self.order(member.seat) and not prompting:
+                self._move(top.seat, member.seat)
 
     @contextmanager
     def idle(self, member: Member | None):
@@ -150,16 +153,15 @@ class Scheduler:
                 member.computing = True
 
     def _move(self, source: Seat, target: Seat) -> None:
-        """Between steps: the request on `source` goes on on `target`'s sequences (free: its request has left), its
-        caches moved there (Sequences.move_sequence) and an ask it has posted rewritten; the two seats' views swap
-        sequence numbers."""
-        with self._between_steps():
-            for src, dst in zip((source.target, *source.draft_models), (target.target, *target.draft_models)):
-                src.model.move_sequence(src.sequence_id, dst.sequence_id)
-                if src.member is not None and src.member.ask is not None and src.member.ask.model is src.model:
-                    src.member.ask.sequence_id = dst.sequence_id
-                src.sequence_id, dst.sequence_id = dst.sequence_id, src.sequence_id
-            self.stats.moves += 1
+        """Between steps (the caller holds them: _between_steps): the request on `source` goes on on `target`'s
+        sequences (free: its request has left), its caches moved there (Sequences.move_sequence) and an ask it has
+        posted rewritten; the two seats' views swap sequence numbers."""
+        for src, dst in zip((source.target, *source.draft_models), (target.target, *target.draft_models)):
+            src.model.move_sequence(src.sequence_id, dst.sequence_id)
+            if src.member is not None and src.member.ask is not None and src.member.ask.model is src.model:
+                src.member.ask.sequence_id = dst.sequence_id
+            src.sequence_id, dst.sequence_id = dst.sequence_id, src.sequence_id
+        self.stats.moves += 1
 
     # -- what a request's views ask ------------------------------------------------------------------------------
     @contextmanager

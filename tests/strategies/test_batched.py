@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from paraspec import Engine, SamplingParams
 from paraspec.drafters.adaptive import Load
@@ -415,3 +416,63 @@ def test_the_load_a_request_sees_counts_a_waiting_prompt_and_the_models_micro_ba
         scheduler.close()
         if backend == "llamacpp":
             model.close()
+
+
+def test_a_request_leaving_never_moves_another_in_the_middle_of_its_prompt(gguf_pair):
+    """When a request leaves, the running request on the highest sequence moves into its sequences -- but not
+    once its prompt's forwards have started (they are bound to its sequence). The choice and the move are one
+    hold between steps: here a step is let run between them if it can (the Scheduler's `order`, which the choice
+    calls, waits up to a second for one) while a third request keeps stepping, and the moved request's prompt must
+    still leave the cache it gets alone."""
+    from paraspec.scheduler import Scheduler
+
+    stepped, leaving = threading.Event(), []
+
+    class Probing(Scheduler):
+        def order(self, seat):
+            if seat in leaving:  # the choice compares the top request's place with the leaver's
+                stepped.wait(1.0)  # a step that runs now starts the top request's prompt
+            return Scheduler.order(seat)
+
+        def _step(self, asks):
+            super()._step(asks)
+            stepped.set()
+
+    prompt = [(7 * i) % 200 + 3 for i in range(150)]  # three of llama.cpp's prompt chunks
+    model = load_model(gguf_pair["target"], backend="llamacpp", n_seqs=3)
+    try:
+        want = model.prefill(prompt, 0)
+        model.rollback(0, 0)
+        scheduler = Probing(model, [])
+        first, mid, top = scheduler.seats
+        leaver, got, finished = scheduler.join(first), {}, threading.Event()
+
+        def run_prompt(member):
+            try:
+                got["logits"] = top.target.prefill(prompt)
+            except Exception as e:  # noqa: BLE001 -- asserted below
+                got["error"] = e
+            with scheduler.idle(member):  # done: the steps go on without it
+                finished.wait(60)
+
+        with scheduler.idle(leaver), scheduler.seated(mid), scheduler.seated(top) as member:
+            prefill = threading.Thread(target=run_prompt, args=(member,))
+            prefill.start()  # waits for the middle request's ask
+            leaving.append(first)
+            leave = threading.Thread(target=scheduler.leave, args=(leaver,))
+            leave.start()
+            mid.target.prefill([1, 2, 3])
+            for t in range(40):  # the middle request steps on (between its steps a move may come in)
+                if got:
+                    break
+                mid.target.forward([t + 5])
+            leave.join(60)
+            finished.set()
+            prefill.join(60)
+            assert "error" not in got, got.get("error")
+            assert not prefill.is_alive() and not leave.is_alive() and scheduler.stats.moves == 1
+            assert torch.equal(got["logits"], want) and top.target.sequence_id == 0
+            assert model.length_of(0) == top.target.length == len(prompt)
+        scheduler.close()
+    finally:
+        model.close()
