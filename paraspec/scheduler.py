@@ -228,14 +228,6 @@ class Scheduler:
             ]
             return Load(tuple(r for r in rows if r), tuple(apart))
 
-    @staticmethod
-    def step_forwards(view: SequenceView, widths: list[int]) -> list[int]:
-        """The forwards (their rows) a step runs shareable asks of these widths on the view's model as: packed as
-        _step packs them, each pack as the model runs one forward_batch (Sequences.step_forwards)."""
-        model = view.model
-        packs = _groups(widths, int, model.exact_width, model.n_batch)
-        return [rows for pack in packs for rows in model.step_forwards(pack)]
-
     # -- the scheduler's thread ----------------------------------------------------------------------------------
     def _ready(self) -> bool:
         """A step can run: someone asked, and every request that is computing has (a prompt's ask stays asked
@@ -382,7 +374,10 @@ class SequenceView:
         return self.scheduler.shared_load(self)
 
     def step_forwards(self, widths: list[int]) -> list[int]:
-        return self.scheduler.step_forwards(self, widths)
+        """The forwards (their rows) a step runs shareable asks of these widths on this model as: packed as the
+        step packs them (_groups), each pack as the model runs one forward_batch (Sequences.step_forwards)."""
+        packs = _groups(widths, lambda rows: rows, self.model.exact_width, self.model.n_batch)
+        return [rows for pack in packs for rows in self.model.step_forwards(pack)]
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.scheduler.keep_path(self, prefix_len, slots)

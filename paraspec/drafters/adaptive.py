@@ -120,15 +120,14 @@ def best_length(
     verify_s,
     pending: int,
     max_k: int,
-    shared: Sequence[int] = (),
+    load: Load = Load(),
     split: Callable[[list[int]], list[int]] | None = None,
-    apart: Sequence[int] = (),
 ) -> tuple[int, float]:
     """k in 0..max_k maximising expected_tokens(alpha, k) / (k * draft_s + verify_s(pending + k)); (k, its
     tokens per second). Ties go to the shorter draft. `alpha`: one acceptance for every position, or one per
     position (then max_k is at most its length).
 
-    Many requests at once (scheduler.py): `shared` = the rows each other request brings to this verification's
+    Many requests at once (scheduler.py): `load.rows` = the rows each other request brings to this verification's
     step, `split` the forwards the model runs a step of these per-request widths as (llama.cpp's several sequences:
     equal rows of each per forward, Sequences.step_forwards; default one forward of them all). The step then
     costs S(widths) = the sum of verify_s over its forwards -- the cost table by rows -- and commits the others'
@@ -139,7 +138,7 @@ def best_length(
         ((1 + k') * their tokens + E(k)) / (k * draft_s + k' * (S(theirs) + A) + S(theirs + [pending + k]) + A)
 
     with k' = k for a draft model and 0 for a model-free drafter (its drafts take no step), and A the seconds of
-    the forwards the others run alone in every step (`apart`: a prompt's chunks). Each extra row of mine
+    the forwards the others run alone in every step (`load.apart`: a prompt's chunks). Each extra row of mine
     slows every request in the step, and every draft step holds my request back a step: where rows cost compute
     (a CPU) a busy step drafts less, and where rows are nearly free (a GPU's small forwards) it drafts as much as
     alone.
@@ -149,7 +148,7 @@ def best_length(
     (c(pending + k) - c(pending)) - k * draft_s, against decoding those tokens one by one."""
     if not isinstance(alpha, (int, float)):
         max_k = min(max_k, len(alpha))
-    shared, apart = (list(shared), list(apart)) if pending == 1 else ([], [])
+    shared, apart = (list(load.rows), load.apart) if pending == 1 else ([], ())
 
     def step(widths: list[int]) -> float:
         return sum(verify_s(rows) for rows in (split(widths) if split else [sum(widths)]))

@@ -75,8 +75,8 @@ class DraftPolicy(Drafter):
         # continues (match_bucket), a model drafter's in bucket 0 (one for every position); kept across requests
         self.acceptance: dict[tuple[int, int], Acceptance] = {}
         self.decisions: list[dict] = []  # one per round: who drafted, k*, alpha (the trace's "plan")
-        # many requests at once: () -> what the other requests bring to the target's step (a Load; scheduler.py)
-        self.shared: Callable[[], Load] | None = None
+        # many requests at once: () -> what the other requests bring to the target's step (scheduler.py)
+        self.load: Callable[[], Load] | None = None
         # and the forwards the target runs a step of such per-request widths as (Sequences.step_forwards)
         self.split: Callable[[list[int]], list[int]] | None = None
         self.grammar: GrammarMatcher | None = None  # the request's structured-output state (begin)
@@ -336,15 +336,14 @@ class DraftPolicy(Drafter):
         alphas = [by_bucket[b] for b in buckets]
         draft_cost = self.draft_costs.get(i)
         draft_s = draft_cost(width) if draft_cost is not None and draft_cost.measured else 0.0
-        load = self.shared() if self.shared is not None else Load()
-        shared = (load.rows, self.split, load.apart)  # best_length's view of the step
-        k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k, *shared)
+        load = self.load() if self.load is not None else Load()
+        k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k, load, self.split)
         if not drafter.free:
             state = self.stats(i)
             catch_up = self._catch_up_s(i, sequence, width)
 
             def steady(most: int) -> float:  # tokens/s of a later round (one pending token) in this step's load
-                return best_length(alphas, draft_s, verify(1), 1, most, *shared)[1]
+                return best_length(alphas, draft_s, verify(1), 1, most, load, self.split)[1]
 
             plain_s = 1.0 / steady(0)  # a token's seconds undrafted: a step alone, a share of a busy step
             if k > 0 and catch_up > 0:
@@ -366,7 +365,7 @@ class DraftPolicy(Drafter):
             # costs most of the target's and verification grows with its width, no acceptance pays, and the look
             # would only buy the prompt's catch-up (docs/DRAFTERS.md;
             # test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried)
-            if look and self._could_pay(draft_s, verify(1), max_k, catch_up, remaining, shared, plain_s):
+            if look and self._could_pay(draft_s, verify(1), max_k, catch_up, remaining, load, plain_s):
                 if look == "trial":
                     k, self._trial = max(k, min(max_k, state.trial_k)), True
                 else:
@@ -386,13 +385,13 @@ class DraftPolicy(Drafter):
         return k
 
     def _could_pay(
-        self, draft_s: float, verify_s, max_k: int, catch_up: float, remaining: int | None, shared, plain_s: float
+        self, draft_s: float, verify_s, max_k: int, catch_up: float, remaining: int | None, load: Load, plain_s: float
     ) -> bool:
         """Whether drafting would beat plain decoding if every draft were accepted (the best case), in a step with
-        the others' rows (`shared`), its catch-up paid within the request's remaining tokens: where even that
+        the others' `load`, its catch-up paid within the request's remaining tokens: where even that
         loses, learning the drafter's acceptance is worth nothing (now: a busy Scheduler looks again when it is
         quieter)."""
-        k, rate = best_length(1.0, draft_s, verify_s, 1, max_k, *shared)
+        k, rate = best_length(1.0, draft_s, verify_s, 1, max_k, load, self.split)
         return k > 0 and catch_up_pays(catch_up, rate, plain_s, remaining)
 
     def _catch_up_s(self, i: int, sequence: list[int], width: int) -> float:

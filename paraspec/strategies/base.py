@@ -34,6 +34,7 @@ from paraspec.request_state import RequestState, TokenLogprob, token_logprob
 from paraspec.runtime.devices import Device, apply_device, current_pinning, on_passing_thread, set_pinning
 
 if TYPE_CHECKING:
+    from paraspec.drafters.adaptive import Load
     from paraspec.runtime import Runtime
 
 # -- what a strategy accepts -------------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ class Seat:
 
     target: Any
     draft_models: list
-    load: Callable[[], Any] | None = None  # () -> a drafters.adaptive.Load; None: the request has its forwards alone
+    load: Callable[[], Load] | None = None  # None: the request has its forwards alone
     split: Callable[[list[int]], list[int]] | None = None  # a step's widths -> its forwards' rows (Scheduler)
 
 
@@ -321,7 +322,7 @@ class LocalStrategy(Strategy):
             if not d.free
         }
         policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
-        policy.shared, policy.split = seat.load, seat.split
+        policy.load, policy.split = seat.load, seat.split
         own = self.policies.get(self.seat)
         if own is not None and seat is not self.seat:
             # the acceptance estimates are the pair's (and the text's), not a sequence's: every seat reads and adds

@@ -348,12 +348,12 @@ def test_adaptive_rule_priced_by_the_batch_rows():
     and grows back when they leave; where rows are almost free (a GPU's small forwards) drafts stay long."""
     cpu = ForwardCost({1: 0.057, 2: 0.116, 4: 0.165, 6: 0.223, 8: 0.270, 16: 0.482})
     alone = best_length(0.8, 0.0, cpu, 1, 16)[0]
-    busy = best_length(0.8, 0.0, cpu, 1, 16, shared=[4, 4, 4])[0]
-    assert 0 <= busy < alone and best_length(0.8, 0.0, cpu, 1, 16, shared=[])[0] == alone
+    busy = best_length(0.8, 0.0, cpu, 1, 16, Load((4, 4, 4)))[0]
+    assert 0 <= busy < alone and best_length(0.8, 0.0, cpu, 1, 16, Load())[0] == alone
     gpu = ForwardCost({1: 0.0060, 8: 0.0063, 16: 0.0066, 32: 0.0072})
-    assert best_length(0.8, 0.0, gpu, 1, 16, shared=[4, 4, 4])[0] >= 8 > busy  # still long drafts there
+    assert best_length(0.8, 0.0, gpu, 1, 16, Load((4, 4, 4)))[0] >= 8 > busy  # still long drafts there
     # a prompt round pays at the margin whatever shares it
-    assert best_length(0.99, 0.0, cpu, 400, 12, shared=[4, 4, 4]) == best_length(0.99, 0.0, cpu, 400, 12)
+    assert best_length(0.99, 0.0, cpu, 400, 12, Load((4, 4, 4))) == best_length(0.99, 0.0, cpu, 400, 12)
 
 
 def test_a_draft_models_drafts_are_priced_as_steps_of_everyones():
@@ -362,15 +362,15 @@ def test_a_draft_models_drafts_are_priced_as_steps_of_everyones():
     whereas a model-free drafter's drafts take no step. Costs injected: this Zen 4's profile (ms by width)."""
     cpu = ForwardCost({1: 0.041, 2: 0.071, 4: 0.120, 6: 0.185, 8: 0.263, 16: 0.337, 24: 0.478})
     assert best_length(1.0, 0.013, cpu, 1, 5)[0] > 0  # alone, every draft right: drafting pays
-    assert best_length(1.0, 0.013, cpu, 1, 5, shared=[1, 1, 1])[0] == 0
-    assert best_length(1.0, 0.0, cpu, 1, 16, shared=[1, 1, 1])[0] > 0  # free drafts still pay there
+    assert best_length(1.0, 0.013, cpu, 1, 5, Load((1, 1, 1)))[0] == 0
+    assert best_length(1.0, 0.0, cpu, 1, 16, Load((1, 1, 1)))[0] > 0  # free drafts still pay there
     # nor where rows are nearly free (a GPU's): its k drafts hold it back k of everyone's steps, in which it
     # commits nothing, and k + 1 steps of plain decoding commit k + 1 tokens, at least what the drafts do
     gpu = ForwardCost({1: 0.0060, 8: 0.0063, 16: 0.0066, 32: 0.0072})
-    assert best_length(1.0, 0.001, gpu, 1, 5)[0] == 5 and best_length(1.0, 0.001, gpu, 1, 5, shared=[1, 1, 1])[0] == 0
+    assert best_length(1.0, 0.001, gpu, 1, 5)[0] == 5 and best_length(1.0, 0.001, gpu, 1, 5, Load((1, 1, 1)))[0] == 0
     # another request's prompt chunk, run alone in every step, commits nothing: a draft step there costs a chunk
-    assert best_length(0.9, 0.005, cpu, 1, 5)[0] > 0 and best_length(0.9, 0.005, cpu, 1, 5, apart=[64])[0] == 0
-    assert best_length(1.0, 0.0, cpu, 1, 16, apart=[64])[0] > 0
+    assert best_length(0.9, 0.005, cpu, 1, 5)[0] > 0 and best_length(0.9, 0.005, cpu, 1, 5, Load(apart=(64,)))[0] == 0
+    assert best_length(1.0, 0.0, cpu, 1, 16, Load(apart=(64,)))[0] > 0
 
 
 def test_a_step_is_priced_by_the_forwards_the_model_runs_it_as():
@@ -388,8 +388,8 @@ def test_a_step_is_priced_by_the_forwards_the_model_runs_it_as():
     assert split([1, 3, 6, 6]) == [4, 6, 6] and split([6, 6, 6, 6]) == [24] and split([1, 1, 1, 6]) == [4, 5]
     assert split([300, 300]) == [512, 88] and split([]) == []
     cpu = ForwardCost({1: 0.041, 2: 0.071, 4: 0.120, 6: 0.185, 8: 0.263, 16: 0.337, 24: 0.478})
-    whole = best_length(0.95, 0.0, cpu, 1, 16, shared=[1, 1, 1])
-    parts = best_length(0.95, 0.0, cpu, 1, 16, shared=[1, 1, 1], split=split)
+    whole = best_length(0.95, 0.0, cpu, 1, 16, Load((1, 1, 1)))
+    parts = best_length(0.95, 0.0, cpu, 1, 16, Load((1, 1, 1)), split=split)
     assert parts[0] < whole[0] and parts[1] < whole[1]
     assert best_length(0.95, 0.0, cpu, 1, 16, split=split) == best_length(0.95, 0.0, cpu, 1, 16)  # alone: one forward
 
@@ -405,7 +405,7 @@ def test_the_policy_asks_the_batch_for_its_load():
             policy.observe(
                 1 + len(proposal.tokens), cpu(1 + len(proposal.tokens)), proposal.tokens + [sequence[len(sequence) % 6]]
             )
-        policy.shared = lambda load=load: Load(tuple(load))
+        policy.load = lambda load=load: Load(tuple(load))
         lengths[load] = len(policy.propose(sequence, 16, GREEDY, GEN).tokens)
     assert 0 < lengths[(4, 4, 4)] < lengths[()]
 

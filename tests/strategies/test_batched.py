@@ -228,7 +228,7 @@ def test_adaptive_drafts_priced_by_the_step_keep_every_answer(gguf_pair, backend
         assert seats  # each seat's rule asks its own sequence's step for the load
         for seat in seats:
             policy = e.strategy.policies[seat]
-            assert policy.shared == seat.target.shared_load and isinstance(policy.shared(), Load)
+            assert policy.load == seat.target.shared_load and isinstance(policy.load(), Load)
             assert policy.split == seat.target.step_forwards
         assert_same(together(e, 4, False), want)
 
