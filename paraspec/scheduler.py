@@ -5,6 +5,9 @@ is handed to the Scheduler, whose thread runs the step:
     requests join (their seat's sequences: their KV caches, their rollbacks) and leave (a later request moves into
     the gap, keeping the running sequences 0, 1, 2, ...)
     each step (the scheduler's thread, once every request that is computing has asked):
+        order      the draft models' asks, if any, run in a step of their own; the target's wait for it, so the
+                   requests that draft do so in the same steps, and verify together in one forward (a request
+                   drafting k tokens holds the others back by k draft-model forwards, not k steps of theirs)
         schedule   per model, the asks that may share a forward (a few tokens on a sequence that has its prompt,
                    rows the load-time probe found exact beside others) packed into as few forwards as the width
                    allows; the others (a width outside the probe's) alone; a prompt's next chunk alone (its
@@ -28,6 +31,8 @@ only a seeded one promises to repeat.
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +42,8 @@ import torch
 from paraspec.drafters.adaptive import Load
 from paraspec.models.base import Sequences
 from paraspec.strategies.base import Seat
+
+TIMINGS_KEPT = 64  # forwards a view remembers for the adaptive rule (SequenceView.take_timings)
 
 
 @dataclass(eq=False)
@@ -49,6 +56,7 @@ class _Ask:
     prompt: int = 0  # its first `prompt` tokens are a prompt into the empty cache, run one forward per step
     steps: Generator | None = None  # the prompt's forwards still to run (Sequences.prompt_steps)
     carried: int = 0  # rows its last prompt forward carried
+    timing: tuple[int, float] | None = None  # the rows and seconds of the forward that carried it
     result: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
@@ -88,11 +96,14 @@ class Scheduler:
         self._closed = False
         self._lock = threading.Lock()  # one call into the models at a time (a step, a rollback, a move)
         self.stats = BatchStats()
+        self._target = target
         self.seats = []
         for sequence_id in range(target.n_seqs):
             view = SequenceView(self, target, sequence_id)
             drafts = [SequenceView(self, m, sequence_id) for m in draft_models]
-            self.seats.append(Seat(view, drafts, load=view.shared_load, split=view.step_forwards))
+            self.seats.append(
+                Seat(view, drafts, load=view.shared_load, split=view.step_forwards, timed=SequenceView.take_timings)
+            )
         # the steps run here; started by the thread that set the models up, so it inherits its core pinning
         self._thread = threading.Thread(target=self._loop, daemon=True, name="paraspec-scheduler")
         self._thread.start()
@@ -212,6 +223,8 @@ class Scheduler:
         if ask.error is not None:
             raise ask.error
         assert ask.result is not None  # a step sets one of error and result
+        if ask.timing is not None:
+            view.timings.append(ask.timing)
         return ask.result
 
     def shared_load(self, view: SequenceView) -> Load:
@@ -242,6 +255,10 @@ class Scheduler:
                 if self._closed:
                     return
                 asks = [m.ask for m in self._members if m.ask is not None and not m.ask.done]
+                # the draft models' asks first, on their own: the target's asks wait for every request drafting
+                # now to finish its draft, so requests draft in the same steps and verify together (the rule prices
+                # a draft model's rounds so: drafters/adaptive.best_length)
+                asks = [a for a in asks if a.model is not self._target] or asks
                 self._stepping = True
                 self._cv.release()
                 try:
@@ -303,8 +320,11 @@ class Scheduler:
     @staticmethod
     def _run(group: list[_Ask], forward) -> None:
         try:
-            for a, result in zip(group, forward()):
-                a.result = result
+            start = time.perf_counter()
+            results = forward()
+            timing = (sum(len(a.tokens) for a in group), time.perf_counter() - start)
+            for a, result in zip(group, results):
+                a.result, a.timing = result, timing
         except BaseException as e:  # noqa: BLE001 -- handed to each asking request, raised there
             for a in group:
                 a.error = e
@@ -346,6 +366,9 @@ class SequenceView:
     def __init__(self, scheduler: Scheduler, model: Sequences, sequence_id: int):
         self.scheduler, self.model, self.sequence_id = scheduler, model, sequence_id
         self.member: Member | None = None  # the request decoding on it now (Scheduler.join)
+        # (rows, seconds) of each forward its asks rode in, a prompt's aside: what its forwards cost, not its waits
+        # (bounded: a policy that does not adapt never takes them)
+        self.timings: deque[tuple[int, float]] = deque(maxlen=TIMINGS_KEPT)
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
 
     @property
@@ -381,3 +404,11 @@ class SequenceView:
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.scheduler.keep_path(self, prefix_len, slots)
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        """The (rows, seconds) of the forwards its asks rode in since the last call (Seat.timed): the adaptive rule
+        refines its cost tables from them, by the rows of the whole forward, rather than from a request's wall
+        time, which under a Scheduler holds the other requests' steps too."""
+        timings = list(self.timings)
+        self.timings.clear()
+        return timings

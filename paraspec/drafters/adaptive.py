@@ -122,6 +122,7 @@ def best_length(
     max_k: int,
     load: Load = Load(),
     split: Callable[[list[int]], list[int]] | None = None,
+    draft_step: Callable[[int], float] | None = None,
 ) -> tuple[int, float]:
     """k in 0..max_k maximising expected_tokens(alpha, k) / (k * draft_s + verify_s(pending + k)); (k, its
     tokens per second). Ties go to the shorter draft. `alpha`: one acceptance for every position, or one per
@@ -130,18 +131,26 @@ def best_length(
     Many requests at once (scheduler.py): `load.rows` = the rows each other request brings to this verification's
     step, `split` the forwards the model runs a step of these per-request widths as (llama.cpp's several sequences:
     equal rows of each per forward, Sequences.step_forwards; default one forward of them all). The step then
-    costs S(widths) = the sum of verify_s over its forwards -- the cost table by rows -- and commits the others'
-    tokens too (a request's r rows commit what r - 1 drafts at this acceptance would: E(r - 1)). A draft model's k
-    drafts are k steps of their own (its forwards go through the same steps, one at a time), each carrying the
-    others' rows and committing their tokens, so k maximises
+    costs S(widths) = the sum of verify_s over its forwards -- the cost table by rows -- plus A, the seconds of the
+    forwards the others run alone in it (`load.apart`: a prompt's chunks, which commit nothing; they run in the
+    target's steps, not in a draft model's).
 
-        ((1 + k') * their tokens + E(k)) / (k * draft_s + k' * (S(theirs) + A) + S(theirs + [pending + k]) + A)
+    A model-free drafter's drafts take no step: its k maximises (their tokens + E(k)) / (S(theirs + [pending + k])
+    + A), where a request's r rows commit what r - 1 drafts at this acceptance would, E(r - 1). Each extra row of
+    mine slows every request in the step, so where rows cost compute (a CPU) a busy step drafts less.
 
-    with k' = k for a draft model and 0 for a model-free drafter (its drafts take no step), and A the seconds of
-    the forwards the others run alone in every step (`load.apart`: a prompt's chunks). Each extra row of mine
-    slows every request in the step, and every draft step holds my request back a step: where rows cost compute
-    (a CPU) a busy step drafts less, and where rows are nearly free (a GPU's small forwards) it drafts as much as
-    alone.
+    A draft model's drafts are steps: the Scheduler runs the draft models' asks first, so requests draft in the
+    same steps and verify together (scheduler.py), while those that decode plainly (p of them: a last ask of one
+    row) wait out the draft steps. The n - 1 others that drafted last round (rows > 1) decide by this same rule on
+    the same shared acceptance, so k is theirs too:
+
+        (n E(k) + p) / (k D(n) + S([pending + k] * n + [1] * p) + A)
+
+    with D(n) = `draft_step(n)`, the draft model's step of n one-token rows (default: draft_s, whatever n). Beside
+    requests that decode plainly a draft holds them back (a draft model rarely pays there); among requests that
+    draft, where rows cost compute (a CPU) a verification of n(k + 1) rows can cost less per row than n-row plain
+    steps do, and where rows are nearly free (a GPU's small forwards) they draft as one request alone would. A
+    population that decodes plainly stays so: nobody's draft pays beside the others' plain rows.
 
     A round with many pending tokens (the prompt round) would make any draft look free next to its prefill, so
     there the drafts must pay for themselves at the margin: k maximises the seconds saved, (E(k) - 1) * c(1) -
@@ -153,15 +162,22 @@ def best_length(
     def step(widths: list[int]) -> float:
         return sum(verify_s(rows) for rows in (split(widths) if split else [sum(widths)]))
 
-    others = sum(expected_tokens(alpha, min(r - 1, max_k)) for r in shared)
     alone = sum(verify_s(rows) for rows in apart)
-    theirs = (step(shared) if shared else 0.0) + alone
+    together = draft_s > 0 and bool(shared)  # a draft model beside other requests: drafting in the same steps
+    plain = [r for r in shared if r == 1] if together else []  # they wait out the draft steps
+    n = 1 + len(shared) - len(plain)  # the requests that draft (their last rounds verified drafts) and mine
+    others = len(plain) if together else sum(expected_tokens(alpha, min(r - 1, max_k)) for r in shared)
+    draft_n = (draft_step(n) if draft_step is not None else draft_s) if together else draft_s
     best, best_rate, best_saved = 0, -1.0, 0.0
     for k in range(max(0, max_k) + 1):
         tokens = expected_tokens(alpha, k)
-        waits = k if draft_s > 0 and (shared or apart) else 0  # my draft steps: steps of everyone's
-        seconds = k * draft_s + waits * theirs + step(shared + [pending + k]) + alone
-        rate = ((1 + waits) * others + tokens) / max(seconds, 1e-9)
+        if together:
+            widths, tokens = [pending + k] * n + plain, n * tokens
+        else:
+            widths = shared + [pending + k]
+        # the draft models' steps run first, and alone: the others' prompt chunks wait for the verification's step
+        seconds = k * draft_n + step(widths) + alone
+        rate = (others + tokens) / max(seconds, 1e-9)
         if pending > 1:
             saved = (tokens - 1) * verify_s(1) - (verify_s(pending + k) - verify_s(pending)) - k * draft_s
             if saved > best_saved + 1e-12:

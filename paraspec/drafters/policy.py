@@ -79,6 +79,9 @@ class DraftPolicy(Drafter):
         self.load: Callable[[], Load] | None = None
         # and the forwards the target runs a step of such per-request widths as (Sequences.step_forwards)
         self.split: Callable[[list[int]], list[int]] | None = None
+        # and (a draft model's view, or None: the target's) -> the (rows, seconds) of the forwards its asks rode in:
+        # the costs are refined from those, not from the wall time of a round, which holds the others' steps too
+        self.timed: Callable[..., list[tuple[int, float]]] | None = None
         self.grammar: GrammarMatcher | None = None  # the request's structured-output state (begin)
         self._start_round()
 
@@ -335,19 +338,31 @@ class DraftPolicy(Drafter):
         by_bucket = self.alphas(i, max(buckets, default=0))
         alphas = [by_bucket[b] for b in buckets]
         draft_cost = self.draft_costs.get(i)
-        draft_s = draft_cost(width) if draft_cost is not None and draft_cost.measured else 0.0
+        draft_s, draft_step = 0.0, None
+        if draft_cost is not None and draft_cost.measured:
+            cost = draft_cost
+            draft_s = cost(width)
+
+            def draft_step(n: int) -> float:  # the draft's step of n requests' drafts: one forward of their rows
+                return cost(n * width)
+
         load = self.load() if self.load is not None else Load()
-        k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k, load, self.split)
+        k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k, load, self.split, draft_step)
         if not drafter.free:
             state = self.stats(i)
             catch_up = self._catch_up_s(i, sequence, width)
 
-            def steady(most: int) -> float:  # tokens/s of a later round (one pending token) in this step's load
-                return best_length(alphas, draft_s, verify(1), 1, most, load, self.split)[1]
+            # a catch-up is paid once for the request's later rounds: priced by the steady load, the others' rows,
+            # not by a prompt's chunks beside this step (they end within a few steps; counted per round, they would
+            # make any round that commits more tokens look worth a catch-up)
+            steady_load = Load(load.rows)
+
+            def steady(most: int) -> float:  # tokens/s of a later round (one pending token) in the others' load
+                return best_length(alphas, draft_s, verify(1), 1, most, steady_load, self.split, draft_step)[1]
 
             plain_s = 1.0 / steady(0)  # a token's seconds undrafted: a step alone, a share of a busy step
             if k > 0 and catch_up > 0:
-                if not catch_up_pays(catch_up, rate if pending == 1 else steady(max_k), plain_s, remaining):
+                if not catch_up_pays(catch_up, steady(max_k), plain_s, remaining):
                     k = 0
             look = None  # a look at the drafter: its trial (never judged), or a probe
             if not state.tried and (remaining is None or remaining >= TRIAL_REMAINING) and max_k > 0:
@@ -365,7 +380,9 @@ class DraftPolicy(Drafter):
             # costs most of the target's and verification grows with its width, no acceptance pays, and the look
             # would only buy the prompt's catch-up (docs/DRAFTERS.md;
             # test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried)
-            if look and self._could_pay(draft_s, verify(1), max_k, catch_up, remaining, load, plain_s):
+            if look and self._could_pay(
+                draft_s, verify(1), max_k, catch_up, remaining, steady_load, plain_s, draft_step
+            ):
                 if look == "trial":
                     k, self._trial = max(k, min(max_k, state.trial_k)), True
                 else:
@@ -385,13 +402,21 @@ class DraftPolicy(Drafter):
         return k
 
     def _could_pay(
-        self, draft_s: float, verify_s, max_k: int, catch_up: float, remaining: int | None, load: Load, plain_s: float
+        self,
+        draft_s: float,
+        verify_s,
+        max_k: int,
+        catch_up: float,
+        remaining: int | None,
+        load: Load,
+        plain_s: float,
+        draft_step=None,
     ) -> bool:
         """Whether drafting would beat plain decoding if every draft were accepted (the best case), in a step with
         the others' `load`, its catch-up paid within the request's remaining tokens: where even that
         loses, learning the drafter's acceptance is worth nothing (now: a busy Scheduler looks again when it is
         quieter)."""
-        k, rate = best_length(1.0, draft_s, verify_s, 1, max_k, load, self.split)
+        k, rate = best_length(1.0, draft_s, verify_s, 1, max_k, load, self.split, draft_step)
         return k > 0 and catch_up_pays(catch_up, rate, plain_s, remaining)
 
     def _catch_up_s(self, i: int, sequence: list[int], width: int) -> float:
@@ -403,7 +428,10 @@ class DraftPolicy(Drafter):
         return max(cost(behind) - cost(width), 0.0)
 
     def _observe_forwards(self, i: int) -> None:
-        for width, seconds in self.drafters[i].timings:
+        drafter = self.drafters[i]
+        model = getattr(drafter, "model", None)  # a draft model's view (drafters/model.py)
+        timings = drafter.timings if self.timed is None or model is None else self.timed(model)
+        for width, seconds in timings:
             self.draft_costs[i].observe(width, seconds)
 
     # -- after verification -----------------------------------------------------------------------------------
@@ -431,7 +459,8 @@ class DraftPolicy(Drafter):
                 d.committed(self._prefix_len + f, after)
         if not self.adaptive:
             return
-        self._cost.observe(verify_width, verify_s)
+        for width, seconds in [(verify_width, verify_s)] if self.timed is None else self.timed():
+            self._cost.observe(width, seconds)
         if self._used is not None and self._accepted >= 0:
             judged = self._buckets[: self._accepted + 1]  # the accepted drafts and the first rejected one
             # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next

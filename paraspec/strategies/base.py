@@ -92,6 +92,8 @@ class Seat:
     draft_models: list
     load: Callable[[], Load] | None = None  # None: the request has its forwards alone
     split: Callable[[list[int]], list[int]] | None = None  # a step's widths -> its forwards' rows (Scheduler)
+    # one of its views -> the (rows, seconds) of the forwards its asks rode in since the last call (Scheduler)
+    timed: Callable[[Any], list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -323,6 +325,8 @@ class LocalStrategy(Strategy):
         }
         policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
         policy.load, policy.split = seat.load, seat.split
+        if seat.timed is not None:
+            policy.timed = lambda view=None, seat=seat: seat.timed(view if view is not None else seat.target)
         own = self.policies.get(self.seat)
         if own is not None and seat is not self.seat:
             # the acceptance estimates are the pair's (and the text's), not a sequence's: every seat reads and adds

@@ -356,20 +356,30 @@ def test_adaptive_rule_priced_by_the_batch_rows():
     assert best_length(0.99, 0.0, cpu, 400, 12, Load((4, 4, 4))) == best_length(0.99, 0.0, cpu, 400, 12)
 
 
-def test_a_draft_models_drafts_are_priced_as_steps_of_everyones():
-    """Under a Scheduler every draft forward is a step the other requests' rows go through too (the request waits a
-    step per draft): a draft model that pays alone does not pay beside three other requests, at any acceptance,
-    whereas a model-free drafter's drafts take no step. Costs injected: this Zen 4's profile (ms by width)."""
+def test_a_draft_models_rounds_under_load_are_priced_as_the_drafting_requests_drafting_together():
+    """Under a Scheduler the draft model's asks run in steps of their own: the requests that draft (their last
+    verification had drafts) do so in the same steps and verify in one forward, the ones decoding plainly wait
+    out the draft steps. Where rows cost compute (this Zen 4's profile, ms by width) a draft beside plainly
+    decoding requests holds them back and does not pay, and among drafting requests a wider verification is
+    cheaper per row than narrow ones, so drafting pays at high acceptance only; where rows are nearly free (a
+    GPU's) they draft as a request alone would. A model-free drafter's drafts take no step. Costs injected."""
     cpu = ForwardCost({1: 0.041, 2: 0.071, 4: 0.120, 6: 0.185, 8: 0.263, 16: 0.337, 24: 0.478})
+    plain, drafting = Load((1, 1, 1)), Load((4, 4, 4))
+    draft_step = lambda n: 0.013 + 0.004 * (n - 1)  # noqa: E731 -- the draft's step of n one-token rows
     assert best_length(1.0, 0.013, cpu, 1, 5)[0] > 0  # alone, every draft right: drafting pays
-    assert best_length(1.0, 0.013, cpu, 1, 5, Load((1, 1, 1)))[0] == 0
-    assert best_length(1.0, 0.0, cpu, 1, 16, Load((1, 1, 1)))[0] > 0  # free drafts still pay there
-    # nor where rows are nearly free (a GPU's): its k drafts hold it back k of everyone's steps, in which it
-    # commits nothing, and k + 1 steps of plain decoding commit k + 1 tokens, at least what the drafts do
+    assert best_length(0.95, 0.013, cpu, 1, 5, plain, draft_step=draft_step)[0] == 0
+    assert best_length(0.8, 0.013, cpu, 1, 5, drafting, draft_step=draft_step)[0] == 0
+    k, rate = best_length(0.95, 0.013, cpu, 1, 5, drafting, draft_step=draft_step)
+    assert k > 0 and rate == pytest.approx(4 * expected_tokens(0.95, k) / (k * draft_step(4) + cpu(4 * (1 + k))))
+    assert rate > 4 / cpu(4)  # the four decoding plainly: one 4-row step a token each
+    # two drafting, one plain: mine and theirs k + 1 rows each, the plain request's one row, in one forward
+    k, rate = best_length(0.95, 0.013, cpu, 1, 5, Load((4, 1, 4)), draft_step=draft_step)
+    assert rate == pytest.approx((3 * expected_tokens(0.95, k) + 1) / (k * draft_step(3) + cpu(3 * (1 + k) + 1)))
+    assert best_length(1.0, 0.0, cpu, 1, 16, plain)[0] > 0  # free drafts: the others decode beside them
     gpu = ForwardCost({1: 0.0060, 8: 0.0063, 16: 0.0066, 32: 0.0072})
-    assert best_length(1.0, 0.001, gpu, 1, 5)[0] == 5 and best_length(1.0, 0.001, gpu, 1, 5, Load((1, 1, 1)))[0] == 0
-    # another request's prompt chunk, run alone in every step, commits nothing: a draft step there costs a chunk
-    assert best_length(0.9, 0.005, cpu, 1, 5)[0] > 0 and best_length(0.9, 0.005, cpu, 1, 5, Load(apart=(64,)))[0] == 0
+    assert best_length(0.9, 0.001, gpu, 1, 5)[0] == best_length(0.9, 0.001, gpu, 1, 5, drafting)[0] == 5
+    # another request's prompt chunk runs in the verification's step, not in the draft steps: a round pays it once
+    assert best_length(0.9, 0.005, cpu, 1, 5, Load(apart=(64,)))[0] >= best_length(0.9, 0.005, cpu, 1, 5)[0] > 0
     assert best_length(1.0, 0.0, cpu, 1, 16, Load(apart=(64,)))[0] > 0
 
 
@@ -408,6 +418,21 @@ def test_the_policy_asks_the_batch_for_its_load():
         policy.load = lambda load=load: Load(tuple(load))
         lengths[load] = len(policy.propose(sequence, 16, GREEDY, GEN).tokens)
     assert 0 < lengths[(4, 4, 4)] < lengths[()]
+
+
+def test_under_a_scheduler_the_costs_are_refined_from_the_forwards_not_the_rounds_wall_time():
+    """A round's wall time under a Scheduler holds the other requests' steps (and waits for them): the cost table is
+    refined from the forwards the request's asks rode in (Seat.timed: their rows and seconds), so a one-token
+    round that waited 5 s in a busy step does not make a one-token forward look 5 s long."""
+    cpu = ForwardCost({1: 0.04, 4: 0.12, 8: 0.26})
+    policy = DraftPolicy([NGramDrafter(100, 1, 3)], cpu)
+    rode = [(8, 0.30)]
+    policy.timed = lambda view=None: rode
+    sequence = [1, 2, 3, 4, 5, 6] * 6
+    policy.propose(sequence, 4, GREEDY, GEN)
+    policy.observe(1, 5.0, [sequence[0]])
+    assert policy.cost.seconds[8] == pytest.approx(0.8 * 0.26 + 0.2 * 0.30)
+    assert policy.cost.seconds[1] == pytest.approx(0.04 * (1 + 0.2 * (0.30 / 0.26 - 1)))
 
 
 def test_verify_cost_follows_the_level_keeps_the_shape():

@@ -257,9 +257,13 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     assert len(seats) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
 
 
-def test_the_seats_share_the_acceptance_estimates(gguf_pair):
+def test_the_seats_share_the_acceptance_estimates(gguf_pair, monkeypatch):
     """The adaptive rule's acceptance estimates are the pair's: every seat's policy reads and adds to one set, so a
-    draft model nobody has judged is tried (its catch-up paid) by the first request only, not once per seat."""
+    draft model nobody has judged is tried (its catch-up paid) by the first request only, not once per seat. (The
+    tiny pair's forwards cost what their overheads do, so a draft never pays by the costs: its trial is let run.)"""
+    from paraspec.drafters.policy import DraftPolicy
+
+    monkeypatch.setattr(DraftPolicy, "_could_pay", lambda self, *args: True)
     options = dict(strategy="sd", draft=gguf_pair["draft"], lookahead=4, adaptive=True, backend="llamacpp")
     with Engine(gguf_pair["target"], max_num_seqs=4, **options) as e:
         together(e, 4, False)
@@ -476,3 +480,69 @@ def test_a_request_leaving_never_moves_another_in_the_middle_of_its_prompt(gguf_
         scheduler.close()
     finally:
         model.close()
+
+
+def test_requests_draft_in_a_step_of_their_own_and_verify_together(gguf_pair):
+    """The draft model's asks run first, in a step of their own: a target ask waits while another request
+    drafts, then both requests' target rows run in one forward -- the requests draft in the same steps and verify
+    together, as the adaptive rule prices a draft model's rounds under load (drafters/adaptive.best_length)."""
+    from paraspec.scheduler import Scheduler
+
+    target = load_model(gguf_pair["target"], backend="llamacpp", n_seqs=2)
+    draft = load_model(gguf_pair["draft"], backend="llamacpp", n_seqs=2, draft=True)
+    events: list[tuple[str, tuple[int, ...]]] = []  # (model, its sequences) per forward, in order
+    for name, model in (("target", target), ("draft", draft)):
+        for method in ("forward_batch", "forward", "prompt_steps"):
+            setattr(model, method, logged(getattr(model, method), name, method, events))
+    scheduler = Scheduler(target, [draft])
+    try:
+        a, b = scheduler.seats
+        with scheduler.seated(a), scheduler.seated(b):
+            prompts = [threading.Thread(target=s.target.prefill, args=([5, 6, 7, 8],)) for s in (a, b)]
+            for t in prompts:
+                t.start()
+            for t in prompts:
+                t.join(60)
+            events.clear()
+            verify = threading.Thread(target=a.target.forward, args=([9],), daemon=True)
+            verify.start()  # a's target ask: it waits while b drafts
+
+            def drafts():
+                b.draft_models[0].prefill([5, 6, 7, 8])
+                b.draft_models[0].forward([9])
+
+            drafting = threading.Thread(target=drafts, daemon=True)
+            drafting.start()
+            drafting.join(30)  # (had a's ask run beside b's first draft ask, b's next would wait for a's next)
+            assert not drafting.is_alive() and verify.is_alive(), events
+            b.target.forward([9, 10])
+            verify.join(60)
+            assert not verify.is_alive()
+            # what each request's forward cost, for the adaptive rule: the whole forward its rows rode in (both
+            # requests' 3 rows), not the time it waited; a prompt's forwards aside
+            (rode,) = b.target.take_timings()
+            assert a.target.take_timings() == [rode] and rode[0] == 3 and b.target.take_timings() == []
+            assert [rows for rows, _ in b.draft_models[0].take_timings()] == [1]
+    finally:
+        scheduler.close()
+        target.close()
+        draft.close()
+    models = [m for m, _ in events]
+    assert "target" not in models[: models.index("target")] and set(models[: models.index("target")]) == {"draft"}
+    assert events[-1] == ("target", (0, 1)), events  # one forward of both requests' target rows
+
+
+def logged(method, name: str, kind: str, events: list):
+    """`method`, noting each call's model and sequences in `events`."""
+
+    def log(*args, **kwargs):
+        if kind == "forward_batch":
+            sequences = tuple(sorted(item[0] for item in args[0]))
+        elif kind == "prompt_steps":
+            sequences = (kwargs.get("sequence_id", args[1] if len(args) > 1 else 0),)
+        else:
+            sequences = (kwargs.get("sequence_id", 0),)
+        events.append((name, sequences))
+        return method(*args, **kwargs)
+
+    return log
