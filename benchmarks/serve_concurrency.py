@@ -2,14 +2,18 @@
 and -np 8), the official `openai` client, 1/2/4/8 concurrent callers, greedy.
 
     python benchmarks/serve_concurrency.py [--target T] [--draft D] [--datasets humaneval code-edit]
-        [--requests 8] [--callers 1 2 4 8] [--max-tokens 128] [--threads 2] [--out out/serve_concurrency.json]
+        [--requests 8] [--callers 1 2 4 8] [--max-tokens 128] [--threads 2] [--rounds 1]
+        [--out out/serve_concurrency.json]
 
 Every server is started once and stays up (idle servers cost nothing); the runs are interleaved: for each number
 of callers, each server in turn answers the same requests (chat-templated token ids, greedy; a pool of that many
 client threads, each taking the next request). Per (server, dataset, callers): aggregate tokens/s (all completion
 tokens over the wall time), TTFT p50/p95 and per-request TPOT p50/p95 (client side, streamed with usage), and "= alone":
 how many answers are the text the same server gave that request with one caller. paraspec's should all be (its
-batching keeps every answer bit-identical to the request alone); llama-server's are counted.
+batching keeps every answer bit-identical to the request alone); llama-server's are counted. With --rounds N each
+level runs N times, the servers' order rotated each round; the table then gives each figure's median over the
+rounds and "× llama-server", the median of each round's ratio to llama-server at its default slots (a VM whose
+speed drifts moves a cell's figures by 10-30% between minutes, much less a ratio within one round).
 """
 
 from __future__ import annotations
@@ -155,8 +159,17 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--servers", nargs="+", default=["ar-1seq", "ar", "sd-suffix", "sd", "llama-server", "llama-server-np8"]
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="each level this many times, the servers' order rotated each round: the medians, and each paraspec "
+        "server's ratio to llama-server (default slots) within a round, are reported (this VM's speed drifts)",
+    )
     ap.add_argument("--out", default="out/serve_concurrency.json")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     if 1 not in args.callers:
         raise SystemExit("--callers must include 1: it is the 'alone' every other count is compared with")
 
@@ -205,21 +218,24 @@ def main(argv=None) -> int:
             run_level(s.url, [prompts[args.datasets[0]][0]], 1, 8, s.extra)
         results, alone = [], {}
         for callers in sorted(args.callers):  # interleaved: every server at each level
-            for dataset in args.datasets:
-                for s in servers:
-                    if s.name.endswith("ar-1seq") and callers > 1:
-                        continue  # one sequence: the callers would only queue
-                    answers, wall = run_level(s.url, prompts[dataset], callers, args.max_tokens, s.extra)
-                    if callers == 1:
-                        alone[(s.name, dataset)] = answers
-                    row = {
-                        "server": s.name,
-                        "dataset": dataset,
-                        "callers": callers,
-                        **summarize(answers, wall, alone.get((s.name, dataset))),
-                    }
-                    results.append(row)
-                    print(json.dumps(row), file=sys.stderr, flush=True)
+            for round_ in range(args.rounds):
+                order = servers[round_ % len(servers) :] + servers[: round_ % len(servers)]
+                for dataset in args.datasets:
+                    for s in order:
+                        if s.name.endswith("ar-1seq") and callers > 1:
+                            continue  # one sequence: the callers would only queue
+                        answers, wall = run_level(s.url, prompts[dataset], callers, args.max_tokens, s.extra)
+                        if callers == 1 and (s.name, dataset) not in alone:
+                            alone[(s.name, dataset)] = answers
+                        row = {
+                            "server": s.name,
+                            "dataset": dataset,
+                            "callers": callers,
+                            "round": round_,
+                            **summarize(answers, wall, alone.get((s.name, dataset))),
+                        }
+                        results.append(row)
+                        print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         for s in servers:
             s.close()
@@ -236,19 +252,51 @@ def main(argv=None) -> int:
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    record["medians"] = medians(results)
     Path(args.out).write_text(json.dumps(record, indent=1))
-    print(table(results))
+    print(table(record["medians"]))
     return 0
+
+
+def medians(results: list[dict]) -> list[dict]:
+    """One row per (server, dataset, callers) over its rounds: the median of each figure, the answers = alone
+    summed, and `x_peer`: the median over rounds of its tokens/s over llama-server's (default slots) in that round."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in results:
+        cells.setdefault((r["server"], r["dataset"], r["callers"]), []).append(r)
+    peer = {
+        (r["dataset"], r["callers"], r.get("round", 0)): r["tokens_per_s"]
+        for r in results
+        if r["server"].startswith("llama-server (")
+    }
+    rows = []
+    for (server, dataset, callers), runs in cells.items():
+        row = {"server": server, "dataset": dataset, "callers": callers, "rounds": len(runs)}
+        for key in ("tokens_per_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_ms", "tpot_p95_ms"):
+            row[key] = round(statistics.median(r[key] for r in runs), 3)
+        row["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in runs), max(r["tokens_per_s"] for r in runs)]
+        same = [r["same_as_alone"] for r in runs]
+        row["same_as_alone"] = None if None in same else sum(same)
+        row["requests"] = sum(r["requests"] for r in runs)
+        ratios = [
+            r["tokens_per_s"] / peer[(dataset, callers, r.get("round", 0))]
+            for r in runs
+            if peer.get((dataset, callers, r.get("round", 0)))
+        ]
+        row["x_peer"] = round(statistics.median(ratios), 3) if ratios else None
+        rows.append(row)
+    return rows
 
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| server | dataset | callers | tokens/s | TTFT p50 / p95 s | TPOT p50 / p95 ms | = alone |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| server | dataset | callers | tokens/s | × llama-server | TTFT p50 / p95 s | TPOT p50 / p95 ms | = alone |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        ratio = f"{r['x_peer']:.2f}" if r.get("x_peer") is not None else ""
         lines.append(
-            f"| {r['server']} | {r['dataset']} | {r['callers']} | {r['tokens_per_s']:.1f} | "
+            f"| {r['server']} | {r['dataset']} | {r['callers']} | {r['tokens_per_s']:.1f} | {ratio} | "
             f"{r['ttft_p50_s']:.2f} / {r.get('ttft_p95_s', float('nan')):.2f} | {r['tpot_p50_ms']:.1f} / "
             f"{r['tpot_p95_ms']:.1f} | "
             f"{r['same_as_alone']}/{r['requests']} |"
