@@ -265,7 +265,7 @@ def medians(results: list[dict]) -> list[dict]:
     for r in results:
         cells.setdefault((r["server"], r["dataset"], r["callers"]), []).append(r)
     peer = {
-        (r["dataset"], r["callers"], r.get("round", 0)): r["tokens_per_s"]
+        (r["dataset"], r["callers"], r["round"]): r["tokens_per_s"]
         for r in results
         if r["server"].startswith("llama-server (")
     }
@@ -279,9 +279,9 @@ def medians(results: list[dict]) -> list[dict]:
         row["same_as_alone"] = None if None in same else sum(same)
         row["requests"] = sum(r["requests"] for r in runs)
         ratios = [
-            r["tokens_per_s"] / peer[(dataset, callers, r.get("round", 0))]
+            r["tokens_per_s"] / peer[(dataset, callers, r["round"])]
             for r in runs
-            if peer.get((dataset, callers, r.get("round", 0)))
+            if peer.get((dataset, callers, r["round"]))
         ]
         row["x_peer"] = round(statistics.median(ratios), 3) if ratios else None
         rows.append(row)

@@ -280,11 +280,12 @@ class Scheduler:
             for model in {id(a.model): a.model for a in asks}.values():
                 shared = [a for a in asks if a.model is model and not a.alone]
                 for group in _groups(shared, lambda a: len(a.tokens), model.exact_width, model.n_batch):
+                    width = sum(len(a.tokens) for a in group)
                     self._run(
                         group,
+                        width,
                         lambda g=group, m=model: m.forward_batch([(a.sequence_id, a.tokens, a.outputs) for a in g]),
                     )
-                    width = sum(len(a.tokens) for a in group)
                     rows += width
                     self.stats.shared_rows += width
                     self.stats.widths[len(group)] = self.stats.widths.get(len(group), 0) + 1
@@ -294,7 +295,11 @@ class Scheduler:
                     rows += self._prompt_step(a)
                     self.stats.steps += 1
                 elif a.alone:
-                    self._run([a], lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, sequence_id=a.sequence_id)])
+                    self._run(
+                        [a],
+                        len(a.tokens),
+                        lambda a=a: [a.model.forward(a.tokens, last_n=a.outputs, sequence_id=a.sequence_id)],
+                    )
                     rows += len(a.tokens)
                     self.stats.steps += 1
             self.stats.last_rows = rows
@@ -318,11 +323,12 @@ class Scheduler:
         return a.carried
 
     @staticmethod
-    def _run(group: list[_Ask], forward) -> None:
+    def _run(group: list[_Ask], rows: int, forward) -> None:
+        """One forward of the group's asks (`rows` tokens in all): each ask its result and the forward's timing."""
         try:
             start = time.perf_counter()
             results = forward()
-            timing = (sum(len(a.tokens) for a in group), time.perf_counter() - start)
+            timing = (rows, time.perf_counter() - start)
             for a, result in zip(group, results):
                 a.result, a.timing = result, timing
         except BaseException as e:  # noqa: BLE001 -- handed to each asking request, raised there

@@ -167,7 +167,7 @@ def best_length(
     plain = [r for r in shared if r == 1] if together else []  # they wait out the draft steps
     n = 1 + len(shared) - len(plain)  # the requests that draft (their last rounds verified drafts) and mine
     others = len(plain) if together else sum(expected_tokens(alpha, min(r - 1, max_k)) for r in shared)
-    draft_n = (draft_step(n) if draft_step is not None else draft_s) if together else draft_s
+    draft_n = draft_step(n) if together and draft_step is not None else draft_s
     best, best_rate, best_saved = 0, -1.0, 0.0
     for k in range(max(0, max_k) + 1):
         tokens = expected_tokens(alpha, k)

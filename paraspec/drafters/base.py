@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,7 @@ class Drafter:
     sources: tuple[str, ...] = ("",)
     memory: PatternMemory | None = None  # a model-free drafter's PatternMemory (drafters/memory.py), if it keeps one
     timings: Sequence[tuple[int, float]] = ()  # a draft model: (width, seconds) of the forwards of its last proposal
+    model: Any = None  # a draft model's drafter: the model (or a Scheduler's view of it) its forwards run on
     prompt_length = 0  # the request's prompt length (DraftPolicy.begin): where a draft's penalties start counting
     grammar: GrammarMatcher | None = None  # the request's structured-output state (DraftPolicy.begin; its grammar)
     # the last tokens of the sequence a proposal continues that are drafts, not committed (the grammar's forced

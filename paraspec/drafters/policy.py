@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -79,9 +80,10 @@ class DraftPolicy(Drafter):
         self.load: Callable[[], Load] | None = None
         # and the forwards the target runs a step of such per-request widths as (Sequences.step_forwards)
         self.split: Callable[[list[int]], list[int]] | None = None
-        # and (a draft model's view, or None: the target's) -> the (rows, seconds) of the forwards its asks rode in:
-        # the costs are refined from those, not from the wall time of a round, which holds the others' steps too
-        self.timed: Callable[..., list[tuple[int, float]]] | None = None
+        # and a view (the target's, `verifier`, or a draft model's) -> the (rows, seconds) of the forwards its asks
+        # rode in: the costs are refined from those, not from a round's wall time, which holds the others' steps too
+        self.timed: Callable[[Any], list[tuple[int, float]]] | None = None
+        self.verifier: Any = None
         self.grammar: GrammarMatcher | None = None  # the request's structured-output state (begin)
         self._start_round()
 
@@ -410,7 +412,7 @@ class DraftPolicy(Drafter):
         remaining: int | None,
         load: Load,
         plain_s: float,
-        draft_step=None,
+        draft_step: Callable[[int], float] | None = None,
     ) -> bool:
         """Whether drafting would beat plain decoding if every draft were accepted (the best case), in a step with
         the others' `load`, its catch-up paid within the request's remaining tokens: where even that
@@ -429,9 +431,7 @@ class DraftPolicy(Drafter):
 
     def _observe_forwards(self, i: int) -> None:
         drafter = self.drafters[i]
-        model = getattr(drafter, "model", None)  # a draft model's view (drafters/model.py)
-        timings = drafter.timings if self.timed is None or model is None else self.timed(model)
-        for width, seconds in timings:
+        for width, seconds in drafter.timings if self.timed is None else self.timed(drafter.model):
             self.draft_costs[i].observe(width, seconds)
 
     # -- after verification -----------------------------------------------------------------------------------
@@ -459,7 +459,7 @@ class DraftPolicy(Drafter):
                 d.committed(self._prefix_len + f, after)
         if not self.adaptive:
             return
-        for width, seconds in [(verify_width, verify_s)] if self.timed is None else self.timed():
+        for width, seconds in [(verify_width, verify_s)] if self.timed is None else self.timed(self.verifier):
             self._cost.observe(width, seconds)
         if self._used is not None and self._accepted >= 0:
             judged = self._buckets[: self._accepted + 1]  # the accepted drafts and the first rejected one

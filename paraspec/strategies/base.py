@@ -324,9 +324,7 @@ class LocalStrategy(Strategy):
             if not d.free
         }
         policy = DraftPolicy(drafters, cost, draft_costs, auto=self.options["adaptive"] is None)
-        policy.load, policy.split = seat.load, seat.split
-        if seat.timed is not None:
-            policy.timed = lambda view=None, seat=seat: seat.timed(view if view is not None else seat.target)
+        policy.load, policy.split, policy.timed, policy.verifier = seat.load, seat.split, seat.timed, seat.target
         own = self.policies.get(self.seat)
         if own is not None and seat is not self.seat:
             # the acceptance estimates are the pair's (and the text's), not a sequence's: every seat reads and adds

@@ -427,7 +427,7 @@ def test_under_a_scheduler_the_costs_are_refined_from_the_forwards_not_the_round
     cpu = ForwardCost({1: 0.04, 4: 0.12, 8: 0.26})
     policy = DraftPolicy([NGramDrafter(100, 1, 3)], cpu)
     rode = [(8, 0.30)]
-    policy.timed = lambda view=None: rode
+    policy.timed = lambda view: rode
     sequence = [1, 2, 3, 4, 5, 6] * 6
     policy.propose(sequence, 4, GREEDY, GEN)
     policy.observe(1, 5.0, [sequence[0]])
