@@ -3,6 +3,9 @@
     .venv/bin/python -m pytest -q --junitxml=/tmp/junit.xml        # the whole suite (make test's command)
     .venv/bin/python benchmarks/test_times.py /tmp/junit.xml [--top 40] [--compare /tmp/before.xml]
 
+Besides files and tests it sums blocks of the suite (block_of): the reference pair, the sampling checks (the names
+tests/conftest.py marks slow by), the HTTP server, Ray, the rest.
+
 A test's time includes the set-up of the fixtures it is the first to use (the real-pair references, a Ray cluster),
 so compare files, or the same test across two reports of the same machine; and compare the tests a change left
 alone too: this project's Zen 3 VM has run the same suite 44 and 80 minutes on consecutive days.
@@ -12,7 +15,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.conftest import RAY_FILES, SLOW_WORDS  # noqa: E402 -- the suite's own words for its slow tests
 
 
 def cases(path: str) -> dict[str, tuple[str, float]]:
@@ -22,6 +30,30 @@ def cases(path: str) -> dict[str, tuple[str, float]]:
         file = case.get("classname", "")
         out[f"{file}::{case.get('name')}"] = (file, float(case.get("time", 0.0)))
     return out
+
+
+def block_of(test_id: str) -> str:
+    """The block of the suite a test belongs to (the first rule that holds)."""
+    file, name = test_id.split("::", 1)
+    path = file.replace(".", "/") + ".py"
+    if file == "tests.test_real_pair" or "reference_pair" in name:
+        return "the reference pair"
+    if any(word in name for word in SLOW_WORDS):
+        return "sampling checks (tiny models, Ray nodes included)"
+    if file.startswith("tests.server."):
+        return "the HTTP server (tiny models)"
+    if path.endswith(RAY_FILES):
+        return "Ray, other tests"
+    return "everything else (tiny models, unit tests)"
+
+
+def by_block(report: dict[str, tuple[str, float]]) -> tuple[collections.Counter, collections.Counter]:
+    """Seconds and tests per block."""
+    seconds, count = collections.Counter(), collections.Counter()
+    for test_id, (_, s) in report.items():
+        seconds[block_of(test_id)] += s
+        count[block_of(test_id)] += 1
+    return seconds, count
 
 
 def by_file(report: dict[str, tuple[str, float]]) -> collections.Counter:
@@ -44,6 +76,15 @@ def main() -> None:
         f"{len(after)} tests, {total / 60:.1f} min"
         + (f" (before: {len(before)} tests, {sum(s for _, s in before.values()) / 60:.1f} min)" if before else "")
     )
+    blocks_before, _ = by_block(before)
+    print("\nper block (worker-minutes, tests):")
+    seconds, count = by_block(after)
+    for block, s in seconds.most_common():
+        print(
+            f"{s / 60:8.1f}"
+            + (f"  (before {blocks_before[block] / 60:5.1f})" if before else "")
+            + f"  {count[block]:5d}  {block}"
+        )
     files_before = by_file(before)
     print("\nper file (s):")
     for file, seconds in by_file(after).most_common(25):
