@@ -37,18 +37,21 @@ def draft_loop(
     label: str = "draft",
     prompt_length: int = 0,
     grammar: WorkerGrammar | None = None,
+    window: int = 0,
 ) -> dict:
     """Runs in the draft worker (`draft`: the worker's model) until the channel stops (the request ended or a
     worker failed). `channel_name` and `label` (its trace row) tell several drafters apart (dsi's drafters).
-    `grammar`: the request's structured output, which masks each draft on the output its cache holds."""
+    `grammar`: the request's structured output, which masks each draft on the output its cache holds. `window`: the
+    draft reads at most the last `window` tokens it has not cached (ModelDrafter's window; 0: all)."""
     channel = ctx.channels[channel_name]
-    drafter = ModelDrafter(draft, vocab_size)
+    drafter = ModelDrafter(draft, vocab_size, window=window)
     drafter.prompt_length = prompt_length  # the request's penalties count the output after it
     drafter.grammar = None if grammar is None else grammar.matcher(vocab_size)
     generator = make_generator(None if seed is None else seed + 1)
     trace = Trace(t0=t0)
     device = f"{label}:{ctx.device}"
-    cached: list[int] = []  # exactly the tokens in the draft's KV cache, in order
+    cached: list[int] = []  # the sequence the draft's KV cache accounts for (with a window: the tokens it holds,
+    # cached[drafter.offset:], after those the window skipped), in order
     version = None
     drafted = published = rollbacks = fed = discarded = 0
     drafter.reset()
@@ -102,6 +105,7 @@ def draft_loop(
         "fed": fed,
         "discarded": discarded,
         "cache_length": drafter.length,
+        "offset": drafter.offset,  # the window's: the cache holds cached[offset:]
         "cached": list(cached),
         "trace": trace.to_dict(),
     }

@@ -2,6 +2,11 @@
 KV cache. easyspec's drafters subclass it and change how the root and the tree levels are computed (layer-parallel) and
 what the cache keeps after a round (`accept_tree`).
 
+window: a draft model that reads at most the last `window` tokens of the context it has not cached (0: all of it).
+Its cache then holds `sequence[offset:]` at positions from 0, and `length` stays in the sequence's positions. The
+draft's numbers never reach the output (acceptance judges them against the target), so a shorter context costs
+acceptance only: what it saves is the catch-up, a prompt's most of all (docs/DRAFTERS.md, "The draft's window").
+
 q: the processed draft distribution each token was sampled from (`logits_to_probs`), restricted to the first
 `vocab_size` ids (those the target can score): a padding row of a wider draft head could otherwise win.
 """
@@ -31,11 +36,13 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model, vocab_size: int, min_confidence: float = 0.0):
+    def __init__(self, model, vocab_size: int, min_confidence: float = 0.0, window: int = 0):
         """vocab_size: the target's (ids the draft may propose). min_confidence: a chain stops after a token
         whose draft probability is below it (HF assisted generation's rule): where the draft is unsure the
         target will likely reject, so drafting on is waste. Stopping early only shortens the chain."""
         self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
+        self.window = window
+        self.offset = 0  # the sequence's tokens before the draft's cache (window: the ones it never read)
         self._tree: DraftTreeCache | None = None  # the slots of the last proposed tree's nodes
         self.timings: list[tuple[int, float]] = []  # (width, seconds) of each forward of the last proposal
         self.device = getattr(model, "device", None)  # waited for around each timed forward (None: a model
@@ -43,13 +50,23 @@ class ModelDrafter(Drafter):
 
     @property
     def length(self) -> int:
-        return self.model.length
+        """The sequence's tokens the draft's cache accounts for (read, or skipped by the window)."""
+        return self.model.length + self.offset
 
     def reset(self) -> None:
         self.rollback(0)
 
     def behind(self, sequence: list[int]) -> int:
-        return max(len(sequence) - self.length, 0)
+        gap = max(len(sequence) - self.length, 0)
+        return min(gap, self.window) if self.window else gap
+
+    def catch_up(self, sequence: list[int]) -> list[int]:
+        """The tokens of `sequence` to feed before drafting: those the cache lacks, or -- more than `window` of
+        them -- the last `window`, into an emptied cache."""
+        if self.window and len(sequence) - self.length > self.window:
+            self.model.rollback(0)
+            self.offset = len(sequence) - self.window
+        return sequence[self.length :]
 
     def propose(
         self, sequence: list[int], k: int, params: SamplingParams, generator: torch.Generator, pending: int = 1
@@ -62,7 +79,7 @@ class ModelDrafter(Drafter):
         probs: list[torch.Tensor] = []
         if k <= 0:
             return Proposal(tokens)
-        logits = self.logits(sequence[self.model.length :])
+        logits = self.logits(self.catch_up(sequence))
         for i in range(k):
             token, q = draw(self.adjust(logits, params, sequence, tokens), params, generator)
             if q is not None:
@@ -97,6 +114,7 @@ class ModelDrafter(Drafter):
     ) -> TokenTree:
         """Grow the tree level by level (draft_tree); each level's nodes go through the draft in one forward,
         each seeing only the prefix, its ancestors and itself."""
+        assert not self.window, "a windowed draft drafts chains only (its tree slots are the cache's positions)"
         self.timings = []
         root_logits = self.root(sequence[self.length :])
         self._tree = DraftTreeCache(self, self.expand, len(sequence))
@@ -143,7 +161,11 @@ class ModelDrafter(Drafter):
 
     # -- cache operations (a multi-device drafter runs them on every replica) ------------------------------------
     def rollback(self, length: int) -> None:
-        self.model.rollback(length)
+        if length < self.offset:  # into what the window skipped: the cache starts afresh at the next catch-up
+            self.model.rollback(0)
+            self.offset = 0
+        else:
+            self.model.rollback(length - self.offset)
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.model.keep_path(prefix_len, slots)

@@ -48,7 +48,7 @@ from paraspec.verify import judge_in_hand, verify_chain
 class AMUSD(WorkerStrategy):
     name = "amusd"
     summary = "draft and verify at the same time on separate devices (AMUSD)"
-    option_names = ("max_ahead", "verify_chunk")
+    option_names = ("max_ahead", "verify_chunk", "draft_window")
     caps = Capabilities(
         runtime_kinds=WITH_RAY,
         in_workers=True,
@@ -82,8 +82,10 @@ class AMUSD(WorkerStrategy):
         grammar = None
         if run.params.structured is not None:
             grammar = WorkerGrammar(self.tokenizer_folder, run.params.structured, tuple(sorted(run.stop_ids)))
-        options = self.options
-        return run_request(run, self.runtime, self.channel, options["max_ahead"], options["verify_chunk"], grammar)
+        o = self.options
+        return run_request(
+            run, self.runtime, self.channel, o["max_ahead"], o["verify_chunk"], grammar, o["draft_window"]
+        )
 
 
 def verify_loop(
@@ -273,10 +275,11 @@ def run_request(
     max_ahead: int = 16,
     verify_chunk: int = 8,
     grammar: WorkerGrammar | None = None,
+    window: int = 0,
 ):
     """Caller side: start both loops, stream committed tokens, then count the verifier's verdicts and fold both
     workers' reports and traces into `run` (the logprobs the verifier computed among them). `grammar`: the request's
-    structured output, for the verifier's rows and the drafter's q."""
+    structured output, for the verifier's rows and the drafter's q. `window`: the draft's (draft_loop)."""
     channel.reset(run.prompt_ids)
     run.expect_worker_logprobs()
     target, draft = runtime["target"], runtime["draft"]
@@ -301,6 +304,7 @@ def run_request(
         seed=run.params.seed,
         t0=run.trace.t0,
         grammar=grammar,
+        window=window,
     )
     seen = len(run.prompt_ids)
     finished = False

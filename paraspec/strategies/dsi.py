@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 class DSI(WorkerStrategy):
     name = "dsi"
     summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
-    option_names = ("lookahead", "max_ahead") + DRAFTER_OPTIONS
+    option_names = ("lookahead", "max_ahead", "draft_window") + DRAFTER_OPTIONS
     caps = Capabilities(drafts="several", model_free=True, runtime_kinds=WITH_RAY, in_workers=True, across_nodes=True)
 
     @classmethod
@@ -135,6 +135,7 @@ class DSI(WorkerStrategy):
             None
             if run.params.structured is None
             else WorkerGrammar(self.tokenizer_folder, run.params.structured, tuple(sorted(run.stop_ids))),
+            self.options["draft_window"],
         )
 
 
@@ -529,11 +530,12 @@ def run_request(
     max_ahead: int,
     order: list | None = None,
     grammar: WorkerGrammar | None = None,
+    window: int = 0,
 ):
     """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
     Drafter drafter_names[i] drafts into the channel channel_names[i]; `order` puts them and the model-free
     drafters in priority order (_Orchestrator). `grammar`: the request's structured output, for the drafters' q (the
-    target's rows are masked here, by `run`)."""
+    target's rows are masked here, by `run`). `window`: the draft models' (draft_loop)."""
     channels = [runtime.channels[name] for name in channel_names]
     local = [d for d in order or [] if not isinstance(d, int)]
     for drafter in local:
@@ -555,6 +557,7 @@ def run_request(
                 label=drafter_names[i],
                 prompt_length=len(run.prompt_ids),
                 grammar=grammar,
+                window=window,
             )
         )
     finished = False

@@ -60,6 +60,15 @@ OPTIONS: dict[str, Option] = {
             "of its token falls below this (0 = always draft --lookahead tokens; HF assisted uses 0.4)",
             minimum=0,
         ),
+        Option(
+            "draft_window",
+            int,
+            0,
+            "sd, amusd, dsi: the draft model reads at most the last N tokens of the context it has not cached -- a "
+            "long prompt's catch-up costs N tokens, not the prompt, and the draft loses the rest of the context "
+            "(0 = all of it, the default: code drafts need it; docs/DRAFTERS.md, 'The draft's window')",
+            minimum=0,
+        ),
         Option("tree_width", int, 4, "tree, easyspec: most nodes per tree level (1 = a chain)"),
         Option("tree_depth", int, 5, "tree, easyspec: levels of the draft tree (tokens one round can accept)"),
         Option("tree_budget", int, 64, "tree, easyspec: most tree nodes verified in one target forward"),

@@ -26,7 +26,7 @@ from paraspec.verify import verify_chain
 class SD(LocalStrategy):
     name = "sd"
     summary = "synchronous speculative decoding (draft k, verify in one forward)"
-    option_names = ("lookahead", "draft_confidence", "adaptive") + ROUND_DRAFTER_OPTIONS
+    option_names = ("lookahead", "draft_confidence", "draft_window", "adaptive") + ROUND_DRAFTER_OPTIONS
     # auto: the adaptive rule decides each round's length (up to lookahead) for greedy and unseeded requests,
     # measured to decide better than a fixed lookahead on every CPU tried (docs/DRAFTERS.md, "sd's default");
     # a seeded sampled request drafts `lookahead` every round, so its seed reproduces it
@@ -39,9 +39,9 @@ class SD(LocalStrategy):
         self.kept_policy()
 
     def build_policy(self, seat: Seat) -> DraftPolicy:
-        confidence = self.options["draft_confidence"]
+        confidence, window = self.options["draft_confidence"], self.options["draft_window"]
         return self.make_policy(
-            lambda m: ModelDrafter(m, self.target.vocab_size, confidence), self.options["lookahead"], seat
+            lambda m: ModelDrafter(m, self.target.vocab_size, confidence, window), self.options["lookahead"], seat
         )
 
     def decode(self, run: RequestState, seat: Seat | None = None):
