@@ -53,7 +53,7 @@ test: setup models peer lint
 # every strategy, the unit and tiny GGUF tests; not the `slow` ones (chi-square sampling checks, Ray nodes, the
 # HTTP server, fault injection across processes; tests/conftest.py lists them), which `make test` runs.
 test-fast: setup
-	$(PYTHON) -m pytest -q -m "not real_pair and not slow" $(TEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not real_pair and not slow" $(TEST_ARGS)
 
 # The main job, minutes on a warm cache (models fetched, llama.cpp built): the reference pair, greedy, on the
 # machine's 2 cores, on llama.cpp's kernels (--backend auto), against llama.cpp itself; one `paraspec bench` per
