@@ -51,8 +51,9 @@ def by_block(report: dict[str, tuple[str, float]]) -> tuple[collections.Counter,
     """Seconds and tests per block."""
     seconds, count = collections.Counter(), collections.Counter()
     for test_id, (_, s) in report.items():
-        seconds[block_of(test_id)] += s
-        count[block_of(test_id)] += 1
+        block = block_of(test_id)
+        seconds[block] += s
+        count[block] += 1
     return seconds, count
 
 

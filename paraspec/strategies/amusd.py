@@ -82,9 +82,15 @@ class AMUSD(WorkerStrategy):
         grammar = None
         if run.params.structured is not None:
             grammar = WorkerGrammar(self.tokenizer_folder, run.params.structured, tuple(sorted(run.stop_ids)))
-        o = self.options
+        options = self.options
         return run_request(
-            run, self.runtime, self.channel, o["max_ahead"], o["verify_chunk"], grammar, o["draft_window"]
+            run,
+            self.runtime,
+            self.channel,
+            options["max_ahead"],
+            options["verify_chunk"],
+            grammar,
+            options["draft_window"],
         )
 
 

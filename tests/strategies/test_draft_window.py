@@ -4,11 +4,12 @@ answers stay ar's, sampled ones follow the target's distribution, for sd (in-pro
 (amusd, dsi)."""
 
 import pytest
+import torch
 
 from paraspec import Engine, SamplingParams
 from paraspec.drafters import ModelDrafter
 from paraspec.models.loader import load_model
-from paraspec.sampling import make_generator
+from paraspec.sampling import logits_to_probs, make_generator
 from tests.conftest import PROMPT, assert_matches, exact_joint
 from tests.strategies.conftest import check_draft_cache
 from tests.strategies.test_lossless import N_SAMPLES, SAMPLING, ar, engine, sample_first_two
@@ -23,20 +24,21 @@ def draft_model(qwen2_partial):
 
 
 def test_the_draft_reads_the_last_window_tokens_only(draft_model):
-    """The catch-up of a 12-token sequence is its last 4 tokens, at positions from 0: the draft's next logits are a
+    """The catch-up of a 12-token sequence is its last 4 tokens, at positions from 0: the q of the first draft is a
     fresh prefill's of those 4 (not of all 12); the sequence's positions map onto the cache's through rollbacks."""
     sequence = list(range(3, 15))
+    sampled = SamplingParams(max_new_tokens=1, temperature=1.0)
     drafter = ModelDrafter(draft_model, draft_model.vocab_size, window=WINDOW)
     drafter.reset()
     assert drafter.behind(sequence) == WINDOW
-    proposal = drafter.propose(sequence, 3, GREEDY, make_generator(0))
+    proposal = drafter.propose(sequence, 3, sampled, make_generator(0))
     assert draft_model.length == WINDOW + 2 and drafter.length == len(sequence) + 2 and drafter.offset == 8
-    cached = draft_model.length
     draft_model.rollback(0)
-    expected = draft_model.prefill(sequence[-WINDOW:]).argmax().item()
-    assert proposal.tokens[0] == expected
-    draft_model.prefill(sequence[-WINDOW:] + proposal.tokens[:2])  # the drafter's cache as it was
-    assert draft_model.length == cached
+    whole = logits_to_probs(draft_model.prefill(sequence), sampled)
+    draft_model.rollback(0)
+    window = logits_to_probs(draft_model.prefill(sequence[-WINDOW:]), sampled)
+    assert torch.allclose(proposal.q[0], window, atol=1e-6) and not torch.allclose(proposal.q[0], whole, atol=1e-3)
+    draft_model.forward(proposal.tokens[:2])  # the drafter's cache as it was: the window, then two drafts
 
     drafter.rollback(len(sequence) + 1)  # the first draft kept: the sequence's positions, not the cache's
     assert draft_model.length == WINDOW + 1 and drafter.behind(sequence + proposal.tokens[:2]) == 1
@@ -71,7 +73,9 @@ def test_a_windowed_draft_returns_ar_tokens(qwen2_target, qwen2_partial, name):
         result = e.generate(PROMPT, params)
         assert result.token_ids == expected
         assert 0 < result.stats.accepted < result.stats.drafted
-        if name != "sd":  # the worker's record of its cache: the window's tokens, after what it skipped
+        if name == "sd":  # the prompt's catch-up was the window's
+            assert e.strategy.policy.drafters[0].offset >= len(result.prompt_ids) - WINDOW
+        else:  # the worker's record of its cache: the window's tokens, after what it skipped
             assert result.worker_reports["draft"]["offset"] >= len(result.prompt_ids) - WINDOW
             check_draft_cache(e, result)
 
