@@ -287,11 +287,35 @@ def gone(pid: int) -> bool:
     return not path.exists() or "zombie" in path.read_text()
 
 
-def spawned_workers(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children += [int(c) for c in (task / "children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return children
+
+
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def spawned_workers(pid: int, with_server: bool = False) -> list[int]:
+    """The worker processes `pid` started: spawned children, or the children of its fork server
+    (runtime/workers.worker_start_method); with_server: the fork server too, once it has a worker."""
+    workers, servers = [], []
+    for child in children_of(pid):
+        command = command_of(child)
+        if "spawn_main" in command:
+            workers.append(child)
+        elif "multiprocessing.forkserver" in command:
+            servers.append(child)
+            workers += children_of(child)
+    return workers + servers if with_server and workers else workers
 
 
 def wait_for(predicate, timeout: float = 120.0):

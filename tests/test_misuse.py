@@ -479,7 +479,7 @@ def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int, merged: bool = F
 def test_ctrl_c_while_workers_start_prints_one_line(qwen2_target, qwen2_partial):
     cli = start_cli(qwen2_target, qwen2_partial, 50)
     try:
-        workers = wait_for(lambda: cli.poll() is None and spawned_workers(cli.pid))
+        workers = wait_for(lambda: cli.poll() is None and spawned_workers(cli.pid, with_server=True))
         time.sleep(0.3)  # the workers are importing torch or loading now
         os.killpg(cli.pid, signal.SIGINT)  # Ctrl-C reaches the whole group
         _, err = cli.communicate(timeout=60)
@@ -594,7 +594,7 @@ def test_a_signal_inside_an_import_of_the_command_exits_with_its_code(case, tmp_
 def test_sigterm_unlinks_every_segment(qwen2_target, qwen2_partial):
     cli = start_cli(qwen2_target, qwen2_partial, 50)
     try:
-        workers = wait_for(lambda: cli.poll() is None and spawned_workers(cli.pid))
+        workers = wait_for(lambda: cli.poll() is None and spawned_workers(cli.pid, with_server=True))
         assert [p for p in Path("/dev/shm").iterdir() if p.name.startswith(f"paraspec_{cli.pid}_")]
         os.kill(cli.pid, signal.SIGTERM)  # the workers are starting: segments exist, nothing is ready
         _, err = cli.communicate(timeout=60)

@@ -236,10 +236,64 @@ def _build_model(name: str, device: Device, spec: bytes, in_process: bool):
     return model, info
 
 
-def process_main(sock: socket.socket, name: str, device: str, spec: bytes, heartbeat_s: float | None = None) -> None:
+class CallerState:
+    """What a worker forked from the fork server takes from its caller as the caller is when the worker starts (a
+    spawned worker inherits the same): the environment, and the caller's stdout and stderr. The descriptors travel
+    as the start method passes descriptors (multiprocessing's DupFd, made while the worker is being started)."""
+
+    def __init__(self, environ: dict[str, str], stdio: tuple = (None, None)):
+        self.environ, self.stdio = environ, stdio
+
+    @classmethod
+    def now(cls) -> CallerState:
+        return cls(dict(os.environ))
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return CallerState, (self.environ, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2)))
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for stream in (sys.stdout, sys.stderr):
+            _flush(stream)
+        for target, passed in zip((1, 2), self.stdio, strict=True):
+            if passed is not None:
+                fd = passed.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _flush(stream) -> None:
+    try:
+        stream.flush()
+    except (AttributeError, ValueError, OSError):
+        pass
+
+
+def process_main(
+    sock: socket.socket,
+    name: str,
+    device: str,
+    spec: bytes,
+    heartbeat_s: float | None = None,
+    caller: CallerState | None = None,
+) -> None:
     # Ctrl-C reaches the whole process group; the caller decides what happens to its workers. The caller held
-    # SIGINT and SIGTERM while it started us (workers.sigint_ignored_by_children): take SIGTERM again.
+    # SIGINT and SIGTERM while it started us (workers.sigint_ignored_by_children), and the fork server holds them
+    # as the caller did when it started the server: take SIGTERM again.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if caller is not None:
+        caller.apply()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     parent = multiprocessing.parent_process()
     if parent is not None:
@@ -253,8 +307,5 @@ def process_main(sock: socket.socket, name: str, device: str, spec: bytes, heart
     # Everything this process shared is released by now; skip the interpreter's teardown, which with torch loaded
     # is most of a close().
     for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, ValueError, OSError):
-            pass
+        _flush(stream)
     os._exit(0)

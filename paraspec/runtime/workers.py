@@ -36,7 +36,7 @@ from paraspec.runtime.channels import StopSignal, TokenChannel
 from paraspec.runtime.devices import Device, DeviceError, parse_device
 from paraspec.runtime.errors import WorkerClosed, WorkerDied, WorkerError, WorkerTimeout, remote_error
 from paraspec.runtime.wire import wire_pair
-from paraspec.runtime.worker_main import WorkerInfo, process_main, serve
+from paraspec.runtime.worker_main import CallerState, WorkerInfo, process_main, serve
 from paraspec.trace import Trace, TraceEvent
 
 
@@ -446,18 +446,46 @@ def expired(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
+# How worker processes start (PARASPEC_WORKER_START): "forkserver" (default where the platform has it) forks each
+# worker from one server process per caller that has imported torch and the worker's modules once, so a worker
+# starts in a fraction of the seconds a fresh interpreter takes to import torch; "spawn" starts each from a fresh
+# interpreter. Either way a worker gets the caller's environment, working directory, sys.path and stdio as they are
+# when it starts (the server's own are those of its first start).
+WORKER_STARTS = ("forkserver", "spawn")
+WORKER_PRELOAD = ["torch", "paraspec.runtime.worker_main", "paraspec.models.loader"]
+
+
+def worker_start_method() -> str:
+    method = os.environ.get("PARASPEC_WORKER_START", "forkserver")
+    if method not in WORKER_STARTS:
+        raise ValueError(f"PARASPEC_WORKER_START={method!r}: use one of {', '.join(WORKER_STARTS)}")
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return method
+
+
+def worker_context(method: str):
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts (the first worker's start)
+    return context
+
+
 class ProcessWorker(Worker):
-    """A worker in its own spawned process, pinned to its device."""
+    """A worker in its own process (forked from the fork server or spawned: worker_start_method), pinned to its
+    device."""
 
     kind = "process"
 
     def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")
+        method = worker_start_method()
+        context = worker_context(method)
+        caller = CallerState.now() if method == "forkserver" else None
         self._process = context.Process(
             target=process_main,
             name=f"paraspec-{self.name}",
             daemon=True,
-            args=(self._their_sock, self.name, str(self.device), self._spec, self.heartbeat_s),
+            args=(self._their_sock, self.name, str(self.device), self._spec, self.heartbeat_s, caller),
         )
         try:
             with sigint_ignored_by_children():

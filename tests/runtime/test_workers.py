@@ -2,6 +2,7 @@
 
 import os
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from paraspec.models.base import Model
 from paraspec.runtime import RemoteError, Runtime, TokenChannel, WorkerError
 from paraspec.runtime.remote import RemoteModel
+from paraspec.runtime.workers import WORKER_STARTS
 from paraspec.trace import Trace
 from tests.runtime import loops
 from tests.runtime.toy_model import ToyModel, broken_factory, make_toy
@@ -180,3 +182,43 @@ def test_unknown_kind_and_duplicate_names(pair):
         Runtime("ray-someday")
     with pytest.raises(ValueError, match="already exists"):
         pair.add_worker("w0", "cpu:0", make_toy)
+
+
+@contextmanager
+def stderr_to_devnull():
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@pytest.mark.parametrize("method", WORKER_STARTS)
+def test_a_worker_starts_with_the_callers_environment_and_stderr_of_that_moment(method, monkeypatch, capfd):
+    """Either start method: a worker sees the caller's environment as it is when the worker starts and writes to
+    the caller's stderr of that moment, though a forked worker's server started earlier (with the first worker, or
+    in an earlier test), with the environment and stderr of then."""
+    monkeypatch.setenv("PARASPEC_WORKER_START", method)
+    with Runtime("process") as rt:
+        with stderr_to_devnull():  # a fork server started now has no stderr of its own to give its workers
+            first = rt.add_worker("first", "cpu:0", make_toy)
+            first.wait_ready(timeout=60)
+        monkeypatch.setenv("PARASPEC_TEST_MARK", "set after the first start")
+        second = rt.add_worker("second", "cpu:1", make_toy)
+        second.wait_ready(timeout=60)
+        assert first.call("environment", "PARASPEC_TEST_MARK") is None
+        assert second.call("environment", "PARASPEC_TEST_MARK") == "set after the first start"
+        capfd.readouterr()
+        second.call("say", "from the second worker")
+        assert "from the second worker" in capfd.readouterr().err
+        assert (second.call("parent_pid") == os.getpid()) == (method == "spawn")  # forked from the server
+
+
+def test_an_unknown_start_method_is_named(monkeypatch):
+    monkeypatch.setenv("PARASPEC_WORKER_START", "fork")
+    with Runtime("process") as rt:
+        with pytest.raises(ValueError, match="PARASPEC_WORKER_START='fork': use one of forkserver, spawn"):
+            rt.add_worker("w", "cpu:0", make_toy)

@@ -7,6 +7,7 @@ so a test can recompute any answer locally. The "KV cache" is a list of tokens.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -64,6 +65,15 @@ class ToyModel:
 
     def unpicklable(self):
         return lambda: None
+
+    def environment(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def say(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def parent_pid(self) -> int:
+        return os.getppid()
 
 
 def make_toy(**kwargs) -> ToyModel:

@@ -277,10 +277,17 @@ class DecoderLayer(nn.Module):
         return h + self.mlp_block(h)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose weights are not initialised (they come from a checkpoint, as kernels.Linear's do)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class DecoderBody(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

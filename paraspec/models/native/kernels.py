@@ -71,7 +71,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) whose product goes through `linear` above."""
+    """nn.Linear (same parameters and state-dict names) whose product goes through `linear` above. Its weights
+    are not initialised: a decoder is built on the meta device and given a checkpoint's weights (or random ones,
+    shapes.random_decoder), and nn.Linear's init there would only cost the first load of each process the import
+    of torch's compiler (seconds: every worker process loads a model)."""
+
+    def reset_parameters(self) -> None:
+        pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
