@@ -238,24 +238,29 @@ def _build_model(name: str, device: Device, spec: bytes, in_process: bool):
 
 class CallerState:
     """What a worker forked from the fork server takes from its caller as the caller is when the worker starts (a
-    spawned worker inherits the same): the environment, and the caller's stdout and stderr. The descriptors travel
-    as the start method passes descriptors (multiprocessing's DupFd, made while the worker is being started)."""
+    spawned worker inherits the same): the environment, the core affinity (a worker on `cpu` keeps it; one on
+    `cpu:N` pins itself) and the caller's stdout and stderr. The descriptors travel as the start method passes
+    descriptors (multiprocessing's DupFd, made while the worker is being started)."""
 
-    def __init__(self, environ: dict[str, str], stdio: tuple = (None, None)):
-        self.environ, self.stdio = environ, stdio
+    def __init__(self, environ: dict[str, str], affinity: set[int] | None = None, stdio: tuple = (None, None)):
+        self.environ, self.affinity, self.stdio = environ, affinity, stdio
 
     @classmethod
     def now(cls) -> CallerState:
-        return cls(dict(os.environ))
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        return cls(dict(os.environ), affinity)
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
-        return CallerState, (self.environ, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2)))
+        stdio = tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        return CallerState, (self.environ, self.affinity, stdio)
 
     def apply(self) -> None:
         os.environ.clear()
         os.environ.update(self.environ)
+        if self.affinity and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.affinity)
         for stream in (sys.stdout, sys.stderr):
             _flush(stream)
         for target, passed in zip((1, 2), self.stdio, strict=True):

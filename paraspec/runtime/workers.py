@@ -449,8 +449,8 @@ def expired(deadline: float | None) -> bool:
 # How worker processes start (PARASPEC_WORKER_START): "forkserver" (default where the platform has it) forks each
 # worker from one server process per caller that has imported torch and the worker's modules once, so a worker
 # starts in a fraction of the seconds a fresh interpreter takes to import torch; "spawn" starts each from a fresh
-# interpreter. Either way a worker gets the caller's environment, working directory, sys.path and stdio as they are
-# when it starts (the server's own are those of its first start).
+# interpreter. Either way a worker gets the caller's environment, cores, working directory, sys.path and stdio as
+# they are when it starts (the server's own are those of its first start).
 WORKER_STARTS = ("forkserver", "spawn")
 WORKER_PRELOAD = ["torch", "paraspec.runtime.worker_main", "paraspec.models.loader"]
 

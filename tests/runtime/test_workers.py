@@ -1,8 +1,12 @@
 """The worker protocol: commands, async submits, loops, pinning, remote exceptions, traces, RemoteModel."""
 
+import json
 import os
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,6 +219,24 @@ def test_a_worker_starts_with_the_callers_environment_and_stderr_of_that_moment(
         second.call("say", "from the second worker")
         assert "from the second worker" in capfd.readouterr().err
         assert (second.call("parent_pid") == os.getpid()) == (method == "spawn")  # forked from the server
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one")
+def test_a_worker_on_cpu_gets_the_callers_cores_of_its_start_not_the_servers():
+    """In a fresh interpreter (so a fresh fork server): the server starts while the caller is pinned to one core;
+    a worker on `cpu` started once the caller has every core again gets every core, as a spawned one would."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.runtime.affinity_child"],
+        cwd=root,
+        env=dict(os.environ, PARASPEC_WORKER_START="forkserver"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    cores = json.loads(done.stdout.strip().splitlines()[-1])
+    assert cores["pinned"] == cores["caller"][:1] and cores["free"] == cores["caller"], cores
 
 
 def test_an_unknown_start_method_is_named(monkeypatch):
