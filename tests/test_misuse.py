@@ -19,7 +19,7 @@ import pytest
 from paraspec import Engine, SamplingParams
 from paraspec.engine import EngineBusy, EngineClosed, StreamCancelled
 from paraspec.runtime import WorkerDied, WorkerTimeout
-from tests.conftest import PROMPT, gone, spawned_workers, wait_for
+from tests.conftest import PROMPT, children_of, gone, spawned_workers, wait_for
 
 PROCESS = dict(target_devices=["cpu:1"], draft_devices=["cpu:0"])
 PARAMS = SamplingParams(max_new_tokens=12)
@@ -506,14 +506,9 @@ def descendants(pid: int) -> set[int]:
     """Every process below `pid` now (children, their children, ...)."""
     found, todo = set(), [pid]
     while todo:
-        parent = todo.pop()
-        try:
-            for task in Path(f"/proc/{parent}/task").iterdir():
-                children = {int(c) for c in (task / "children").read_text().split()}
-                todo += children - found
-                found |= children
-        except (FileNotFoundError, ProcessLookupError):
-            continue
+        children = set(children_of(todo.pop())) - found
+        todo += children
+        found |= children
     return found
 
 
