@@ -63,6 +63,7 @@ SLOW_WORDS = (
     "distribution",
     "joint",
     "follows_the_target",
+    "follow_the_target",
     "catches_a_wrong_rule",
     "has_power",
     "marginals",
@@ -87,6 +88,9 @@ SLOW_TESTS = {
     "test_close_leaves_nothing_behind",
     "test_killed_draft_worker_is_reported_within_seconds",
     "test_abandoned_stream_cancels_cleanly",
+    "test_probe_cache_tells_kernels_apart",  # tiny GGUFs probed under several kernel settings; one stays fast
+    "test_a_tiled_matmul_asked_for_where_it_is_not_exact_is_refused",
+    "test_compiled_step_greedy_equals_ar",  # torch.compile on a CPU; the padded width's greedy tests stay fast
 }
 
 
