@@ -294,7 +294,7 @@ def process_main(
     caller: CallerState | None = None,
 ) -> None:
     # Ctrl-C reaches the whole process group; the caller decides what happens to its workers. The caller held
-    # SIGINT and SIGTERM while it started us (workers.sigint_ignored_by_children), and the fork server holds them
+    # SIGINT and SIGTERM while it started us (workers.signals_held_while_starting), and the fork server holds them
     # as the caller did when it started the server: take SIGTERM again.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if caller is not None:

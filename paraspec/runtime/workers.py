@@ -488,7 +488,7 @@ class ProcessWorker(Worker):
             args=(self._their_sock, self.name, str(self.device), self._spec, self.heartbeat_s, caller),
         )
         try:
-            with sigint_ignored_by_children():
+            with signals_held_while_starting():
                 self._process.start()
         except BaseException:  # e.g. SIGTERM, raised once the child is fully briefed: no orphan
             if self._process.pid is not None:
@@ -536,32 +536,34 @@ class ProcessWorker(Worker):
 
 
 @contextmanager
-def sigint_ignored_by_children():
-    """Start processes with SIGINT ignored from their first instruction: an ignored signal stays ignored across
-    exec, and Python then installs no KeyboardInterrupt handler, so Ctrl-C while a worker imports or loads prints
-    no traceback from it (the caller stops its workers). SIGINT and SIGTERM are blocked meanwhile in this thread,
-    and a SIGTERM that another thread of this process takes is only recorded (Python would otherwise run its
-    handler here, mid-start) and raised again right after: an exception raised halfway through start() would
-    leave the child half-briefed (it dies reading its bootstrap data, with a traceback)."""
+def signals_held_while_starting():
+    """Start processes with SIGINT and SIGTERM blocked from their first instruction (a blocked signal stays
+    blocked across fork and exec; the worker ignores SIGINT and unblocks both once its handlers are set), so
+    Ctrl-C while a worker imports or loads prints no traceback from it (the caller stops its workers). Meanwhile
+    this thread holds both, and one that another thread of this process takes is only recorded (Python would
+    otherwise run its handler here, mid-start) and raised again right after: an exception raised halfway through
+    start() would leave the child half-briefed (it dies reading its bootstrap data, with a traceback). Neither is
+    ever ignored here: the disposition is the whole process's, and a Ctrl-C that another thread took while the
+    first start waited seconds for the fork server to import torch would be lost (the run went on to its end)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may change handlers; Python delivers signals there anyway
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    held = (signal.SIGINT, signal.SIGTERM)
     caught: list[int] = []
-    previous_term = signal.getsignal(signal.SIGTERM)
-    if previous_term is not signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(held))
+    previous = {sig: signal.getsignal(sig) for sig in held}
+    for sig in held:
+        if previous[sig] is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if previous_term is not signal.SIG_IGN:
-            signal.signal(signal.SIGTERM, previous_term if previous_term is not None else signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-        if caught:
-            signal.raise_signal(signal.SIGTERM)
+        for sig in held:
+            if previous[sig] is not signal.SIG_IGN:
+                signal.signal(sig, previous[sig] if previous[sig] is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(held))
+        for sig in dict.fromkeys(caught):  # each once: the caller's handler decides what it means
+            signal.raise_signal(sig)
 
 
 class ThreadWorker(Worker):
