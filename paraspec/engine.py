@@ -119,6 +119,7 @@ class Engine:
         self.strategy.setup(self._placement)
         scheduler = Scheduler(self.strategy.target, self.strategy.draft_models) if self.max_num_seqs > 1 else None
         self.scheduler = self._parts["scheduler"] = scheduler
+        self.strategy.start_steps(scheduler.call if scheduler else None)
         self._gate.open(scheduler.seats if scheduler else [self.strategy.seat], scheduler.order if scheduler else None)
 
     def restart_workers(self, reserved: Request | None = None) -> None:

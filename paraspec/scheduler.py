@@ -33,9 +33,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,16 @@ class _Ask:
     carried: int = 0  # rows its last prompt forward carried
     timing: tuple[int, float] | None = None  # the rows and seconds of the forward that carried it
     result: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    """Set-up work run on the scheduler's thread between steps (Scheduler.call)."""
+
+    fn: Callable
+    result: Any = None
     error: BaseException | None = None
     done: bool = False
 
@@ -92,6 +103,7 @@ class Scheduler:
     def __init__(self, target: Sequences, draft_models: list[Sequences]):
         self._cv = threading.Condition()
         self._members: list[Member] = []
+        self._jobs: deque[_Job] = deque()  # set-up work for this thread (call)
         self._stepping = False
         self._closed = False
         self._lock = threading.Lock()  # one call into the models at a time (a step, a rollback, a move)
@@ -241,6 +253,25 @@ class Scheduler:
             ]
             return Load(tuple(r for r in rows if r), tuple(apart))
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the scheduler's thread between steps: its result, or its exception raised here. For set-up work
+        that runs the models' forwards (timing them for the adaptive rule): a forward run from another thread starts
+        an OpenMP pool there, and beside the pool that runs the steps it throttles both
+        (runtime.devices.on_passing_thread), so such a timing would price every forward too high."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        job = _Job(fn)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the Engine's scheduler is closed")
+            self._jobs.append(job)
+            self._cv.notify_all()
+            while not job.done:
+                self._cv.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
     # -- the scheduler's thread ----------------------------------------------------------------------------------
     def _ready(self) -> bool:
         """A step can run: someone asked, and every request that is computing has (a prompt's ask stays asked
@@ -251,9 +282,12 @@ class Scheduler:
     def _loop(self) -> None:
         with self._cv:
             while True:
-                self._cv.wait_for(lambda: self._closed or self._ready())
+                self._cv.wait_for(lambda: self._closed or bool(self._jobs) or self._ready())
                 if self._closed:
                     return
+                if self._jobs:
+                    self._run_job(self._jobs.popleft())
+                    continue
                 asks = [m.ask for m in self._members if m.ask is not None and not m.ask.done]
                 # the draft models' asks first, on their own: the target's asks wait for every request drafting
                 # now to finish its draft, so requests draft in the same steps and verify together (the rule prices
@@ -271,6 +305,21 @@ class Scheduler:
                     self._cv.acquire()
                     self._stepping = False
                     self._cv.notify_all()
+
+    def _run_job(self, job: _Job) -> None:
+        """A call()'s work, between steps (the caller holds _cv: released while it runs)."""
+        self._stepping = True
+        self._cv.release()
+        try:
+            with self._lock:
+                job.result = job.fn()
+        except BaseException as e:  # noqa: BLE001 -- raised in the caller
+            job.error = e
+        finally:
+            self._cv.acquire()
+            self._stepping = False
+            job.done = True
+            self._cv.notify_all()
 
     def _step(self, asks: list[_Ask]) -> None:
         """Run every ask of this step: the shareable ones of each model in as few forwards as their widths allow,
@@ -348,6 +397,9 @@ class Scheduler:
             for m in self._members:
                 if m.ask is not None and not m.ask.done:
                     m.ask.error, m.ask.done = RuntimeError("the Engine was closed while this forward waited"), True
+            while self._jobs:
+                job = self._jobs.popleft()
+                job.error, job.done = RuntimeError("the Engine was closed while this call waited"), True
             self._cv.notify_all()
 
 

@@ -127,25 +127,28 @@ def test_on_passing_thread_runs_on_a_thread_that_ends_and_raises_its_error():
         on_passing_thread(fails)
 
 
-def test_the_forward_costs_are_timed_on_a_passing_thread(monkeypatch):
-    """A pool of OpenMP threads left on the set-up thread (which lives on) throttles the forwards of the thread that
-    runs the steps (benchmarks/openmp_pools.py): the costs are timed on a thread that ends."""
-    import threading
+def test_the_forward_costs_are_timed_where_the_steps_run(monkeypatch):
+    """The costs are timed by the strategy's on_step_thread (the Engine sets it: the request's own thread, or the
+    Scheduler's, tests/strategies/test_batched.py), once per model."""
     from types import SimpleNamespace
 
     from paraspec.drafters import adaptive
     from paraspec.strategies.base import LocalStrategy
 
-    timed_on = []
+    ran, timed = [], []
 
     def measure(model, widths, context=32, repeats=2, last_only=False):
-        timed_on.append(threading.current_thread())
+        timed.append(widths)
         return adaptive.ForwardCost({w: 0.01 * w for w in widths})
 
+    def on_step_thread(fn):
+        ran.append(fn)
+        return fn()
+
     monkeypatch.setattr(adaptive.ForwardCost, "measure", staticmethod(measure))
-    owner = SimpleNamespace(cost_tables={})
+    owner = SimpleNamespace(cost_tables={}, on_step_thread=on_step_thread)
     cost = LocalStrategy.forward_cost(owner, "target", object(), [1, 2])
     assert cost.seconds == {1: 0.01, 2: 0.02} and set(owner.cost_tables) == {"target"}
-    assert len(timed_on) == 1 and timed_on[0] is not threading.current_thread() and not timed_on[0].is_alive()
+    assert len(ran) == 1 and timed == [[1, 2]]
     LocalStrategy.forward_cost(owner, "target", object(), [1])  # known: not timed again
-    assert len(timed_on) == 1
+    assert len(ran) == 1 and len(timed) == 1

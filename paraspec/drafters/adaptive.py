@@ -35,8 +35,9 @@ decoding's, and the draft reads the prompt after it, as a catch-up.
 A draft model that has not seen the latest tokens (the prompt, tokens another drafter drafted, plain rounds) must
 first feed them: a catch-up forward of D(behind) seconds (the draft's own ForwardCost) before its first draft.
 That is paid once and then saves time on every later round, so it is drafted through only when the steady-state
-saving over the request's remaining tokens exceeds it (`catch_up_pays`), and a probe only when the catch-up costs
-at most PROBE_SHARE of the plain rounds since the last one.
+saving over the request's remaining tokens exceeds it (`catch_up_pays`), and a probe only when what it adds to a
+plain round (the catch-up, its draft, a verification one token wider) costs at most PROBE_SHARE of the plain rounds
+since the last one: a bound on what probing a drafter that does not pay may cost.
 
 A model drafter nobody has judged yet is tried (its trial): from the prior alone a draft model costing a third of a
 target step never looks worth a round, nor its catch-up, so it would never be judged. Until TRIAL_JUDGED of its
@@ -61,7 +62,7 @@ from paraspec.runtime.devices import sync
 DECAY = 0.9  # weight of a round's observation after each later round (about the last 10 rounds)
 COST_EMA = 0.2  # weight of a new measurement of a forward width
 PROBE_START = 8  # plain rounds before a model drafter is probed again
-PROBE_SHARE = 0.05  # most a probe's catch-up may cost, as a share of the plain rounds since the last one
+PROBE_SHARE = 0.03  # most a probe may add to a plain round, as a share of the plain rounds since the last one
 FADE = 0.25  # evidence kept from earlier requests
 TRIAL_JUDGED = 4.0  # judged drafts (decayed) that end a model drafter's trial
 TRIAL_REMAINING = 32  # a trial starts only in a request with at least this many tokens left

@@ -371,11 +371,12 @@ class DraftPolicy(Drafter):
                 look = "trial"
             elif k == 0:
                 state.plain_rounds += 1
-                # probe a model drafter that has not drafted lately, if its catch-up is a small share of the
-                # plain rounds since (a probe that has to feed it the whole prompt is not worth the look)
-                if (
-                    state.plain_rounds >= state.probe_after
-                    and catch_up <= PROBE_SHARE * state.plain_rounds * self._cost(1)
+                # probe a model drafter that has not drafted lately, if what the probe adds to a plain round (its
+                # catch-up, its draft, the verification one token wider) is a small share of the plain rounds
+                # since (a probe that has to feed it the whole prompt is not worth the look)
+                probe_s = catch_up + draft_s + self._cost(pending + nodes(1)) - self._cost(pending)
+                if state.plain_rounds >= state.probe_after and probe_s <= PROBE_SHARE * state.plain_rounds * self._cost(
+                    1
                 ):
                     look = "probe"
             # a look only where drafting could pay were every draft right: on a CPU where the draft model's step

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from paraspec.request_state import RequestState, TokenLogprob, token_logprob
-from paraspec.runtime.devices import Device, apply_device, current_pinning, on_passing_thread, set_pinning
+from paraspec.runtime.devices import Device, apply_device, current_pinning, set_pinning
 
 if TYPE_CHECKING:
     from paraspec.drafters.adaptive import Load
@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 DRAFT_COUNTS = ("none", "one", "several")
 IN_PROCESS = ("process", "inprocess")  # runtime kinds of a strategy that starts no workers: nothing for Ray to place
 WITH_RAY = IN_PROCESS + ("ray",)  # and of one that starts workers Ray can place
+
+
+def _here(fn: Callable[[], Any]) -> Any:
+    """fn() on this thread: where the steps run when requests decode one at a time on their own threads."""
+    return fn()
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,10 @@ class Strategy(abc.ABC):
     def setup(self, placement: Placement) -> None:
         """Load the models (set target and drafts) and start whatever workers and channels it needs."""
 
+    def start_steps(self, call: Callable[[Callable[[], Any]], Any] | None = None) -> None:  # noqa: B027 -- a hook
+        """The Engine's steps start (after setup()): with `call` None on the requests' own threads, one request at
+        a time; else on a Scheduler's thread, where `call(fn)` runs set-up work that runs forwards."""
+
     @abc.abstractmethod
     def decode(self, run: RequestState, seat: Seat | None = None) -> Generator[list[int], None, None]:
         """Decode one request on `seat`'s models (None: the strategy's own, `self.seat`); yield the tokens of each
@@ -257,6 +266,7 @@ class LocalStrategy(Strategy):
         # across that seat's requests; built from the options
         self.policies: dict[Seat, Any] = {}
         self.cost_tables: dict = {}  # the models' forward costs by width, timed once (make_policy)
+        self.on_step_thread: Callable[[Callable[[], Any]], Any] = _here  # runs fn where the steps run (start_steps)
         self.step_rows = 0  # the widest step a verification shares with other requests' rows (0: alone)
 
     def setup(self, placement: Placement) -> None:
@@ -275,13 +285,23 @@ class LocalStrategy(Strategy):
             placement.load_here(d, placement.draft_devices[0], draft=True) for d in placement.draft_checkpoints
         ]
 
+    def start_steps(self, call: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        """The own seat's kept drafters built now (sd, tree), the models' forwards timed for the adaptive rule on
+        the thread that runs the steps: another thread's forwards start an OpenMP pool beside the steps' pool, and
+        both are throttled while both exist (runtime.devices.on_passing_thread), pricing every forward too high."""
+        self.on_step_thread = call or _here
+        if self.timed_at_start:
+            self.kept_policy()
+
+    timed_at_start: ClassVar[bool] = False  # sd, tree: build the own seat's drafters (and time the costs) at start
+
     def build_policy(self, seat: Seat):
         """A DraftPolicy for `seat` from the options (sd, tree: make_policy with their drafters)."""
         raise NotImplementedError
 
     def kept_policy(self, seat: Seat | None = None):
-        """`seat`'s kept drafters (default: the strategy's own seat): built at setup() for its own seat (timing the
-        costs), at a seat's first request for the others, and again after set_options()."""
+        """`seat`'s kept drafters (default: the strategy's own seat): built by start_steps() for its own seat
+        (timing the costs), at a seat's first request for the others, and again after set_options()."""
         seat = seat or self.seat
         policy = self.policies.get(seat)
         if policy is None:
@@ -307,8 +327,8 @@ class LocalStrategy(Strategy):
     def make_policy(self, for_model, widest: int, seat: Seat):
         """`seat`'s kept drafters (`make_drafters` on its draft models) in order; with the `adaptive` option, the
         target's verification widths up to `widest` + 1 (and the widest shared step) and each draft model's forwards
-        (its drafts and catch-ups) timed once, at start-up (the own seat's policy, built by setup()), not in a first
-        request. adaptive=None (auto): the same, the rule standing aside for seeded sampled requests
+        (its drafts and catch-ups) timed once, at start-up (the own seat's policy, built by start_steps()), not in a
+        first request. adaptive=None (auto): the same, the rule standing aside for seeded sampled requests
         (DraftPolicy.begin)."""
         from paraspec.drafters import DraftPolicy
         from paraspec.drafters.adaptive import DRAFT_WIDTHS, calibration_widths
@@ -340,8 +360,9 @@ class LocalStrategy(Strategy):
 
         known = self.cost_tables.get(key)
         if known is None or not set(widths) <= set(known.seconds):
-            # on a thread that ends with it, not this long-lived one (runtime.devices.on_passing_thread: OpenMP pools)
-            known = self.cost_tables[key] = on_passing_thread(ForwardCost.measure, model, widths, last_only=last_only)
+            known = self.cost_tables[key] = self.on_step_thread(
+                lambda: ForwardCost.measure(model, widths, last_only=last_only)
+            )
         return ForwardCost(dict(known.seconds))
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from paraspec.drafters import DraftPolicy, ModelDrafter, Proposal
 from paraspec.request_state import RequestState
-from paraspec.strategies.base import Capabilities, LocalStrategy, Placement, Seat
+from paraspec.strategies.base import Capabilities, LocalStrategy, Seat
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_chain
@@ -33,10 +33,7 @@ class SD(LocalStrategy):
     option_defaults = {"adaptive": None}
     # drafters in order: a model-free one first, the model where it has nothing
     caps = Capabilities(drafts="several", model_free=True, batches=True)
-
-    def setup(self, placement: Placement) -> None:
-        super().setup(placement)
-        self.kept_policy()
+    timed_at_start = True
 
     def build_policy(self, seat: Seat) -> DraftPolicy:
         confidence, window = self.options["draft_confidence"], self.options["draft_window"]

@@ -1,6 +1,8 @@
 """The model-free drafters (prompt lookup, suffix tries), the hybrid order and the adaptive draft length rule, on
 hand-made sequences; point-mass acceptance against the target distribution (chi-square)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,8 @@ from scipy.stats import chisquare
 from paraspec import SamplingParams
 from paraspec.drafters import DraftPolicy, NGramDrafter, Proposal, SuffixDrafter
 from paraspec.drafters.adaptive import (
+    PROBE_SHARE,
+    PROBE_START,
     SOURCE_STRIDE,
     TRIAL_REMAINING,
     Acceptance,
@@ -484,12 +488,14 @@ ROOMY_VERIFY, LINEAR_VERIFY = ForwardCost({1: 0.05, 2: 0.06, 9: 0.2}), ForwardCo
 @pytest.mark.parametrize("verify, probed", [(ROOMY_VERIFY, True), (LINEAR_VERIFY, False)])
 def test_adaptive_model_drafter_is_probed_after_plain_rounds(verify, probed):
     """A draft model judged always wrong is probed after plain rounds, where drafting could pay at all: not where
-    it would lose even if every draft were right."""
+    it would lose even if every draft were right. The probe adds its draft (0.02 s) and a verification one token
+    wider (0.01 s) to a plain round: it waits for the plain rounds of which that is PROBE_SHARE."""
     model = Fixed("model", [7] * 8, False)
     policy = DraftPolicy([model], ForwardCost(dict(verify.seconds)), {0: ForwardCost({1: 0.02})})
     policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
-    drafted = [len(policy.propose([1], 8, GREEDY, GEN).tokens) for _ in range(8)]
-    assert drafted == [0] * 7 + [1 if probed else 0]  # plain rounds, then one probe
+    drafted = [len(policy.propose([1], 8, GREEDY, GEN).tokens) for _ in range(40)]
+    at = max(PROBE_START, math.ceil(0.03 / (PROBE_SHARE * 0.05) - 1e-9)) if probed else None
+    assert next((i + 1 for i, n in enumerate(drafted) if n), None) == at  # plain rounds, then one probe
 
 
 def test_match_buckets():
@@ -608,14 +614,16 @@ def test_adaptive_rule_prices_a_draft_models_catch_up():
 
 
 def test_a_probe_must_not_cost_a_catch_up_on_many_tokens():
-    """A draft model that stopped drafting falls behind; it is probed only while feeding it what it missed costs
-    at most PROBE_SHARE of the plain rounds since."""
-    for length, probed in ((299, True), (0, False)):
+    """A draft model that stopped drafting falls behind; it is probed only once what the probe adds to a plain
+    round (feeding it what it missed, its draft, a verification one token wider) costs at most PROBE_SHARE of the
+    plain rounds since: one token behind, after 0.015 / (PROBE_SHARE * 0.05) rounds; 300 behind (a 0.46 s
+    catch-up), not within 40."""
+    for length, probe_at in ((299, max(PROBE_START, math.ceil(0.015 / (PROBE_SHARE * 0.05) - 1e-9))), (0, None)):
         model = Model([7] * 8, length)
         policy = DraftPolicy([model], ForwardCost(dict(ROOMY_VERIFY.seconds)), {0: ForwardCost(dict(DRAFT.seconds))})
         policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
-        drafted = [len(policy.propose(list(range(300)), 8, GREEDY, GEN).tokens) for _ in range(8)]
-        assert drafted == [0] * 7 + [1 if probed else 0]
+        drafted = [len(policy.propose(list(range(300)), 8, GREEDY, GEN).tokens) for _ in range(40)]
+        assert next((i + 1 for i, n in enumerate(drafted) if n), None) == probe_at and set(drafted) <= {0, 1}
 
 
 def plain_and_adaptive_seconds(drafter, policy, verify, draft, rounds, right):

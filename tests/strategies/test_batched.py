@@ -238,10 +238,11 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
     shared step can carry): four concurrent first requests time nothing, so none waits on another's timing."""
     from paraspec.drafters.adaptive import ForwardCost
 
-    timed, measure = [], ForwardCost.measure.__func__
+    timed, threads, measure = [], set(), ForwardCost.measure.__func__
 
     def counted(cls, model, widths, **kwargs):
         timed.append(max(widths))
+        threads.add(threading.current_thread().name)
         return measure(cls, model, widths, **kwargs)
 
     monkeypatch.setattr(ForwardCost, "measure", classmethod(counted))
@@ -253,8 +254,27 @@ def test_sequences_share_the_costs_timed_at_start_up(gguf_pair, monkeypatch):
         tables = [e.strategy.policies[seat].cost for seat in seats] + [e.strategy.policy.cost]
         widest_step = e.target.exact_width
     assert len(at_start) == 2 and timed == at_start  # the target's and the draft model's, at start-up only
+    assert threads == {"paraspec-scheduler"}  # where the steps run: no second OpenMP pool beside theirs
     assert at_start[0] >= widest_step - 1  # the target's table reaches the widest shared step
     assert len(seats) >= 2 and len({id(t) for t in tables}) == len(tables)  # a copy each: refined apart
+
+
+def test_one_request_at_a_time_times_the_costs_on_the_callers_thread(gguf_pair, monkeypatch):
+    """Without a Scheduler a request's forwards run on its caller's thread; the costs are timed there too: timed on
+    another thread (a second OpenMP pool beside the caller's) every forward was priced too high (the AMX Xeon's
+    draft step at twice its cost: results/2026-12-03-xeon-amx-fast-drafts.md)."""
+    from paraspec.drafters.adaptive import ForwardCost
+
+    threads, measure = set(), ForwardCost.measure.__func__
+
+    def counted(cls, model, widths, **kwargs):
+        threads.add(threading.current_thread())
+        return measure(cls, model, widths, **kwargs)
+
+    monkeypatch.setattr(ForwardCost, "measure", classmethod(counted))
+    with Engine(gguf_pair["target"], gguf_pair["draft"], strategy="sd", backend="llamacpp", max_num_seqs=1) as e:
+        assert e.scheduler is None and e.strategy.policy is not None
+    assert threads == {threading.current_thread()}
 
 
 def test_the_seats_share_the_acceptance_estimates(gguf_pair, monkeypatch):
