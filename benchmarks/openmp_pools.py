@@ -9,7 +9,7 @@ libgomp), and once a process's pools hold more threads than it has cores libgomp
 of barriers inside a forward sleep instead of spinning. Each setting runs in a fresh process (the pools are process
 state), interleaved over `rounds`:
 - `step thread`: timed where the steps run (paraspec's: LocalStrategy.start_steps, Scheduler.call);
-- `passing thread`: timed on a thread that ends with the timing (runtime.devices.on_passing_thread; before
+- `passing thread`: timed on a thread that ends with the timing (`on_passing_thread` below; paraspec's before
   2026-12-03);
 - `set-up thread`: timed on the thread that builds the Engine (before 2026-11-29).
 Prints the medians of the timed one-token target and draft forwards (what the rule prices a step by), of the
@@ -23,11 +23,18 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 SETTINGS = ("step thread", "passing thread", "set-up thread")
+
+
+def on_passing_thread(fn):
+    """fn() on a new thread that has ended when this returns: its OpenMP pool ends with it."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
 
 
 def child(setting: str, max_tokens: int, max_num_seqs: int) -> None:
@@ -36,7 +43,6 @@ def child(setting: str, max_tokens: int, max_num_seqs: int) -> None:
 
     from benchmarks.serve_concurrency import prompts_of
     from paraspec import Engine, SamplingParams
-    from paraspec.runtime.devices import on_passing_thread
     from paraspec.strategies import base
 
     if setting != "step thread":

@@ -257,7 +257,7 @@ class Scheduler:
         """fn() on the scheduler's thread between steps: its result, or its exception raised here. For set-up work
         that runs the models' forwards (timing them for the adaptive rule): a forward run from another thread starts
         an OpenMP pool there, and beside the pool that runs the steps it throttles both
-        (runtime.devices.on_passing_thread), so such a timing would price every forward too high."""
+        (docs/LLAMACPP.md, "Threads and OpenMP pools"), so such a timing would price every forward too high."""
         if threading.current_thread() is self._thread:
             return fn()
         job = _Job(fn)

@@ -103,28 +103,7 @@ def test_timers_of_gpu_work_wait_for_the_gpu(monkeypatch, timer):
     assert timeline.unsynced_clocks() == 0, timeline.events
 
 
-# -- set-up work on a passing thread ---------------------------------------------------------------------------------
-
-
-def test_on_passing_thread_runs_on_a_thread_that_ends_and_raises_its_error():
-    import threading
-
-    from paraspec.runtime.devices import on_passing_thread
-
-    seen = []
-
-    def work(x, y=0):
-        seen.append(threading.current_thread())
-        return x + y
-
-    assert on_passing_thread(work, 2, y=3) == 5
-    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
-
-    def fails():
-        raise ValueError("inside")
-
-    with pytest.raises(ValueError, match="inside"):
-        on_passing_thread(fails)
+# -- set-up work where the steps run ----------------------------------------------------------------------------
 
 
 def test_the_forward_costs_are_timed_where_the_steps_run(monkeypatch):

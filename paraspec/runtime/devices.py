@@ -10,18 +10,12 @@ on another node is checked against that node when its worker starts there (its c
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 
 class DeviceError(ValueError):
     pass
-
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -195,16 +189,3 @@ def pinned(device: Device):
         yield
     finally:
         set_pinning(*before)
-
-
-def on_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """fn(*args, **kwargs) on a new thread that has ended when this returns (its result, or its exception raised
-    here); the thread inherits the caller's cores.
-
-    For set-up work that computes (timing a model's forwards) in a thread that lives on: llama.cpp's forwards and
-    torch's operations start an OpenMP pool in each thread that runs them (they share torch's libgomp), and once the
-    pools of a process hold more threads than it has cores libgomp throttles all of them -- the barriers inside a
-    forward then sleep instead of spinning, so the thread that runs the steps is slowed for the process's life
-    (benchmarks/openmp_pools.py). A thread's pool ends with it."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paraspec-setup") as pool:  # joined on leaving
-        return pool.submit(fn, *args, **kwargs).result()

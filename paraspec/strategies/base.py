@@ -288,7 +288,8 @@ class LocalStrategy(Strategy):
     def start_steps(self, call: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         """The own seat's kept drafters built now (sd, tree), the models' forwards timed for the adaptive rule on
         the thread that runs the steps: another thread's forwards start an OpenMP pool beside the steps' pool, and
-        both are throttled while both exist (runtime.devices.on_passing_thread), pricing every forward too high."""
+        both are throttled while both exist (docs/LLAMACPP.md, "Threads and OpenMP pools"), pricing every forward too
+        high."""
         self.on_step_thread = call or _here
         if self.timed_at_start:
             self.kept_policy()
