@@ -277,6 +277,23 @@ def test_one_request_at_a_time_times_the_costs_on_the_callers_thread(gguf_pair, 
     assert threads == {threading.current_thread()}
 
 
+def test_set_up_work_runs_on_the_scheduler_thread_between_steps(gguf_pair):
+    """Scheduler.call runs a function on the thread that runs the steps: its result comes back, its error is raised
+    in the caller, and once the Engine is closed a call is refused."""
+    with Engine(gguf_pair["target"], strategy="ar", backend="llamacpp", max_num_seqs=2) as e:
+        scheduler = e.scheduler
+        assert scheduler.call(lambda: threading.current_thread().name) == "paraspec-scheduler"
+
+        def fails():
+            raise ValueError("inside")
+
+        with pytest.raises(ValueError, match="inside"):
+            scheduler.call(fails)
+        assert e.generate("ab", SamplingParams(max_new_tokens=4)).token_ids  # the steps still run
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.call(lambda: None)
+
+
 def test_the_seats_share_the_acceptance_estimates(gguf_pair, monkeypatch):
     """The adaptive rule's acceptance estimates are the pair's: every seat's policy reads and adds to one set, so a
     draft model nobody has judged is tried (its catch-up paid) by the first request only, not once per seat. (The
