@@ -11,9 +11,12 @@ acceptance per draft position instead of one constant):
                copied text is right far more often than a 1-token one. A bucket's prior is the estimate of the
                next shorter one (a longer context is taken to be as good until its own rounds say otherwise:
                without it, the tokens deep in a proposal would never be drafted, so never judged). The rule
-               uses each estimate less LOWER_Z of its standard deviation (`Acceptance.lower`): where few drafts
-               were judged, a lucky one or two must not buy a long draft (on a CPU, where verification is
-               compute-bound, a wrong draft of k tokens costs about k plain steps);
+               uses a model-free drafter's estimates less LOWER_Z of their standard deviation (`Acceptance.lower`):
+               where few drafts were judged, a lucky one or two must not buy a long draft (on a CPU, where
+               verification is compute-bound, a wrong draft of k tokens costs about k plain steps). A draft
+               model's one estimate, judged on every token it drafts, is used as it is: less LOWER_Z, one early
+               rejection in a new request (its evidence faded) could take it below what drafting needs where a
+               wider verification costs two steps, and the request then decoded plainly to its end;
     E(k)       tokens one round commits with k drafts = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k (the correction or
                bonus token is always there);
     T(k)       k * d + c(w + k): d the draft model's measured seconds for a one-token forward (0 for a
@@ -67,7 +70,7 @@ FADE = 0.25  # evidence kept from earlier requests
 TRIAL_JUDGED = 4.0  # judged drafts (decayed) that end a model drafter's trial
 TRIAL_REMAINING = 32  # a trial starts only in a request with at least this many tokens left
 PRIOR_WEIGHT = 2.0  # judged drafts a prior is worth (Beta(1, 1) for a drafter's first bucket)
-LOWER_Z = 0.5  # the rule drafts by the estimate less this many standard deviations
+LOWER_Z = 0.5  # the rule drafts by a model-free drafter's estimates less this many standard deviations
 OBSERVED_WIDTHS = 64  # a forward wider than this (a prompt) does not move the per-width costs
 REPEAT_UNDER_S = 0.2  # start-up: a forward timed under this is timed again (the fastest kept); longer, once
 # context lengths grouped for the per-position acceptance of model-free drafters: 1, 2, 3, 4, 5-7, 8-11, 12-15, 16+

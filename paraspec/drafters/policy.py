@@ -337,7 +337,7 @@ class DraftPolicy(Drafter):
             return lambda n: self._cost(waiting + nodes(n - waiting))
 
         buckets = self.buckets(i, max_k)
-        by_bucket = self.alphas(i, max(buckets, default=0))
+        by_bucket = self.alphas(i, max(buckets, default=0), lower=drafter.free)  # a draft model: its mean (adaptive.py)
         alphas = [by_bucket[b] for b in buckets]
         draft_cost = self.draft_costs.get(i)
         draft_s, draft_step = 0.0, None

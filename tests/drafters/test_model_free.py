@@ -675,7 +675,7 @@ AMX_DRAFT = ForwardCost({1: 0.030, 64: 0.125})
 
 
 def test_an_untried_draft_model_is_tried_then_drafts_by_its_own_estimate():
-    """From the prior alone (0.5 less half a deviation) a draft a third as costly as the target never looks worth a
+    """From the prior alone (0.5) a draft a third as costly as the target never looks worth a
     round; its trial drafts 1, 2, 4 tokens (all accepted), then the rule drafts by what it saw, and a request of 400
     tokens with a draft that is always right takes under 80% of plain decoding."""
     drafter = Model([7] * 16, 0)
@@ -705,6 +705,22 @@ def test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried():
         plain_and_adaptive_seconds(drafter, policy, verify, draft, 200, lambda k: k)
         assert bool(drafter.asked) == tried and policy.decisions[0]["trial"] == tried
         assert all(d["k"] == 0 and not d["probe"] for d in policy.decisions) != tried
+
+
+def test_a_draft_model_drafts_by_its_mean_and_a_model_free_drafter_by_its_lower_estimate():
+    """A draft model's one estimate is judged on every token it drafts: the rule takes its mean (less half a
+    deviation, a new request's first rejection ended the request's drafting on the AMX Xeon); a model-free
+    drafter's estimates, one per match length and each judged a few times, less half their deviation."""
+    for free in (False, True):
+        drafter = Fixed("ngram", [7] * 8, True) if free else Model([7] * 8, 300)
+        drafts = {} if free else {0: ForwardCost(dict(AMX_DRAFT.seconds))}
+        policy = DraftPolicy([drafter], ForwardCost(dict(AMX_VERIFY.seconds)), drafts)
+        bucket = policy.buckets(0, 1)[0]
+        stats = policy.stats(0, bucket)
+        stats.judged, stats.accepted, stats.tried = 5.25, 4.16, True
+        policy.propose(list(range(300)), 5, GREEDY, GEN, pending=1, remaining=100)
+        used = stats.lower(0.5) if free else stats.posterior(0.5)
+        assert policy.decisions[-1]["alpha"] == round(used, 3) and stats.lower(0.5) < stats.posterior(0.5) - 0.05
 
 
 def test_a_trial_that_fails_ends_and_decoding_goes_plain():
