@@ -47,13 +47,8 @@ def child(setting: str, max_tokens: int, max_num_seqs: int) -> None:
 
     if setting != "step thread":
         runner = on_passing_thread if setting == "passing thread" else (lambda fn: fn())
-
-        def start_steps(self, call=None):
-            self.on_step_thread = runner
-            if self.timed_at_start:
-                self.kept_policy()
-
-        base.LocalStrategy.start_steps = start_steps
+        start_steps = base.LocalStrategy.start_steps
+        base.LocalStrategy.start_steps = lambda self, call=None: start_steps(self, runner)
     steps: list[float] = []
     prompts = prompts_of("humaneval", 2, TARGET)
     options = dict(strategy="sd", lookahead=5, backend="llamacpp", max_num_seqs=max_num_seqs)
@@ -102,7 +97,8 @@ def main() -> int:
         setting, seqs = args.child.rsplit(":", 1)
         child(setting, args.max_tokens, int(seqs))
         return 0
-    cells = [(s, n) for n in args.max_num_seqs for s in SETTINGS]
+    # one sequence: the set-up thread is where the steps run (the caller's), the same as `step thread`
+    cells = [(s, n) for n in args.max_num_seqs for s in SETTINGS if not (n == 1 and s == "set-up thread")]
     results: dict[tuple, list[list[float]]] = {c: [] for c in cells}
     for _ in range(args.rounds):
         for setting, seqs in cells:

@@ -258,8 +258,6 @@ class Scheduler:
         that runs the models' forwards (timing them for the adaptive rule): a forward run from another thread starts
         an OpenMP pool there, and beside the pool that runs the steps it throttles both
         (docs/LLAMACPP.md, "Threads and OpenMP pools"), so such a timing would price every forward too high."""
-        if threading.current_thread() is self._thread:
-            return fn()
         job = _Job(fn)
         with self._cv:
             if self._closed:
@@ -286,40 +284,43 @@ class Scheduler:
                 if self._closed:
                     return
                 if self._jobs:
-                    self._run_job(self._jobs.popleft())
+                    self._released(self._run_job, self._jobs.popleft())
                     continue
                 asks = [m.ask for m in self._members if m.ask is not None and not m.ask.done]
                 # the draft models' asks first, on their own: the target's asks wait for every request drafting
                 # now to finish its draft, so requests draft in the same steps and verify together (the rule prices
                 # a draft model's rounds so: drafters/adaptive.best_length)
                 asks = [a for a in asks if a.model is not self._target] or asks
-                self._stepping = True
-                self._cv.release()
-                try:
-                    self._step(asks)
-                except BaseException as e:  # noqa: BLE001 -- a fault of the step itself: each asker raises it
-                    for a in asks:
-                        if not a.done:
-                            a.error, a.done = e, True
-                finally:
-                    self._cv.acquire()
-                    self._stepping = False
-                    self._cv.notify_all()
+                self._released(self._run_step, asks)
 
-    def _run_job(self, job: _Job) -> None:
-        """A call()'s work, between steps (the caller holds _cv: released while it runs)."""
+    def _released(self, work: Callable, arg) -> None:
+        """work(arg) with _cv released (the loop holds it) and the scheduler marked stepping meanwhile."""
         self._stepping = True
         self._cv.release()
+        try:
+            work(arg)
+        finally:
+            self._cv.acquire()
+            self._stepping = False
+            self._cv.notify_all()
+
+    def _run_step(self, asks: list[_Ask]) -> None:
+        try:
+            self._step(asks)
+        except BaseException as e:  # noqa: BLE001 -- a fault of the step itself: each asker raises it
+            for a in asks:
+                if not a.done:
+                    a.error, a.done = e, True
+
+    def _run_job(self, job: _Job) -> None:
+        """A call()'s work, between steps."""
         try:
             with self._lock:
                 job.result = job.fn()
         except BaseException as e:  # noqa: BLE001 -- raised in the caller
             job.error = e
         finally:
-            self._cv.acquire()
-            self._stepping = False
             job.done = True
-            self._cv.notify_all()
 
     def _step(self, asks: list[_Ask]) -> None:
         """Run every ask of this step: the shareable ones of each model in as few forwards as their widths allow,

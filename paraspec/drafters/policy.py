@@ -374,10 +374,10 @@ class DraftPolicy(Drafter):
                 # probe a model drafter that has not drafted lately, if what the probe adds to a plain round (its
                 # catch-up, its draft, the verification one token wider) is a small share of the plain rounds
                 # since (a probe that has to feed it the whole prompt is not worth the look)
-                probe_s = catch_up + draft_s + self._cost(pending + nodes(1)) - self._cost(pending)
-                allowed_s = PROBE_SHARE * state.plain_rounds * self._cost(1)
-                if state.plain_rounds >= state.probe_after and probe_s <= allowed_s:
-                    look = "probe"
+                if state.plain_rounds >= state.probe_after:
+                    probe_s = catch_up + draft_s + self._cost(pending + nodes(1)) - self._cost(pending)
+                    if probe_s <= PROBE_SHARE * state.plain_rounds * self._cost(1):
+                        look = "probe"
             # a look only where drafting could pay were every draft right: on a CPU where the draft model's step
             # costs most of the target's and verification grows with its width, no acceptance pays, and the look
             # would only buy the prompt's catch-up (docs/DRAFTERS.md;

@@ -291,10 +291,8 @@ class LocalStrategy(Strategy):
         both are throttled while both exist (docs/LLAMACPP.md, "Threads and OpenMP pools"), pricing every forward too
         high."""
         self.on_step_thread = call or _here
-        if self.timed_at_start:
+        if type(self).build_policy is not LocalStrategy.build_policy:  # it keeps drafters (sd, tree)
             self.kept_policy()
-
-    timed_at_start: ClassVar[bool] = False  # sd, tree: build the own seat's drafters (and time the costs) at start
 
     def build_policy(self, seat: Seat):
         """A DraftPolicy for `seat` from the options (sd, tree: make_policy with their drafters)."""

@@ -33,7 +33,6 @@ class SD(LocalStrategy):
     option_defaults = {"adaptive": None}
     # drafters in order: a model-free one first, the model where it has nothing
     caps = Capabilities(drafts="several", model_free=True, batches=True)
-    timed_at_start = True
 
     def build_policy(self, seat: Seat) -> DraftPolicy:
         confidence, window = self.options["draft_confidence"], self.options["draft_window"]

@@ -125,7 +125,6 @@ class Tree(TreeStrategy):
     summary = "token-tree speculative decoding, one tree-masked target forward (SpecInfer)"
     option_names = TreeStrategy.option_names + ("adaptive",) + ROUND_DRAFTER_OPTIONS
     caps = Capabilities(drafts="several", model_free=True, backends=TREE_BACKENDS)
-    timed_at_start = True
 
     def build_policy(self, seat: Seat) -> DraftPolicy:
         o = self.options

@@ -494,7 +494,8 @@ def test_adaptive_model_drafter_is_probed_after_plain_rounds(verify, probed):
     policy = DraftPolicy([model], ForwardCost(dict(verify.seconds)), {0: ForwardCost({1: 0.02})})
     policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
     drafted = [len(policy.propose([1], 8, GREEDY, GEN).tokens) for _ in range(40)]
-    at = max(PROBE_START, math.ceil(0.03 / (PROBE_SHARE * 0.05) - 1e-9)) if probed else None
+    probe_s = 0.02 + verify(2) - verify(1)
+    at = max(PROBE_START, math.ceil(probe_s / (PROBE_SHARE * verify(1)) - 1e-9)) if probed else None
     assert next((i + 1 for i, n in enumerate(drafted) if n), None) == at  # plain rounds, then one probe
 
 
@@ -616,9 +617,11 @@ def test_adaptive_rule_prices_a_draft_models_catch_up():
 def test_a_probe_must_not_cost_a_catch_up_on_many_tokens():
     """A draft model that stopped drafting falls behind; it is probed only once what the probe adds to a plain
     round (feeding it what it missed, its draft, a verification one token wider) costs at most PROBE_SHARE of the
-    plain rounds since: one token behind, after 0.015 / (PROBE_SHARE * 0.05) rounds; 300 behind (a 0.46 s
-    catch-up), not within 40."""
-    for length, probe_at in ((299, max(PROBE_START, math.ceil(0.015 / (PROBE_SHARE * 0.05) - 1e-9))), (0, None)):
+    plain rounds since: one token behind, after (draft + wider verification) / (PROBE_SHARE * a plain round) rounds;
+    300 behind (a 0.46 s catch-up), not within 40."""
+    probe_s = DRAFT(1) + ROOMY_VERIFY(2) - ROOMY_VERIFY(1)  # one token behind: no catch-up
+    in_step = max(PROBE_START, math.ceil(probe_s / (PROBE_SHARE * ROOMY_VERIFY(1)) - 1e-9))
+    for length, probe_at in ((299, in_step), (0, None)):
         model = Model([7] * 8, length)
         policy = DraftPolicy([model], ForwardCost(dict(ROOMY_VERIFY.seconds)), {0: ForwardCost(dict(DRAFT.seconds))})
         policy.acceptance[(0, 0)] = Acceptance(judged=100, accepted=0)
