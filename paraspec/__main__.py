@@ -2,6 +2,6 @@
 
 import sys
 
-from paraspec.cli.main import main
+from paraspec.cli.main import run
 
-sys.exit(main())
+sys.exit(run())

@@ -465,7 +465,7 @@ def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int, merged: bool = F
             "--max-new-tokens",
             str(max_new_tokens),
             "--max-context",
-            "256",
+            str(max(256, max_new_tokens + 64)),
         ],
         cwd=root,
         env=env,
@@ -477,10 +477,13 @@ def start_cli(qwen2_target, qwen2_partial, max_new_tokens: int, merged: bool = F
 
 
 def test_ctrl_c_while_workers_start_prints_one_line(qwen2_target, qwen2_partial):
-    cli = start_cli(qwen2_target, qwen2_partial, 50)
+    # 2,000 tokens: seconds of work even on a fast CPU, so the Ctrl-C cannot land after the run (a CI run's 50 tokens
+    # were done within the 0.3 s, and the signal met the interpreter as it exited)
+    cli = start_cli(qwen2_target, qwen2_partial, 2000)
     try:
         workers = wait_for(lambda: cli.poll() is None and spawned_workers(cli.pid, with_server=True))
         time.sleep(0.3)  # the workers are importing torch or loading now
+        assert cli.poll() is None, "the run ended before the Ctrl-C: this case tests nothing"
         os.killpg(cli.pid, signal.SIGINT)  # Ctrl-C reaches the whole group
         _, err = cli.communicate(timeout=60)
     finally:
@@ -522,7 +525,7 @@ MOMENTS = [("0.2 s", "forkserver"), ("1.0 s", "forkserver")] + [("first process"
 def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(qwen2_target, qwen2_partial, monkeypatch, moment, method):
     """Ctrl-C while Python imports torch, parses, loads or starts workers: one line, exit 130, nothing left."""
     monkeypatch.setenv("PARASPEC_WORKER_START", method)
-    cli = start_cli(qwen2_target, qwen2_partial, 200, merged=True)
+    cli = start_cli(qwen2_target, qwen2_partial, 2000, merged=True)
     try:
         if moment == "first process":
             wait_for(lambda: cli.poll() is not None or bool(descendants(cli.pid)))

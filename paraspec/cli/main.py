@@ -383,5 +383,15 @@ def main(argv=None) -> int:
                 signal.signal(signal.SIGTERM, previous_term)
 
 
+def run() -> int:
+    """The `paraspec` command and `python -m paraspec`: `main`, then, with its command done and its Engine closed, a
+    Ctrl-C while the interpreter exits still ends with the one line and 130, not with CPython killing itself by
+    SIGINT (returncode -2)."""
+    code = main()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
