@@ -282,6 +282,63 @@ class ForwardCost:
         return cost
 
 
+# A draft model's chain under the rule stops by the draft's confidence (ChainStop): its acceptance is kept by the
+# top probability of the distribution each draft is drawn from, in these buckets (a bucket's prior: its middle)
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995, 1.0)
+CONFIDENCE_BASE = 1  # bucket ids of a draft model's confidence buckets start here (bucket 0: every position)
+
+
+def confidence_bucket(m: float) -> int:
+    """The acceptance bucket of a draft drawn from a distribution whose top probability is m."""
+    return CONFIDENCE_BASE + min(bisect.bisect_right(CONFIDENCE_EDGES, m) - 1, len(CONFIDENCE_EDGES) - 2)
+
+
+def confidence_prior(bucket: int) -> float:
+    """A confidence bucket's prior acceptance: its middle (a draft as sure as the target is as often right)."""
+    b = bucket - CONFIDENCE_BASE
+    return (CONFIDENCE_EDGES[b] + CONFIDENCE_EDGES[b + 1]) / 2
+
+
+@dataclass
+class ChainStop:
+    """Where a draft model's chain stops, token by token (the round's k* only decides that it drafts). Drafting
+    the chain's token j, whose distribution is known (the forward after token j - 1 gave it), adds
+    P_{j-1} a(m_j) expected tokens for the verification's wider forward, c(w + j + 1) - c(w + j); computing the
+    next distribution adds one draft step more. Each is worth it where its expected tokens per second beat the
+    round's rate R (the rule's best rate for this round, what the time could buy otherwise: Dinkelbach's
+    criterion for a ratio of expectations):
+
+        include j   P_{j-1} a(m_j) >= R (c(w + j + 1) - c(w + j))       (the first: always, k* > 0 chose it)
+        feed j      P_j a_mean >= R (d + c(w + j + 2) - c(w + j + 1))   (the next one's confidence is unknown)
+
+    with P_j = a(m_1) ... a(m_j), a(m) the acceptance measured for drafts of confidence m (confidence_bucket), and
+    a_mean the draft's acceptance at any position. A draft the model is sure of is nearly always right, one it
+    doubts often wrong: a long chain where the text is predictable, a short one where it is not, at one k*.
+
+    Only the draft's own distributions (functions of the prefix and of the drafts before) and past rounds decide,
+    never the token about to be drawn, so acceptance stays exact (the q contract)."""
+
+    accept_rate: Callable[[float], float]  # a(m)
+    mean: float  # a_mean
+    rate: float  # R, tokens per second
+    verify_s: Callable[[int], float]  # c(n)
+    draft_s: float  # d
+    pending: int = 1  # w
+    reach: float = 1.0  # P_j of the drafts included so far
+
+    def include(self, j: int, m: float) -> bool:
+        a = self.accept_rate(m)
+        w = self.pending + j
+        if j > 0 and self.reach * a < self.rate * (self.verify_s(w + 1) - self.verify_s(w)):
+            return False
+        self.reach *= a
+        return True
+
+    def feed(self, j: int) -> bool:
+        w = self.pending + j + 1
+        return self.reach * self.mean >= self.rate * (self.draft_s + self.verify_s(w + 1) - self.verify_s(w))
+
+
 CALIBRATE_EVERY_WIDTH = 20  # widths measured one by one at start-up; beyond, every 4th
 
 

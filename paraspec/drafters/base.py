@@ -23,6 +23,7 @@ from paraspec.drafters.token_tree import TokenTree
 from paraspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from paraspec.drafters.adaptive import ChainStop
     from paraspec.drafters.memory import PatternMemory
     from paraspec.structured import GrammarMatcher
 
@@ -62,6 +63,11 @@ class Drafter:
     # the last tokens of the sequence a proposal continues that are drafts, not committed (the grammar's forced
     # tokens, drafters/forced.py): a drafter that indexes the sequence leaves them out, so a rejected one never enters
     uncommitted = 0
+    # a draft model's chain: where the adaptive rule stops it (set for one proposal, if the drafter `stops_chains`),
+    # and the top probability each of its drafts was drawn from then
+    stops_chains = False
+    stop: ChainStop | None = None
+    confidences: Sequence[float] = ()
 
     def reset(self) -> None:
         """A new request starts: forget everything about the previous one."""

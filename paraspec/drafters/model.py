@@ -33,8 +33,16 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     return sample(q, generator), q
 
 
+def top_probability(logits: torch.Tensor, params: SamplingParams) -> float:
+    """The top probability of the distribution the next draft is drawn from: q under sampling, the softmax of the
+    (adjusted) logits under greedy decoding (the draft's confidence in its argmax)."""
+    probs = logits.float().softmax(-1) if params.greedy else logits_to_probs(logits, params)
+    return float(probs.max())
+
+
 class ModelDrafter(Drafter):
     name = "model"
+    stops_chains = True
 
     def __init__(self, model, vocab_size: int, min_confidence: float = 0.0, window: int = 0):
         """vocab_size: the target's (ids the draft may propose). min_confidence: a chain stops after a token
@@ -79,15 +87,25 @@ class ModelDrafter(Drafter):
         probs: list[torch.Tensor] = []
         if k <= 0:
             return Proposal(tokens)
+        confidences: list[float] = []
+        self.confidences = confidences
         logits = self.logits(self.catch_up(sequence))
         for i in range(k):
-            token, q = draw(self.adjust(logits, params, sequence, tokens), params, generator)
+            adjusted = self.adjust(logits, params, sequence, tokens)
+            if self.stop is not None:  # the rule's chain stop: by the distribution, before its token is drawn
+                m = top_probability(adjusted, params)
+                if not self.stop.include(i, m):
+                    break
+                confidences.append(m)
+            token, q = draw(adjusted, params, generator)
             if q is not None:
                 probs.append(q)
             tokens.append(token)
             if self.min_confidence > 0 and float(logits.softmax(-1)[token]) < self.min_confidence:
                 break
             if i < k - 1:
+                if self.stop is not None and not self.stop.feed(i):
+                    break
                 logits = self.logits([token])
         return Proposal(tokens, torch.stack(probs) if probs else None)
 

@@ -31,17 +31,22 @@ from typing import Any
 import torch
 
 from paraspec.drafters.adaptive import (
+    CONFIDENCE_BASE,
+    CONFIDENCE_EDGES,
     MATCH_BUCKETS,
     PROBE_SHARE,
     PROBE_START,
     SOURCE_STRIDE,
     TRIAL_REMAINING,
     Acceptance,
+    ChainStop,
     ForwardCost,
     Load,
     best_length,
     bucket_label,
     catch_up_pays,
+    confidence_bucket,
+    confidence_prior,
     match_bucket,
 )
 from paraspec.drafters.base import Drafter, Proposal
@@ -171,7 +176,12 @@ class DraftPolicy(Drafter):
                 chosen = self._choose(i, sequence, pending, k, remaining)
                 if chosen == 0:
                     continue
-                proposal = drafter.propose(sequence, chosen, params, generator)
+                if drafter.stops_chains and not (self._trial or self._probing):  # (a trial, a probe: its length)
+                    chosen, drafter.stop = k, self._chain_stop(i, pending)
+                try:
+                    proposal = drafter.propose(sequence, chosen, params, generator)
+                finally:
+                    drafter.stop = None
                 self._observe_forwards(i)
                 self._asked = chosen
             if proposal.tokens:
@@ -262,9 +272,28 @@ class DraftPolicy(Drafter):
         self._probing = False
         self._trial = False  # the round is part of a model drafter's trial
         self._asked = None  # the tokens a model drafter was asked for (a chain)
+        self._asked_stop = False  # its chain stopped by the draft's confidence (ChainStop)
+        self._by_confidence: list[int] = []  # then: the confidence bucket of each of its drafts
+        self._plan = (0.0, 0.0)  # the round's rate under the rule (tokens/s) and the draft's step (s), by _choose
 
     def _use(self, i: int, drafted: int) -> None:
         self._used, self._buckets = i, self.buckets(i, drafted)
+        confidences = self.drafters[i].confidences if self._asked_stop else ()
+        self._by_confidence = [confidence_bucket(m) for m in confidences[:drafted]]
+
+    def _chain_stop(self, i: int, pending: int) -> ChainStop:
+        """Where drafter i's chain stops this round (ChainStop), from the round's plan (_choose): its rate, the
+        target's cost by width, the draft's step, and the acceptance by confidence."""
+        rate, draft_s = self._plan
+        self._asked_stop = True
+        return ChainStop(
+            lambda m: self.alpha(i, confidence_bucket(m)),
+            self.alpha(i, 0),
+            rate,
+            self._cost,
+            draft_s,
+            pending,
+        )
 
     def buckets(self, i: int, k: int) -> list[int]:
         """The acceptance bucket of each of drafter i's next k tokens: a model-free drafter's j-th token continues
@@ -279,7 +308,10 @@ class DraftPolicy(Drafter):
         return self.acceptance.setdefault((i, bucket), Acceptance())
 
     def alpha(self, i: int, bucket: int) -> float:
-        """Drafter i's acceptance estimate in `bucket` (its prior: the estimate of the next shorter bucket)."""
+        """Drafter i's acceptance estimate in `bucket` (its prior: the estimate of the next shorter bucket; a draft
+        model's confidence bucket: its middle)."""
+        if not self.drafters[i].free and bucket >= CONFIDENCE_BASE:
+            return self.stats(i, bucket).posterior(confidence_prior(bucket))
         return self.alphas(i, bucket, lower=False)[bucket]
 
     def alphas(self, i: int, longest: int = MATCH_BUCKETS[-1], lower: bool = True) -> dict[int, float]:
@@ -350,6 +382,7 @@ class DraftPolicy(Drafter):
 
         load = self.load() if self.load is not None else Load()
         k, rate = best_length(alphas, draft_s, verify(pending), pending, max_k, load, self.split, draft_step)
+        self._plan = (rate, draft_s)
         if not drafter.free:
             state = self.stats(i)
             catch_up = self._catch_up_s(i, sequence, width)
@@ -473,6 +506,13 @@ class DraftPolicy(Drafter):
                 self.stats(self._used, bucket).observe(
                     judged.count(bucket), self._buckets[: self._accepted].count(bucket)
                 )
+            # and by the draft's confidence: the accepted drafts and the first rejected one (a chain it stopped
+            # has no slot after its last draft to judge)
+            by_confidence = self._by_confidence[: self._accepted + 1]
+            for bucket in dict.fromkeys(by_confidence):
+                self.stats(self._used, bucket).observe(
+                    by_confidence.count(bucket), self._by_confidence[: self._accepted].count(bucket)
+                )
             state = self.stats(self._used)
             if self._probing:
                 state.probe_after = PROBE_START if self._accepted else 2 * state.probe_after
@@ -505,7 +545,10 @@ class DraftPolicy(Drafter):
         """`suffix/match5-7`, `suffix/cache/match1` (a second source's), `model` (report keys)."""
         drafter = self.drafters[i]
         if not drafter.free:
-            return drafter.name
+            if bucket < CONFIDENCE_BASE:
+                return drafter.name
+            lo = CONFIDENCE_EDGES[bucket - CONFIDENCE_BASE]
+            return f"{drafter.name}/confidence{lo:g}+"
         source = drafter.sources[bucket // SOURCE_STRIDE]
         return "/".join(filter(None, (drafter.name, source, bucket_label(bucket % SOURCE_STRIDE))))
 

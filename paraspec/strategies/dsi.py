@@ -90,6 +90,8 @@ class DSI(WorkerStrategy):
     @classmethod
     def check_config(cls, config) -> None:
         o = config.strategy_options
+        if o["lookahead"] is None:
+            raise ValueError("dsi: lookahead must be a number of tokens per chunk (its default: 5)")
         if o["max_ahead"] < o["lookahead"]:
             raise ValueError(
                 f"dsi: max_ahead ({o['max_ahead']}) < lookahead ({o['lookahead']}) would never fill a "

@@ -43,7 +43,13 @@ class Option:
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in (
-        Option("lookahead", int, 5, "sd: drafted tokens per verification; dsi: drafted tokens per chunk"),
+        Option(
+            "lookahead",
+            int,
+            5,
+            "sd: most drafted tokens per verification; dsi: drafted tokens per chunk",
+            none="auto: 32 where the adaptive rule decides the round, 5 where every round drafts them all",
+        ),
         Option(
             "max_ahead",
             int,

@@ -14,12 +14,20 @@ answer depends on where rounds end).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from paraspec.drafters import DraftPolicy, ModelDrafter, Proposal
 from paraspec.request_state import RequestState
 from paraspec.strategies.base import Capabilities, LocalStrategy, Seat
 from paraspec.strategies.registry import ROUND_DRAFTER_OPTIONS, register
 from paraspec.strategies.rounds import speculative_rounds
 from paraspec.verify import verify_chain
+
+# sd's default lookahead: where the adaptive rule decides a round, its chain stop ends a draft model's chain where the
+# draft doubts (a long chain costs only where the text is predictable), so the cap is wide; a fixed round drafts
+# every one of its tokens, so it drafts few
+RULE_LOOKAHEAD = 32
+FIXED_LOOKAHEAD = 5
 
 
 @register
@@ -30,26 +38,34 @@ class SD(LocalStrategy):
     # auto: the adaptive rule decides each round's length (up to lookahead) for greedy and unseeded requests,
     # measured to decide better than a fixed lookahead on every CPU tried (docs/DRAFTERS.md, "sd's default");
     # a seeded sampled request drafts `lookahead` every round, so its seed reproduces it
-    option_defaults = {"adaptive": None}
+    option_defaults = {"adaptive": None, "lookahead": None}
     # drafters in order: a model-free one first, the model where it has nothing
     caps = Capabilities(drafts="several", model_free=True, batches=True)
 
     def build_policy(self, seat: Seat) -> DraftPolicy:
         confidence, window = self.options["draft_confidence"], self.options["draft_window"]
-        return self.make_policy(
-            lambda m: ModelDrafter(m, self.target.vocab_size, confidence, window), self.options["lookahead"], seat
-        )
+        widest = self.lookahead(self.options["adaptive"] is not False)
+        return self.make_policy(lambda m: ModelDrafter(m, self.target.vocab_size, confidence, window), widest, seat)
+
+    def lookahead(self, rule: bool) -> int:
+        """The most tokens a round drafts: the option, or by default RULE_LOOKAHEAD where the adaptive rule decides
+        the round (its chain stop ends a draft model's chains, adaptive.py) and FIXED_LOOKAHEAD where every round
+        drafts that many (adaptive=False, a seeded sampled request)."""
+        given = self.options["lookahead"]
+        return given if given is not None else RULE_LOOKAHEAD if rule else FIXED_LOOKAHEAD
 
     def decode(self, run: RequestState, seat: Seat | None = None):
         seat = seat or self.seat
-        yield from chain_rounds(run, seat.target, self.kept_policy(seat), self.options["lookahead"])
+        policy = self.kept_policy(seat)
+        yield from chain_rounds(run, seat.target, policy, lambda: self.lookahead(policy.adaptive))
 
 
-def chain_rounds(run: RequestState, target, policy: DraftPolicy, lookahead: int):
-    """Leviathan et al. Algorithm 1, one round per loop of strategies/rounds.py."""
+def chain_rounds(run: RequestState, target, policy: DraftPolicy, lookahead: Callable[[], int]):
+    """Leviathan et al. Algorithm 1, one round per loop of strategies/rounds.py; `lookahead()`: the round's most
+    drafts (the request's: read once it began)."""
 
     def draft(policy: DraftPolicy, sequence: list[int], pending: int) -> Proposal:
-        k = min(lookahead, run.remaining - 1)  # the round adds one target token after the drafts
+        k = min(lookahead(), run.remaining - 1)  # the round adds one target token after the drafts
         return policy.propose(sequence, k, run.params, run.generator, pending=pending, remaining=run.remaining)
 
     def verify(sequence: list[int], pending: list[int], proposal: Proposal) -> tuple[list[int], int]:
