@@ -306,14 +306,17 @@ class ChainStop:
     P_{j-1} a(m_j) expected tokens for the verification's wider forward, c(w + j + 1) - c(w + j); computing the
     next distribution adds one draft step more. Each is worth it where its expected tokens per second beat the
     round's rate R (the rule's best rate for this round, what the time could buy otherwise: Dinkelbach's
-    criterion for a ratio of expectations):
+    criterion for a ratio of expectations), over the best of the horizons still open (a CPU's cost by width has
+    steps: one row more can cost more than the next eight):
 
-        include j   P_{j-1} a(m_j) >= R (c(w + j + 1) - c(w + j))       (the first: always, k* > 0 chose it)
-        feed j      P_j a_mean >= R (d + c(w + j + 2) - c(w + j + 1))   (the next one's confidence is unknown)
+        include j   P_{j-1} a(m_j) (1 + E_n) >= R (c(w + j + 1 + n) - c(w + j) + n d)     for some n >= 0
+        feed j      P_j E_n >= R (c(w + j + 1 + n) - c(w + j + 1) + n d)                  for some n >= 1
 
-    with P_j = a(m_1) ... a(m_j), a(m) the acceptance measured for drafts of confidence m (confidence_bucket), and
-    a_mean the draft's acceptance at any position. A draft the model is sure of is nearly always right, one it
-    doubts often wrong: a long chain where the text is predictable, a short one where it is not, at one k*.
+    with P_j = a(m_1) ... a(m_j), a(m) the acceptance measured for drafts of confidence m (confidence_bucket),
+    E_n = a + a^2 + ... + a^n the drafts after it at a, the draft's acceptance at any position (their confidence is
+    not known yet), and n up to the chain's limit. The first draft is always included: k* > 0 chose it. A draft
+    the model is sure of is nearly always right, one it doubts often wrong: a long chain where the text is
+    predictable, a short one where it is not, at one k*.
 
     Only the draft's own distributions (functions of the prefix and of the drafts before) and past rounds decide,
     never the token about to be drawn, so acceptance stays exact (the q contract)."""
@@ -324,19 +327,33 @@ class ChainStop:
     verify_s: Callable[[int], float]  # c(n)
     draft_s: float  # d
     pending: int = 1  # w
+    limit: int = 1  # the chain's most drafts
     reach: float = 1.0  # P_j of the drafts included so far
 
     def include(self, j: int, m: float) -> bool:
         a = self.accept_rate(m)
-        w = self.pending + j
-        if j > 0 and self.reach * a < self.rate * (self.verify_s(w + 1) - self.verify_s(w)):
+        if j > 0 and not self._pays(self.reach * a, self.pending + j, j + 1, first=1.0):
             return False
         self.reach *= a
         return True
 
     def feed(self, j: int) -> bool:
-        w = self.pending + j + 1
-        return self.reach * self.mean >= self.rate * (self.draft_s + self.verify_s(w + 1) - self.verify_s(w))
+        return self._pays(self.reach, self.pending + j + 1, j + 1, first=0.0)
+
+    def _pays(self, reach: float, width: int, drafted: int, first: float) -> bool:
+        """Whether `reach` times (first + a + ... + a^n) tokens pay R times what a verification `width` rows wide
+        grows by with the draft (first = 1) and n more (n draft steps), for some n (n >= 1 where first = 0) that
+        keeps the chain's `drafted` drafts and the n within the limit."""
+        base, tokens, gain = self.verify_s(width), first, 1.0
+        if first and reach >= self.rate * (self.verify_s(width + 1) - base):
+            return True
+        for n in range(1, self.limit - drafted + 1):
+            gain *= self.mean
+            tokens += gain
+            grown = self.verify_s(width + n + (1 if first else 0)) - base
+            if reach * tokens >= self.rate * (grown + n * self.draft_s):
+                return True
+        return False
 
 
 CALIBRATE_EVERY_WIDTH = 20  # widths measured one by one at start-up; beyond, every 4th

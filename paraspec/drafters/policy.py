@@ -177,7 +177,7 @@ class DraftPolicy(Drafter):
                 if chosen == 0:
                     continue
                 if drafter.stops_chains and not (self._trial or self._probing):  # (a trial, a probe: its length)
-                    chosen, drafter.stop = k, self._chain_stop(i, pending)
+                    chosen, drafter.stop = k, self._chain_stop(i, pending, k)
                 try:
                     proposal = drafter.propose(sequence, chosen, params, generator)
                 finally:
@@ -281,7 +281,7 @@ class DraftPolicy(Drafter):
         confidences = self.drafters[i].confidences if self._asked_stop else ()
         self._by_confidence = [confidence_bucket(m) for m in confidences[:drafted]]
 
-    def _chain_stop(self, i: int, pending: int) -> ChainStop:
+    def _chain_stop(self, i: int, pending: int, limit: int) -> ChainStop:
         """Where drafter i's chain stops this round (ChainStop), from the round's plan (_choose): its rate, the
         target's cost by width, the draft's step, and the acceptance by confidence."""
         rate, draft_s = self._plan
@@ -293,6 +293,7 @@ class DraftPolicy(Drafter):
             self._cost,
             draft_s,
             pending,
+            limit,
         )
 
     def buckets(self, i: int, k: int) -> list[int]:
@@ -499,7 +500,11 @@ class DraftPolicy(Drafter):
             # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next
             # slot as a rejection would: the rule's a_j is then the chance that slot j is drafted and accepted,
             # what E(k) needs (judging only the drafts it let through would overstate the rounds it cuts short)
-            declined = self._asked is not None and self._accepted == len(self._buckets) < self._asked
+            # (a chain the rule's stop ended is not declined: where to stop was the rule's choice, and bucket 0 is then
+            # the acceptance of what it lets through, what its k* needs)
+            declined = (
+                self._asked is not None and not self._asked_stop and self._accepted == len(self._buckets) < self._asked
+            )
             if declined:
                 judged = judged + [0]
             for bucket in dict.fromkeys(judged):

@@ -29,12 +29,12 @@ def test_confidence_buckets_cover_every_probability():
         assert lo < confidence_prior(b) < hi
 
 
-def stop(mean=0.9, rate=None, pending=1) -> ChainStop:
+def stop(mean=0.9, rate=None, pending=1, limit=40) -> ChainStop:
     # R: what a round of 4 drafts at `mean` buys per second, so the rule's own kind of rate
     if rate is None:
         tokens = sum(mean**j for j in range(5))
         rate = tokens / (4 * DRAFT(1) + VERIFY(pending + 4))
-    return ChainStop(lambda m: m, mean, rate, VERIFY, DRAFT(1), pending)
+    return ChainStop(lambda m: m, mean, rate, VERIFY, DRAFT(1), pending, limit)
 
 
 def test_sure_drafts_make_a_long_chain_and_a_doubted_one_ends_it():
@@ -57,6 +57,19 @@ def test_the_rounds_rate_decides_what_a_draft_must_bring():
     low, high = stop(rate=20.0), stop(rate=200.0)
     assert low.include(0, 0.6) and high.include(0, 0.6)
     assert low.feed(0) and not high.feed(0)
+
+
+def test_a_step_in_the_cost_by_width_does_not_end_a_chain_that_pays_past_it():
+    """A CPU's verification cost has steps (7 rows cost far more than 6, 16 little more than 7): after 5 sure drafts
+    one step more does not pay by itself, but ten more do, so the chain goes on."""
+    steps = ForwardCost({1: 0.060, 2: 0.097, 6: 0.115, 7: 0.150, 16: 0.160, 17: 0.200, 32: 0.300})
+    chain = ChainStop(lambda m: m, 0.97, 22.0, steps, 0.023, 1, 32)
+    for j in range(5):
+        assert chain.include(j, 0.995)
+    one_more = chain.rate * (steps(7) - steps(6) + chain.draft_s)
+    assert chain.reach * chain.mean < one_more  # what a rule looking one draft ahead would stop at
+    assert chain.feed(4)
+    assert not ChainStop(lambda m: m, 0.97, 22.0, steps, 0.023, 1, 6).feed(4)  # a limit of 6 leaves one: it stops
 
 
 class Scripted:
@@ -109,19 +122,25 @@ def test_the_rule_drafts_through_sure_drafts_and_stops_after_the_doubted_one():
 
 def test_drafts_are_judged_by_their_confidence():
     """The target keeps the five sure drafts and rejects the doubted one: the sure bucket gains five accepted, the
-    doubted bucket one rejected; the draft's acceptance at any position (bucket 0) counts all six."""
+    doubted bucket one rejected; the draft's acceptance at any position (bucket 0) counts all six. A chain the stop
+    ended with every draft kept counts no failed slot after it (the stop chose its end)."""
     policy, drafter = scripted_policy(doubt=6)
     drafter.model.length = 1
     proposal = policy.propose([0, 1], 12, GREEDY, GEN, pending=1, remaining=100)
     sure, doubted = confidence_bucket(0.998), confidence_bucket(0.35)
     before = {b: (policy.stats(0, b).judged, policy.stats(0, b).accepted) for b in (0, sure, doubted)}
     policy.accept(2, [0, 1, 2, 3, 4])
-    policy.observe(len(proposal.tokens) + 1, VERIFY(7), proposal.tokens[:5] + [9])
+    policy.observe(len(proposal.tokens) + 1, VERIFY(7), proposal.tokens[:5] + [3])
     assert (policy.stats(0, sure).judged, policy.stats(0, sure).accepted) == (5, 5)
     assert (policy.stats(0, doubted).judged, policy.stats(0, doubted).accepted) == (1, 0)
     judged0, accepted0 = before[0]
     assert policy.stats(0, 0).judged == pytest.approx(0.9 * judged0 + 6)
     assert policy.stats(0, 0).accepted == pytest.approx(0.9 * accepted0 + 5)
+    again = policy.propose([0, 1] + proposal.tokens[:5] + [3], 12, GREEDY, GEN, pending=1, remaining=90)  # 4 5 6 7
+    judged0 = policy.stats(0, 0).judged
+    policy.accept(8, list(range(len(again.tokens))))
+    policy.observe(len(again.tokens) + 1, VERIFY(len(again.tokens) + 1), again.tokens + [9])
+    assert again.tokens == [4, 5, 6, 7] and policy.stats(0, 0).judged == pytest.approx(0.9 * judged0 + 4)
     # the report names the confidence buckets
     assert {"model", f"model/confidence{CONFIDENCE_EDGES[sure - 1]:g}+"} <= set(policy.report()["alpha"])
 
