@@ -59,8 +59,8 @@ test-fast: setup
 # machine's 2 cores, on llama.cpp's kernels (--backend auto), against llama.cpp itself; one `paraspec bench` per
 # workload, each writing its tables, report.md, results.json and plots:
 #  - model drafts, out/demo/: 3 HumanEval and 3 MT-Bench prompts x 64 tokens; paraspec ar, sd (its default: the
-#    adaptive rule picks each round's length up to 5, 0 where speculation does not pay), sd{adaptive=false} (5
-#    every round), sd{lookahead=16,draft_confidence=0.6,adaptive=false} (drafting stops where the draft's
+#    adaptive rule drafts where speculation pays, and its chain stop ends a chain where the draft doubts, up to
+#    32), sd{adaptive=false} (5 every round), sd{lookahead=16,draft_confidence=0.6,adaptive=false} (drafting stops where the draft's
 #    probability of its token falls below 0.6, as llama.cpp's p-min; 2 threads) and amusd (target on core 1,
 #    draft on core 0) against llama-server alone (llamacpp-ar) and with its own
 #    speculative decoding (llamacpp-spec, the best of draft max 4/8/16 at p-min 0.8, timed on each dataset's first

@@ -500,11 +500,10 @@ class DraftPolicy(Drafter):
             # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next
             # slot as a rejection would: the rule's a_j is then the chance that slot j is drafted and accepted,
             # what E(k) needs (judging only the drafts it let through would overstate the rounds it cuts short)
-            # (a chain the rule's stop ended is not declined: where to stop was the rule's choice, and bucket 0 is then
-            # the acceptance of what it lets through, what its k* needs)
-            declined = (
-                self._asked is not None and not self._asked_stop and self._accepted == len(self._buckets) < self._asked
-            )
+            # (a chain the rule's stop ended too: k* then reads a slot's chance to be drafted and kept, what a round
+            # under the stop yields, not the acceptance of the drafts the stop let through, which is higher where
+            # the stop cuts most; the confidence buckets judge the drafts made)
+            declined = self._asked is not None and self._accepted == len(self._buckets) < self._asked
             if declined:
                 judged = judged + [0]
             for bucket in dict.fromkeys(judged):

@@ -123,7 +123,8 @@ def test_the_rule_drafts_through_sure_drafts_and_stops_after_the_doubted_one():
 def test_drafts_are_judged_by_their_confidence():
     """The target keeps the five sure drafts and rejects the doubted one: the sure bucket gains five accepted, the
     doubted bucket one rejected; the draft's acceptance at any position (bucket 0) counts all six. A chain the stop
-    ended with every draft kept counts no failed slot after it (the stop chose its end)."""
+    ended with every draft kept fails the slot after it in bucket 0 (what k* reads: a slot's chance to be drafted
+    and kept), but not in its confidence buckets (they judge drafts made)."""
     policy, drafter = scripted_policy(doubt=6)
     drafter.model.length = 1
     proposal = policy.propose([0, 1], 12, GREEDY, GEN, pending=1, remaining=100)
@@ -137,10 +138,13 @@ def test_drafts_are_judged_by_their_confidence():
     assert policy.stats(0, 0).judged == pytest.approx(0.9 * judged0 + 6)
     assert policy.stats(0, 0).accepted == pytest.approx(0.9 * accepted0 + 5)
     again = policy.propose([0, 1] + proposal.tokens[:5] + [3], 12, GREEDY, GEN, pending=1, remaining=90)  # 4 5 6 7
-    judged0 = policy.stats(0, 0).judged
+    judged0, accepted1 = policy.stats(0, 0).judged, policy.stats(0, 0).accepted
+    sure_judged = policy.stats(0, sure).judged
     policy.accept(8, list(range(len(again.tokens))))
     policy.observe(len(again.tokens) + 1, VERIFY(len(again.tokens) + 1), again.tokens + [9])
-    assert again.tokens == [4, 5, 6, 7] and policy.stats(0, 0).judged == pytest.approx(0.9 * judged0 + 4)
+    assert again.tokens == [4, 5, 6, 7] and policy.stats(0, 0).judged == pytest.approx(0.9 * judged0 + 5)
+    assert policy.stats(0, 0).accepted == pytest.approx(0.9 * accepted1 + 4)
+    assert policy.stats(0, sure).judged == pytest.approx(0.9 * sure_judged + 3)  # 4, 5, 6 (7: the doubted one)
     # the report names the confidence buckets
     assert {"model", f"model/confidence{CONFIDENCE_EDGES[sure - 1]:g}+"} <= set(policy.report()["alpha"])
 
