@@ -203,7 +203,7 @@ def test_set_options_is_checked_and_waits_for_no_request(qwen2_target, qwen2_par
             engine.set_options(lookahead=0)
         with pytest.raises(ValueError, match="does not take option\\(s\\) max_ahead"):
             engine.set_options(max_ahead=4)
-        assert engine.options["lookahead"] == 5 and engine.config.options == {}
+        assert engine.options["lookahead"] is None and engine.config.options == {}  # auto: 32 under the rule, 5 fixed
         stream = engine.stream(PROMPT, SamplingParams(max_new_tokens=200))
         next(stream)
         with pytest.raises(EngineBusy, match="options cannot change while stream #"):
