@@ -6,7 +6,8 @@ the kept prefix. This module gives the round's draft and verify steps; the loop 
 
 The drafter is a draft model, a model-free drafter ("ngram": prompt lookup; "suffix": suffix tries), or several
 in order (`draft=["ngram", MODEL]`: the model drafts where the n-gram has nothing). With `adaptive=True` each
-round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does not pay; `adaptive=False` drafts
+round's length is the rule's k* (drafters/adaptive.py), 0 when speculation does not pay; a draft model's chain then
+ends where its confidence says the next draft does not pay (ChainStop), up to `lookahead`; `adaptive=False` drafts
 `lookahead` tokens every round (Algorithm 1 as written); the default, None (auto), is the rule except for a
 sampled request with a seed, which drafts fixed lengths (the rule's choices follow measured times, and a sampled
 answer depends on where rounds end).
