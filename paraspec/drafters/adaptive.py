@@ -48,8 +48,11 @@ drafts have been judged it drafts at least 1, 2, 4, ... tokens (doubling while a
 back to 1 at a rejection), its catch-up paid once, in a request with TRIAL_REMAINING tokens or more left. A draft
 that is never right costs a few one-token rounds; a good one then drafts by its own estimate.
 
-The choice depends only on rounds already verified and on timings, never on the draft being judged, so the
-output is exactly as lossless as with a fixed length.
+Under the rule a draft model's chain ends where its own confidence says the next draft does not pay (ChainStop);
+k* > 0 then only decides that the round drafts.
+
+The choice depends only on rounds already verified, on timings and on the draft's own distributions, never on the
+draft being judged, so the output is exactly as lossless as with a fixed length.
 """
 
 from __future__ import annotations
@@ -307,7 +310,7 @@ class ChainStop:
     next distribution adds one draft step more. Each is worth it where its expected tokens per second beat the
     round's rate R (the rule's best rate for this round, what the time could buy otherwise: Dinkelbach's
     criterion for a ratio of expectations), over the best of the horizons still open (a CPU's cost by width has
-    steps: one row more can cost more than the next eight):
+    steps: one row more can cost more than several after it):
 
         include j   P_{j-1} a(m_j) (1 + E_n) >= R (c(w + j + 1 + n) - c(w + j) + n d)     for some n >= 0
         feed j      P_j E_n >= R (c(w + j + 1 + n) - c(w + j + 1) + n d)                  for some n >= 1
@@ -332,25 +335,25 @@ class ChainStop:
 
     def include(self, j: int, m: float) -> bool:
         a = self.accept_rate(m)
-        if j > 0 and not self._pays(self.reach * a, self.pending + j, j + 1, first=1.0):
+        if j > 0 and not self._pays(self.reach * a, self.pending + j, j + 1, with_draft=True):
             return False
         self.reach *= a
         return True
 
     def feed(self, j: int) -> bool:
-        return self._pays(self.reach, self.pending + j + 1, j + 1, first=0.0)
+        return self._pays(self.reach, self.pending + j + 1, j + 1, with_draft=False)
 
-    def _pays(self, reach: float, width: int, drafted: int, first: float) -> bool:
-        """Whether `reach` times (first + a + ... + a^n) tokens pay R times what a verification `width` rows wide
-        grows by with the draft (first = 1) and n more (n draft steps), for some n (n >= 1 where first = 0) that
-        keeps the chain's `drafted` drafts and the n within the limit."""
-        base, tokens, gain = self.verify_s(width), first, 1.0
-        if first and reach >= self.rate * (self.verify_s(width + 1) - base):
-            return True
-        for n in range(1, self.limit - drafted + 1):
-            gain *= self.mean
-            tokens += gain
-            grown = self.verify_s(width + n + (1 if first else 0)) - base
+    def _pays(self, reach: float, width: int, drafted: int, with_draft: bool) -> bool:
+        """Whether `reach` times (1 + a + ... + a^n with the draft, a + ... + a^n without) tokens pay R times what
+        a verification `width` rows wide grows by for them (n draft steps), for some n (n >= 1 without the draft)
+        that keeps the chain's `drafted` drafts and the n within the limit."""
+        first = int(with_draft)
+        base, tokens, gain = self.verify_s(width), float(first), 1.0
+        for n in range(1 - first, self.limit - drafted + 1):
+            if n:
+                gain *= self.mean
+                tokens += gain
+            grown = self.verify_s(width + first + n) - base
             if reach * tokens >= self.rate * (grown + n * self.draft_s):
                 return True
         return False

@@ -24,20 +24,27 @@ from paraspec.runtime.devices import sync
 from paraspec.sampling import SamplingParams, adjust_logits, logits_to_probs, sample
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+def draw(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, q: torch.Tensor | None = None
+) -> tuple[int, torch.Tensor | None]:
     """The draft's next token from its logits, and q: greedy, the argmax (q None); sampling, a sample from
-    q = logits_to_probs(logits) -- exactly the distribution it was drawn from (the q contract)."""
+    q = logits_to_probs(logits) (or the `q` already computed from them) -- exactly the distribution it was drawn
+    from (the q contract)."""
     if params.greedy:
         return int(logits.argmax()), None
-    q = logits_to_probs(logits, params)
+    q = logits_to_probs(logits, params) if q is None else q
     return sample(q, generator), q
 
 
-def top_probability(logits: torch.Tensor, params: SamplingParams) -> float:
-    """The top probability of the distribution the next draft is drawn from: q under sampling, the softmax of the
-    (adjusted) logits under greedy decoding (the draft's confidence in its argmax)."""
-    probs = logits.float().softmax(-1) if params.greedy else logits_to_probs(logits, params)
-    return float(probs.max())
+def confidence(logits: torch.Tensor, params: SamplingParams) -> tuple[float, torch.Tensor | None]:
+    """The top probability of the distribution the next draft is drawn from, and that distribution: under
+    sampling q (for `draw`, so it is computed once), under greedy decoding the softmax's top of the (adjusted)
+    logits, the draft's confidence in its argmax (q None)."""
+    if params.greedy:
+        logits = logits.float()
+        return float(torch.exp(logits.max() - torch.logsumexp(logits, -1))), None
+    q = logits_to_probs(logits, params)
+    return float(q.max()), q
 
 
 class ModelDrafter(Drafter):
@@ -91,13 +98,13 @@ class ModelDrafter(Drafter):
         self.confidences = confidences
         logits = self.logits(self.catch_up(sequence))
         for i in range(k):
-            adjusted = self.adjust(logits, params, sequence, tokens)
+            adjusted, q = self.adjust(logits, params, sequence, tokens), None
             if self.stop is not None:  # the rule's chain stop: by the distribution, before its token is drawn
-                m = top_probability(adjusted, params)
+                m, q = confidence(adjusted, params)
                 if not self.stop.include(i, m):
                     break
                 confidences.append(m)
-            token, q = draw(adjusted, params, generator)
+            token, q = draw(adjusted, params, generator, q)
             if q is not None:
                 probs.append(q)
             tokens.append(token)

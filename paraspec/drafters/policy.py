@@ -59,6 +59,7 @@ from paraspec.structured import GrammarMatcher
 class DraftPolicy(Drafter):
     _asked: int | None
     _forced: list[int]
+    _by_confidence: list[int]
 
     def __init__(
         self,
@@ -176,12 +177,15 @@ class DraftPolicy(Drafter):
                 chosen = self._choose(i, sequence, pending, k, remaining)
                 if chosen == 0:
                     continue
-                if drafter.stops_chains and not (self._trial or self._probing):  # (a trial, a probe: its length)
+                # the chain stop decides the length, up to k (a trial, a probe: its own length, to be judged)
+                stop = drafter.stops_chains and not (self._trial or self._probing)
+                if stop:
                     chosen, drafter.stop = k, self._chain_stop(i, pending, k)
                 try:
                     proposal = drafter.propose(sequence, chosen, params, generator)
                 finally:
                     drafter.stop = None
+                self._by_confidence = [confidence_bucket(m) for m in drafter.confidences] if stop else []
                 self._observe_forwards(i)
                 self._asked = chosen
             if proposal.tokens:
@@ -272,20 +276,16 @@ class DraftPolicy(Drafter):
         self._probing = False
         self._trial = False  # the round is part of a model drafter's trial
         self._asked = None  # the tokens a model drafter was asked for (a chain)
-        self._asked_stop = False  # its chain stopped by the draft's confidence (ChainStop)
-        self._by_confidence: list[int] = []  # then: the confidence bucket of each of its drafts
+        self._by_confidence = []  # a chain the stop ended: the confidence bucket of each of its drafts
         self._plan = (0.0, 0.0)  # the round's rate under the rule (tokens/s) and the draft's step (s), by _choose
 
     def _use(self, i: int, drafted: int) -> None:
         self._used, self._buckets = i, self.buckets(i, drafted)
-        confidences = self.drafters[i].confidences if self._asked_stop else ()
-        self._by_confidence = [confidence_bucket(m) for m in confidences[:drafted]]
 
     def _chain_stop(self, i: int, pending: int, limit: int) -> ChainStop:
         """Where drafter i's chain stops this round (ChainStop), from the round's plan (_choose): its rate, the
         target's cost by width, the draft's step, and the acceptance by confidence."""
         rate, draft_s = self._plan
-        self._asked_stop = True
         return ChainStop(
             lambda m: self.alpha(i, confidence_bucket(m)),
             self.alpha(i, 0),
