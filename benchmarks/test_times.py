@@ -36,7 +36,7 @@ def block_of(test_id: str) -> str:
     """The block of the suite a test belongs to (the first rule that holds)."""
     file, name = test_id.split("::", 1)
     path = file.replace(".", "/") + ".py"
-    if file == "tests.test_real_pair" or "reference_pair" in name:
+    if file.startswith("tests.test_real_pair") or "reference_pair" in name:
         return "the reference pair"
     if any(word in name for word in SLOW_WORDS):
         return "sampling checks (tiny models, Ray nodes included)"
