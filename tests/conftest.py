@@ -271,7 +271,10 @@ def inject_costs(engine, target: dict, draft: dict) -> None:
     from paraspec.drafters.adaptive import ForwardCost
 
     class Fixed(ForwardCost):
-        def observe(self, width: int, seconds: float) -> None:  # not refined by what the rounds measure
+        def observe(self, width: int, seconds: float) -> float:  # not refined by what the rounds measure
+            return 1.0
+
+        def rescale(self, level: float) -> None:  # nor by the target's level
             pass
 
     assert engine.max_num_seqs == 1, (

@@ -235,21 +235,27 @@ class ForwardCost:
     def measured(self) -> bool:
         return bool(self.seconds)
 
-    def observe(self, width: int, seconds: float) -> None:
+    def observe(self, width: int, seconds: float) -> float:
         """A measured forward of `width` tokens. Its own estimate moves toward it, and every other width's by the
         same factor (the shape measured at start-up, the level of now): a long context makes every width
         slower, and a rule that saw only 1-token rounds at 2,000 tokens of context must not price a 5-token
-        verification at its start-up (32-token context) cost."""
+        verification at its start-up (32-token context) cost. Returns that factor (1.0: nothing moved)."""
         if width > OBSERVED_WIDTHS:  # a prompt: its cost says nothing about verification widths
-            return
+            return 1.0
         predicted = self(width) if self.seconds else seconds
         old = self.seconds.get(width)
         self.seconds[width] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
-        if predicted > 0 and self.seconds:
-            level = 1 + COST_EMA * (seconds / predicted - 1)
-            for w in self.seconds:
-                if w != width:
-                    self.seconds[w] *= level
+        level = 1 + COST_EMA * (seconds / predicted - 1) if predicted > 0 else 1.0
+        for w in self.seconds:
+            if w != width:
+                self.seconds[w] *= level
+        return level
+
+    def rescale(self, level: float) -> None:
+        """Every width by `level`: another model's forwards on the same cores and context moved so (a draft model
+        that has not run lately follows its target's level, DraftPolicy.observe)."""
+        for w in self.seconds:
+            self.seconds[w] *= level
 
     @classmethod
     def measure(cls, model, widths, context: int = 32, repeats: int = 2, last_only: bool = False) -> ForwardCost:

@@ -278,6 +278,7 @@ class DraftPolicy(Drafter):
         self._asked = None  # the tokens a model drafter was asked for (a chain)
         self._by_confidence = []  # a chain the stop ended: the confidence bucket of each of its drafts
         self._plan = (0.0, 0.0)  # the round's rate under the rule (tokens/s) and the draft's step (s), by _choose
+        self._drafts_timed: set[int] = set()  # the draft models whose forwards this round timed
 
     def _use(self, i: int, drafted: int) -> None:
         self._used, self._buckets = i, self.buckets(i, drafted)
@@ -464,6 +465,7 @@ class DraftPolicy(Drafter):
         return max(cost(behind) - cost(width), 0.0)
 
     def _observe_forwards(self, i: int) -> None:
+        self._drafts_timed.add(i)
         drafter = self.drafters[i]
         for width, seconds in drafter.timings if self.timed is None else self.timed(drafter.model):
             self.draft_costs[i].observe(width, seconds)
@@ -493,8 +495,15 @@ class DraftPolicy(Drafter):
                 d.committed(self._prefix_len + f, after)
         if not self.adaptive:
             return
+        level = 1.0
         for width, seconds in [(verify_width, verify_s)] if self.timed is None else self.timed(self.verifier):
-            self._cost.observe(width, seconds)
+            level *= self._cost.observe(width, seconds)
+        # a draft model that did not run this round follows the target's level: the same cores and context make
+        # both slower or faster, and a draft priced at its start-up cost while the target's rises would look
+        # cheaper than it is (an untried draft then looks worth its trial and its catch-up of the prompt)
+        for i, cost in self.draft_costs.items():
+            if i not in self._drafts_timed:
+                cost.rescale(level)
         if self._used is not None and self._accepted >= 0:
             judged = self._buckets[: self._accepted + 1]  # the accepted drafts and the first rejected one
             # a draft model that stopped short of k* (draft_confidence) and was right up to there failed the next

@@ -710,6 +710,49 @@ def test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried():
         assert all(d["k"] == 0 and not d["probe"] for d in policy.decisions) != tried
 
 
+# Zen 3's start-up table (llama.cpp, 2 threads, 2026-12-03): drafting there could not pay even if every draft were
+# right, but by a margin of a few percent
+ZEN3_TABLE_VERIFY = {
+    1: 0.0526,
+    2: 0.0856,
+    4: 0.1228,
+    6: 0.2078,
+    8: 0.2586,
+    16: 0.5507,
+    17: 0.4827,
+    32: 0.7682,
+    33: 0.944,
+}
+ZEN3_TABLE_DRAFT = {1: 0.0254, 2: 0.037, 4: 0.0519, 8: 0.0909, 16: 0.129, 64: 0.4315}
+
+
+def first_trial_when_the_target_runs_slower(slower: float, verify: dict, draft: dict) -> int | None:
+    """The round (of 128, after a 160-token prompt, drafts always right) in which the untried draft model is first
+    tried, when every verification takes `slower` times the start-up table's figure; None: never."""
+    drafter, target = Model([7] * 40, 0), ForwardCost(dict(verify))
+    policy = DraftPolicy([drafter], ForwardCost(dict(verify)), {0: ForwardCost(dict(draft))})
+    sequence = list(range(160))
+    for t in range(128):
+        k = len(policy.propose(sequence, 32, GREEDY, GEN, pending=1, remaining=128 - t).tokens)
+        if k:
+            return t
+        policy.observe(1, slower * target(1), [3])
+        sequence.append(3)
+    return None
+
+
+def test_an_idle_draft_model_follows_the_targets_level(monkeypatch):
+    """The target's rounds run 30% slower than timed at start-up (a slow hour of the machine): a draft model that
+    has not run follows the same level, so on Zen 3's table, where no draft pays, it is still not tried. The control:
+    with the draft held at its start-up cost it looks cheaper against the slower target and gets its trial (and its
+    catch-up of the prompt: 1.4 s in a bench run). The AMX profile's draft, which pays, is tried either way."""
+    assert first_trial_when_the_target_runs_slower(1.0, ZEN3_TABLE_VERIFY, ZEN3_TABLE_DRAFT) is None
+    assert first_trial_when_the_target_runs_slower(1.3, ZEN3_TABLE_VERIFY, ZEN3_TABLE_DRAFT) is None
+    assert first_trial_when_the_target_runs_slower(1.3, AMX_VERIFY.seconds, AMX_DRAFT.seconds) == 0
+    monkeypatch.setattr(ForwardCost, "rescale", lambda self, level: None)
+    assert first_trial_when_the_target_runs_slower(1.3, ZEN3_TABLE_VERIFY, ZEN3_TABLE_DRAFT) is not None
+
+
 def test_a_draft_model_drafts_by_its_mean_and_a_model_free_drafter_by_its_lower_estimate():
     """A draft model's one estimate is judged on every token it drafts: the rule takes its mean (less half a
     deviation, a new request's first rejection ended the request's drafting on the AMX Xeon); a model-free
