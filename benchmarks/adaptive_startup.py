@@ -4,8 +4,8 @@ ForwardCost.measure), on the reference pair.
 Builds `Engine(target, draft, strategy="sd")` in turn (interleaved, `--rounds` times) with:
 - `fixed`: adaptive=False (no timing);
 - `rule`: the default (auto: the rule times the target's verification widths and the draft's widths);
-- `rule-before`: the same with the timing as it was before the thirteenth session (draft widths up to 64, every
-  width timed twice), by patching DRAFT_WIDTHS and REPEAT_UNDER_S.
+- `rule-before`: the same with the target's widths as timed before 2026-12-04 (every width up to 20, then every
+  4th), by patching calibration_widths.
 and prints each build's seconds and the timing's share (each ForwardCost.measure call: its widths, its seconds, and
 the time it measured at each width, ms).
 
@@ -20,7 +20,12 @@ from paraspec import Engine
 from paraspec.drafters import adaptive
 
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-BEFORE = dict(DRAFT_WIDTHS=(1, 2, 4, 8, 16, 32, 64), REPEAT_UNDER_S=float("inf"))
+
+
+def widths_before(max_k: int, pending: int = 1) -> list[int]:
+    """calibration_widths before 2026-12-04: every width up to 20, then every 4th, and the widest."""
+    top = pending + max_k
+    return sorted(set(range(1, min(top, 20) + 1)) | set(range(24, top + 1, 4)) | {top})
 
 
 def main() -> None:
@@ -40,13 +45,12 @@ def main() -> None:
         return cost
 
     adaptive.ForwardCost.measure = classmethod(timed)
-    now = dict(DRAFT_WIDTHS=adaptive.DRAFT_WIDTHS, REPEAT_UNDER_S=adaptive.REPEAT_UNDER_S)
-    variants = {"fixed": (dict(adaptive=False), now), "rule": ({}, now), "rule-before": ({}, BEFORE)}
+    now = adaptive.calibration_widths
+    variants = {"fixed": (dict(adaptive=False), now), "rule": ({}, now), "rule-before": ({}, widths_before)}
     builds = {name: [] for name in variants}
     for _ in range(args.rounds):
-        for name, (options, constants) in variants.items():
-            adaptive.DRAFT_WIDTHS = constants["DRAFT_WIDTHS"]
-            adaptive.REPEAT_UNDER_S = constants["REPEAT_UNDER_S"]
+        for name, (options, widths) in variants.items():
+            adaptive.calibration_widths = widths  # strategies/base.py imports it where it times
             log.clear()
             start = time.perf_counter()
             with Engine(

@@ -365,18 +365,24 @@ class ChainStop:
         return False
 
 
-CALIBRATE_EVERY_WIDTH = 20  # widths measured one by one at start-up; beyond, every 4th
+CALIBRATE_EVERY_WIDTH = 9  # widths measured one by one at start-up (one past an 8-row tile)
+CALIBRATE_BLOCK = 16  # beyond: both sides of each edge of this many rows, and every CALIBRATE_BLOCK // 2
 
 
 def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
-    """Widths measured at start-up: every width up to CALIBRATE_EVERY_WIDTH, then every 4th up to pending + max_k.
-    A CPU's cost by width need not be smooth: llama.cpp's AVX-512 kernels take activations in 16-row blocks, so
-    a 16-token forward can cost less than a 15-token one, which an interpolation between every third width would
-    miss (benchmarks/llamacpp_forward_widths.py prints the cost of every width)."""
+    """Widths measured at start-up: every width up to CALIBRATE_EVERY_WIDTH, then the rows either side of each
+    multiple of CALIBRATE_BLOCK and every half block, up to pending + max_k; the others are interpolated and then
+    refined by the rounds that verify them (ForwardCost.observe keeps each width it sees). A CPU's cost by width
+    need not be smooth: llama.cpp's AVX-512 kernels take activations in 16-row blocks, so a 16-token forward can
+    cost less than a 15-token one, which an interpolation across the edge would miss
+    (benchmarks/llamacpp_forward_widths.py prints the cost of every width). The wide widths are most of the start-up
+    timing, so only these of them are timed."""
     top = pending + max_k
-    return sorted(
-        set(range(1, min(top, CALIBRATE_EVERY_WIDTH) + 1)) | set(range(CALIBRATE_EVERY_WIDTH + 4, top + 1, 4)) | {top}
-    )
+    half = CALIBRATE_BLOCK // 2
+    beyond = {
+        w for w in range(CALIBRATE_EVERY_WIDTH + 1, top + 1) if w % half == 0 or (w + 1) % CALIBRATE_BLOCK in (0, 1, 2)
+    }
+    return sorted(set(range(1, min(top, CALIBRATE_EVERY_WIDTH) + 1)) | beyond | {top})
 
 
 # a draft model's widths measured at start-up (its last row's logits only: ForwardCost.measure's last_only): one-token
