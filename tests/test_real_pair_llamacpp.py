@@ -12,7 +12,6 @@ from tests.real_pair import DRAFT, PARAMS, PROMPTS, REAL_PAIR_MARKS, TARGET, eve
 
 pytestmark = REAL_PAIR_MARKS
 
-# -- the llamacpp backend: exact by construction, so no near-tie allowance -------------------------------------
 LLAMACPP_STRATEGIES = {
     "sd": dict(strategy="sd", lookahead=5),  # sd's default: the adaptive rule (costs injected)
     "sd-confidence": dict(strategy="sd", lookahead=16, draft_confidence=0.6, adaptive=False),  # make demo's

@@ -244,11 +244,9 @@ class ForwardCost:
             return 1.0
         predicted = self(width) if self.seconds else seconds
         old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
         level = 1 + COST_EMA * (seconds / predicted - 1) if predicted > 0 else 1.0
-        for w in self.seconds:
-            if w != width:
-                self.seconds[w] *= level
+        self.rescale(level)
+        self.seconds[width] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
         return level
 
     def rescale(self, level: float) -> None:
@@ -378,10 +376,8 @@ def calibration_widths(max_k: int, pending: int = 1) -> list[int]:
     (benchmarks/llamacpp_forward_widths.py prints the cost of every width). The wide widths are most of the start-up
     timing, so only these of them are timed."""
     top = pending + max_k
-    half = CALIBRATE_BLOCK // 2
-    beyond = {
-        w for w in range(CALIBRATE_EVERY_WIDTH + 1, top + 1) if w % half == 0 or (w + 1) % CALIBRATE_BLOCK in (0, 1, 2)
-    }
+    edges = {CALIBRATE_BLOCK - 1, 0, 1, CALIBRATE_BLOCK // 2}  # w % CALIBRATE_BLOCK of the widths timed beyond
+    beyond = {w for w in range(CALIBRATE_EVERY_WIDTH + 1, top + 1) if w % CALIBRATE_BLOCK in edges}
     return sorted(set(range(1, min(top, CALIBRATE_EVERY_WIDTH) + 1)) | beyond | {top})
 
 
