@@ -429,6 +429,7 @@ class SequenceView:
         # (bounded: a policy that does not adapt never takes them)
         self.timings: deque[tuple[int, float]] = deque(maxlen=TIMINGS_KEPT)
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
+        self.splits_prompts = model.splits_prompts
 
     @property
     def length(self) -> int:

@@ -23,6 +23,10 @@ class Model(Protocol):
     vocab_size: int  # rows of the output layer (may exceed the tokenizer's vocabulary: padding)
     eos_token_ids: tuple[int, ...]
     max_context: int  # positions the KV cache can hold
+    # a forward into an empty cache runs its prompt (the tokens before the first wanted row) in forwards of its own
+    # and the tokens after it in others (llama.cpp), rather than all in one forward (native, HF): the prompt round's
+    # drafts then cost a verification forward of their own (strategies/sd.py drafts none there)
+    splits_prompts: bool
 
     @property
     def length(self) -> int:

@@ -14,6 +14,8 @@ from paraspec.models.base import check_rollback
 
 
 class HFModel:
+    splits_prompts = False  # prompt and tokens after it: one forward (models.base.Model)
+
     def __init__(self, model, max_context: int, eos_token_ids: tuple[int, ...]):
         from transformers import DynamicCache
 

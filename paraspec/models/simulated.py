@@ -66,6 +66,8 @@ class SimulatedSpec:
 
 
 class SimulatedModel:
+    splits_prompts = False  # prompt and tokens after it: one forward (models.base.Model)
+
     def __init__(
         self,
         spec: SimulatedSpec,

@@ -24,6 +24,7 @@ class RemoteModel:
         self.eos_token_ids: tuple[int, ...] = eos_token_ids
         self.max_context: int = max_context
         self.exact: bool | None = info.exact  # llama.cpp: exact kernels (a target) or the fastest (a draft)
+        self.splits_prompts: bool = info.splits_prompts
 
     @property
     def length(self) -> int:

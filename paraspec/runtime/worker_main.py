@@ -44,6 +44,7 @@ class WorkerInfo:
     build_s: float  # pinning + model factory, measured inside the worker
     startup_s: float = 0.0  # from start to ready, measured by the caller (includes spawn + imports)
     exact: bool | None = None  # llama.cpp: the target's exact kernels, or a draft's fastest (None: no such choice)
+    splits_prompts: bool = False  # models.base.Model (a worker may serve what is not a Model)
 
 
 @dataclass
@@ -232,6 +233,7 @@ def _build_model(name: str, device: Device, spec: bytes, in_process: bool):
         max_context=getattr(model, "max_context", None),
         build_s=time.perf_counter() - t_build,
         exact=getattr(model, "exact", None),
+        splits_prompts=bool(getattr(model, "splits_prompts", False)),
     )
     return model, info
 

@@ -12,7 +12,9 @@ each strategy supplies its draft step and its verify step, this skeleton runs th
     at the end: the drafter keeps the output (finish); with the adaptive rule, its report
 
 The first round drafts from the prompt and the target's prefill verifies those drafts in the same forward (as
-HF assisted generation does), so every round looks alike; its forward is traced as the prefill.
+HF assisted generation does), so every round looks alike; its forward is traced as the prefill. On a target that
+splits prompts (llama.cpp: the tokens after a prompt run in forwards of their own) `sd` drafts nothing there: the
+drafts would cost the same verification one round later, and the first token streams before it.
 """
 
 from __future__ import annotations

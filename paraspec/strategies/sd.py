@@ -67,6 +67,11 @@ def chain_rounds(run: RequestState, target, policy: DraftPolicy, lookahead: Call
 
     def draft(policy: DraftPolicy, sequence: list[int], pending: int) -> Proposal:
         k = min(lookahead(), run.remaining - 1)  # the round adds one target token after the drafts
+        if pending > 1 and pending == len(sequence) and target.splits_prompts:
+            # the prompt round on a target that runs the tokens after a prompt in forwards of their own (llama.cpp):
+            # drafts there cost the verification they would one round later, but only after it would the first
+            # token stream, so they wait a round (the first token comes as soon as `ar`'s)
+            k = 0
         return policy.propose(sequence, k, run.params, run.generator, pending=pending, remaining=run.remaining)
 
     def verify(sequence: list[int], pending: list[int], proposal: Proposal) -> tuple[list[int], int]:

@@ -118,8 +118,9 @@ def test_wide_forwards_are_split_to_the_exact_width(gguf_pair, monkeypatch):
 
 
 def test_a_first_forward_decodes_its_prompt_as_prefill_does(gguf_pair):
-    """sd's first round feeds prompt + drafts into the empty cache: the prompt goes in n_batch chunks exactly as
-    ar's prefill (not exact-width pieces), the drafts after it as ar decodes them: the same logits bitwise."""
+    """A first forward of prompt + more tokens into the empty cache (what a strategy drafting in its prompt round
+    asks): the prompt goes in its chunks exactly as ar's prefill (not exact-width pieces), the tokens after it as ar
+    decodes them: the same logits bitwise."""
     model = LlamaCppModel(gguf_pair["target"], 2048, (), n_threads=1)
     prompt, drafts = list(range(3, 40)), [50, 51, 52]
     reference = torch.cat([model.prefill(prompt)[None]] + [model.forward([t]) for t in drafts])
@@ -189,6 +190,22 @@ def test_greedy_strategies_equal_ar(gguf_pair, ar_tokens, config):
     assert 0 < result.stats.accepted < result.stats.drafted  # the draft partly agrees: both paths ran
 
 
+def test_sd_drafts_nothing_in_the_prompt_round(gguf_pair, ar_tokens):
+    """llama.cpp runs the tokens after a prompt in forwards of their own, so sd's prompt round drafts nothing (the
+    same drafts cost the same verification a round later): its prefill carries the prompt alone and the first
+    token comes before the draft model reads the prompt; the next round verifies the first token and 4 drafts."""
+    with Engine(
+        gguf_pair["target"], gguf_pair["draft"], strategy="sd", adaptive=False, lookahead=4, backend="llamacpp"
+    ) as sd:
+        result = sd.generate(PROMPT, PARAMS)
+    target = [e for e in result.trace.events if e.device == "target"]
+    assert (target[0].kind, target[0].tokens) == ("prefill", len(PROMPT))
+    assert (target[1].kind, target[1].tokens) == ("verify", 1 + 4)
+    first_draft = next(e for e in result.trace.events if e.kind == "draft" and e.tokens)
+    assert first_draft.start_s >= target[0].end_s
+    assert result.token_ids == ar_tokens
+
+
 def test_sd_stops_on_a_stop_token_inside_a_chunk(gguf_pair, ar_tokens):
     stop = ar_tokens[9]
     first = ar_tokens.index(stop)
@@ -205,7 +222,8 @@ N_SAMPLES = 4_000
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_p=0.6)])
 def test_sd_sampling_follows_the_target(gguf_pair, sampling):
-    """Joint distribution of the first two tokens: sd on llama.cpp vs the target's exact distribution."""
+    """Joint distribution of the first two tokens: sd on llama.cpp vs the target's exact distribution (the second
+    one drafted and verified)."""
     from scipy.stats import chisquare
 
     from paraspec.sampling import logits_to_probs
@@ -228,8 +246,10 @@ def test_sd_sampling_follows_the_target(gguf_pair, sampling):
                 joint[(x1, x2)] = float(p1[x1] * p2[x2])
         counts, accepted = {}, 0
         for seed in range(N_SAMPLES):
-            result = sd.generate(PROMPT, SamplingParams(max_new_tokens=2, seed=seed, **sampling))
-            key = tuple(result.token_ids)
+            # three tokens: the first comes from the prefill (no drafts in llama.cpp's prompt round), the second
+            # from a verified draft
+            result = sd.generate(PROMPT, SamplingParams(max_new_tokens=3, seed=seed, **sampling))
+            key = tuple(result.token_ids[:2])
             counts[key] = counts.get(key, 0) + 1
             accepted += result.stats.accepted
     assert set(counts) <= set(joint), f"sampled pairs outside the target's support: {set(counts) - set(joint)}"

@@ -605,6 +605,7 @@ class LlamaCppSequence:
     def __init__(self, model: LlamaCppModel, sequence_id: int):
         self.model, self.sequence_id = model, sequence_id
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
+        self.splits_prompts = model.splits_prompts
 
     @property
     def length(self) -> int:

@@ -315,6 +315,8 @@ class NativeModel:
     W-row step in a CUDA graph; `compile_step` runs the step through torch.compile first (fewer, fused kernels:
     docs/GPU.md; off by default)."""
 
+    splits_prompts = False  # prompt and tokens after it: one forward (models.base.Model)
+
     def __init__(
         self,
         decoder: Decoder,
