@@ -3,10 +3,11 @@ forwards, before the first token) against drafted one round later (the first tok
 as `ar`'s does; the rule of strategies/sd.py on a target that splits prompts).
 
     .venv/bin/python benchmarks/prompt_round_drafts.py [--drafter suffix] [--datasets code-edit humaneval]
-        [--prompts 3] [--tokens 128] [--rounds 2]
+        [--prompts 3] [--tokens 128] [--rounds 2] [--fixed K]
 
 One `ar` Engine and one `sd` Engine (the drafter given, its default options: the adaptive rule) on the reference
-target, llama.cpp, one request at a time, chat-templated prompts. Per prompt and round the three runs go in a
+target, llama.cpp, one request at a time, chat-templated prompts (`--fixed K`: `sd` drafts K tokens every round,
+adaptive=False, as a seeded sampled request does). Per prompt and round the three runs go in a
 rotating order: `ar`, `sd` drafting in its prompt round (the target's `splits_prompts` cleared on the Engine's
 model: its forward still splits, only the strategy's choice changes) and `sd` as it is. Printed per dataset: the
 medians of TTFT, TPOT and ms/token, the prompt round's drafts, and the median per-prompt ratio of ms/token to
@@ -32,10 +33,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fixed", type=int, default=None, metavar="K", help="K drafts every round (adaptive=False)")
     args = ap.parse_args()
+    fixed = {} if args.fixed is None else dict(adaptive=False, lookahead=args.fixed)
     params = SamplingParams(max_new_tokens=args.tokens)
     ar = Engine(TARGET, None, backend="llamacpp", strategy="ar", max_num_seqs=1)
-    sd = Engine(TARGET, args.drafter, backend="llamacpp", strategy="sd", max_num_seqs=1)
+    sd = Engine(TARGET, args.drafter, backend="llamacpp", strategy="sd", max_num_seqs=1, **fixed)
     if not sd.target.splits_prompts:
         raise SystemExit("this llama.cpp target does not split prompts: nothing to compare")
     try:

@@ -218,8 +218,8 @@ class Scheduler:
             sequence_id, empty = view.sequence_id, model.length_of(view.sequence_id) == 0
             if not prefill:  # this request's own errors, raised here, not in the step
                 model.check_forward(tokens, sequence_id)
-            # into an empty cache, the tokens up to the first wanted row are a prompt (sd's first round: the prompt
-            # and the drafts in one forward), run as the model's own forward runs it: its prompt_steps, then the rest
+            # into an empty cache, the tokens up to the first wanted row are a prompt, run as the model's own forward
+            # runs it: its prompt_steps, then the rest
             head = len(tokens) - outputs + 1
             prompt = len(tokens) if prefill else head if empty and model.splits_prompts and head > 1 else 0
             exact_rows = model.batch_exact or (not model.exact and not member.repeatable)
