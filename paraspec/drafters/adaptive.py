@@ -72,6 +72,11 @@ PROBE_SHARE = 0.03  # most a probe may add to a plain round, as a share of the p
 FADE = 0.25  # evidence kept from earlier requests
 TRIAL_JUDGED = 4.0  # judged drafts (decayed) that end a model drafter's trial
 TRIAL_REMAINING = 32  # a trial starts only in a request with at least this many tokens left
+# the best case a look at a draft model is judged by (DraftPolicy._could_pay): its drafts accepted this often, as the
+# best drafts are on the most predictable text -- not every draft right, a case no draft reaches, and one that puts a
+# long chain's cost within a few percent of plain decoding on CPUs where drafting cannot pay, inside the noise of a
+# start-up cost table (docs/DRAFTERS.md, "Only where drafting could pay")
+BEST_ALPHA = 0.99
 PRIOR_WEIGHT = 2.0  # judged drafts a prior is worth (Beta(1, 1) for a drafter's first bucket)
 LOWER_Z = 0.5  # the rule drafts by a model-free drafter's estimates less this many standard deviations
 OBSERVED_WIDTHS = 64  # a forward wider than this (a prompt) does not move the per-width costs

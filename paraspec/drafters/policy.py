@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from paraspec.drafters.adaptive import (
+    BEST_ALPHA,
     CONFIDENCE_BASE,
     CONFIDENCE_EDGES,
     MATCH_BUCKETS,
@@ -413,10 +414,11 @@ class DraftPolicy(Drafter):
                     probe_s = catch_up + draft_s + self._cost(pending + nodes(1)) - self._cost(pending)
                     if probe_s <= PROBE_SHARE * state.plain_rounds * self._cost(1):
                         look = "probe"
-            # a look only where drafting could pay were every draft right: on a CPU where the draft model's step
-            # costs most of the target's and verification grows with its width, no acceptance pays, and the look
-            # would only buy the prompt's catch-up (docs/DRAFTERS.md;
-            # test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried)
+            # a look only where drafting could pay were the drafts as good as drafts get (BEST_ALPHA): on a CPU where
+            # the draft model's step costs most of the target's and verification grows with its width, no acceptance
+            # pays, and the look would only buy the prompt's catch-up (docs/DRAFTERS.md;
+            # test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_tried,
+            # test_a_look_needs_drafting_to_pay_with_drafts_as_good_as_they_get)
             if look and self._could_pay(
                 draft_s, verify(1), max_k, catch_up, remaining, steady_load, plain_s, draft_step
             ):
@@ -449,11 +451,11 @@ class DraftPolicy(Drafter):
         plain_s: float,
         draft_step: Callable[[int], float] | None = None,
     ) -> bool:
-        """Whether drafting would beat plain decoding if every draft were accepted (the best case), in a step with
-        the others' `load`, its catch-up paid within the request's remaining tokens: where even that
+        """Whether drafting would beat plain decoding in the best case (every draft accepted with BEST_ALPHA), in a
+        step with the others' `load`, its catch-up paid within the request's remaining tokens: where even that
         loses, learning the drafter's acceptance is worth nothing (now: a busy Scheduler looks again when it is
         quieter)."""
-        k, rate = best_length(1.0, draft_s, verify_s, 1, max_k, load, self.split, draft_step)
+        k, rate = best_length(BEST_ALPHA, draft_s, verify_s, 1, max_k, load, self.split, draft_step)
         return k > 0 and catch_up_pays(catch_up, rate, plain_s, remaining)
 
     def _catch_up_s(self, i: int, sequence: list[int], width: int) -> float:
