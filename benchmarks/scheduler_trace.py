@@ -8,13 +8,15 @@ callers give it), then from --callers threads at once, each taking the next requ
 tokens/s of the concurrent part, and its steps grouped by what they carried -- each ask as T (target) or D (draft
 model), its width, `p` for a prompt's forward and `a` for an ask run alone (e.g. `D2 D2 T2`: two requests feeding
 their draft model two tokens, one verifying a one-token draft) -- with their count and mean ms; with a draft
-model, the adaptive rule's report of one seat (its acceptance and cost tables). Quote it from a quiet machine.
+model, the adaptive rule's report of one seat (its acceptance and cost tables); and the time between steps, when no
+forward runs. Quote it from a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -96,6 +98,11 @@ def main() -> None:
         groups[key].append(seconds)
     for key, times in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         print(f"{len(times):5d} x {1e3 * sum(times) / len(times):8.1f} ms = {sum(times):6.2f} s  {key}")
+    # between one step's end and the next one's start: the requests' own work (sampling, commit, the next ask) and
+    # the hand-overs, while no forward runs
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(log, log[1:])]
+    if gaps:
+        print(f"between steps: median {1e3 * statistics.median(gaps):.2f} ms, {sum(gaps):.2f} s in all")
     if report is not None:
         print("adaptive rule:", json.dumps({k: report[k] for k in ("alpha", "verify_cost_ms", "draft_cost_ms")}))
     if args.out is not None:

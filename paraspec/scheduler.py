@@ -10,7 +10,8 @@ is handed to the Scheduler, whose thread runs the step:
                    drafting k tokens holds the others back by k draft-model forwards, not k steps of theirs)
         schedule   per model, the asks that may share a forward (a few tokens on a sequence that has its prompt,
                    rows the load-time probe found exact beside others) packed into as few forwards as the width
-                   allows; the others (a width outside the probe's) alone; a prompt's next chunk alone (its
+                   allows, or into more where the forwards' timed costs say several cost less than one (packs());
+                   the others (a width outside the probe's) alone; a prompt's next chunk alone (its
                    prompt_steps: the same forwards as alone, so the same KV cache, but no request waits for a whole
                    prompt: the others' steps run between its chunks)
         run        one forward per group (one llama_decode; one pass of the native decoder)
@@ -45,6 +46,9 @@ from paraspec.models.base import Sequences
 from paraspec.strategies.base import Seat
 
 TIMINGS_KEPT = 64  # forwards a view remembers for the adaptive rule (SequenceView.take_timings)
+STEP_COST_EMA = 0.3  # weight of a new timing of a shared forward's shape (Scheduler.step_costs)
+SPLIT_SHARE = 0.95  # a step's shareable asks run as several forwards only where those cost at most this share of
+# the fewest forwards (timings drift: a split must be clearly cheaper)
 
 
 @dataclass(eq=False)
@@ -108,6 +112,9 @@ class Scheduler:
         self._closed = False
         self._lock = threading.Lock()  # one call into the models at a time (a step, a rollback, a move)
         self.stats = BatchStats()
+        # per model (id): seconds of a shared forward by its shape (asks, rows), as this scheduler timed them: where
+        # several forwards of fewer asks cost less than one of them all, a step's asks are split (packs())
+        self.step_costs: dict[int, dict[tuple[int, int], float]] = {}
         self._target = target
         self.seats = []
         for sequence_id in range(target.n_seqs):
@@ -328,14 +335,21 @@ class Scheduler:
         with self._lock:
             rows = 0
             for model in {id(a.model): a.model for a in asks}.values():
-                shared = [a for a in asks if a.model is model and not a.alone]
-                for group in _groups(shared, lambda a: len(a.tokens), model.exact_width, model.n_batch):
+                # by sequence: a pack of them is then a run of consecutive sequences (llama.cpp's one micro-batch)
+                shared = sorted((a for a in asks if a.model is model and not a.alone), key=lambda a: a.sequence_id)
+                costs = self.step_costs.setdefault(id(model), {})
+                for group in packs(shared, lambda a: len(a.tokens), model.exact_width, model.n_batch, costs):
                     width = sum(len(a.tokens) for a in group)
                     self._run(
                         group,
                         width,
                         lambda g=group, m=model: m.forward_batch([(a.sequence_id, a.tokens, a.outputs) for a in g]),
                     )
+                    timing = group[0].timing
+                    if group[0].error is None and timing is not None:
+                        shape = (len(group), width)
+                        old = costs.get(shape)
+                        costs[shape] = timing[1] if old is None else old + STEP_COST_EMA * (timing[1] - old)
                     rows += width
                     self.stats.shared_rows += width
                     self.stats.widths[len(group)] = self.stats.widths.get(len(group), 0) + 1
@@ -404,6 +418,42 @@ class Scheduler:
             self._cv.notify_all()
 
 
+def packs(items: list, rows_of, width: int, n_batch: int, costs: dict[tuple[int, int], float]) -> list[list]:
+    """Shareable asks (or their widths), in order, into forwards: as few as the probed width allows (_groups), or,
+    where `costs` (seconds by (asks, rows), timed by the Scheduler) say so, more: the cheapest run of consecutive
+    packs of timed shapes, if it costs under SPLIT_SHARE of those few. A CPU's kernels change at some widths: one
+    llama.cpp forward of eight sequences' next tokens can cost more than two forwards of four (docs/SERVING.md).
+    Any pack is exact (each within the probed width), so only the cost decides: the fewest forwards run until
+    their shapes are timed, then their halves once, then the cheapest packing of timed shapes."""
+    fewest = _groups(items, rows_of, width, n_batch)
+    if len(items) < 2 or not costs:
+        return fewest
+
+    def cost(pack: list) -> float | None:
+        return costs.get((len(pack), sum(rows_of(item) for item in pack)))
+
+    known = [c for c in map(cost, fewest) if c is not None]
+    if len(known) < len(fewest):
+        return fewest
+    # the packs' halves, once each (a shape is timed only where it runs: without a look, a cheaper split of the
+    # steps that run most would never be found)
+    halves = [
+        half for pack in fewest for half in ((pack[: len(pack) // 2], pack[len(pack) // 2 :]) if pack[1:] else (pack,))
+    ]
+    if any(cost(half) is None for half in halves):
+        return halves
+    limit = min(width, n_batch)
+    best: dict[int, tuple[float, list[list]]] = {0: (0.0, [])}  # j -> the cheapest packing of items[:j]
+    for j in range(1, len(items) + 1):
+        for i in range(j):
+            pack = items[i:j]
+            seconds = cost(pack) if i in best and sum(map(rows_of, pack)) <= limit else None
+            if seconds is not None and (j not in best or best[i][0] + seconds < best[j][0]):
+                best[j] = (best[i][0] + seconds, best[i][1] + [pack])
+    cheapest = best.get(len(items))
+    return cheapest[1] if cheapest is not None and cheapest[0] < SPLIT_SHARE * sum(known) else fewest
+
+
 def _groups(items: list, rows_of, width: int, n_batch: int) -> list[list]:
     """Asks (or their widths: `rows_of` gives an item's rows) packed in order into forwards of at most `width` rows
     (the probed exact width) and n_batch tokens."""
@@ -458,9 +508,10 @@ class SequenceView:
 
     def step_forwards(self, widths: list[int]) -> list[int]:
         """The forwards (their rows) a step runs shareable asks of these widths on this model as: packed as the
-        step packs them (_groups), each pack as the model runs one forward_batch (Sequences.step_forwards)."""
-        packs = _groups(widths, lambda rows: rows, self.model.exact_width, self.model.n_batch)
-        return [rows for pack in packs for rows in self.model.step_forwards(pack)]
+        step packs them (packs()), each pack as the model runs one forward_batch (Sequences.step_forwards)."""
+        costs = self.scheduler.step_costs.get(id(self.model), {})
+        packed = packs(widths, lambda rows: rows, self.model.exact_width, self.model.n_batch, dict(costs))
+        return [rows for pack in packed for rows in self.model.step_forwards(pack)]
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.scheduler.keep_path(self, prefix_len, slots)

@@ -18,6 +18,7 @@ import torch
 from paraspec import Engine, SamplingParams
 from paraspec.drafters.adaptive import Load
 from paraspec.models.loader import load_model
+from paraspec.scheduler import packs
 
 pytest.importorskip("llama_cpp")
 
@@ -120,6 +121,43 @@ def test_concurrent_requests_are_each_bit_identical_to_alone(gguf_pair, name, sa
     assert moves > 0  # requests that outlived others moved down to keep the sequences contiguous
     if name != "ar" and not sampling:
         assert any(r.stats.drafted for r in want)
+
+
+def test_packs_split_a_step_only_where_the_timed_forwards_are_clearly_cheaper():
+    """Eight one-row asks: one forward of eight until it is timed, then two of four once (to time them); two of
+    four where they cost less than one of eight (Zen 4's kernels: 224.5 against 2 x 105.7 ms, 2026-12-06); one of
+    eight where the split saves under 5%; never a pack wider than the probed width; the asks keep their order."""
+    rows = lambda item: 1  # noqa: E731
+    items = list(range(8))
+    assert packs(items, rows, 32, 512, {}) == [items]
+    assert packs(items, rows, 32, 512, {(8, 8): 0.2245}) == [items[:4], items[4:]]  # the halves, to time them
+    timed = {(8, 8): 0.2245, (4, 4): 0.1057, (2, 2): 0.0618, (1, 1): 0.032}
+    assert packs(items, rows, 32, 512, timed) == [items[:4], items[4:]]
+    assert packs(items, rows, 32, 512, {**timed, (4, 4): 0.116}) == [items]  # 0.232 s: not 5% cheaper
+    assert packs(items, rows, 4, 512, {(4, 4): 0.107, (2, 2): 0.06, (1, 1): 0.010}) == [[i] for i in items]
+    assert packs(items, rows, 4, 512, {(4, 4): 0.107, (2, 2): 0.06, (1, 1): 0.030}) == [items[:4], items[4:]]
+    assert packs([3], rows, 32, 512, timed) == [[3]]
+
+
+class FixedCosts(dict):
+    """A step cost table the Scheduler reads but does not update (its timings would move it)."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_a_step_split_into_cheaper_forwards_keeps_every_answer(gguf_pair):
+    """Where the timed costs make two forwards of two requests cheaper than one of four, the Scheduler runs them
+    so, and every answer is still the request's answer alone (each pack within the probed width)."""
+    want = alone(gguf_pair, "ar", 8, False)
+    with engine(gguf_pair, "ar", 4) as e:
+        if not e.target.batch_exact or e.target.min_shared_width > 1:
+            pytest.skip("the probe keeps one-token steps alone on this CPU: nothing is shared to split")
+        e.scheduler.step_costs[id(e.target)] = FixedCosts({(1, 1): 1.0, (2, 2): 1.0, (3, 3): 3.0, (4, 4): 4.0})
+        for n in (4, 8):
+            assert_same(together(e, n, False), want[:n])
+        widths = dict(e.batch_stats.widths)
+    assert widths.get(2) and not widths.get(3) and not widths.get(4), widths
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(gguf_pair):
