@@ -25,7 +25,7 @@ from benchmarks.serve_concurrency import TARGET, ParaspecServer, PeerServer, pro
 from paraspec import Engine, SamplingParams  # noqa: E402
 
 
-def metric_mean(url: str, name: str) -> tuple[float, float]:
+def histogram_totals(url: str, name: str) -> tuple[float, float]:
     """(sum, count) of one of the server's Prometheus histograms."""
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     total = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"paraspec:{name}_sum"))
@@ -72,13 +72,13 @@ def main() -> None:
         for rnd in range(args.rounds):
             for name, server in paths[rnd % 3 :] + paths[: rnd % 3]:
                 if server is serve:
-                    before = metric_mean(serve.server.url, "time_to_first_token_seconds")
+                    before = histogram_totals(serve.server.url, "time_to_first_token_seconds")
                 if server is None:
                     answers = through_engine()
                 else:  # llama-server without its prompt cache (paraspec keeps none)
                     answers = run_level(server.url, prompts, 1, args.max_tokens, server.extra)[0]
                 if server is serve:
-                    after = metric_mean(serve.server.url, "time_to_first_token_seconds")
+                    after = histogram_totals(serve.server.url, "time_to_first_token_seconds")
                     server_ttft.append((after[0] - before[0]) / max(after[1] - before[1], 1))
                 ttfts, tpots = [a["ttft_s"] for a in answers], [a["tpot_ms"] for a in answers]
                 row = (statistics.median(ttfts), statistics.median(tpots))

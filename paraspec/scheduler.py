@@ -115,7 +115,6 @@ class Scheduler:
         # per model (id): seconds of a shared forward by its shape (asks, rows), as this scheduler timed them: where
         # several forwards of fewer asks cost less than one of them all, a step's asks are split (packs())
         self.step_costs: dict[int, dict[tuple[int, int], float]] = {}
-        self.cost_version = 0  # moves at each timing: the views' packings priced before it are stale
         self._target = target
         self.seats = []
         for sequence_id in range(target.n_seqs):
@@ -346,12 +345,10 @@ class Scheduler:
                         width,
                         lambda g=group, m=model: m.forward_batch([(a.sequence_id, a.tokens, a.outputs) for a in g]),
                     )
-                    timing = group[0].timing
-                    if group[0].error is None and timing is not None:
-                        shape = (len(group), width)
+                    timing, shape = group[0].timing, (len(group), width)  # (a timing only where the forward ran)
+                    if timing is not None:
                         old = costs.get(shape)
                         costs[shape] = timing[1] if old is None else old + STEP_COST_EMA * (timing[1] - old)
-                        self.cost_version += 1
                     rows += width
                     self.stats.shared_rows += width
                     self.stats.widths[len(group)] = self.stats.widths.get(len(group), 0) + 1
@@ -482,7 +479,6 @@ class SequenceView:
         # (rows, seconds) of each forward its asks rode in, a prompt's aside: what its forwards cost, not its waits
         # (bounded: a policy that does not adapt never takes them)
         self.timings: deque[tuple[int, float]] = deque(maxlen=TIMINGS_KEPT)
-        self._priced: tuple[int, dict[tuple[int, ...], list[int]]] = (-1, {})  # (cost_version, widths -> forwards)
         self.vocab_size, self.max_context, self.eos_token_ids = model.vocab_size, model.max_context, model.eos_token_ids
         self.splits_prompts = model.splits_prompts
 
@@ -514,16 +510,9 @@ class SequenceView:
     def step_forwards(self, widths: list[int]) -> list[int]:
         """The forwards (their rows) a step runs shareable asks of these widths on this model as: packed as the
         step packs them (packs()), each pack as the model runs one forward_batch (Sequences.step_forwards)."""
-        # the rule prices dozens of lengths a round, and no step runs while it decides: one packing per widths
-        version, key = self.scheduler.cost_version, tuple(widths)
-        if version != self._priced[0]:
-            self._priced = (version, {})
-        forwards = self._priced[1].get(key)
-        if forwards is None:
-            costs = dict(self.scheduler.step_costs.get(id(self.model), {}))
-            packed = packs(widths, lambda rows: rows, self.model.exact_width, self.model.n_batch, costs)
-            forwards = self._priced[1][key] = [rows for pack in packed for rows in self.model.step_forwards(pack)]
-        return list(forwards)
+        costs = self.scheduler.step_costs.get(id(self.model), {})
+        packed = packs(widths, lambda rows: rows, self.model.exact_width, self.model.n_batch, costs)
+        return [rows for pack in packed for rows in self.model.step_forwards(pack)]
 
     def keep_path(self, prefix_len: int, slots: list[int]) -> None:
         self.scheduler.keep_path(self, prefix_len, slots)

@@ -754,7 +754,7 @@ def test_an_idle_draft_model_follows_the_targets_level():
 
 
 # Zen 4 (AVX-512), llama.cpp, 2 threads, the reference pair, as ForwardCost.measure timed them at start-up on
-# 2026-12-06 (the widths an Engine times; the wide ones once each, hence 31 rows dearer than 32); the draft's step
+# 2026-12-06 (the widths an Engine times, the wide ones once each; 31 rows came out dearer than 32); the draft's step
 # as a start-up a little faster timed it (its one-token step 15% cheaper, within a run's spread). Every draft right,
 # a 31-draft chain costs 31 x 18 + 423 ms for 32 tokens: 30.7 ms a token against 32.9 plainly
 ZEN4_VERIFY = ForwardCost(
