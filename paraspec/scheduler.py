@@ -16,7 +16,9 @@ is handed to the Scheduler, whose thread runs the step:
                    prompt: the others' steps run between its chunks)
         run        one forward per group (one llama_decode; one pass of the native decoder)
         hand back  each ask its rows; its request goes on with its own acceptance, sampling and commit
-    a request waiting on its reader (a stream not being read) is idle: the steps do not wait for it
+    a request waiting on its reader is idle: a step waits for it only briefly (READER_GRACE of a step: a reader
+    handed a token comes back within milliseconds, and a request that misses a step loses a whole step), and not at
+    all for a stream not being read
 
 Admission (which request gets which seat, how many run) is the Engine's RequestGate, and nothing else's.
 
@@ -47,6 +49,9 @@ from paraspec.strategies.base import Seat
 
 TIMINGS_KEPT = 64  # forwards a view remembers for the adaptive rule (SequenceView.take_timings)
 STEP_COST_EMA = 0.3  # weight of a new timing of a shared forward's shape (Scheduler.step_costs)
+READER_GRACE = 0.1  # a step waits for a request whose reader holds its last commit this share of the last step's
+# seconds: a reader handed a token (a server's thread emitting it) is back within milliseconds, and a request that
+# misses a step waits a whole step for its next token while that step runs with a row less
 SPLIT_SHARE = 0.95  # a step's shareable asks run as several forwards only where those cost at most this share of
 # the fewest forwards (timings drift: a split must be clearly cheaper)
 
@@ -87,6 +92,7 @@ class Member:
     # whatever the draft proposed, and an unseeded one promises no repeat, so theirs are shared
     repeatable: bool = False
     computing: bool = True
+    idle_since: float = 0.0  # when its reader took its last commit (perf_counter), while it is not computing
     ask: _Ask | None = None
     rows: dict = field(default_factory=dict)  # per model (id): tokens of its last shareable ask
 
@@ -115,6 +121,7 @@ class Scheduler:
         # per model (id): seconds of a shared forward by its shape (asks, rows), as this scheduler timed them: where
         # several forwards of fewer asks cost less than one of them all, a step's asks are split (packs())
         self.step_costs: dict[int, dict[tuple[int, int], float]] = {}
+        self.last_step_s = 0.0  # seconds the last step took: a reader's grace is READER_GRACE of it (grace_s)
         self._target = target
         self.seats = []
         for sequence_id in range(target.n_seqs):
@@ -174,7 +181,7 @@ class Scheduler:
             yield
             return
         with self._cv:
-            member.computing = False
+            member.computing, member.idle_since = False, time.perf_counter()
             self._cv.notify_all()
         try:
             yield
@@ -278,16 +285,30 @@ class Scheduler:
         return job.result
 
     # -- the scheduler's thread ----------------------------------------------------------------------------------
-    def _ready(self) -> bool:
-        """A step can run: someone asked, and every request that is computing has (a prompt's ask stays asked
-        until its last chunk has run)."""
+    def grace_s(self) -> float:
+        """How long a step waits for a request whose reader holds its last commit (READER_GRACE of a step)."""
+        return READER_GRACE * self.last_step_s
+
+    def _waiting_for(self, now: float) -> float | None:
+        """None when a step can run: someone asked, every request that is computing has (a prompt's ask stays asked
+        until its last chunk has run), and no idle request's reader is within its grace. Otherwise the seconds to
+        wait before looking again: the grace left, or inf (until a request asks or goes idle)."""
         asked = [m for m in self._members if m.ask is not None and not m.ask.done]
-        return bool(asked) and all(m in asked or not m.computing for m in self._members)
+        if not asked or any(m.computing and m not in asked for m in self._members):
+            return float("inf")
+        grace = self.grace_s()
+        left = [m.idle_since + grace - now for m in self._members if not m.computing and m not in asked]
+        wait = max(left, default=0.0)
+        return wait if wait > 0 else None
 
     def _loop(self) -> None:
         with self._cv:
             while True:
-                self._cv.wait_for(lambda: self._closed or bool(self._jobs) or self._ready())
+                while not (self._closed or self._jobs):
+                    wait = self._waiting_for(time.perf_counter())
+                    if wait is None:
+                        break
+                    self._cv.wait(None if wait == float("inf") else wait)
                 if self._closed:
                     return
                 if self._jobs:
@@ -312,8 +333,10 @@ class Scheduler:
             self._cv.notify_all()
 
     def _run_step(self, asks: list[_Ask]) -> None:
+        start = time.perf_counter()
         try:
             self._step(asks)
+            self.last_step_s = time.perf_counter() - start
         except BaseException as e:  # noqa: BLE001 -- a fault of the step itself: each asker raises it
             for a in asks:
                 if not a.done:

@@ -608,6 +608,65 @@ def test_requests_draft_in_a_step_of_their_own_and_verify_together(gguf_pair):
     assert events[-1] == ("target", (0, 1)), events  # one forward of both requests' target rows
 
 
+def test_a_step_waits_briefly_for_a_request_whose_reader_holds_its_token(gguf_pair):
+    """A request whose reader holds its last commit (a server's thread emitting the token) is idle, but comes back
+    within milliseconds: a step run without it would cost it a whole step and run with a row less. So a step
+    waits for it -- up to its grace (READER_GRACE of the last step; injected here), and no longer: a stream left
+    unread does not hold the others' steps up."""
+    from paraspec.scheduler import READER_GRACE, Scheduler
+
+    class Graced(Scheduler):
+        grace, asks = 0.0, []  # the asks of each step
+
+        def grace_s(self):
+            return self.grace
+
+        def _step(self, asks):
+            self.asks.append(len(asks))
+            super()._step(asks)
+
+    model = load_model(gguf_pair["target"], backend="llamacpp", n_seqs=2)
+    scheduler = Graced(model, [])
+    try:
+        a, b = scheduler.seats
+        with scheduler.seated(a) as reader_a, scheduler.seated(b) as reader_b:
+            prompts = [threading.Thread(target=s.target.prefill, args=([5, 6, 7, 8],)) for s in (a, b)]
+            for t in prompts:
+                t.start()
+            for t in prompts:
+                t.join(60)
+
+            def decode(seat, member, n: int, read) -> None:
+                for t in range(n):
+                    seat.target.forward([t + 9])
+                    with scheduler.idle(member):
+                        read()
+
+            # within the grace: a's reader takes 50 ms a token, b's none; every step still carries both requests
+            scheduler.grace = 30.0
+            scheduler.asks.clear()
+            slow = threading.Thread(target=decode, args=(a, reader_a, 6, lambda: time.sleep(0.05)))
+            slow.start()
+            decode(b, reader_b, 6, lambda: None)
+            slow.join(60)
+            assert scheduler.asks == [2] * 6
+            # past the grace: a's reader holds its token until b has decoded six more -- b's steps run without it
+            scheduler.grace, b_done = 0.01, threading.Event()
+            held = threading.Thread(target=decode, args=(a, reader_a, 1, lambda: b_done.wait(60)), daemon=True)
+            held.start()
+            other = threading.Thread(target=decode, args=(b, reader_b, 6, lambda: None), daemon=True)
+            other.start()
+            other.join(60)
+            assert not other.is_alive(), "a step waited for a reader past its grace"
+            b_done.set()
+            held.join(60)
+            assert not held.is_alive()
+        assert Scheduler.grace_s(scheduler) == READER_GRACE * scheduler.last_step_s > 0
+        scheduler.close()
+    finally:
+        model.close()
+
+
 def logged(method, name: str, kind: str, events: list):
     """`method`, noting each call's model and sequences in `events`."""
 
