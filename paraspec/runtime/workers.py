@@ -495,6 +495,7 @@ class ProcessWorker(Worker):
                 self._process.kill()
                 self._process.join(1.0)
             raise
+        serialise_polls(self._process)
         self._their_sock.close()
         self._sentinel = self._process.sentinel
 
@@ -533,6 +534,25 @@ class ProcessWorker(Worker):
         if process.is_alive():
             process.kill()
             process.join(1.0)
+
+
+def serialise_polls(process: Any) -> None:
+    """Make a started process's exit-status polls take turns. The fork server's Popen reads a dead child's status
+    from a pipe: two threads polling at once (the Runtime's monitor, and a caller noting the death) both find the
+    pipe readable, one reads the status and the other the pipe's end, which Popen takes for a dead fork server and
+    records as 255 over the real status (a SIGILL reported as "exit code 255"). A blocking poll waits for the
+    sentinel outside the lock, so no poll holds the others up while the process lives."""
+    popen = process._popen
+    unlocked = popen.poll
+    lock = threading.Lock()
+
+    def poll(flag: int = os.WNOHANG) -> int | None:
+        if flag != os.WNOHANG:
+            multiprocessing.connection.wait([popen.sentinel])
+        with lock:
+            return unlocked(flag)
+
+    popen.poll = poll
 
 
 @contextmanager

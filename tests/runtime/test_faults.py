@@ -139,6 +139,30 @@ def test_a_worker_killed_by_sigill_is_an_error_that_says_what_and_how_to_rebuild
     assert_nothing_left([pid])
 
 
+def test_threads_asking_a_dead_workers_exit_status_at_once_all_get_the_signal():
+    """The Runtime's monitor and a caller noting a death both poll the process: with the fork server's Popen, the
+    one that lost the race once read the status pipe's end and recorded exit code 255 over SIGILL (a CI failure)."""
+    with Runtime("process") as rt:
+        # it dies once every asker waits on it (else the monitor reads the status before any asker polls)
+        worker = rt.add_worker("target", "cpu:0", illegal_instruction_factory, {"delay_s": 1.0})
+        barrier = threading.Barrier(4)
+        codes = []
+
+        def ask():
+            barrier.wait()
+            worker._process.join()  # waits inside Popen's poll, where the race is widest
+            codes.append(worker.exit_code())
+
+        askers = [threading.Thread(target=ask) for _ in range(4)]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join(60)
+        pid = worker.pid
+    assert codes == [-signal.SIGILL] * 4
+    assert_nothing_left([pid])
+
+
 def test_garbage_collected_runtime_cleans_up():
     baseline = set(segments_of(os.getpid()))
     rt = Runtime("process")

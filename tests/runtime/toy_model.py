@@ -84,13 +84,16 @@ def broken_factory(**kwargs):
     raise RuntimeError("factory exploded on purpose")
 
 
-def illegal_instruction_factory(**kwargs):
-    """A model whose loading kills its process the way a kernel the CPU refuses does (SIGILL). Not dumpable, so
-    that no core dump (seconds for a process that imported torch, longer on a loaded machine) delays its exit
-    status past the caller's wait: the test is about the report, not the dump."""
+def illegal_instruction_factory(delay_s=0.0, **kwargs):
+    """A model whose loading kills its process the way a kernel the CPU refuses does (SIGILL), after `delay_s`.
+    Not dumpable, so that no core dump (seconds for a process that imported torch, longer on a loaded machine)
+    delays its exit status past the caller's wait: the test is about the report, not the dump."""
     import ctypes
     import os
     import signal
+    import time
+
+    time.sleep(delay_s)
 
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4: no core dump, pipe handlers included
     os.kill(os.getpid(), signal.SIGILL)
