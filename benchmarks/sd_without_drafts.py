@@ -10,41 +10,19 @@ import argparse
 import statistics
 import time
 
-import torch
+from rule_round_cost import round_us  # noqa: E402 (benchmarks/ is the script's folder)
 
 from paraspec import Engine, SamplingParams
 from paraspec.bench.datasets import load_prompts
-from paraspec.drafters import DraftPolicy, Proposal
-from paraspec.drafters.adaptive import Acceptance, ForwardCost
-from paraspec.drafters.base import Drafter
+from paraspec.drafters import DraftPolicy
 from paraspec.models.llamacpp import model as llamacpp
 
 TARGET, DRAFT = "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 
 def decision_us(policy: DraftPolicy, rounds: int = 2000) -> float:
-    """Microseconds a round of the rule's own work (DraftPolicy.propose + observe, one draft model, 200 tokens of
-    context, judged right 4 of 4 times), on `policy`'s measured costs, with a stand-in drafter: no forward runs."""
-
-    class Idle(Drafter):
-        name, free, length = "model", False, 200
-
-        def behind(self, sequence):
-            return len(sequence) - self.length
-
-        def propose(self, sequence, k, params, generator):
-            return Proposal([7] * k)
-
-    rule = DraftPolicy(
-        [Idle()], ForwardCost(dict(policy.cost.seconds)), {0: ForwardCost(dict(policy.draft_costs[0].seconds))}
-    )
-    rule.acceptance[(0, 0)] = Acceptance(judged=4, accepted=4)
-    sequence, params, generator = list(range(200)), SamplingParams(max_new_tokens=64), torch.Generator()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        drafts = rule.propose(sequence, 5, params, generator, pending=1, remaining=60).tokens
-        rule.observe(1 + len(drafts), rule.cost(1 + len(drafts)), drafts + [3])
-    return (time.perf_counter() - start) / rounds * 1e6
+    """Microseconds a round of the rule's own work on `policy`'s measured costs (rule_round_cost.py), lookahead 5."""
+    return round_us(policy.cost, policy.draft_costs[0], 5, 4, rounds)
 
 
 def main() -> None:
@@ -73,7 +51,7 @@ def main() -> None:
     rows = {name: [] for name in engines}
     print(
         f"the rule's decision: {decision_us(engines['sd'].strategy.policy):.0f} us a round (propose + observe, "
-        f"2,000 rounds, the sd engine's measured costs)"
+        f"lookahead 5, 2,000 rounds, the sd engine's measured costs)"
     )
     try:
         for rnd in range(args.rounds):

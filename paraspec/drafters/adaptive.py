@@ -109,11 +109,16 @@ def _alphas(alpha: float | Sequence[float], k: int) -> list[float]:
 def expected_tokens(alpha: float | Sequence[float], k: int) -> float:
     """1 + a_1 + a_1 a_2 + ... + a_1 ... a_k: the tokens a round commits with k drafts, `alpha` the acceptance of
     each position (one number: the same for every position)."""
-    total, reach = 1.0, 1.0
+    return expected_tokens_upto(alpha, k)[-1]
+
+
+def expected_tokens_upto(alpha: float | Sequence[float], k: int) -> list[float]:
+    """expected_tokens(alpha, j) for j = 0..k (fewer where `alpha` holds fewer positions), in one pass."""
+    totals, reach = [1.0], 1.0
     for a in _alphas(alpha, k):
         reach *= a
-        total += reach
-    return total
+        totals.append(totals[-1] + reach)
+    return totals
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,9 @@ def best_length(
     shared, apart = (list(load.rows), load.apart) if pending == 1 else ([], ())
 
     def step(widths: list[int]) -> float:
-        return sum(verify_s(rows) for rows in (split(widths) if split else [sum(widths)]))
+        if split is None:
+            return verify_s(sum(widths))  # one forward of them all
+        return sum(verify_s(rows) for rows in split(widths))
 
     alone = sum(verify_s(rows) for rows in apart)
     together = draft_s > 0 and bool(shared)  # a draft model beside other requests: drafting in the same steps
@@ -181,8 +188,9 @@ def best_length(
     others = len(plain) if together else sum(expected_tokens(alpha, min(r - 1, max_k)) for r in shared)
     draft_n = draft_step(n) if together and draft_step is not None else draft_s
     best, best_rate, best_saved = 0, -1.0, 0.0
+    totals = expected_tokens_upto(alpha, max(0, max_k))
     for k in range(max(0, max_k) + 1):
-        tokens = expected_tokens(alpha, k)
+        tokens = totals[k]
         if together:
             widths, tokens = [pending + k] * n + plain, n * tokens
         else:
@@ -216,13 +224,18 @@ class ForwardCost:
     model's (its catch-up and its drafts)."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    # the measured widths in order, kept while their number holds (a width is only ever added: observe, measure)
+    _widths: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __call__(self, width: int) -> float:
-        widths = sorted(self.seconds)
+        measured = self.seconds.get(width)
+        if measured is not None:
+            return measured
+        widths = self._widths
+        if len(widths) != len(self.seconds):
+            widths = self._widths = sorted(self.seconds)
         if not widths:
             return 1.0  # nothing measured: every width costs the same (drafting is free)
-        if width in self.seconds:
-            return self.seconds[width]
         if len(widths) == 1:
             return self.seconds[widths[0]] * max(width, 1) / widths[0]
         i = bisect.bisect_left(widths, width)

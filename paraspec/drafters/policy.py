@@ -369,6 +369,8 @@ class DraftPolicy(Drafter):
         nodes = (lambda k: k) if width == 1 else (lambda k: min(budget, k * width))
 
         def verify(waiting: int):
+            if width == 1:
+                return self._cost  # waiting + (n - waiting) nodes: n
             return lambda n: self._cost(waiting + nodes(n - waiting))
 
         buckets = self.buckets(i, max_k)
@@ -396,6 +398,8 @@ class DraftPolicy(Drafter):
             steady_load = Load(load.rows)
 
             def steady(most: int) -> float:  # tokens/s of a later round (one pending token) in the others' load
+                if most == max_k and pending == 1 and not load.apart:
+                    return rate  # this round is such a round: the rule just priced it
                 return best_length(alphas, draft_s, verify(1), 1, most, steady_load, self.split, draft_step)[1]
 
             plain_s = 1.0 / steady(0)  # a token's seconds undrafted: a step alone, a share of a busy step
