@@ -44,7 +44,7 @@ def costs(text: str) -> ForwardCost:
 def round_us(target: ForwardCost, draft: ForwardCost, lookahead: int, judged: int, rounds: int) -> float:
     rule = DraftPolicy([Idle()], ForwardCost(dict(target.seconds)), {0: ForwardCost(dict(draft.seconds))})
     rule.acceptance[(0, 0)] = Acceptance(judged=judged, accepted=judged)
-    sequence, params, generator = list(range(200)), SamplingParams(max_new_tokens=rounds + 64), torch.Generator()
+    sequence, params, generator = list(range(200)), SamplingParams(max_new_tokens=64), torch.Generator()
     start = time.perf_counter()
     for _ in range(rounds):
         drafts = rule.propose(sequence, lookahead, params, generator, pending=1, remaining=60).tokens

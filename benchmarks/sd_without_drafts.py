@@ -10,7 +10,7 @@ import argparse
 import statistics
 import time
 
-from rule_round_cost import round_us  # noqa: E402 (benchmarks/ is the script's folder)
+from rule_round_cost import round_us  # benchmarks/, the script's folder, is on the path
 
 from paraspec import Engine, SamplingParams
 from paraspec.bench.datasets import load_prompts

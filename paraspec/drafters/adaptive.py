@@ -224,16 +224,12 @@ class ForwardCost:
     model's (its catch-up and its drafts)."""
 
     seconds: dict[int, float] = field(default_factory=dict)
-    # the measured widths in order, kept while their number holds (a width is only ever added: observe, measure)
-    _widths: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __call__(self, width: int) -> float:
         measured = self.seconds.get(width)
         if measured is not None:
             return measured
-        widths = self._widths
-        if len(widths) != len(self.seconds):
-            widths = self._widths = sorted(self.seconds)
+        widths = sorted(self.seconds)
         if not widths:
             return 1.0  # nothing measured: every width costs the same (drafting is free)
         if len(widths) == 1:

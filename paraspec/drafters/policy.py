@@ -370,7 +370,7 @@ class DraftPolicy(Drafter):
 
         def verify(waiting: int):
             if width == 1:
-                return self._cost  # waiting + (n - waiting) nodes: n
+                return self._cost  # one node a draft: waiting + (n - waiting) is n
             return lambda n: self._cost(waiting + nodes(n - waiting))
 
         buckets = self.buckets(i, max_k)
@@ -398,8 +398,6 @@ class DraftPolicy(Drafter):
             steady_load = Load(load.rows)
 
             def steady(most: int) -> float:  # tokens/s of a later round (one pending token) in the others' load
-                if most == max_k and pending == 1 and not load.apart:
-                    return rate  # this round is such a round: the rule just priced it
                 return best_length(alphas, draft_s, verify(1), 1, most, steady_load, self.split, draft_step)[1]
 
             plain_s = 1.0 / steady(0)  # a token's seconds undrafted: a step alone, a share of a busy step
