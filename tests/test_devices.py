@@ -2,14 +2,16 @@
 
 Without a GPU, tests/fake_cuda.py stands in for one: QueuedModel's forwards queue work on a fake cuda:0,
 torch.cuda.synchronize is recorded, and a clock read that finds work still queued fails the check (on a GPU that
-timer would measure the launch of the kernels, not the kernels)."""
+timer would measure the launch of the kernels, not the kernels). And lend_cores: a block on more cores, given back.
+"""
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from paraspec.runtime.devices import Device, sync
+from paraspec.runtime.devices import Device, available_cores, current_pinning, lend_cores, set_pinning, sync
 from tests.fake_cuda import QueuedModel, Timeline, fake_cuda
 
 
@@ -131,3 +133,26 @@ def test_the_forward_costs_are_timed_where_the_steps_run(monkeypatch):
     assert len(ran) == 1 and timed == [[1, 2]]
     LocalStrategy.forward_cost(owner, "target", object(), [1])  # known: not timed again
     assert len(ran) == 1 and len(timed) == 1
+
+
+@pytest.mark.skipif(len(available_cores()) < 2, reason="needs two cores")
+def test_lent_cores_run_a_block_on_them_and_give_back_the_threads_own():
+    from paraspec.models.threads import lent_threads, own_threads
+
+    cores = tuple(available_cores()[:2])
+    before = current_pinning()
+    try:
+        set_pinning({cores[1]}, 1)
+        assert (lent_threads(), own_threads()) == (None, 1)
+        with lend_cores(cores):
+            assert os.sched_getaffinity(0) == set(cores) and torch.get_num_threads() == 2
+            assert (lent_threads(), own_threads()) == (2, 1)  # a model's prompt on 2, the rest on its own 1
+        assert os.sched_getaffinity(0) == {cores[1]} and torch.get_num_threads() == 1
+        assert (lent_threads(), own_threads()) == (None, 1)
+        with lend_cores(None):  # nothing lent: the block as it is
+            assert lent_threads() is None and torch.get_num_threads() == 1
+        with pytest.raises(RuntimeError), lend_cores(cores):
+            raise RuntimeError("a failed prompt")
+        assert os.sched_getaffinity(0) == {cores[1]} and (lent_threads(), own_threads()) == (None, 1)
+    finally:
+        set_pinning(*before)

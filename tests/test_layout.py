@@ -132,8 +132,9 @@ def test_the_checks_can_fail():
 
 
 # models/ by backend: the native decoder and llama.cpp each in a package of their own; beside them only what every
-# backend shares (the protocol, the cache folder, loading, GGUF conversion, the CPU's flags, HF and simulated models)
-MODELS_TOP = {"__init__", "base", "cache", "cpu_features", "gguf", "hf", "loader", "simulated"}
+# backend shares (the protocol, the cache folder, loading, GGUF conversion, the CPU's flags, a loan of cores, HF and
+# simulated models)
+MODELS_TOP = {"__init__", "base", "cache", "cpu_features", "gguf", "hf", "loader", "simulated", "threads"}
 MODELS_PACKAGES = {
     "native": {"__init__", "decoder", "sequences", "padded", "layer_parallel", "kernels", "shapes"},
     "llamacpp": {"__init__", "model", "child", "child_tasks", "widen"},

@@ -189,3 +189,23 @@ def pinned(device: Device):
         yield
     finally:
         set_pinning(*before)
+
+
+@contextmanager
+def lend_cores(cores: tuple[int, ...] | None):
+    """Run a block on `cores` with as many threads: a worker's prompt on its own cores and those of a worker that
+    waits for it (amusd). A llama.cpp model runs only its prompt's forwards on the lent threads and keeps its own
+    count (models/threads.py `own_threads`) for every other forward and for its exactness probe. None: the block
+    as it is."""
+    from paraspec.models.threads import on_loan
+
+    if not cores:
+        yield
+        return
+    before = current_pinning()
+    set_pinning(set(cores), len(cores))
+    try:
+        with on_loan(own=before[1]):
+            yield
+    finally:
+        set_pinning(*before)

@@ -19,6 +19,11 @@ rollback when rejected), not as a round: no forward verified it. Every drafted t
 prefix it was drafted from: a token is published only under the version it was drafted at, and any change to an earlier
 position bumps the version and drops it.
 
+The prompts (`lend_cores`, on by default where both devices are core sets of one machine): the target reads its
+prompt on both workers' cores while the draft waits, so the first token comes as soon as ar's would; then the draft
+reads its own on both while the target waits for its first draft; from there each runs on its own cores. Run at the
+same time instead, each prompt has only its own cores, and the first token waits for the target's prompt on those.
+
 A request's processors, grammar and logprobs: the verifier adjusts its rows as the caller's RequestState would (the
 grammar's mask on the committed output, then bias and penalties) and computes each committed token's logprobs from the
 raw row that committed it, reported when the request ends; the draft worker masks and adjusts its own q the same way,
@@ -35,7 +40,7 @@ import torch
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
 from paraspec.request_state import RequestState, TokenLogprob, token_logprob, top2_margins
 from paraspec.runtime.channels import ChannelStopped
-from paraspec.runtime.devices import sync
+from paraspec.runtime.devices import Device, lend_cores, sync
 from paraspec.sampling import SamplingParams, adjust_logits, make_generator
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.strategies.registry import register
@@ -48,7 +53,7 @@ from paraspec.verify import judge_in_hand, verify_chain
 class AMUSD(WorkerStrategy):
     name = "amusd"
     summary = "draft and verify at the same time on separate devices (AMUSD)"
-    option_names = ("max_ahead", "verify_chunk", "draft_window")
+    option_names = ("max_ahead", "verify_chunk", "draft_window", "lend_cores")
     caps = Capabilities(
         runtime_kinds=WITH_RAY,
         in_workers=True,
@@ -70,6 +75,11 @@ class AMUSD(WorkerStrategy):
             drafts=("draft",),
         )
         self.target, self.draft_models = self.remote("target"), [self.remote("draft")]
+        self.prompt_cores = (
+            shared_cores(placement.target_devices[0], placement.draft_devices[0], placement.runtime_kind)
+            if self.options["lend_cores"]
+            else None
+        )
         self.tokenizer_folder = str(placement.target)  # the workers' grammars: the Engine's tokenizer
         self.channel = runtime.channel(
             CHANNEL,
@@ -91,7 +101,19 @@ class AMUSD(WorkerStrategy):
             options["verify_chunk"],
             grammar,
             options["draft_window"],
+            self.prompt_cores,
         )
+
+
+def shared_cores(target: Device, draft: Device, runtime_kind: str) -> tuple[int, ...] | None:
+    """The cores both workers' prompts run on in turn: the two devices' cores where both are core sets of this
+    machine (or of one named Ray node) and either gains by it; else None (each prompt on its own cores)."""
+    if target.kind != "cpu" or draft.kind != "cpu" or not target.cores or not draft.cores:
+        return None
+    if target.node != draft.node or (runtime_kind == "ray" and target.node is None):
+        return None  # maybe two machines
+    cores = tuple(sorted(set(target.cores) | set(draft.cores)))
+    return None if cores == tuple(sorted(target.cores)) == tuple(sorted(draft.cores)) else cores
 
 
 def verify_loop(
@@ -105,9 +127,12 @@ def verify_loop(
     seed: int | None,
     record_margins: bool = False,
     grammar: WorkerGrammar | None = None,
+    prompt_cores: tuple[int, ...] | None = None,
 ) -> dict:
     """Runs in the target worker: verifies drafts and commits tokens until the request is done (or cancelled).
-    `grammar`: the request's structured output, masking the target's rows as the caller's RequestState would."""
+    `grammar`: the request's structured output, masking the target's rows as the caller's RequestState would.
+    `prompt_cores`: the prompt runs on these (its own and the draft worker's, which waits for it), the rest on its
+    own."""
     matcher = None if grammar is None else grammar.matcher(target.vocab_size)
     if grammar is not None and matcher is None:
         raise RuntimeError(f"the target worker finds no tokenizer in {grammar.folder}: it cannot apply structured")
@@ -124,7 +149,7 @@ def verify_loop(
         grammar=matcher,
     )
     try:
-        verifier.run_to_end()
+        verifier.run_to_end(prompt_cores)
     except ChannelStopped:  # the caller cancelled the request, or its RequestState matched a stop string
         pass
     finally:
@@ -178,8 +203,8 @@ class Verifier:
         """Algorithm 1, line 28: a stop token is in V, or V has reached `end`."""
         return self.stop_token_seen or len(self.sequence) >= self.end
 
-    def run_to_end(self) -> None:
-        with self.trace.span("prefill", len(self.sequence), sync=self.sync):
+    def run_to_end(self, prompt_cores: tuple[int, ...] | None = None) -> None:
+        with lend_cores(prompt_cores), self.trace.span("prefill", len(self.sequence), sync=self.sync):
             in_hand = self.target.prefill(self.sequence)  # the target distribution at the first open position
         while not self.done:
             if in_hand is not None:
@@ -282,10 +307,12 @@ def run_request(
     verify_chunk: int = 8,
     grammar: WorkerGrammar | None = None,
     window: int = 0,
+    prompt_cores: tuple[int, ...] | None = None,
 ):
     """Caller side: start both loops, stream committed tokens, then count the verifier's verdicts and fold both
     workers' reports and traces into `run` (the logprobs the verifier computed among them). `grammar`: the request's
-    structured output, for the verifier's rows and the drafter's q. `window`: the draft's (draft_loop)."""
+    structured output, for the verifier's rows and the drafter's q. `window`: the draft's (draft_loop).
+    `prompt_cores`: both prompts run on these in turn, the target's first, the draft's after its first token."""
     channel.reset(run.prompt_ids)
     run.expect_worker_logprobs()
     target, draft = runtime["target"], runtime["draft"]
@@ -300,6 +327,7 @@ def run_request(
         seed=run.params.seed,
         record_margins=run.margins is not None,
         grammar=grammar,
+        prompt_cores=prompt_cores,
     )
     drafting = draft.start_loop(
         draft_loop,
@@ -311,6 +339,7 @@ def run_request(
         t0=run.trace.t0,
         grammar=grammar,
         window=window,
+        prompt_cores=prompt_cores,
     )
     seen = len(run.prompt_ids)
     finished = False

@@ -59,6 +59,14 @@ OPTIONS: dict[str, Option] = {
         ),
         Option("verify_chunk", int, 8, "amusd: most drafts verified in one forward"),
         Option(
+            "lend_cores",
+            bool,
+            True,
+            "amusd: each model's prompt runs on both devices' cores in turn, the target's first (its first token "
+            "comes as soon as ar's would), then the draft's, where both devices are core sets of one machine "
+            "(False: each on its own cores, at the same time)",
+        ),
+        Option(
             "draft_confidence",
             float,
             0.0,

@@ -17,6 +17,7 @@ from paraspec import Engine, SamplingParams
 from paraspec.models.llamacpp import model as llamacpp
 from paraspec.models.llamacpp.model import LlamaCppModel, measure_exact_width
 from paraspec.models.loader import load_model
+from paraspec.runtime.devices import available_cores, current_pinning, lend_cores, set_pinning
 from tests.llamacpp_checks import assert_forwards_are_one_token_forwards, one_at_a_time
 from tests.tiny_gguf import tiny_hf_model, tiny_vocab, write_gguf
 
@@ -76,6 +77,44 @@ def test_one_thread_equals_two_threads(gguf_pair, prompt):
     one = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=1), ids[:prompt], ids[prompt:])
     two = one_at_a_time(LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_threads=2), ids[:prompt], ids[prompt:])
     assert torch.equal(one, two)
+
+
+@pytest.mark.skipif(len(available_cores()) < 2, reason="needs two cores")
+def test_a_prompt_on_lent_cores_runs_on_their_threads_and_everything_else_on_its_own(gguf_pair, monkeypatch):
+    """amusd lends a worker the other worker's core for its prompt (runtime/devices.py lend_cores): the prompt's
+    forwards run on both threads, with the logits and KV cache of a prompt on its own thread, and every other
+    forward -- verification, another sequence's between two prompt steps -- on its own, which its probe measured."""
+    threads = []  # the context's thread count at each llama_decode
+    decode = llamacpp._llama_decode_many
+    monkeypatch.setattr(
+        llamacpp,
+        "_llama_decode_many",
+        lambda ctx, *a: (threads.append(llamacpp._lib.llama_n_threads(ctx)), decode(ctx, *a))[1],
+    )
+    before = current_pinning()
+    ids = [3 + i % 250 for i in range(150)]
+    try:
+        set_pinning({available_cores()[0]}, 1)
+        model = LlamaCppModel(gguf_pair["target_q8"], 2048, (), n_seqs=2)  # follows torch's thread count: 1
+        alone = [model.prefill(ids[:140])[None], model.forward(ids[140:])]
+        threads.clear()
+        with lend_cores(tuple(available_cores()[:2])):
+            lent = [model.prefill(ids[:140])[None]]
+        prompt_threads, threads[:] = list(threads), []
+        lent.append(model.forward(ids[140:]))
+        assert torch.equal(torch.cat(alone), torch.cat(lent))
+        assert model.n_threads == 1 and set(prompt_threads) == {2} and set(threads) == {1}
+        # a Scheduler's prompt steps: only those stepped on lent cores run on them
+        threads.clear()
+        with lend_cores(tuple(available_cores()[:2])):
+            steps = model.prompt_steps(ids[:140], sequence_id=1)
+            next(steps)
+        model.forward([7], sequence_id=0)  # another request's step between two prompt steps, on its own thread
+        for _ in steps:
+            pass
+        assert threads[0] == 2 and set(threads[1:]) == {1}
+    finally:
+        set_pinning(*before)
 
 
 def test_flash_attention_is_on_only_in_a_patched_build(gguf_pair, monkeypatch):

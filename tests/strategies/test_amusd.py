@@ -10,6 +10,8 @@ import pytest
 
 from paraspec import Engine, SamplingParams
 from paraspec.runtime import WorkerError
+from paraspec.runtime.devices import Device
+from paraspec.strategies.amusd import shared_cores
 from tests.conftest import PROMPT
 from tests.strategies.conftest import check_draft_cache
 
@@ -77,6 +79,55 @@ def test_amusd_uses_both_paths_and_overlaps(ar_engine, qwen2_target):
     drafts = [e for e in result.trace.events if e.kind == "draft"]
     verifies = [e for e in result.trace.events if e.kind == "verify"]
     assert any(d.start_s < v.end_s and v.start_s < d.end_s for d in drafts for v in verifies)
+
+
+def test_the_prompts_run_in_turn_on_both_cores_where_they_are_lent(ar_engine, qwen2_target, qwen2_partial):
+    """lend_cores (the default): the target reads its prompt on both workers' cores while the draft waits, then
+    the draft reads its own after the first token (the target waits for it) -- never both at once on shared cores.
+    Off, the two prompts run at the same time, each on its own core. Every answer is ar's."""
+    params = SamplingParams(max_new_tokens=12)
+    expected = ar_engine.generate(PROMPT, params).token_ids
+    for lend in (True, False):
+        with Engine(qwen2_target, qwen2_partial, strategy="amusd", dtype="float32", lend_cores=lend, **DEVICES) as e:
+            assert e.strategy.prompt_cores == ((0, 1) if lend else None)
+            result = e.generate(PROMPT, params)
+        assert result.token_ids == expected
+        events = result.trace.events
+        prefill = next(ev for ev in events if ev.kind == "prefill")
+        first_draft = min((ev for ev in events if ev.kind == "draft"), key=lambda ev: ev.start_s)
+        waited = [
+            ev for ev in events if ev.device == "draft:cpu:0" and ev.kind == "wait" and ev.end_s <= first_draft.start_s
+        ]
+        if lend:
+            assert first_draft.start_s >= prefill.end_s and waited  # the draft waited for the target's prompt
+        else:
+            assert not waited
+
+
+@pytest.mark.parametrize(
+    "target, draft, kind, cores",
+    [
+        ("cpu:1", "cpu:0", "process", (0, 1)),
+        ("cpu:2-3", "cpu:0,1", "process", (0, 1, 2, 3)),
+        ("cpu:0-1", "cpu:1", "process", (0, 1)),  # the draft gains a core
+        ("cpu:1", "cpu:1", "process", None),  # nothing to lend
+        ("cpu", "cpu:0", "process", None),  # unpinned: the target has every core already
+        ("cuda:0", "cpu:0", "process", None),
+        ("a/cpu:1", "b/cpu:0", "ray", None),  # two machines
+        ("cpu:1", "cpu:0", "ray", None),  # Ray may put them on two machines
+        ("a/cpu:1", "a/cpu:0", "ray", (0, 1)),
+    ],
+)
+def test_shared_cores_are_lent_only_on_one_machine_where_a_worker_gains(target, draft, kind, cores):
+    def device(text: str) -> Device:  # as parse_device reads it, without checking this machine's cores
+        node, _, local = text.rpartition("/")
+        if local.startswith("cuda"):
+            return Device("cuda", node=node or None)
+        spec = local.partition(":")[2]
+        spans = [tuple(map(int, p.split("-"))) for p in spec.split(",")] if spec else []
+        return Device("cpu", tuple(c for span in spans for c in range(span[0], span[-1] + 1)), node=node or None)
+
+    assert shared_cores(device(target), device(draft), kind) == cores
 
 
 # -- faults and cleanup ---------------------------------------------------------------------------------------

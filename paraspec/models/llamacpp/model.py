@@ -64,6 +64,7 @@ import torch
 
 from paraspec.models.base import SequenceChecks, check_batch, check_rollback, measure_batch_exact
 from paraspec.models.cpu_features import cpu_flags
+from paraspec.models.threads import lent_threads, own_threads
 
 PROBE_WIDTH = 32  # widths 1..PROBE_WIDTH are checked; wider forwards are split
 PROBE_CONTEXTS = (32, 600)  # short and long context (flash-attention-like splits appear past 512)
@@ -375,9 +376,7 @@ class LlamaCppModel(SequenceChecks):
     def _set_threads(self, n: int) -> None:
         """A new thread count between requests; batch invariance is measured (or read) again for it."""
         if n != self.n_threads:
-            _lib.llama_set_n_threads(self._ctx, n, n)
-            if self._fast is not None:
-                _lib.llama_set_n_threads(self._fast.ctx, n, n)
+            self._thread_count(n)
             self.n_threads = n
             if self._probe:
                 self._measure()
@@ -420,10 +419,35 @@ class LlamaCppModel(SequenceChecks):
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         if self._follow_torch:
-            self._set_threads(torch.get_num_threads())
+            self._set_threads(own_threads())  # a loan of cores (lend_cores) is for the prompt's forwards only
         self._clear(sequence_id)
         self._check_room(len(token_ids), sequence_id)
-        return (yield from self._prompt_forwards(token_ids, sequence_id))
+        steps = self._prompt_forwards(token_ids, sequence_id)
+        return (yield from (self._on_lent_threads(steps) if self._follow_torch else steps))
+
+    def _on_lent_threads(self, steps: Generator[None, None, torch.Tensor]) -> Generator[None, None, torch.Tensor]:
+        """Each of a prompt's forwards on the threads lent to the thread that runs it (models/threads.py), if any;
+        every other forward on the model's own count (a Scheduler's between two prompt steps), which its exactness
+        probe measured. A prompt's forwards need not be batch-invariant, only the same everywhere, and their numbers
+        do not depend on the thread count (each output row, and with paraspec's flash-attention patch each row's
+        attention, is reduced by one thread: tests/models/test_llamacpp.py compares them)."""
+        while True:
+            lent = lent_threads()
+            if lent is not None and lent != self.n_threads:
+                self._thread_count(lent)
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            finally:
+                if lent is not None and lent != self.n_threads:
+                    self._thread_count(self.n_threads)
+            yield
+
+    def _thread_count(self, n: int) -> None:
+        _lib.llama_set_n_threads(self._ctx, n, n)
+        if self._fast is not None:
+            _lib.llama_set_n_threads(self._fast.ctx, n, n)
 
     def _clear(self, sequence_id: int) -> None:
         if self.n_seqs == 1:
