@@ -18,7 +18,6 @@ from __future__ import annotations
 from paraspec.drafters.model import ModelDrafter
 from paraspec.request_state import common_prefix
 from paraspec.runtime.channels import ChannelFull, ChannelStopped
-from paraspec.runtime.devices import lend_cores
 from paraspec.sampling import SamplingParams, make_generator
 from paraspec.structured import WorkerGrammar
 from paraspec.trace import Trace
@@ -39,14 +38,14 @@ def draft_loop(
     prompt_length: int = 0,
     grammar: WorkerGrammar | None = None,
     window: int = 0,
-    prompt_cores: tuple[int, ...] | None = None,
+    after_first_token: bool = False,
 ) -> dict:
     """Runs in the draft worker (`draft`: the worker's model) until the channel stops (the request ended or a
     worker failed). `channel_name` and `label` (its trace row) tell several drafters apart (dsi's drafters).
     `grammar`: the request's structured output, which masks each draft on the output its cache holds. `window`: the
-    draft reads at most the last `window` tokens it has not cached (ModelDrafter's window; 0: all). `prompt_cores`:
-    the verifier's prompt runs on this worker's cores too (amusd's lend_cores), so the draft waits for its first
-    token, then reads its prompt on those cores and drafts on its own."""
+    draft reads at most the last `window` tokens it has not cached (ModelDrafter's window; 0: all). `after_first_token`:
+    the verifier's prompt runs on this worker's cores too (amusd's lend_cores), so the draft reads its own only
+    after the verifier's first token. The channel hears when the draft has read its prompt (`draft_ready`)."""
     channel = ctx.channels[channel_name]
     drafter = ModelDrafter(draft, vocab_size, window=window)
     drafter.prompt_length = prompt_length  # the request's penalties count the output after it
@@ -61,7 +60,7 @@ def draft_loop(
     drafter.reset()
     snap = None  # the read for the next step, when the last publish brought it along
     try:
-        if prompt_cores:
+        if after_first_token:
             start = trace.now()
             channel.wait_for_commit(prompt_length + 1)
             trace.add(device, "wait", start, trace.now())
@@ -94,9 +93,9 @@ def draft_loop(
             ):
                 continue
             start = trace.now()
-            with lend_cores(prompt_cores):  # the prompt's read on the lent cores; drafting on the worker's own
-                proposal = draft_next(drafter, cached, feed, params, generator)
-            prompt_cores = None
+            proposal = draft_next(drafter, cached, feed, params, generator)
+            if not drafted:
+                channel.mark_draft_ready()  # its prompt is read
             fed += len(feed)
             trace.add(device, "draft", start, trace.now(), len(feed))
             drafted += 1

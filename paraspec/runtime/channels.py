@@ -75,7 +75,7 @@ class CommitResult(NamedTuple):
 
 
 # header slots (int64); slot 0's low 32 bits are the futex sequence word
-_SEQ, _STOPPED, _REASON_LEN, _KIND, _VERSION, _COMMITTED, _LENGTH, _CAPACITY, _VOCAB, _WINDOW = range(10)
+_SEQ, _STOPPED, _REASON_LEN, _KIND, _VERSION, _COMMITTED, _LENGTH, _CAPACITY, _VOCAB, _WINDOW, _READY = range(11)
 _HEADER_BYTES = 16 * 8
 _REASON_BYTES = 256
 _DATA_OFFSET = _HEADER_BYTES + _REASON_BYTES
@@ -368,10 +368,18 @@ class TokenChannel(_SharedBlock):
             self._stamps[:n] = version
             self._q_pos[:] = -1
             h[_VERSION], h[_COMMITTED], h[_LENGTH] = version, n, n
-            h[_STOPPED], h[_REASON_LEN] = 0, 0
+            h[_STOPPED], h[_REASON_LEN], h[_READY] = 0, 0, 0
             self._bump()
         self._wake()
         return version
+
+    def mark_draft_ready(self) -> None:
+        """The drafter has read this request's prompt (amusd's verifier decodes on its own until then)."""
+        self._header[_READY] = 1
+
+    def draft_ready(self) -> bool:
+        """Whether the drafter has read this request's prompt (reset() clears it)."""
+        return bool(self._header[_READY])
 
     def publish_draft(self, position: int, tokens: Sequence[int] | np.ndarray, q=None, *, version: int) -> bool:
         """Append drafted tokens at `position` (<= length), with q [len(tokens), vocab] if sampling.

@@ -80,6 +80,8 @@ _CHANNEL_CALLS = {
     "wait_below_ahead",
     "commit",
     "discard_drafts",
+    "mark_draft_ready",
+    "draft_ready",
     "stop",
     "wait_for_draft",
     "wait_for_version_change",

@@ -21,8 +21,9 @@ position bumps the version and drops it.
 
 The prompts (`lend_cores`, on by default where both devices are core sets of one machine): the target reads its
 prompt on both workers' cores while the draft waits, so the first token comes as soon as ar's would; then the draft
-reads its own on both while the target waits for its first draft; from there each runs on its own cores. Run at the
-same time instead, each prompt has only its own cores, and the first token waits for the target's prompt on those.
+reads its own on its cores while the target decodes on its own, one token a forward, until the draft has read it
+(the channel's `draft_ready`); from there the verifier waits for drafts as in Algorithm 1. Run at the same time
+instead, each prompt has only its own cores, and the first token waits for the target's prompt on those.
 
 A request's processors, grammar and logprobs: the verifier adjusts its rows as the caller's RequestState would (the
 grammar's mask on the committed output, then bias and penalties) and computes each committed token's logprobs from the
@@ -147,6 +148,7 @@ def verify_loop(
         make_generator(seed),
         margins={} if record_margins else None,
         grammar=matcher,
+        alone_first=bool(prompt_cores),
     )
     try:
         verifier.run_to_end(prompt_cores)
@@ -182,6 +184,7 @@ class Verifier:
         generator: torch.Generator,
         margins: dict[int, float] | None = None,
         grammar: GrammarMatcher | None = None,
+        alone_first: bool = False,
     ):
         self.target, self.ctx, self.params, self.verify_chunk = target, ctx, params, verify_chunk
         self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace  # the trace's rows: target:<device>
@@ -197,6 +200,8 @@ class Verifier:
         self.judged_at_once = self.bonus = 0  # tokens judged from a distribution already in hand
         self.grammar = grammar  # the committed output's state
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self.drafting = not alone_first  # the draft has read its prompt: from then on the verifier waits for drafts
+        self.alone = 0  # tokens the target decoded on its own while the draft read its prompt
 
     @property
     def done(self) -> bool:
@@ -275,9 +280,16 @@ class Verifier:
         return adjust_logits(logits, self.params, prompt, output, drafts)
 
     def take_drafts(self, position: int, room: int) -> tuple[list[int], torch.Tensor | None]:
-        """T_d = D[p_v:p_d], at most `room` tokens (waiting for the first), and their q when sampling."""
+        """T_d = D[p_v:p_d], at most `room` tokens (waiting for the first), and their q when sampling. Until the
+        draft has read its prompt the verifier does not wait: the target decodes on its own meanwhile (a forward of
+        no drafts commits its own token)."""
         if room <= 0:
             return [], None
+        if not self.drafting:
+            if not self.channel.draft_ready():
+                self.alone += 1
+                return [], None
+            self.drafting = True
         start = self.trace.now()
         snap = self.channel.wait_for_draft(position + 1, start=position, max_length=position + room)
         self.trace.add(None, "wait", start, self.trace.now())
@@ -296,6 +308,7 @@ class Verifier:
             "judged_at_once": self.judged_at_once,
             "bonus": self.bonus,
             "logprobs": self.logprobs,
+            "alone": self.alone,
         }
 
 
@@ -312,7 +325,7 @@ def run_request(
     """Caller side: start both loops, stream committed tokens, then count the verifier's verdicts and fold both
     workers' reports and traces into `run` (the logprobs the verifier computed among them). `grammar`: the request's
     structured output, for the verifier's rows and the drafter's q. `window`: the draft's (draft_loop).
-    `prompt_cores`: both prompts run on these in turn, the target's first, the draft's after its first token."""
+    `prompt_cores`: the target's prompt runs on these, and the draft reads its own after the first token."""
     channel.reset(run.prompt_ids)
     run.expect_worker_logprobs()
     target, draft = runtime["target"], runtime["draft"]
@@ -339,7 +352,7 @@ def run_request(
         t0=run.trace.t0,
         grammar=grammar,
         window=window,
-        prompt_cores=prompt_cores,
+        after_first_token=bool(prompt_cores),
     )
     seen = len(run.prompt_ids)
     finished = False

@@ -62,9 +62,9 @@ OPTIONS: dict[str, Option] = {
             "lend_cores",
             bool,
             True,
-            "amusd: each model's prompt runs on both devices' cores in turn, the target's first (its first token "
-            "comes as soon as ar's would), then the draft's, where both devices are core sets of one machine "
-            "(False: each on its own cores, at the same time)",
+            "amusd: the target's prompt runs on both devices' cores while the draft waits (its first token comes as "
+            "soon as ar's would), then the draft reads its own while the target decodes alone, where both devices "
+            "are core sets of one machine (False: both prompts at once, each on its own cores)",
         ),
         Option(
             "draft_confidence",

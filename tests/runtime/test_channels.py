@@ -366,3 +366,13 @@ def test_link_latency_is_paid_per_message(served):
     for _ in range(4):
         slow.state()
     assert time.perf_counter() - start >= 4 * 2 * 0.05  # a request and its reply: two messages per call
+
+
+def test_the_drafter_says_when_it_has_read_the_prompt_and_a_new_request_forgets_it(channel):
+    """amusd's verifier decodes on its own until the draft has read its prompt (draft_ready), on either transport."""
+    channel.reset([1, 2, 3])
+    assert channel.draft_ready() is False
+    channel.mark_draft_ready()
+    assert channel.draft_ready() is True
+    channel.reset([4, 5])
+    assert channel.draft_ready() is False
