@@ -156,3 +156,18 @@ def test_lent_cores_run_a_block_on_them_and_give_back_the_threads_own():
         assert os.sched_getaffinity(0) == {cores[1]} and (lent_threads(), own_threads()) == (None, 1)
     finally:
         set_pinning(*before)
+
+
+def test_cores_that_cannot_be_lent_leave_the_block_as_it_is(monkeypatch):
+    """A cpuset narrower than the machine's (a container, a Ray worker): the prompt runs on the thread's own cores."""
+    from paraspec.models.threads import lent_threads
+
+    before = current_pinning()
+
+    def refuse(pid, cores):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    with lend_cores((0, 1)):
+        assert lent_threads() is None and current_pinning() == before
+    assert current_pinning() == before

@@ -195,15 +195,19 @@ def pinned(device: Device):
 def lend_cores(cores: tuple[int, ...] | None):
     """Run a block on `cores` with as many threads: a worker's prompt on its own cores and those of a worker that
     waits for it (amusd). A llama.cpp model runs only its prompt's forwards on the lent threads and keeps its own
-    count (models/threads.py `own_threads`) for every other forward and for its exactness probe. None: the block
-    as it is."""
+    count (models/threads.py `own_threads`) for every other forward and for its exactness probe. None, or cores this
+    thread may not run on (a cpuset narrower than the machine's): the block as it is."""
     from paraspec.models.threads import on_loan
 
+    before = current_pinning()
+    try:
+        if cores:
+            set_pinning(set(cores), len(cores))
+    except OSError:  # not in this process's cpuset: nothing is lent (set_pinning changed nothing: affinity first)
+        cores = None
     if not cores:
         yield
         return
-    before = current_pinning()
-    set_pinning(set(cores), len(cores))
     try:
         with on_loan(own=before[1]):
             yield
