@@ -213,3 +213,15 @@ def lend_cores(cores: tuple[int, ...] | None):
             yield
     finally:
         set_pinning(*before)
+
+
+def shared_cores(devices: list[Device], runtime_kind: str) -> tuple[int, ...] | None:
+    """The cores a prompt may borrow from the workers that wait for it (lend_cores): every device's cores, where all
+    are core sets of this machine (or of one named Ray node) and some worker gains by it; else None."""
+    if not devices or any(d.kind != "cpu" or not d.cores for d in devices):
+        return None
+    nodes = {d.node for d in devices}
+    if len(nodes) > 1 or (runtime_kind == "ray" and nodes == {None}):
+        return None  # maybe several machines
+    cores = tuple(sorted({c for d in devices for c in d.cores}))
+    return None if all(tuple(sorted(d.cores)) == cores for d in devices) else cores

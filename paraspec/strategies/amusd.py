@@ -41,7 +41,7 @@ import torch
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
 from paraspec.request_state import RequestState, TokenLogprob, token_logprob, top2_margins
 from paraspec.runtime.channels import ChannelStopped
-from paraspec.runtime.devices import Device, lend_cores, sync
+from paraspec.runtime.devices import lend_cores, shared_cores, sync
 from paraspec.sampling import SamplingParams, adjust_logits, make_generator
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.strategies.registry import register
@@ -77,7 +77,7 @@ class AMUSD(WorkerStrategy):
         )
         self.target, self.draft_models = self.remote("target"), [self.remote("draft")]
         self.prompt_cores = (
-            shared_cores(placement.target_devices[0], placement.draft_devices[0], placement.runtime_kind)
+            shared_cores([placement.target_devices[0], placement.draft_devices[0]], placement.runtime_kind)
             if self.options["lend_cores"]
             else None
         )
@@ -104,17 +104,6 @@ class AMUSD(WorkerStrategy):
             options["draft_window"],
             self.prompt_cores,
         )
-
-
-def shared_cores(target: Device, draft: Device, runtime_kind: str) -> tuple[int, ...] | None:
-    """The cores both workers' prompts run on in turn: the two devices' cores where both are core sets of this
-    machine (or of one named Ray node) and either gains by it; else None (each prompt on its own cores)."""
-    if target.kind != "cpu" or draft.kind != "cpu" or not target.cores or not draft.cores:
-        return None
-    if target.node != draft.node or (runtime_kind == "ray" and target.node is None):
-        return None  # maybe two machines
-    cores = tuple(sorted(set(target.cores) | set(draft.cores)))
-    return None if cores == tuple(sorted(target.cores)) == tuple(sorted(draft.cores)) else cores
 
 
 def verify_loop(

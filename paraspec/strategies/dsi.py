@@ -67,7 +67,7 @@ import torch
 from paraspec.drafters.draft_worker import CHANNEL, draft_loop
 from paraspec.request_state import RequestState, common_prefix, top2_margins
 from paraspec.runtime.channels import ChannelStopped, TokenChannel
-from paraspec.runtime.devices import sync
+from paraspec.runtime.devices import lend_cores, shared_cores, sync
 from paraspec.strategies.base import WITH_RAY, Capabilities, Placement, WorkerStrategy
 from paraspec.strategies.registry import DRAFTER_OPTIONS, register
 from paraspec.structured import WorkerGrammar
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 class DSI(WorkerStrategy):
     name = "dsi"
     summary = "drafters drafting, N target servers verifying chunks in parallel (DSI)"
-    option_names = ("lookahead", "max_ahead", "draft_window") + DRAFTER_OPTIONS
+    option_names = ("lookahead", "max_ahead", "draft_window", "lend_cores") + DRAFTER_OPTIONS
     caps = Capabilities(drafts="several", model_free=True, runtime_kinds=WITH_RAY, in_workers=True, across_nodes=True)
 
     @classmethod
@@ -123,6 +123,10 @@ class DSI(WorkerStrategy):
         self.draft_specs = list(placement.draft_specs)
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
         self.tokenizer_folder = str(placement.target)  # the drafters' grammars: the Engine's tokenizer
+        used = list(placement.target_devices) + [devices[min(i, len(devices) - 1)] for i in range(len(models))]
+        self.prompt_cores = (
+            shared_cores(used, placement.runtime_kind) if self.options["lend_cores"] and models else None
+        )
 
     def decode(self, run: RequestState, seat=None):  # one request at a time, on its workers: no seat
         return run_request(
@@ -138,6 +142,7 @@ class DSI(WorkerStrategy):
             if run.params.structured is None
             else WorkerGrammar(self.tokenizer_folder, run.params.structured, tuple(sorted(run.stop_ids))),
             self.options["draft_window"],
+            self.prompt_cores,
         )
 
 
@@ -159,12 +164,22 @@ def first_agreeing(drafts: list[np.ndarray | None], speculated: np.ndarray, end:
     return None
 
 
-def serve_chunk(target, ctx, keep: int, tokens: list[int], rows: int, send_logits: bool, margins: bool) -> dict:
+def serve_chunk(
+    target,
+    ctx,
+    keep: int,
+    tokens: list[int],
+    rows: int,
+    send_logits: bool,
+    margins: bool,
+    prompt_cores: tuple[int, ...] | None = None,
+) -> dict:
     """Runs in a target server: catch up and verify in one forward. The cache keeps its first `keep` tokens,
     then `tokens` (catch-up + the token before the chunk + the chunk) are fed; the last `rows` rows are the
     target's predictions for the chunk's positions and the one after it: their argmax, and with `send_logits` the
-    rows themselves (the caller samples from them, adjusts them to the request, or reports their logprobs)."""
-    with ctx.trace.span("prefill" if keep == 0 else "verify", len(tokens)):  # an empty cache: the prompt
+    rows themselves (the caller samples from them, adjusts them to the request, or reports their logprobs).
+    `prompt_cores`: the prompt's forward runs on these (the other workers wait for it: lend_cores)."""
+    with lend_cores(prompt_cores), ctx.trace.span("prefill" if keep == 0 else "verify", len(tokens)):
         target.rollback(keep)
         logits = target.forward(tokens, last_n=rows)[-rows:]
         sync(ctx.device)  # the event ends when the GPU has run the forward, not when it was queued
@@ -281,10 +296,15 @@ class _Orchestrator:
         lookahead: int,
         order: list | None = None,
         drafter_names: list[str] | None = None,
+        prompt_cores: tuple[int, ...] | None = None,
     ):
         """order: every drafter in priority order, a channel index (a model drafter) or a model-free Drafter;
-        None: the channels in order."""
+        None: the channels in order. `prompt_cores`: server 0's prompt runs on these while every other worker waits
+        (lend_cores); then the others read theirs, and the servers decode alone until a drafter has read its."""
         self.run, self.runtime, self.lookahead = run, runtime, lookahead
+        self.prompt_cores = prompt_cores
+        self.deferred: list[int] = []  # servers whose prompt waits for server 0's (lent cores)
+        self.drafts_read = prompt_cores is None  # a model drafter has read its prompt (or read it at once)
         self.servers = [_Server(runtime[name]) for name in server_names]
         names = drafter_names or [drafter_name(i) for i in range(len(channels))]
         self.drafters = [
@@ -310,7 +330,7 @@ class _Orchestrator:
         self.chunks_sent = self.preempted = self.judged_at_once = self.bonus = 0
 
     # -- requests to servers ---------------------------------------------------------------------------------
-    def send(self, i: int, start: int, end: int, sequence: np.ndarray):
+    def send(self, i: int, start: int, end: int, sequence: np.ndarray, prompt_cores: tuple[int, ...] | None = None):
         """Have server i verify positions [start, end) of `sequence` (drafts; none for a prefill)."""
         server = self.servers[i]
         keep = min(common_prefix(server.cached, sequence[:end]), start - 1)
@@ -322,6 +342,7 @@ class _Orchestrator:
             rows=end - start + 1,
             send_logits=self.with_rows,
             margins=self.run.margins is not None,
+            prompt_cores=prompt_cores,
         )
         server.cached = np.array(sequence[:end], np.int64)
         server.busy = True
@@ -335,16 +356,32 @@ class _Orchestrator:
         return handle
 
     def start(self) -> None:
-        """Every server prefills the prompt at once; server 0's result yields the first token."""
+        """Every server prefills the prompt at once; server 0's result yields the first token. With lent cores,
+        server 0's prompt first, on every worker's cores; the other servers' once it is done."""
         prompt = np.array(self.run.prompt_ids, np.int64)
         start = len(prompt)
-        self.chunks.append(_Chunk(start, [], None, 0, self.send(0, start, start, prompt), prefill=True))
-        for i in range(1, len(self.servers)):
-            self.send(i, start, start, prompt)
+        handle = self.send(0, start, start, prompt, self.prompt_cores)
+        self.chunks.append(_Chunk(start, [], None, 0, handle, prefill=True))
+        self.deferred = list(range(1, len(self.servers)))
+        if self.prompt_cores is None:
+            self.prefill_deferred()
         for i, drafter in enumerate(d for d in self.drafters if isinstance(d, _Drafter)):
             threading.Thread(
                 target=_watch_channel, args=(drafter.channel, self.events), daemon=True, name=f"paraspec-dsi-watch{i}"
             ).start()
+
+    def prefill_deferred(self) -> None:
+        prompt = np.array(self.run.prompt_ids, np.int64)
+        for i in self.deferred:
+            self.send(i, len(prompt), len(prompt), prompt)
+        self.deferred = []
+
+    def drafters_reading(self) -> bool:
+        """Lent cores: the model drafters read their prompts after the first token, and until one has, a position
+        no drafter has reached is decoded by a chunk without drafts."""
+        if not self.drafts_read:
+            self.drafts_read = any(d.channel.draft_ready() for d in self.drafters if isinstance(d, _Drafter))
+        return not self.drafts_read
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def steps(self):
@@ -401,9 +438,11 @@ class _Orchestrator:
             drafter: _Drafter | _LocalDrafter | None
             found = self.ready_drafter(start, start + size)
             if found is None:
-                if not (self.all_local and not self.chunks and self.next_row is None and start == position):
+                alone = self.all_local or self.drafters_reading()
+                if not (alone and not self.chunks and self.next_row is None and start == position):
                     return sent  # no drafter has got that far yet (on the sequence in flight)
-                # model-free drafters only, none has a draft here: a chunk without drafts decodes the position
+                # model-free drafters only, none has a draft here, or the draft models are still reading their
+                # prompts: a chunk without drafts decodes the position
                 drafter, sequence = None, np.array(run.sequence, np.int64)
             else:
                 drafter, sequence = found
@@ -424,6 +463,8 @@ class _Orchestrator:
         """Judge the head chunk's drafts that are not judged yet (the first may have been judged at once)."""
         run = self.run
         reply = chunk.handle.result()
+        if chunk.prefill and self.deferred:  # server 0 has read the prompt on every core: the others read theirs
+            self.prefill_deferred()
         position = len(run.sequence)
         skip = position - chunk.start
         drafts = chunk.tokens[skip:]
@@ -533,6 +574,7 @@ def run_request(
     order: list | None = None,
     grammar: WorkerGrammar | None = None,
     window: int = 0,
+    prompt_cores: tuple[int, ...] | None = None,
 ):
     """Caller side: start the drafters, run the main thread, then merge the drafters' reports into `run`.
     Drafter drafter_names[i] drafts into the channel channel_names[i]; `order` puts them and the model-free
@@ -542,7 +584,7 @@ def run_request(
     local = [d for d in order or [] if not isinstance(d, int)]
     for drafter in local:
         drafter.reset()
-    main = _Orchestrator(run, runtime, server_names, channels, lookahead, order, drafter_names)
+    main = _Orchestrator(run, runtime, server_names, channels, lookahead, order, drafter_names, prompt_cores)
     vocab_size = main.servers[0].worker.info.vocab_size
     drafting = []
     for i in range(len(channels)):
@@ -560,6 +602,7 @@ def run_request(
                 prompt_length=len(run.prompt_ids),
                 grammar=grammar,
                 window=window,
+                after_first_token=prompt_cores is not None,
             )
         )
     finished = False

@@ -62,9 +62,9 @@ OPTIONS: dict[str, Option] = {
             "lend_cores",
             bool,
             True,
-            "amusd: the target's prompt runs on both devices' cores while the draft waits (its first token comes as "
-            "soon as ar's would), then the draft reads its own while the target decodes alone, where both devices "
-            "are core sets of one machine (False: both prompts at once, each on its own cores)",
+            "amusd, dsi: the target's prompt runs on every worker's cores while the others wait (its first token "
+            "comes as soon as ar's would), then the draft models read theirs while the target decodes alone, where "
+            "every device is a core set of one machine (False: every prompt at once, each on its own cores)",
         ),
         Option(
             "draft_confidence",

@@ -15,9 +15,9 @@ from paraspec.drafters.draft_worker import CHANNEL
 from paraspec.models.loader import load_model
 from paraspec.runtime import WorkerError
 from paraspec.runtime.channels import TokenChannel
-from paraspec.runtime.devices import Device
+from paraspec.runtime.devices import Device, shared_cores
 from paraspec.sampling import make_generator
-from paraspec.strategies.amusd import Verifier, shared_cores
+from paraspec.strategies.amusd import Verifier
 from paraspec.trace import Trace
 from tests.conftest import PROMPT
 from tests.strategies.conftest import check_draft_cache
@@ -168,7 +168,7 @@ def test_shared_cores_are_lent_only_on_one_machine_where_a_worker_gains(target, 
         spans = [tuple(map(int, p.split("-"))) for p in spec.split(",")] if spec else []
         return Device("cpu", tuple(c for span in spans for c in range(span[0], span[-1] + 1)), node=node or None)
 
-    assert shared_cores(device(target), device(draft), kind) == cores
+    assert shared_cores([device(target), device(draft)], kind) == cores
 
 
 # -- faults and cleanup ---------------------------------------------------------------------------------------

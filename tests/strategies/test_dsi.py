@@ -335,3 +335,33 @@ def test_bad_options_fail_before_any_worker_starts(qwen2_target, qwen2_partial, 
     monkeypatch.setattr(Runtime, "add_worker", lambda *a, **k: pytest.fail("a worker started"))
     with pytest.raises(ValueError, match="max_ahead \\(4\\) < lookahead \\(6\\)"):
         Engine(qwen2_target, qwen2_partial, strategy="dsi", dtype="float32", lookahead=6, max_ahead=4)
+
+
+def test_lent_cores_run_server_0s_prompt_on_every_core_first(ar_engine, qwen2_target, qwen2_partial):
+    """lend_cores (the default where every device is a core set of one machine): server 0 reads the prompt on every
+    worker's cores while the others wait; then the other servers read theirs and the drafter its own, while the
+    servers decode alone (chunks without drafts) until the drafter has read it. Every answer is ar's, lent or not."""
+    params = SamplingParams(max_new_tokens=24)
+    expected = ar_engine.generate(PROMPT, params).token_ids
+    devices = dict(target_devices=["cpu:1", "cpu:0"], draft_devices=["cpu:0"])
+    for lend in (True, False):
+        with Engine(
+            qwen2_target,
+            qwen2_partial,
+            strategy="dsi",
+            dtype="float32",
+            lookahead=2,
+            max_ahead=6,
+            lend_cores=lend,
+            **devices,
+        ) as engine:
+            assert engine.strategy.prompt_cores == ((0, 1) if lend else None)
+            result = engine.generate(PROMPT, params)
+            again = engine.generate(PROMPT, params)  # a second request: the servers' caches from the first
+        assert result.token_ids == expected and again.token_ids == expected
+        events = result.trace.events
+        server0 = next(e for e in events if e.kind == "prefill" and e.device.startswith("target0"))
+        first_draft = min((e for e in events if e.kind == "draft"), key=lambda e: e.start_s)
+        server1 = [e for e in events if e.device.startswith("target1")]  # none where server 0 did all the work
+        if lend:
+            assert first_draft.start_s >= server0.end_s and all(e.start_s >= server0.end_s for e in server1)
