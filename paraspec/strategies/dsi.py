@@ -51,6 +51,11 @@ been drafted (1 to `verify_chunk` tokens) the moment it is free; DSI's caller wa
 it verifies fixed chunks and pays a round trip per chunk. Differences from the paper's Algorithm 1: no
 target-only ("non-SI") thread on a spare server, a preempted server finishes its forward before it takes the
 next chunk (a forward cannot be interrupted), and a drafter is not preempted mid-forward either.
+
+The prompts (`lend_cores`, as amusd's: on where every device is a core set of one machine): server 0 reads the
+prompt on every worker's cores while the others wait, so the first token comes as soon as ar's would; then the other
+servers and the drafters read theirs on their own cores, and until a drafter has read its prompt (its channel's
+`draft_ready`) a position no drafter has reached is decoded by a chunk without drafts.
 """
 
 from __future__ import annotations
