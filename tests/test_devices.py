@@ -2,7 +2,8 @@
 
 Without a GPU, tests/fake_cuda.py stands in for one: QueuedModel's forwards queue work on a fake cuda:0,
 torch.cuda.synchronize is recorded, and a clock read that finds work still queued fails the check (on a GPU that
-timer would measure the launch of the kernels, not the kernels). And lend_cores: a block on more cores, given back.
+timer would measure the launch of the kernels, not the kernels). And lend_cores: a block on more cores, given back;
+shared_cores: which cores a prompt may borrow.
 """
 
 import os
@@ -11,7 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paraspec.runtime.devices import Device, available_cores, current_pinning, lend_cores, set_pinning, sync
+from paraspec.runtime.devices import (
+    Device,
+    _parse_local,
+    available_cores,
+    current_pinning,
+    lend_cores,
+    set_pinning,
+    shared_cores,
+    sync,
+)
 from tests.fake_cuda import QueuedModel, Timeline, fake_cuda
 
 
@@ -171,3 +181,26 @@ def test_cores_that_cannot_be_lent_leave_the_block_as_it_is(monkeypatch):
     with lend_cores((0, 1)):
         assert lent_threads() is None and current_pinning() == before
     assert current_pinning() == before
+
+
+@pytest.mark.parametrize(
+    "devices, kind, cores",
+    [
+        (["cpu:1", "cpu:0"], "process", (0, 1)),
+        (["cpu:2-3", "cpu:0,1"], "process", (0, 1, 2, 3)),
+        (["cpu:0-1", "cpu:1"], "process", (0, 1)),  # the second worker gains a core
+        (["cpu:1", "cpu:1"], "process", None),  # nothing to lend
+        (["cpu", "cpu:0"], "process", None),  # unpinned: the first has every core already
+        (["cuda:0", "cpu:0"], "process", None),
+        (["a/cpu:1", "b/cpu:0"], "ray", None),  # two machines
+        (["cpu:1", "cpu:0"], "ray", None),  # Ray may put them on two machines
+        (["a/cpu:1", "a/cpu:0"], "ray", (0, 1)),
+        (["cpu:1", "cpu:0", "cpu:0"], "process", (0, 1)),  # dsi: two servers and a drafter
+    ],
+)
+def test_shared_cores_are_lent_only_on_one_machine_where_a_worker_gains(devices, kind, cores):
+    def device(text: str) -> Device:  # parse_device's syntax, without checking this machine's cores or GPUs
+        node, _, local = text.rpartition("/")
+        return _parse_local(local, text, node or None)
+
+    assert shared_cores([device(d) for d in devices], kind) == cores

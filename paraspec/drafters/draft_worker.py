@@ -45,7 +45,7 @@ def draft_loop(
     `grammar`: the request's structured output, which masks each draft on the output its cache holds. `window`: the
     draft reads at most the last `window` tokens it has not cached (ModelDrafter's window; 0: all). `after_first_token`:
     the verifier's prompt runs on this worker's cores too (amusd's lend_cores), so the draft reads its own only
-    after the verifier's first token. The channel hears when the draft has read its prompt (`draft_ready`)."""
+    after the verifier's first token, and the channel hears when it has read it (`draft_ready`)."""
     channel = ctx.channels[channel_name]
     drafter = ModelDrafter(draft, vocab_size, window=window)
     drafter.prompt_length = prompt_length  # the request's penalties count the output after it
@@ -94,8 +94,8 @@ def draft_loop(
                 continue
             start = trace.now()
             proposal = draft_next(drafter, cached, feed, params, generator)
-            if not drafted:
-                channel.mark_draft_ready()  # its prompt is read
+            if after_first_token and not drafted:
+                channel.mark_draft_ready()  # its prompt is read: the verifier stops decoding alone
             fed += len(feed)
             trace.add(device, "draft", start, trace.now(), len(feed))
             drafted += 1

@@ -374,7 +374,7 @@ class TokenChannel(_SharedBlock):
         return version
 
     def mark_draft_ready(self) -> None:
-        """The drafter has read this request's prompt (amusd's verifier decodes on its own until then)."""
+        """The drafter has read this request's prompt (with lent cores the target decodes on its own until then)."""
         self._header[_READY] = 1
 
     def draft_ready(self) -> bool:

@@ -194,9 +194,9 @@ def pinned(device: Device):
 @contextmanager
 def lend_cores(cores: tuple[int, ...] | None):
     """Run a block on `cores` with as many threads: a worker's prompt on its own cores and those of a worker that
-    waits for it (amusd). A llama.cpp model runs only its prompt's forwards on the lent threads and keeps its own
-    count (models/threads.py `own_threads`) for every other forward and for its exactness probe. None, or cores this
-    thread may not run on (a cpuset narrower than the machine's): the block as it is."""
+    waits for it (amusd's and dsi's lend_cores). A llama.cpp model runs only its prompt's forwards on the lent threads
+    and keeps its own count (models/threads.py `own_threads`) for every other forward and for its exactness probe.
+    None, or cores this thread may not run on (a cpuset narrower than the machine's): the block as it is."""
     from paraspec.models.threads import on_loan
 
     before = current_pinning()

@@ -137,10 +137,10 @@ def verify_loop(
         make_generator(seed),
         margins={} if record_margins else None,
         grammar=matcher,
-        alone_first=bool(prompt_cores),
+        prompt_cores=prompt_cores,
     )
     try:
-        verifier.run_to_end(prompt_cores)
+        verifier.run_to_end()
     except ChannelStopped:  # the caller cancelled the request, or its RequestState matched a stop string
         pass
     finally:
@@ -173,7 +173,7 @@ class Verifier:
         generator: torch.Generator,
         margins: dict[int, float] | None = None,
         grammar: GrammarMatcher | None = None,
-        alone_first: bool = False,
+        prompt_cores: tuple[int, ...] | None = None,
     ):
         self.target, self.ctx, self.params, self.verify_chunk = target, ctx, params, verify_chunk
         self.channel, self.trace = ctx.channels[CHANNEL], ctx.trace  # the trace's rows: target:<device>
@@ -189,7 +189,10 @@ class Verifier:
         self.judged_at_once = self.bonus = 0  # tokens judged from a distribution already in hand
         self.grammar = grammar  # the committed output's state
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
-        self.drafting = not alone_first  # the draft has read its prompt: from then on the verifier waits for drafts
+        self.prompt_cores = prompt_cores  # the prompt's cores (lend_cores): the draft reads its own after it
+        self.drafting = (
+            prompt_cores is None
+        )  # the draft has read its prompt: from then on the verifier waits for drafts
         self.alone = 0  # tokens the target decoded on its own while the draft read its prompt
 
     @property
@@ -197,8 +200,8 @@ class Verifier:
         """Algorithm 1, line 28: a stop token is in V, or V has reached `end`."""
         return self.stop_token_seen or len(self.sequence) >= self.end
 
-    def run_to_end(self, prompt_cores: tuple[int, ...] | None = None) -> None:
-        with lend_cores(prompt_cores), self.trace.span("prefill", len(self.sequence), sync=self.sync):
+    def run_to_end(self) -> None:
+        with lend_cores(self.prompt_cores), self.trace.span("prefill", len(self.sequence), sync=self.sync):
             in_hand = self.target.prefill(self.sequence)  # the target distribution at the first open position
         while not self.done:
             if in_hand is not None:

@@ -109,13 +109,11 @@ class DSI(WorkerStrategy):
         devices, models = placement.draft_devices, placement.draft_checkpoints
         self.server_names = [f"target{i}" for i in range(len(placement.target_devices))]
         self.drafter_names = [drafter_name(i) for i in range(len(models))]
+        drafter_devices = [devices[min(i, len(devices) - 1)] for i in range(len(models))]
         runtime = self.start_workers(
             placement,
             [(name, placement.target, d) for name, d in zip(self.server_names, placement.target_devices)]
-            + [
-                (name, spec, devices[min(i, len(devices) - 1)])
-                for i, (name, spec) in enumerate(zip(self.drafter_names, models))
-            ],
+            + [(name, spec, d) for name, spec, d in zip(self.drafter_names, models, drafter_devices)],
             drafts=self.drafter_names,
         )
         self.target = self.remote(self.server_names[0])
@@ -128,9 +126,10 @@ class DSI(WorkerStrategy):
         self.draft_specs = list(placement.draft_specs)
         self.order = self.make_drafters(lambda index: index, models=range(len(models)))
         self.tokenizer_folder = str(placement.target)  # the drafters' grammars: the Engine's tokenizer
-        used = list(placement.target_devices) + [devices[min(i, len(devices) - 1)] for i in range(len(models))]
         self.prompt_cores = (
-            shared_cores(used, placement.runtime_kind) if self.options["lend_cores"] and models else None
+            shared_cores([*placement.target_devices, *drafter_devices], placement.runtime_kind)
+            if self.options["lend_cores"] and models
+            else None
         )
 
     def decode(self, run: RequestState, seat=None):  # one request at a time, on its workers: no seat

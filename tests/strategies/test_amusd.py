@@ -15,7 +15,6 @@ from paraspec.drafters.draft_worker import CHANNEL
 from paraspec.models.loader import load_model
 from paraspec.runtime import WorkerError
 from paraspec.runtime.channels import TokenChannel
-from paraspec.runtime.devices import Device, shared_cores
 from paraspec.sampling import make_generator
 from paraspec.strategies.amusd import Verifier
 from paraspec.trace import Trace
@@ -128,7 +127,7 @@ def test_the_verifier_decodes_alone_until_the_draft_has_read_its_prompt(ar_engin
         channel.reset(prompt)
         ctx = SimpleNamespace(channels={CHANNEL: channel}, trace=Trace(), device="cpu")
         verifier = Verifier(
-            target, ctx, prompt, params, frozenset(), len(prompt) + 9, 4, make_generator(None), alone_first=True
+            target, ctx, prompt, params, frozenset(), len(prompt) + 9, 4, make_generator(None), prompt_cores=(0, 1)
         )
         verifier.settle_in_hand(target.prefill(prompt))  # the first token: nothing drafted, the target's own
         for _ in range(2):  # no draft yet: a forward without waiting, and its row commits the target's own token
@@ -143,32 +142,6 @@ def test_the_verifier_decodes_alone_until_the_draft_has_read_its_prompt(ar_engin
     finally:
         stuck.cancel()
         channel.close()
-
-
-@pytest.mark.parametrize(
-    "target, draft, kind, cores",
-    [
-        ("cpu:1", "cpu:0", "process", (0, 1)),
-        ("cpu:2-3", "cpu:0,1", "process", (0, 1, 2, 3)),
-        ("cpu:0-1", "cpu:1", "process", (0, 1)),  # the draft gains a core
-        ("cpu:1", "cpu:1", "process", None),  # nothing to lend
-        ("cpu", "cpu:0", "process", None),  # unpinned: the target has every core already
-        ("cuda:0", "cpu:0", "process", None),
-        ("a/cpu:1", "b/cpu:0", "ray", None),  # two machines
-        ("cpu:1", "cpu:0", "ray", None),  # Ray may put them on two machines
-        ("a/cpu:1", "a/cpu:0", "ray", (0, 1)),
-    ],
-)
-def test_shared_cores_are_lent_only_on_one_machine_where_a_worker_gains(target, draft, kind, cores):
-    def device(text: str) -> Device:  # as parse_device reads it, without checking this machine's cores
-        node, _, local = text.rpartition("/")
-        if local.startswith("cuda"):
-            return Device("cuda", node=node or None)
-        spec = local.partition(":")[2]
-        spans = [tuple(map(int, p.split("-"))) for p in spec.split(",")] if spec else []
-        return Device("cpu", tuple(c for span in spans for c in range(span[0], span[-1] + 1)), node=node or None)
-
-    assert shared_cores([device(target), device(draft)], kind) == cores
 
 
 # -- faults and cleanup ---------------------------------------------------------------------------------------

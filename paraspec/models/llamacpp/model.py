@@ -432,15 +432,16 @@ class LlamaCppModel(SequenceChecks):
         do not depend on the thread count (each output row, and with paraspec's flash-attention patch each row's
         attention, is reduced by one thread: tests/models/test_llamacpp.py compares them)."""
         while True:
-            lent = lent_threads()
-            if lent is not None and lent != self.n_threads:
+            lent = lent_threads() or self.n_threads
+            switch = lent != self.n_threads
+            if switch:
                 self._thread_count(lent)
             try:
                 next(steps)
             except StopIteration as done:
                 return done.value
             finally:
-                if lent is not None and lent != self.n_threads:
+                if switch:
                     self._thread_count(self.n_threads)
             yield
 
